@@ -1,0 +1,28 @@
+# The two front-door commands: `make demo` (a small real training job on CPU) and `make test`.
+# Both create a local virtual environment in .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+NPROC ?= 4
+
+.PHONY: venv demo test bench clean
+
+$(VENV)/.installed: setup.py pyproject.toml megatron/data/helpers.cpp
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q pybind11 pytest pytest-timeout tensorboard
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,tensorboard]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	bash examples/demo_cpu.sh $(NPROC)
+
+test: venv
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info megatron/data/*.so

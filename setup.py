@@ -1,0 +1,37 @@
+"""Installs the `megatron` package and builds the C++ dataset helpers (pybind11 + numpy)."""
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import find_packages, setup
+
+ext_modules = [
+    Pybind11Extension(
+        "megatron.data.helpers_cpp",
+        ["megatron/data/helpers.cpp"],
+        cxx_std=17,
+        extra_compile_args=["-O3"],
+    ),
+]
+
+setup(
+    name="megatron-dynapipe",
+    version="0.1.0",
+    description="Megatron-style GPT/T5 trainer with planner-driven pipeline instruction streams",
+    packages=find_packages(include=["megatron", "megatron.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.1",
+        "numpy",
+        "pybind11>=2.10",
+        "sentencepiece",
+        "regex",
+        "nltk",
+        "tqdm",
+        "tokenizers",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "pytest-timeout"],
+        "tensorboard": ["tensorboard"],
+    },
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": build_ext},
+    zip_safe=False,
+)
