@@ -32,6 +32,10 @@ Conventions every planner and the executor share:
 """
 from __future__ import annotations
 
+import array
+import struct
+import sys
+import zlib
 from dataclasses import dataclass, field
 from typing import Tuple
 
@@ -145,3 +149,212 @@ class ExecutionPlan:
             raise ValueError(
                 f"ExecutionPlan.recompute must be one of {RECOMPUTE_LEVELS}, got {self.recompute!r}"
             )
+
+    # ------------------------------------------------------------------ serialization
+    def serialize(self) -> bytes:
+        """Encode this plan as a compact, versioned little-endian byte string.
+
+        Plans are computed ahead (possibly in another process) and shipped to the ranks, so
+        the format is independent of Python pickling. See `_serialization` below."""
+        return _encode_plan(self)
+
+    @classmethod
+    def deserialize(cls, data: bytes) -> "ExecutionPlan":
+        """Inverse of `serialize`; raises ValueError on a foreign, corrupt or truncated buffer."""
+        return _decode_plan(data)
+
+
+def describe(instr: Instruction) -> str:
+    """One-line human-readable form of an instruction, used in error messages."""
+    parts = [f"mb={instr.microbatch}", f"stage={instr.stage}"]
+    if isinstance(instr, CommInstruction):
+        parts.append(f"peer={instr.peer}")
+    if isinstance(instr, BufferInstruction):
+        if instr.buffer_ids or not isinstance(instr, LoadInput):
+            parts.append(f"buffers={tuple(instr.buffer_ids)}")
+        parts.append(f"shapes={tuple(tuple(s) for s in instr.buffer_shapes)}")
+    if isinstance(instr, (ForwardPass, BackwardPass)):
+        parts.append(f"out={tuple(instr.output_buffer_ids)}")
+        parts.append(f"out_shapes={tuple(tuple(s) for s in instr.output_shapes)}")
+    return f"{type(instr).__name__}({', '.join(parts)})"
+
+
+# ---------------------------------------------------------------------- serialization
+# Layout (all little-endian):
+#   header  : magic b"MPLN" | u16 version | u16 reserved(0) | u32 payload bytes |
+#             u32 crc32(dtype + payload) | u8 len(dtype) | dtype utf-8
+#   payload : a flat stream of int32:
+#     rank, num_ranks, num_stages, num_buffers, iteration, recompute index,
+#     n_assigned, assigned..., n_mb, per mb: <shape list>, n_instructions,
+#     per instruction: tag, microbatch, stage, <id list>, <shape list>,
+#                      then for Forward/Backward: <id list>, <shape list>; for Comm: peer
+#   <id list>    = n, ids...
+#   <shape list> = n, per shape: ndim, dims...
+# One int32 array keeps encoding/decoding to a single pass of Python-level list work, which
+# is what makes plans with thousands of instructions take a few milliseconds.
+_MAGIC = b"MPLN"
+_VERSION = 1
+_HEADER = struct.Struct("<4sHHIIB")
+
+# Tags are part of the wire format: append new classes, never renumber.
+_TAG_OF = {
+    LoadInput: 1, ForwardPass: 2, BackwardPass: 3, FreeBuffer: 4,
+    SendActivationStart: 5, SendActivationFinish: 6, RecvActivationStart: 7,
+    RecvActivationFinish: 8, SendGradStart: 9, SendGradFinish: 10, RecvGradStart: 11,
+    RecvGradFinish: 12,
+}
+_CLASS_OF = {tag: cls for cls, tag in _TAG_OF.items()}
+_COMPUTE_TAGS = frozenset((2, 3))
+_COMM_TAGS = frozenset(range(5, 13))
+
+
+def _put_shapes(out: list, shapes) -> None:
+    out.append(len(shapes))
+    for shape in shapes:
+        out.append(len(shape))
+        out.extend(shape)
+
+
+def _encode_plan(plan: ExecutionPlan) -> bytes:
+    v: list = [plan.rank, plan.num_ranks, plan.num_stages, plan.num_buffers, plan.iteration,
+               RECOMPUTE_LEVELS.index(plan.recompute), len(plan.assigned_stages)]
+    v.extend(plan.assigned_stages)
+    v.append(len(plan.microbatch_shapes))
+    for shapes in plan.microbatch_shapes:
+        _put_shapes(v, shapes)
+    v.append(len(plan.instructions))
+    append, extend = v.append, v.extend
+    for instr in plan.instructions:
+        tag = _TAG_OF.get(type(instr))
+        if tag is None:
+            raise ValueError(f"cannot serialize instruction type {type(instr).__name__}: "
+                             f"it has no wire tag in megatron.pipeline.instructions._TAG_OF")
+        append(tag)
+        append(instr.microbatch)
+        append(instr.stage)
+        ids = instr.buffer_ids
+        append(len(ids))
+        extend(ids)
+        _put_shapes(v, instr.buffer_shapes)
+        if tag in _COMPUTE_TAGS:
+            ids = instr.output_buffer_ids
+            append(len(ids))
+            extend(ids)
+            _put_shapes(v, instr.output_shapes)
+        elif tag in _COMM_TAGS:
+            append(instr.peer)
+    try:
+        arr = array.array("i", v)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"cannot serialize plan of rank {plan.rank}: every id, shape "
+                         f"dimension and counter must be an int32 ({exc})") from None
+    if sys.byteorder != "little":
+        arr.byteswap()
+    payload = arr.tobytes()
+    dtype = plan.dtype.encode("utf-8")
+    if len(dtype) > 255:
+        raise ValueError(f"dtype name too long to serialize: {plan.dtype!r}")
+    header = _HEADER.pack(_MAGIC, _VERSION, 0, len(payload), zlib.crc32(dtype + payload),
+                         len(dtype))
+    return header + dtype + payload
+
+
+def _truncated(total: int) -> ValueError:
+    return ValueError(f"serialized ExecutionPlan is truncated or corrupt: its {total} int32 "
+                      "values end in the middle of a record")
+
+
+def _decode_values(v: list):
+    """Decode the int32 stream. Inlined index arithmetic (no helper calls per value) because
+    this loop dominates decoding time; any IndexError means the stream ended early."""
+    shape_cache: dict = {}  # plans repeat a handful of shapes: share the tuples
+
+    def shapes_at(i):
+        n = v[i]
+        i += 1
+        out = []
+        for _ in range(n):
+            nd = v[i]
+            key = tuple(v[i + 1:i + 1 + nd])
+            if len(key) != nd:
+                raise IndexError
+            out.append(shape_cache.setdefault(key, key))
+            i += 1 + nd
+        return tuple(out), i
+
+    i = 7
+    header = v[:6]
+    assigned = tuple(v[i:i + v[6]])
+    i += v[6]
+    n_mb = v[i]
+    i += 1
+    mb_shapes = []
+    for _ in range(n_mb):
+        shp, i = shapes_at(i)
+        mb_shapes.append(shp)
+    n_instr = v[i]
+    i += 1
+    instructions = []
+    append = instructions.append
+    compute, comm, class_of = _COMPUTE_TAGS, _COMM_TAGS, _CLASS_OF
+    for _ in range(n_instr):
+        tag, mb, stage, n = v[i], v[i + 1], v[i + 2], v[i + 3]
+        cls = class_of.get(tag)
+        if cls is None:
+            raise ValueError(f"serialized ExecutionPlan is corrupt: unknown instruction tag {tag}")
+        i += 4
+        ids = tuple(v[i:i + n])
+        shp, i = shapes_at(i + n)
+        if tag in compute:
+            n = v[i]
+            out_ids = tuple(v[i + 1:i + 1 + n])
+            out_shp, i = shapes_at(i + 1 + n)
+            append(cls(mb, stage, ids, shp, out_ids, out_shp))
+        elif tag in comm:
+            append(cls(mb, stage, ids, shp, v[i]))
+            i += 1
+        else:
+            append(cls(mb, stage, ids, shp))
+    if i != len(v):
+        # Also catches a short final slice: slicing never raises, so check the length here.
+        raise IndexError if i > len(v) else ValueError(
+            f"serialized ExecutionPlan is corrupt: {len(v) - i} unread values after the "
+            "last instruction")
+    return header, assigned, tuple(mb_shapes), instructions
+
+
+def _decode_plan(data: bytes) -> ExecutionPlan:
+    data = bytes(data)
+    if len(data) < _HEADER.size:
+        raise ValueError(f"serialized ExecutionPlan is truncated: {len(data)} bytes, the header "
+                         f"alone is {_HEADER.size}")
+    magic, version, _, nbytes, crc, dlen = _HEADER.unpack_from(data)
+    if magic != _MAGIC:
+        raise ValueError(f"not a serialized ExecutionPlan: magic {magic!r}, expected {_MAGIC!r}")
+    if version != _VERSION:
+        raise ValueError(f"serialized ExecutionPlan has format version {version}; this build "
+                         f"reads version {_VERSION} (planner and trainer are out of sync)")
+    start = _HEADER.size + dlen
+    if len(data) != start + nbytes or nbytes % 4:
+        raise ValueError(f"serialized ExecutionPlan is truncated or has trailing bytes: "
+                         f"{len(data)} bytes, header says {start + nbytes}")
+    payload = data[start:]
+    if zlib.crc32(data[_HEADER.size:]) != crc:
+        raise ValueError("serialized ExecutionPlan is corrupt (payload checksum mismatch)")
+    arr = array.array("i")
+    arr.frombytes(payload)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    values = arr.tolist()
+    try:
+        header, assigned, mb_shapes, instructions = _decode_values(values)
+    except IndexError:
+        raise _truncated(len(values)) from None
+    rank, num_ranks, num_stages, num_buffers, iteration, recompute = header
+    if not 0 <= recompute < len(RECOMPUTE_LEVELS):
+        raise ValueError(f"serialized ExecutionPlan is corrupt: recompute index {recompute}")
+    return ExecutionPlan(rank=rank, num_ranks=num_ranks, num_stages=num_stages,
+                         assigned_stages=assigned, instructions=instructions,
+                         microbatch_shapes=mb_shapes, recompute=RECOMPUTE_LEVELS[recompute],
+                         num_buffers=num_buffers, dtype=data[_HEADER.size:start].decode("utf-8"),
+                         iteration=iteration)
