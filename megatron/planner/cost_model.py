@@ -1,0 +1,237 @@
+"""Profiled per-layer cost model used by the planners.
+
+A cost model answers, for one transformer layer of a component (``encoder`` = GPT or T5
+encoder layer, ``decoder`` = T5 decoder layer, ``postprocess`` = final norm + output head +
+loss), a tensor-parallel size, a recomputation level and a micro-batch shape:
+forward/backward time (ms), activation memory the layer keeps for backward (``stored``,
+MB) and its transient peak (``peak``, MB); plus parameter memory per layer.
+
+Values between measured grid points are interpolated (multi-)linearly. A query past the
+largest measured value of any axis, or touching a grid cell that was never measured (it ran
+out of memory), is infeasible: every returned quantity is ``inf``. Below the smallest value
+of an axis the cost is clamped to it (a shorter sequence is never more expensive; this
+keeps tiny test shapes usable).
+
+File format (JSON, ``"format": "megatron-planner-cost-model"``, ``"version": 1``) is
+documented in ``cost_models/README.md``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterable, Sequence
+
+import numpy as np
+
+FORMAT_NAME = "megatron-planner-cost-model"
+FORMAT_VERSION = 1
+RECOMPUTE_LEVELS = ("none", "selective", "full")
+QUANTITIES = ("forward_ms", "backward_ms", "stored_mb", "peak_mb")
+# Axes per component: micro-batch size first, then sequence lengths.
+COMPONENT_AXES = {
+    "encoder": ("mbs", "seq"),
+    "decoder": ("mbs", "enc_seq", "dec_seq"),
+    "postprocess": ("mbs", "seq"),
+}
+
+
+class CostModelError(ValueError):
+    pass
+
+
+class Grid:
+    """Dense multilinear interpolation table; NaN marks a shape that was not measured."""
+
+    def __init__(self, axes: Sequence[Sequence[float]], values: Dict[str, np.ndarray]):
+        self.axes = [np.asarray(a, dtype=np.float64) for a in axes]
+        for a in self.axes:
+            if a.ndim != 1 or len(a) == 0 or np.any(np.diff(a) <= 0):
+                raise CostModelError(f"grid axis must be non-empty and strictly increasing: {a}")
+        shape = tuple(len(a) for a in self.axes)
+        self.values = {}
+        for k, v in values.items():
+            arr = np.asarray(v, dtype=np.float64)
+            if arr.shape != shape:
+                raise CostModelError(f"grid {k!r} has shape {arr.shape}, axes give {shape}")
+            self.values[k] = arr
+
+    def __call__(self, *coords) -> Dict[str, np.ndarray]:
+        coords = np.broadcast_arrays(*[np.asarray(c, dtype=np.float64) for c in coords])
+        out_shape = coords[0].shape
+        flat = [c.ravel() for c in coords]
+        n = flat[0].size
+        outside = np.zeros(n, dtype=bool)
+        lo_idx, frac = [], []
+        for ax, x in zip(self.axes, flat):
+            outside |= x > ax[-1]
+            x = np.clip(x, ax[0], ax[-1])
+            if len(ax) == 1:
+                lo_idx.append(np.zeros(n, dtype=np.int64))
+                frac.append(np.zeros(n))
+                continue
+            i = np.clip(np.searchsorted(ax, x, side="right") - 1, 0, len(ax) - 2)
+            lo_idx.append(i)
+            frac.append((x - ax[i]) / (ax[i + 1] - ax[i]))
+        result = {k: np.zeros(n) for k in self.values}
+        d = len(self.axes)
+        for corner in range(1 << d):
+            w = np.ones(n)
+            idx = []
+            for a in range(d):
+                up = (corner >> a) & 1
+                if len(self.axes[a]) == 1 and up:
+                    w = w * 0.0
+                    idx.append(lo_idx[a])
+                    continue
+                w = w * (frac[a] if up else 1.0 - frac[a])
+                idx.append(np.minimum(lo_idx[a] + up, len(self.axes[a]) - 1))
+            used = w > 0
+            for k, v in self.values.items():
+                corner_v = v[tuple(idx)]
+                # A zero-weight corner must not turn the result into NaN.
+                result[k] += np.where(used, corner_v, 0.0) * w
+        for k in result:
+            r = result[k]
+            r[np.isnan(r) | outside] = np.inf
+            result[k] = r.reshape(out_shape)
+        return result
+
+
+@dataclass
+class Profile:
+    tp: int
+    recompute: str
+    model_state_mb: Dict[str, float]
+    components: Dict[str, Grid]
+
+
+class CostModel:
+    """A loaded cost-model file. Query it with `layer`, `postprocess` and `param_mb`."""
+
+    def __init__(self, name: str, model: dict, profiles: Iterable[Profile], meta: dict | None = None):
+        self.name = name
+        self.model = dict(model)
+        self.meta = dict(meta or {})
+        self._profiles = {}
+        for p in profiles:
+            if p.recompute not in RECOMPUTE_LEVELS:
+                raise CostModelError(f"recompute must be one of {RECOMPUTE_LEVELS}, got {p.recompute!r}")
+            self._profiles[(p.tp, p.recompute)] = p
+
+    @property
+    def kind(self) -> str:
+        return self.model.get("kind", "gpt")
+
+    def tps(self) -> list:
+        return sorted({tp for tp, _ in self._profiles})
+
+    def has(self, tp: int, recompute: str) -> bool:
+        return (tp, recompute) in self._profiles
+
+    def profile(self, tp: int, recompute: str) -> Profile:
+        try:
+            return self._profiles[(tp, recompute)]
+        except KeyError:
+            have = sorted(self._profiles)
+            raise CostModelError(
+                f"cost model {self.name!r} has no profile for tp={tp}, recompute={recompute!r}; it has {have}"
+            ) from None
+
+    def _grid(self, tp, recompute, component) -> Grid:
+        p = self.profile(tp, recompute)
+        if component not in p.components:
+            raise CostModelError(
+                f"cost model {self.name!r} (tp={tp}, {recompute}) has no component {component!r}; "
+                f"it has {sorted(p.components)}"
+            )
+        return p.components[component]
+
+    def layer(self, component, tp, recompute, mbs, seq, dec_seq=None) -> Dict[str, np.ndarray]:
+        """Per-layer costs, vectorised over numpy-broadcastable `mbs`/`seq`(/`dec_seq`)."""
+        grid = self._grid(tp, recompute, component)
+        if component == "decoder":
+            if dec_seq is None:
+                raise CostModelError("decoder layer costs need dec_seq")
+            return grid(mbs, seq, dec_seq)
+        return grid(mbs, seq)
+
+    def postprocess(self, tp, recompute, mbs, seq) -> Dict[str, np.ndarray]:
+        """Output head + loss; `seq` is the length the head runs on (T5: decoder length)."""
+        return self._grid(tp, recompute, "postprocess")(mbs, seq)
+
+    def param_mb(self, component: str, tp: int) -> float:
+        """16-bit parameter memory of one layer (or of the embedding), MB."""
+        p = self._profiles.get((tp, "none")) or self.profile(tp, self.levels(tp)[0])
+        try:
+            return float(p.model_state_mb[component])
+        except KeyError:
+            raise CostModelError(f"cost model {self.name!r} has no parameter size for {component!r}") from None
+
+    def levels(self, tp: int) -> list:
+        return [r for r in RECOMPUTE_LEVELS if (tp, r) in self._profiles]
+
+    # ---- file format -------------------------------------------------------------------
+    @classmethod
+    def load(cls, path) -> "CostModel":
+        path = Path(path)
+        try:
+            doc = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise CostModelError(f"cost model file {path} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise CostModelError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
+        try:
+            return cls.from_dict(doc)
+        except CostModelError as e:
+            raise CostModelError(f"{path}: {e}") from None
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> "CostModel":
+        if doc.get("format") != FORMAT_NAME:
+            raise CostModelError(f"not a cost model file (format field is {doc.get('format')!r})")
+        if doc.get("version") != FORMAT_VERSION:
+            raise CostModelError(f"unsupported cost model version {doc.get('version')!r}; this code reads {FORMAT_VERSION}")
+        profiles = []
+        for i, p in enumerate(doc.get("profiles", [])):
+            comps = {}
+            for comp, g in p["components"].items():
+                if comp not in COMPONENT_AXES:
+                    raise CostModelError(f"profile {i}: unknown component {comp!r}")
+                axes_names = COMPONENT_AXES[comp]
+                if tuple(g["axes"]) != axes_names:
+                    raise CostModelError(f"profile {i} {comp}: axes must be {axes_names}, got {g['axes']}")
+                vals = {q: np.array(g[q], dtype=object) for q in QUANTITIES if q in g}
+                if "forward_ms" not in vals or "backward_ms" not in vals:
+                    raise CostModelError(f"profile {i} {comp}: forward_ms and backward_ms are required")
+                vals = {q: np.where(v == None, np.nan, v).astype(np.float64) for q, v in vals.items()}  # noqa: E711
+                comps[comp] = Grid([g[a] for a in axes_names], vals)
+            profiles.append(Profile(int(p["tp"]), p["recompute"], dict(p["model_state_mb"]), comps))
+        meta = {k: v for k, v in doc.items() if k not in ("profiles", "model", "name")}
+        return cls(doc.get("name", "unnamed"), doc.get("model", {}), profiles, meta)
+
+    def to_dict(self) -> dict:
+        profiles = []
+        for (tp, rc), p in sorted(self._profiles.items()):
+            comps = {}
+            for comp, grid in p.components.items():
+                g = {"axes": list(COMPONENT_AXES[comp])}
+                for name, ax in zip(COMPONENT_AXES[comp], grid.axes):
+                    g[name] = [int(x) if float(x).is_integer() else float(x) for x in ax]
+                for q, v in grid.values.items():
+                    g[q] = _nan_to_none(v)
+                comps[comp] = g
+            profiles.append({"tp": tp, "recompute": rc, "model_state_mb": p.model_state_mb, "components": comps})
+        doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "name": self.name, "model": self.model}
+        doc.update({k: v for k, v in self.meta.items() if k not in ("format", "version")})
+        doc["profiles"] = profiles
+        return doc
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), separators=(",", ":")) + "\n")
+
+
+def _nan_to_none(a: np.ndarray):
+    if a.ndim == 0:
+        return None if np.isnan(a) else round(float(a), 4)
+    return [_nan_to_none(x) for x in a]
