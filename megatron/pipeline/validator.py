@@ -1,0 +1,428 @@
+"""Offline checks of a set of per-rank `ExecutionPlan`s before any of them runs.
+
+A wrong plan on a real cluster shows up as a hang or as a silently mis-shaped receive, so
+every rule the executor and `p2p.py` rely on is checked here, once, in time linear in the
+plan size, and a violation raises `PlanValidationError` naming the rank (pair), the
+instruction index and the instruction.
+
+Rules (see the module docstring of `megatron.pipeline.instructions` for the semantics):
+
+* header: all plans agree on num_ranks, num_stages, dtype, microbatch_shapes and iteration;
+  there is exactly one plan per rank; every stage is owned by exactly one rank.
+* per rank: every instruction names a micro-batch and a stage this rank may touch and, for
+  communication, the rank that owns the neighbouring stage; `*Finish` follows its `*Start`
+  (same buffers) and every `*Start` is finished; each message is sent/received once.
+* buffers: a slot is written (LoadInput/ForwardPass/BackwardPass outputs, Recv*Start) only
+  when free, read only after it is written (and its receive finished), freed only when no
+  send from it is in flight, and every slot is freed by the end of the plan. Each slot is
+  tagged with what it holds, so a ForwardPass of stage s must read exactly the output of
+  stage s-1 of the same micro-batch and a BackwardPass of stage s exactly the gradient
+  w.r.t. the input of stage s+1.
+* compute: per (micro-batch, owned stage) exactly one forward and one backward, the
+  backward after the forward; LoadInput of the micro-batch before its first forward; the
+  last stage has no outputs; backward gradients have the forward's input shapes.
+* matching: per ordered rank pair (a -> b), the k-th send of a to b (activations and
+  gradients share one ordered channel, as NCCL matches point-to-point ops by issue order
+  only) is the k-th receive of b from a: same kind, micro-batch, stage and shapes.
+* deadlock: all ranks are simulated together with "Start never blocks; RecvFinish waits
+  until the peer executed the matching SendStart; SendFinish waits until the peer executed
+  the matching RecvStart; compute never blocks". If every unfinished rank is waiting, the
+  error lists where each one is stuck.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from megatron.pipeline.instructions import (
+    BackwardPass, ExecutionPlan, ForwardPass, FreeBuffer, LoadInput, RecvActivationFinish,
+    RecvActivationStart, RecvGradFinish, RecvGradStart, SendActivationFinish,
+    SendActivationStart, SendGradFinish, SendGradStart, describe,
+)
+
+
+class PlanValidationError(ValueError):
+    """A set of execution plans that would hang, mis-match or corrupt data if run."""
+
+
+# Communication kinds: class -> (message kind, is_send, is_start)
+_COMM = {
+    SendActivationStart: ("activation", True, True),
+    SendActivationFinish: ("activation", True, False),
+    RecvActivationStart: ("activation", False, True),
+    RecvActivationFinish: ("activation", False, False),
+    SendGradStart: ("grad", True, True),
+    SendGradFinish: ("grad", True, False),
+    RecvGradStart: ("grad", False, True),
+    RecvGradFinish: ("grad", False, False),
+}
+
+
+def validate_plans(plans: list[ExecutionPlan]) -> None:
+    """Raise `PlanValidationError` unless `plans` (one per pipeline rank) can run together."""
+    plans = _check_headers(plans)
+    stage_to_rank = _check_stage_assignment(plans)
+    ranks = [_RankChecker(plan, stage_to_rank).run() for plan in plans]
+    _check_matching(plans, ranks)
+    _check_deadlock(plans, ranks)
+
+
+def _check_headers(plans) -> list[ExecutionPlan]:
+    if not plans:
+        raise PlanValidationError("no execution plans to validate")
+    first = plans[0]
+    for plan in plans[1:]:
+        for name in ("num_ranks", "num_stages", "dtype", "microbatch_shapes", "iteration"):
+            a, b = getattr(first, name), getattr(plan, name)
+            if tuple(a) != tuple(b) if isinstance(a, (tuple, list)) else a != b:
+                raise PlanValidationError(
+                    f"plans of rank {first.rank} and rank {plan.rank} disagree on {name}: "
+                    f"{a!r} vs {b!r}")
+    if len(plans) != first.num_ranks:
+        raise PlanValidationError(
+            f"got {len(plans)} plans for num_ranks={first.num_ranks}: need one plan per rank")
+    by_rank = sorted(plans, key=lambda p: p.rank)
+    for expected, plan in enumerate(by_rank):
+        if plan.rank != expected:
+            raise PlanValidationError(
+                f"plan ranks are {sorted(p.rank for p in plans)}: expected each of "
+                f"0..{first.num_ranks - 1} exactly once")
+    return by_rank
+
+
+def _check_stage_assignment(plans) -> list[int]:
+    num_stages = plans[0].num_stages
+    owner = [-1] * num_stages
+    for plan in plans:
+        for stage in plan.assigned_stages:
+            if not 0 <= stage < num_stages:
+                raise PlanValidationError(
+                    f"rank {plan.rank} is assigned stage {stage}, outside [0, {num_stages})")
+            if owner[stage] != -1:
+                raise PlanValidationError(
+                    f"stage {stage} is assigned to two ranks: rank {owner[stage]} and "
+                    f"rank {plan.rank}")
+            owner[stage] = plan.rank
+    missing = [s for s, r in enumerate(owner) if r == -1]
+    if missing:
+        raise PlanValidationError(f"stages {missing} are assigned to no rank")
+    return owner
+
+
+class _RankChecker:
+    """Single pass over one rank's plan: structure, buffers, compute order.
+
+    Produces, for the cross-rank checks, the ordered sends/receives per peer and, per
+    instruction, which counter it bumps and which counter it waits on (deadlock search).
+    """
+
+    def __init__(self, plan: ExecutionPlan, stage_to_rank: list[int]):
+        self.plan = plan
+        self.rank = plan.rank
+        self.stage_to_rank = stage_to_rank
+        self.owned = frozenset(plan.assigned_stages)
+        self.num_mb = len(plan.microbatch_shapes)
+        self.last = plan.num_stages - 1
+        self.slots: dict = {}          # slot -> [tag, shape, ready, sends in flight]
+        self.loaded: set = set()
+        self.forwarded: dict = {}      # (mb, stage) -> (input shapes, output shapes)
+        self.backwarded: set = set()
+        self.open: dict = {}           # (kind, is_send, mb, stage) -> (index, Start, position)
+        self.done_comm: set = set()
+        self.sends: dict = {}          # peer -> [(msg, index, instr)]
+        self.recvs: dict = {}          # peer -> [(msg, index, instr)]
+        # Deadlock search inputs, one entry per instruction (None when not applicable).
+        # Counter keys: ("sent", a, b) = SendStarts executed by a towards b,
+        #               ("posted", a, b) = RecvStarts executed by b for messages from a.
+        self.bumps: list = []
+        self.waits: list = []
+
+    def fail(self, index, instr, msg):
+        raise PlanValidationError(
+            f"rank {self.rank}, instruction #{index} {describe(instr)}: {msg}")
+
+    def run(self):
+        for index, instr in enumerate(self.plan.instructions):
+            self.bumps.append(None)
+            self.waits.append(None)
+            self._check_common(index, instr)
+            kind = type(instr)
+            if kind is ForwardPass:
+                self._forward(index, instr)
+            elif kind is BackwardPass:
+                self._backward(index, instr)
+            elif kind is LoadInput:
+                self._load(index, instr)
+            elif kind is FreeBuffer:
+                for slot, shape in zip(instr.buffer_ids, instr.buffer_shapes):
+                    self._free(index, instr, slot, shape)
+            elif kind in _COMM:
+                self._comm(index, instr, *_COMM[kind])
+            else:
+                self.fail(index, instr, f"unknown instruction type {kind.__name__}")
+        self._check_end()
+        return self
+
+    # -- per-instruction rules ------------------------------------------------------------
+    def _check_common(self, index, instr):
+        if not 0 <= instr.microbatch < self.num_mb:
+            self.fail(index, instr, f"micro-batch {instr.microbatch} outside "
+                      f"[0, {self.num_mb}) (the plan's microbatch_shapes)")
+        if not 0 <= instr.stage <= self.last:
+            self.fail(index, instr, f"stage outside [0, {self.plan.num_stages})")
+        if len(instr.buffer_ids) != len(instr.buffer_shapes) and not (
+                type(instr) is LoadInput and not instr.buffer_ids):
+            self.fail(index, instr, "buffer_ids and buffer_shapes differ in length")
+        outs = getattr(instr, "output_buffer_ids", ())
+        if len(outs) != len(getattr(instr, "output_shapes", ())):
+            self.fail(index, instr, "output_buffer_ids and output_shapes differ in length")
+        for slot in tuple(instr.buffer_ids) + tuple(outs):
+            if not 0 <= slot < self.plan.num_buffers:
+                self.fail(index, instr, f"slot {slot} outside [0, num_buffers="
+                          f"{self.plan.num_buffers})")
+
+    def _own(self, index, instr, stage, what):
+        if stage not in self.owned:
+            self.fail(index, instr, f"{what} stage {stage} is not assigned to this rank "
+                      f"(assigned: {sorted(self.owned)}; owner: rank {self.stage_to_rank[stage]})")
+
+    def _load(self, index, instr):
+        mb = instr.microbatch
+        self._own(index, instr, instr.stage, "LoadInput")
+        if mb in self.loaded:
+            self.fail(index, instr, f"micro-batch {mb} is loaded twice")
+        want = tuple(map(tuple, self.plan.microbatch_shapes[mb]))
+        if tuple(map(tuple, instr.buffer_shapes)) != want:
+            self.fail(index, instr, f"shapes differ from microbatch_shapes[{mb}] = {want}")
+        self.loaded.add(mb)
+        n = len(instr.buffer_ids)
+        for j, (slot, shape) in enumerate(zip(instr.buffer_ids, instr.buffer_shapes)):
+            self._write(index, instr, slot, ("input", mb, 0, j, n), shape, ready=True)
+
+    def _forward(self, index, instr):
+        mb, s = instr.microbatch, instr.stage
+        self._own(index, instr, s, "forward")
+        if (mb, s) in self.forwarded:
+            self.fail(index, instr, f"second forward of micro-batch {mb}, stage {s}")
+        if mb not in self.loaded:
+            self.fail(index, instr, f"forward before LoadInput of micro-batch {mb}")
+        if s == 0:
+            if instr.buffer_ids:
+                self.fail(index, instr, "stage 0 starts from tokens and reads no slots")
+        else:
+            self._read_tagged(index, instr, "activation", mb, s - 1,
+                              f"its input (the output of stage {s - 1}) was not received "
+                              "or produced on this rank")
+        if s == self.last:
+            if instr.output_buffer_ids:
+                self.fail(index, instr, "the last stage produces the loss: no output slots")
+        elif not instr.output_buffer_ids:
+            self.fail(index, instr, f"stage {s} is not last: its output must go to slots")
+        n = len(instr.output_buffer_ids)
+        for j, (slot, shape) in enumerate(zip(instr.output_buffer_ids, instr.output_shapes)):
+            self._write(index, instr, slot, ("activation", mb, s, j, n), shape, ready=True)
+        self.forwarded[(mb, s)] = (tuple(map(tuple, instr.buffer_shapes)),
+                                   tuple(map(tuple, instr.output_shapes)))
+
+    def _backward(self, index, instr):
+        mb, s = instr.microbatch, instr.stage
+        self._own(index, instr, s, "backward")
+        if (mb, s) not in self.forwarded:
+            self.fail(index, instr, f"backward of micro-batch {mb}, stage {s} before its forward")
+        if (mb, s) in self.backwarded:
+            self.fail(index, instr, f"second backward of micro-batch {mb}, stage {s}")
+        in_shapes, out_shapes = self.forwarded[(mb, s)]
+        if s == self.last:
+            if instr.buffer_ids:
+                self.fail(index, instr, "the last stage starts from the loss: no gradient slots")
+        else:
+            self._read_tagged(index, instr, "grad", mb, s + 1,
+                              f"the gradient w.r.t. its output (from stage {s + 1}) was not "
+                              "received or produced on this rank")
+            if tuple(map(tuple, instr.buffer_shapes)) != out_shapes:
+                self.fail(index, instr, f"gradient shapes differ from the forward's output "
+                          f"shapes {out_shapes}")
+        if s == 0:
+            if instr.output_buffer_ids:
+                self.fail(index, instr, "stage 0 has no input gradient: no output slots")
+        elif tuple(map(tuple, instr.output_shapes)) != in_shapes:
+            self.fail(index, instr, f"input-gradient shapes differ from the forward's input "
+                      f"shapes {in_shapes}")
+        n = len(instr.output_buffer_ids)
+        for j, (slot, shape) in enumerate(zip(instr.output_buffer_ids, instr.output_shapes)):
+            self._write(index, instr, slot, ("grad", mb, s, j, n), shape, ready=True)
+        self.backwarded.add((mb, s))
+
+    def _comm(self, index, instr, kind, is_send, is_start):
+        mb, s, peer = instr.microbatch, instr.stage, instr.peer
+        act = kind == "activation"
+        # The instruction names the sender's stage; the receiver owns s+1 (act) or s-1 (grad).
+        dst_stage = s + 1 if act else s - 1
+        if not 0 <= dst_stage <= self.last:
+            self.fail(index, instr, f"stage {s} has no {'next' if act else 'previous'} stage")
+        mine, theirs = (s, dst_stage) if is_send else (dst_stage, s)
+        self._own(index, instr, mine, "communicating")
+        if peer != self.stage_to_rank[theirs] or peer == self.rank:
+            self.fail(index, instr, f"peer must be rank {self.stage_to_rank[theirs]}, the "
+                      f"owner of stage {theirs}, and not this rank")
+        key = (kind, is_send, mb, s)
+        channel = (self.sends if is_send else self.recvs).setdefault(peer, [])
+        if is_start:
+            if key in self.open or key in self.done_comm:
+                self.fail(index, instr, "this message is started twice")
+            if not instr.buffer_ids:
+                self.fail(index, instr, "a message needs at least one slot")
+            self.open[key] = (index, instr, len(channel))
+            self.done_comm.add(key)
+            channel.append(((kind, mb, s, tuple(map(tuple, instr.buffer_shapes))), index, instr))
+            if is_send:
+                self._read_tagged(index, instr, kind, mb, s, "the data to send is not in "
+                                  "these slots")
+                for slot in instr.buffer_ids:
+                    self.slots[slot][3] += 1
+                self.bumps[index] = ("sent", self.rank, peer)
+            else:
+                n = len(instr.buffer_ids)
+                for j, (slot, shape) in enumerate(zip(instr.buffer_ids, instr.buffer_shapes)):
+                    self._write(index, instr, slot, (kind, mb, s, j, n), shape, ready=False)
+                self.bumps[index] = ("posted", peer, self.rank)
+            return
+        if key not in self.open:
+            self.fail(index, instr, "Finish without a matching Start before it")
+        start_index, start, position = self.open.pop(key)
+        if tuple(instr.buffer_ids) != tuple(start.buffer_ids):
+            self.fail(index, instr, f"slots differ from its Start (#{start_index} "
+                      f"{describe(start)})")
+        # Blocking rule of the deadlock search: a send completes once the peer posted the
+        # matching receive; a receive completes once the peer started the matching send.
+        if is_send:
+            self.waits[index] = ("posted", self.rank, peer, position + 1, start_index)
+            for slot in instr.buffer_ids:
+                self.slots[slot][3] -= 1
+        else:
+            self.waits[index] = ("sent", peer, self.rank, position + 1, start_index)
+            for slot in instr.buffer_ids:
+                self.slots[slot][2] = True
+
+    # -- slot state ------------------------------------------------------------------------
+    def _write(self, index, instr, slot, tag, shape, ready):
+        if slot in self.slots:
+            self.fail(index, instr, f"slot {slot} is written while it still holds "
+                      f"{_tag_text(self.slots[slot][0])} (missing FreeBuffer)")
+        self.slots[slot] = [tag, tuple(shape), ready, 0]
+
+    def _read(self, index, instr, slot, shape):
+        state = self.slots.get(slot)
+        if state is None:
+            self.fail(index, instr, f"slot {slot} is read before it is written or after "
+                      "it was freed")
+        if not state[2]:
+            self.fail(index, instr, f"slot {slot} is read before its receive is finished "
+                      "(missing Recv*Finish)")
+        if shape is not None and tuple(shape) != state[1]:
+            self.fail(index, instr, f"slot {slot} holds shape {state[1]}, not {tuple(shape)}")
+        return state
+
+    def _read_tagged(self, index, instr, kind, mb, stage, why):
+        ids, shapes = instr.buffer_ids, instr.buffer_shapes
+        if not ids:
+            self.fail(index, instr, why)
+        for j, (slot, shape) in enumerate(zip(ids, shapes)):
+            state = self.slots.get(slot)
+            if state is None or state[0] != (kind, mb, stage, j, len(ids)):
+                held = "nothing" if state is None else _tag_text(state[0])
+                self.fail(index, instr, f"{why}: slot {slot} (position {j}) holds {held}")
+            self._read(index, instr, slot, shape)
+
+    def _free(self, index, instr, slot, shape):
+        state = self._read(index, instr, slot, shape) if slot in self.slots else None
+        if state is None:
+            self.fail(index, instr, f"slot {slot} is freed but holds nothing (double free?)")
+        if state[3]:
+            self.fail(index, instr, f"slot {slot} is freed while a send from it is in "
+                      "flight (Send*Finish must come first)")
+        del self.slots[slot]
+
+    def _check_end(self):
+        n = len(self.plan.instructions)
+        end = f"rank {self.rank}, end of plan ({n} instructions)"
+        for index, instr, _ in self.open.values():
+            raise PlanValidationError(f"rank {self.rank}, instruction #{index} "
+                                      f"{describe(instr)}: Start is never finished")
+        if self.slots:
+            slot, state = next(iter(self.slots.items()))
+            raise PlanValidationError(f"{end}: slot {slot} still holds "
+                                      f"{_tag_text(state[0])} (missing FreeBuffer)")
+        for s in sorted(self.owned):
+            for mb in range(self.num_mb):
+                if (mb, s) not in self.forwarded:
+                    raise PlanValidationError(f"{end}: no forward of micro-batch {mb}, stage {s}")
+                if (mb, s) not in self.backwarded:
+                    raise PlanValidationError(f"{end}: no backward of micro-batch {mb}, stage {s}")
+
+
+def _tag_text(tag) -> str:
+    kind, mb, stage, j, n = tag
+    what = {"activation": f"the output of stage {stage}",
+            "grad": f"the gradient w.r.t. the input of stage {stage}",
+            "input": "the input tokens"}[kind]
+    return f"{what} of micro-batch {mb} (tensor {j} of {n})"
+
+
+def _check_matching(plans, ranks) -> None:
+    for a, sender in enumerate(ranks):
+        for b in range(len(ranks)):
+            sends, recvs = sender.sends.get(b, []), ranks[b].recvs.get(a, [])
+            for k in range(max(len(sends), len(recvs))):
+                pair = f"rank {a} -> rank {b}, message #{k}"
+                if k >= len(recvs):
+                    _, i, instr = sends[k]
+                    raise PlanValidationError(
+                        f"{pair}: rank {a} instruction #{i} {describe(instr)} has no matching "
+                        f"receive (rank {b} posts only {len(recvs)} receives from rank {a})")
+                if k >= len(sends):
+                    _, i, instr = recvs[k]
+                    raise PlanValidationError(
+                        f"{pair}: rank {b} instruction #{i} {describe(instr)} has no matching "
+                        f"send (rank {a} sends only {len(sends)} messages to rank {b})")
+                (sent, i, si), (got, j, ri) = sends[k], recvs[k]
+                if sent != got:
+                    raise PlanValidationError(
+                        f"{pair}: rank {a} instruction #{i} {describe(si)} does not match rank "
+                        f"{b} instruction #{j} {describe(ri)} (kind, micro-batch, stage and "
+                        "shapes must be equal; sends and receives pair up in order)")
+
+
+def _check_deadlock(plans, ranks) -> None:
+    counters: dict = {}
+    waiting: dict = {}  # counter key -> rank blocked on it (each counter has one reader)
+    pc = [0] * len(ranks)
+    queue = deque(range(len(ranks)))
+    while queue:
+        r = queue.popleft()
+        waits, bumps, n = ranks[r].waits, ranks[r].bumps, len(ranks[r].waits)
+        i = pc[r]
+        while i < n:
+            w = waits[i]
+            if w is not None and counters.get(w[:3], 0) < w[3]:
+                waiting[w[:3]] = r
+                break
+            b = bumps[i]
+            if b is not None:
+                counters[b] = counters.get(b, 0) + 1
+                if b in waiting:
+                    queue.append(waiting.pop(b))
+            i += 1
+        pc[r] = i
+    stuck = [r for r in range(len(ranks)) if pc[r] < len(ranks[r].waits)]
+    if not stuck:
+        return
+    lines = []
+    for r in stuck:
+        i = pc[r]
+        what, a, b, need, start = ranks[r].waits[i]
+        peer = b if what == "posted" else a
+        verb = "post its receive" if what == "posted" else "start its send"
+        lines.append(f"rank {r} is stuck at instruction #{i} "
+                     f"{describe(plans[r].instructions[i])}, waiting for rank {peer} to {verb} "
+                     f"(message #{need - 1} of rank {a} -> rank {b})")
+    raise PlanValidationError("deadlock: no rank can progress:\n  " + "\n  ".join(lines))
