@@ -1,0 +1,220 @@
+"""Megatron-LM's command-line flags -> `MegatronConfig`.
+
+Only entry points call this. An inconsistent combination of flags exits with status 2 and one
+line naming the flags, before any process group is created.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+from megatron.config import (CheckpointConfig, ConfigError, DataConfig, LoggingConfig, MegatronConfig,
+                             ModelConfig, ParallelConfig, TrainingConfig)
+
+
+def _int_list(text: str):
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"pretrain_{model_type}.py",
+        description=f"Megatron-style {model_type.upper()} pretraining (launch with torchrun).",
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary size for --mock-data or NullTokenizer")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--position-embedding-type", default=None, choices=["learned_absolute", "relative"])
+    if model_type == "t5":
+        g.add_argument("--encoder-num-layers", type=int, default=None)
+        g.add_argument("--decoder-num-layers", type=int, default=None)
+        g.add_argument("--encoder-seq-length", type=int, default=None)
+        g.add_argument("--decoder-seq-length", type=int, default=None)
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None)
+    g.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    g.add_argument("--pipeline-stage-layers", type=_int_list, default=None,
+                   help="explicit per-stage layer counts, e.g. 3,5 (uneven pipeline stages)")
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"])
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--validate-plans-iters", type=int, default=2,
+                   help="validate the pipeline plans of the first N iterations (-1: always, 0: never)")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--train-iters", type=int, default=10)
+    g.add_argument("--lr", type=float, default=1e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="cosine")
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--exit-interval", type=int, default=None)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true",
+                   help="generated tokens: the same samples in the same order for any parallel layout")
+    g.add_argument("--data-path", nargs="*", default=None)
+    g.add_argument("--targets-data-path", nargs="*", default=None)
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--tokenizer-type", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-extra-ids", type=int, default=0)
+    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--tokens-per-global-batch", type=int, default=None)
+    g.add_argument("--pack-dataset", action="store_true")
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    return p
+
+
+def _required(args, names, model_type):
+    missing = [n for n in names if getattr(args, n.lstrip("-").replace("-", "_")) is None]
+    if missing:
+        raise ConfigError(f"missing required flag(s) for pretrain_{model_type}.py: {' '.join(missing)}")
+
+
+def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
+                     world_size: Optional[int] = None) -> MegatronConfig:
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if model_type == "t5":
+        _required(args, ["--hidden-size", "--num-attention-heads"], model_type)
+        if args.encoder_num_layers is None and args.num_layers is None:
+            raise ConfigError("missing required flag for pretrain_t5.py: --encoder-num-layers (or --num-layers)")
+        enc_layers = args.encoder_num_layers if args.encoder_num_layers is not None else args.num_layers
+        dec_layers = args.decoder_num_layers if args.decoder_num_layers is not None else enc_layers
+        enc_len = args.encoder_seq_length or args.seq_length
+        if enc_len is None:
+            raise ConfigError("missing required flag for pretrain_t5.py: --encoder-seq-length (or --seq-length)")
+        model = ModelConfig(
+            model_type="t5", num_layers=enc_layers + dec_layers, encoder_num_layers=enc_layers,
+            decoder_num_layers=dec_layers, encoder_seq_length=enc_len,
+            decoder_seq_length=args.decoder_seq_length or 128, seq_length=enc_len,
+            hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+            ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels,
+            max_position_embeddings=args.max_position_embeddings, vocab_size=args.vocab_size,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+            layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std,
+            position_embedding_type=args.position_embedding_type or "relative",
+        )
+    else:
+        _required(args, ["--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"], model_type)
+        model = ModelConfig(
+            model_type="gpt", num_layers=args.num_layers, hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+            kv_channels=args.kv_channels, seq_length=args.seq_length,
+            max_position_embeddings=args.max_position_embeddings, vocab_size=args.vocab_size,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+            layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std,
+            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type or "learned_absolute",
+        )
+    parallel = ParallelConfig(
+        world_size=world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+        pipeline_model_parallel_split_rank=args.pipeline_model_parallel_split_rank,
+        pipeline_schedule=args.pipeline_schedule, pipeline_stage_layers=args.pipeline_stage_layers,
+        distributed_backend=args.distributed_backend,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        validate_plans_iters=args.validate_plans_iters,
+    )
+    training = TrainingConfig(
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        train_iters=args.train_iters, lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+        lr_decay_iters=args.lr_decay_iters, lr_warmup_iters=args.lr_warmup_iters,
+        lr_warmup_fraction=args.lr_warmup_fraction, weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps, seed=args.seed, bf16=args.bf16, fp16=args.fp16,
+        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis, recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        eval_interval=args.eval_interval, eval_iters=args.eval_iters, exit_interval=args.exit_interval,
+    )
+    data = DataConfig(
+        mock_data=args.mock_data, data_path=args.data_path, targets_data_path=args.targets_data_path,
+        split=args.split, data_cache_path=args.data_cache_path, tokenizer_type=args.tokenizer_type,
+        vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+        vocab_extra_ids=args.vocab_extra_ids, num_workers=args.num_workers,
+        tokens_per_global_batch=args.tokens_per_global_batch, pack_dataset=args.pack_dataset,
+    )
+    if args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
+        raise ConfigError("--mock-data needs --vocab-size (or a tokenizer) to know the vocabulary")
+    checkpoint = CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
+                                  no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
+                                  finetune=args.finetune)
+    logging_cfg = LoggingConfig(log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir)
+    return MegatronConfig(model=model, parallel=parallel, training=training, data=data,
+                          checkpoint=checkpoint, logging=logging_cfg)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, model_type: str = "gpt",
+               world_size: Optional[int] = None) -> MegatronConfig:
+    """Parse flags; on an inconsistent combination print one line and exit with status 2."""
+    parser = build_parser(model_type)
+    args = parser.parse_args(argv)
+    try:
+        return config_from_args(args, model_type, world_size)
+    except ConfigError as e:
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
+            print(f"pretrain_{model_type}.py: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2)

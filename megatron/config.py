@@ -1,0 +1,299 @@
+"""Dataclass configs. Each validates itself in `__post_init__`; messages name the CLI flag.
+
+Core code receives these objects (never an argparse namespace). `megatron.arguments` maps
+Megatron-LM's flag names onto them; `MegatronConfig` checks the cross-cutting constraints
+(world size vs. TP x PP, global batch vs. micro batch x DP, ...).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+
+class ConfigError(ValueError):
+    """An inconsistent configuration; the message names the offending flags and values."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass
+class ModelConfig:
+    model_type: str = "gpt"  # "gpt" or "t5"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: Optional[int] = None
+    kv_channels: Optional[int] = None
+    seq_length: int = 128
+    max_position_embeddings: Optional[int] = None
+    vocab_size: Optional[int] = None  # unpadded; usually from the tokenizer
+    make_vocab_size_divisible_by: int = 128
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    layernorm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    untie_embeddings_and_output_weights: bool = False
+    # T5 only.
+    encoder_num_layers: Optional[int] = None
+    decoder_num_layers: Optional[int] = None
+    encoder_seq_length: Optional[int] = None
+    decoder_seq_length: Optional[int] = None
+    position_embedding_type: str = "learned_absolute"  # or "relative" (T5)
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+
+    def __post_init__(self):
+        _require(self.model_type in ("gpt", "t5"), f"model type must be gpt or t5, got {self.model_type!r}")
+        if self.model_type == "t5":
+            if self.encoder_num_layers is None:
+                self.encoder_num_layers = self.num_layers
+            if self.decoder_num_layers is None:
+                self.decoder_num_layers = self.num_layers
+            if self.encoder_seq_length is None:
+                self.encoder_seq_length = self.seq_length
+            if self.decoder_seq_length is None:
+                self.decoder_seq_length = 128
+            self.num_layers = self.encoder_num_layers + self.decoder_num_layers
+            self.seq_length = self.encoder_seq_length
+            for flag, v in (("--encoder-num-layers", self.encoder_num_layers),
+                            ("--decoder-num-layers", self.decoder_num_layers),
+                            ("--encoder-seq-length", self.encoder_seq_length),
+                            ("--decoder-seq-length", self.decoder_seq_length)):
+                _require(v > 0, f"{flag} must be positive, got {v}")
+        for flag, v in (("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
+                        ("--num-attention-heads", self.num_attention_heads),
+                        ("--seq-length", self.seq_length)):
+            _require(v > 0, f"{flag} must be positive, got {v}")
+        if self.kv_channels is None:
+            _require(self.hidden_size % self.num_attention_heads == 0,
+                     f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+                     f"({self.num_attention_heads}), or give --kv-channels explicitly")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = max(self.seq_length, self.decoder_seq_length or 0)
+        _require(self.max_position_embeddings >= self.seq_length,
+                 f"--max-position-embeddings ({self.max_position_embeddings}) must be >= "
+                 f"--seq-length ({self.seq_length})")
+        _require(0.0 <= self.hidden_dropout < 1.0, f"--hidden-dropout must be in [0, 1), got {self.hidden_dropout}")
+        _require(0.0 <= self.attention_dropout < 1.0,
+                 f"--attention-dropout must be in [0, 1), got {self.attention_dropout}")
+        _require(self.make_vocab_size_divisible_by > 0,
+                 f"--make-vocab-size-divisible-by must be positive, got {self.make_vocab_size_divisible_by}")
+        _require(self.position_embedding_type in ("learned_absolute", "relative"),
+                 f"--position-embedding-type must be learned_absolute or relative, got {self.position_embedding_type!r}")
+
+    @property
+    def projection_size(self) -> int:
+        return self.kv_channels * self.num_attention_heads
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        """Megatron's rule: pad to a multiple of make_vocab_size_divisible_by x TP."""
+        _require(self.vocab_size is not None and self.vocab_size > 0,
+                 "the vocabulary size is unknown: give --vocab-size (with --mock-data or NullTokenizer) "
+                 "or a tokenizer")
+        multiple = self.make_vocab_size_divisible_by * tp_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+@dataclass
+class ParallelConfig:
+    world_size: int = 1
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    pipeline_model_parallel_split_rank: Optional[int] = None
+    pipeline_schedule: str = "1f1b"  # 1f1b | gpipe (interleaved is implied by virtual stages)
+    pipeline_stage_layers: Optional[List[int]] = None  # explicit uneven split
+    distributed_backend: Optional[str] = None  # nccl on CUDA, gloo otherwise
+    distributed_timeout_minutes: float = 10.0
+    validate_plans_iters: int = 2  # validate the first N iterations' plans (0 = never, -1 = always)
+
+    def __post_init__(self):
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        _require(tp >= 1, f"--tensor-model-parallel-size must be >= 1, got {tp}")
+        _require(pp >= 1, f"--pipeline-model-parallel-size must be >= 1, got {pp}")
+        _require(self.world_size % (tp * pp) == 0,
+                 f"world size ({self.world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
+                 f"--pipeline-model-parallel-size ({pp}) = {tp * pp}")
+        _require(self.distributed_backend in (None, "gloo", "nccl"),
+                 f"--distributed-backend must be nccl or gloo, got {self.distributed_backend!r}")
+        _require(self.distributed_timeout_minutes > 0,
+                 f"--distributed-timeout-minutes must be positive, got {self.distributed_timeout_minutes}")
+        _require(self.pipeline_schedule in ("1f1b", "gpipe"),
+                 f"--pipeline-schedule must be 1f1b or gpipe, got {self.pipeline_schedule!r}")
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 1
+    global_batch_size: Optional[int] = None
+    train_iters: int = 10
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "cosine"
+    lr_decay_iters: Optional[int] = None
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: Optional[float] = None
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    seed: int = 1234
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: Optional[float] = None  # static loss scale for fp16; dynamic when None
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    recompute_granularity: Optional[str] = None  # None | "full" | "selective"
+    recompute_method: Optional[str] = None  # "uniform" | "block" (full only)
+    recompute_num_layers: Optional[int] = None
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    exit_interval: Optional[int] = None
+
+    def __post_init__(self):
+        _require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
+        _require(self.train_iters >= 0, f"--train-iters must be >= 0, got {self.train_iters}")
+        _require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are mutually exclusive; pick one")
+        _require(self.lr_decay_style in ("constant", "linear", "cosine", "inverse-square-root"),
+                 f"--lr-decay-style must be constant, linear, cosine or inverse-square-root, got {self.lr_decay_style!r}")
+        _require(self.lr >= 0 and self.min_lr >= 0, f"--lr ({self.lr}) and --min-lr ({self.min_lr}) must be >= 0")
+        _require(self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
+        _require(not (self.lr_warmup_fraction is not None and self.lr_warmup_iters),
+                 "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive; pick one")
+        if self.lr_warmup_fraction is not None:
+            _require(0.0 <= self.lr_warmup_fraction <= 1.0,
+                     f"--lr-warmup-fraction must be in [0, 1], got {self.lr_warmup_fraction}")
+        if self.lr_decay_iters is None:
+            self.lr_decay_iters = self.train_iters
+        _require(self.clip_grad >= 0, f"--clip-grad must be >= 0, got {self.clip_grad}")
+        _require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
+                 f"--adam-beta1/--adam-beta2 must be in [0, 1), got {self.adam_beta1}/{self.adam_beta2}")
+        _require(self.recompute_granularity in (None, "full", "selective"),
+                 f"--recompute-granularity must be full or selective, got {self.recompute_granularity!r}")
+        _require(self.recompute_method in (None, "uniform", "block"),
+                 f"--recompute-method must be uniform or block, got {self.recompute_method!r}")
+        if self.recompute_method is not None:
+            _require(self.recompute_granularity == "full",
+                     "--recompute-method applies only with --recompute-granularity full")
+        _require(self.eval_interval > 0, f"--eval-interval must be positive, got {self.eval_interval}")
+
+    @property
+    def recompute_level(self) -> str:
+        return self.recompute_granularity or "none"
+
+    @property
+    def params_dtype_name(self) -> str:
+        return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
+
+
+@dataclass
+class DataConfig:
+    mock_data: bool = False
+    data_path: Optional[List[str]] = None
+    targets_data_path: Optional[List[str]] = None
+    split: str = "969,30,1"
+    data_cache_path: Optional[str] = None
+    tokenizer_type: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    vocab_extra_ids: int = 0
+    num_workers: int = 0
+    # Variable-length / DynaPipe batching.
+    tokens_per_global_batch: Optional[int] = None
+    pack_dataset: bool = False
+
+    def __post_init__(self):
+        if not self.mock_data:
+            _require(bool(self.data_path), "no training data: give --data-path PREFIX, or --mock-data for generated tokens")
+        _require(self.vocab_extra_ids >= 0, f"--vocab-extra-ids must be >= 0, got {self.vocab_extra_ids}")
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+
+    def __post_init__(self):
+        if self.save_interval is not None:
+            _require(self.save_interval > 0, f"--save-interval must be positive, got {self.save_interval}")
+            _require(self.save is not None, "--save-interval needs --save DIR")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 100
+    tensorboard_dir: Optional[str] = None
+
+    def __post_init__(self):
+        _require(self.log_interval > 0, f"--log-interval must be positive, got {self.log_interval}")
+
+
+@dataclass
+class MegatronConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(mock_data=True))
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self):
+        m, p, t = self.model, self.parallel, self.training
+        dp = p.data_parallel_size
+        tp = p.tensor_model_parallel_size
+        if t.global_batch_size is None:
+            t.global_batch_size = t.micro_batch_size * dp
+        _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+                 f"--global-batch-size ({t.global_batch_size}) is not divisible by --micro-batch-size "
+                 f"({t.micro_batch_size}) x data-parallel size ({dp}) = {t.micro_batch_size * dp}")
+        _require(m.num_attention_heads % tp == 0,
+                 f"--num-attention-heads ({m.num_attention_heads}) is not divisible by "
+                 f"--tensor-model-parallel-size ({tp})")
+        _require(m.ffn_hidden_size % tp == 0,
+                 f"--ffn-hidden-size ({m.ffn_hidden_size}) is not divisible by --tensor-model-parallel-size ({tp})")
+        if p.num_layers_per_virtual_pipeline_stage is not None:
+            _require(p.pipeline_model_parallel_size > 1,
+                     "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+            per_rank = m.num_layers // p.pipeline_model_parallel_size
+            _require(m.num_layers % p.pipeline_model_parallel_size == 0
+                     and per_rank % p.num_layers_per_virtual_pipeline_stage == 0,
+                     f"--num-layers ({m.num_layers}) / --pipeline-model-parallel-size "
+                     f"({p.pipeline_model_parallel_size}) must be divisible by "
+                     f"--num-layers-per-virtual-pipeline-stage ({p.num_layers_per_virtual_pipeline_stage})")
+        if p.pipeline_stage_layers is None and p.num_layers_per_virtual_pipeline_stage is None and m.model_type == "gpt":
+            _require(m.num_layers % p.pipeline_model_parallel_size == 0,
+                     f"--num-layers ({m.num_layers}) is not divisible by --pipeline-model-parallel-size "
+                     f"({p.pipeline_model_parallel_size}); give an explicit split with --pipeline-stage-layers")
+        if p.pipeline_stage_layers is not None:
+            _require(len(p.pipeline_stage_layers) == p.pipeline_model_parallel_size
+                     and sum(p.pipeline_stage_layers) == m.num_layers
+                     and all(n >= 1 for n in p.pipeline_stage_layers),
+                     f"--pipeline-stage-layers {','.join(map(str, p.pipeline_stage_layers))} must list "
+                     f"{p.pipeline_model_parallel_size} positive counts summing to --num-layers ({m.num_layers})")
+
+    @property
+    def num_microbatches(self) -> int:
+        t = self.training
+        return t.global_batch_size // (t.micro_batch_size * self.parallel.data_parallel_size)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,164 @@
+"""AdamW with Megatron's conventions: no weight decay on biases and norms, optional dynamic loss
+scaling (fp16), inf/nan-skipped steps, and clipping by the true global gradient norm.
+
+The global norm counts every parameter exactly once: TP-sharded parameters on every TP rank,
+replicated ones (norms, row-parallel biases) only on TP rank 0, and the last stage's copy of a
+tied embedding not at all (the first stage counts it).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.config import TrainingConfig
+from megatron.core.grad_scaler import DynamicGradScaler
+from megatron.core.parallel_state import ParallelState
+
+
+def param_groups(modules: Iterable[nn.Module], weight_decay: float) -> List[dict]:
+    decay, no_decay = [], []
+    for m in modules:
+        for name, p in m.named_parameters():
+            if not p.requires_grad:
+                continue
+            (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def counts_for_norm(p: nn.Parameter, tp_rank: int) -> bool:
+    if getattr(p, "shared_embedding", False):
+        return False
+    return getattr(p, "tensor_model_parallel", False) or tp_rank == 0
+
+
+def global_grad_norm_sq(params: Iterable[nn.Parameter], ps: ParallelState) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None and counts_for_norm(p, ps.tp_rank):
+            total += p.grad.detach().double().pow(2).sum().cpu()
+    if ps.mp_group is not None and ps.tp_size * ps.pp_size > 1:
+        dist.all_reduce(total, group=ps.mp_group)
+    return total
+
+
+class MegatronOptimizer:
+    def __init__(self, modules: List[nn.Module], cfg: TrainingConfig, ps: ParallelState,
+                 lr_scheduler: "LRScheduler", device: torch.device = torch.device("cpu")):
+        self.cfg, self.ps, self.lr_scheduler = cfg, ps, lr_scheduler
+        self.params = [p for m in modules for p in m.parameters() if p.requires_grad]
+        kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+        if device.type == "cuda":
+            kwargs["fused"] = True
+        self.optimizer = torch.optim.AdamW(param_groups(modules, cfg.weight_decay), **kwargs)
+        self.grad_scaler: Optional[DynamicGradScaler] = None
+        if cfg.fp16:
+            self.grad_scaler = DynamicGradScaler(
+                initial_scale=cfg.loss_scale or cfg.initial_loss_scale, min_scale=cfg.min_loss_scale,
+                growth_interval=cfg.loss_scale_window, hysteresis=cfg.hysteresis,
+                static=cfg.loss_scale is not None)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def _found_inf(self) -> bool:
+        flag = torch.zeros((), dtype=torch.float32)
+        for p in self.params:
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                flag.fill_(1.0)
+                break
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Grads are already DP-reduced, but every rank must agree to skip together.
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def step(self):
+        """Returns (applied: bool, grad_norm: float or None)."""
+        if self.grad_scaler is not None:
+            inv = 1.0 / self.grad_scaler.scale
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(inv)
+            found_inf = self._found_inf()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                self.zero_grad()
+                return False, None
+        norm = math.sqrt(float(global_grad_norm_sq(self.params, self.ps)))
+        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
+            coef = self.cfg.clip_grad / (norm + 1e-6)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        lr = self.lr_scheduler.lr()
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.step()
+        return True, norm
+
+    def state_dict(self):
+        return {"optimizer": self.optimizer.state_dict(),
+                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None}
+
+    def load_state_dict(self, sd):
+        self.optimizer.load_state_dict(sd["optimizer"])
+        if self.grad_scaler is not None and sd.get("grad_scaler"):
+            self.grad_scaler.load_state_dict(sd["grad_scaler"])
+
+
+class LRScheduler:
+    """Megatron's OptimizerParamScheduler, counted in iterations: linear warm-up from 0, then
+    constant / linear / cosine / inverse-square-root decay to min_lr at lr_decay_iters."""
+
+    def __init__(self, cfg: TrainingConfig):
+        self.max_lr, self.min_lr = cfg.lr, cfg.min_lr
+        self.decay_style = cfg.lr_decay_style
+        self.decay_iters = max(cfg.lr_decay_iters or cfg.train_iters, 1)
+        if cfg.lr_warmup_fraction is not None:
+            self.warmup_iters = int(cfg.lr_warmup_fraction * self.decay_iters)
+        else:
+            self.warmup_iters = cfg.lr_warmup_iters
+        self.num_steps = 0
+
+    def lr(self, step: Optional[int] = None) -> float:
+        n = self.num_steps if step is None else step
+        if self.warmup_iters > 0 and n < self.warmup_iters:
+            return self.max_lr * (n + 1) / self.warmup_iters
+        if self.decay_style == "constant":
+            return self.max_lr
+        if self.decay_style == "inverse-square-root":
+            w = max(self.warmup_iters, 1)
+            return max(self.min_lr, self.max_lr * math.sqrt(w) / math.sqrt(max(n, 1)))
+        if n > self.decay_iters:
+            return self.min_lr
+        span = self.decay_iters - self.warmup_iters
+        ratio = 1.0 if span <= 0 else (n - self.warmup_iters) / span
+        if self.decay_style == "linear":
+            coeff = 1.0 - ratio
+        else:
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def step(self):
+        self.num_steps += 1
+
+    def state_dict(self):
+        return {"num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr,
+                "decay_style": self.decay_style, "decay_iters": self.decay_iters,
+                "warmup_iters": self.warmup_iters}
+
+    def load_state_dict(self, sd):
+        self.num_steps = sd["num_steps"]

@@ -1,0 +1,107 @@
+"""Tensor / pipeline / data-parallel process groups in Megatron's rank order.
+
+Rank order is tp-dp-pp: tensor-parallel ranks are adjacent (they talk the most), then data
+parallel, then pipeline. ``global = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``.
+
+The result is an explicit `ParallelState` object that core code receives as an argument;
+there is no hidden global. With world size 1 and no process group, every group is None and
+every collective in `megatron.core` is a no-op.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import List, Optional
+
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelState:
+    world_size: int = 1
+    rank: int = 0
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    tp_group: Optional[object] = None
+    pp_group: Optional[object] = None
+    dp_group: Optional[object] = None
+    mp_group: Optional[object] = None  # TP x PP: everything that shares one model replica
+    embedding_group: Optional[object] = None  # first + last pipeline stage (tied embeddings)
+    pp_global_ranks: List[int] = field(default_factory=lambda: [0])
+    tp_global_ranks: List[int] = field(default_factory=lambda: [0])
+    dp_global_ranks: List[int] = field(default_factory=lambda: [0])
+    embedding_global_ranks: List[int] = field(default_factory=list)
+    timeout: timedelta = timedelta(minutes=10)
+
+    @property
+    def is_pipeline_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_pipeline_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (tp {self.tp_rank}/{self.tp_size}, pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size})"
+
+
+def global_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
+    return pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+
+def initialize_model_parallel(tp_size: int = 1, pp_size: int = 1,
+                              timeout: Optional[timedelta] = None) -> ParallelState:
+    """Create every group on every rank, in the same order (torch requires it)."""
+    if not dist.is_initialized():
+        if tp_size * pp_size != 1:
+            raise RuntimeError("initialize_model_parallel: TP x PP > 1 needs an initialised process group")
+        return ParallelState()
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    if world % (tp_size * pp_size) != 0:
+        raise RuntimeError(f"world size {world} is not divisible by TP ({tp_size}) x PP ({pp_size})")
+    dp_size = world // (tp_size * pp_size)
+    pp_rank, rem = divmod(rank, dp_size * tp_size)
+    dp_rank, tp_rank = divmod(rem, tp_size)
+    st = ParallelState(world_size=world, rank=rank, tp_size=tp_size, pp_size=pp_size, dp_size=dp_size,
+                       tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
+                       timeout=timeout or timedelta(minutes=10))
+
+    def make(ranks: List[int]):
+        g = dist.new_group(ranks, timeout=timeout)
+        return g if rank in ranks else None
+
+    for p in range(pp_size):
+        for d in range(dp_size):
+            ranks = [global_rank(t, d, p, tp_size, dp_size) for t in range(tp_size)]
+            g = make(ranks)
+            if g is not None:
+                st.tp_group, st.tp_global_ranks = g, ranks
+    for p in range(pp_size):
+        for t in range(tp_size):
+            ranks = [global_rank(t, d, p, tp_size, dp_size) for d in range(dp_size)]
+            g = make(ranks)
+            if g is not None:
+                st.dp_group, st.dp_global_ranks = g, ranks
+    for d in range(dp_size):
+        for t in range(tp_size):
+            ranks = [global_rank(t, d, p, tp_size, dp_size) for p in range(pp_size)]
+            g = make(ranks)
+            if g is not None:
+                st.pp_group, st.pp_global_ranks = g, ranks
+            emb = sorted({ranks[0], ranks[-1]})
+            g = make(emb)
+            if g is not None:
+                st.embedding_group, st.embedding_global_ranks = g, emb
+    for d in range(dp_size):
+        ranks = [global_rank(t, d, p, tp_size, dp_size) for p in range(pp_size) for t in range(tp_size)]
+        g = make(sorted(ranks))
+        if g is not None:
+            st.mp_group = g
+    if pp_size == 1:
+        st.embedding_group, st.embedding_global_ranks = None, []
+    return st

@@ -1,0 +1,109 @@
+"""GPT, built one pipeline stage at a time.
+
+A stage owns layers [layer_start, layer_end). The first stage (`pre_process`) owns the word and
+position embeddings; the last (`post_process`) owns the final norm and the output head, tied to
+the word embedding. With PP > 1 the last stage keeps its own copy of the word embedding, made
+identical at initialisation and kept identical by reducing its gradient with the first
+stage's (`megatron.core.distributed.allreduce_embedding_grads`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.core.parallel_state import ParallelState
+from megatron.core.tensor_parallel import (VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
+                                           init_generator, vocab_parallel_cross_entropy)
+from megatron.models.transformer import TransformerBlock, TransformerLayer
+
+WORD_EMBEDDING_KEY = "embedding.word_embeddings"
+
+
+class GPTEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, padded_vocab: int, seed: int):
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(padded_vocab, cfg.hidden_size, ps.tp_group,
+                                                      init_std=cfg.init_method_std, seed=seed,
+                                                      key=WORD_EMBEDDING_KEY, real_vocab_size=cfg.vocab_size)
+        pos = torch.empty(cfg.max_position_embeddings, cfg.hidden_size)
+        pos.normal_(0.0, cfg.init_method_std, generator=init_generator(seed, "embedding.position_embeddings"))
+        self.position_embeddings = nn.Parameter(pos)
+        self.dropout = cfg.hidden_dropout
+
+    def forward(self, tokens, position_ids):
+        x = self.word_embeddings(tokens) + F.embedding(position_ids, self.position_embeddings)
+        x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+        return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
+
+
+class GPTStage(nn.Module):
+    """One pipeline stage of GPT. `forward(batch, inputs)` returns the stage outputs: a list with
+    the hidden states [s, b, h], or on the last stage the per-token losses [b, s] (fp32)."""
+
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, *, layer_start: int, layer_end: int,
+                 pre_process: bool, post_process: bool, seed: int,
+                 recompute_method: Optional[str] = None, recompute_num_layers: Optional[int] = None):
+        super().__init__()
+        self.cfg, self.ps = cfg, ps
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_start, self.layer_end = layer_start, layer_end
+        self.padded_vocab = cfg.padded_vocab_size(ps.tp_size)
+        self.recompute = "none"
+        if pre_process:
+            self.embedding = GPTEmbedding(cfg, ps, self.padded_vocab, seed)
+        layers = [TransformerLayer(cfg, ps.tp_group, layer_number=i, num_layers_total=cfg.num_layers, seed=seed,
+                                   key=f"decoder.layers.{i}") for i in range(layer_start, layer_end)]
+        self.decoder = TransformerBlock(layers, recompute_method, recompute_num_layers)
+        if post_process:
+            self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+            if cfg.untie_embeddings_and_output_weights:
+                self.output_layer = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, ps.tp_group,
+                                                           init_std=cfg.init_method_std, seed=seed,
+                                                           key="output_layer", real_vocab_size=cfg.vocab_size)
+            elif not pre_process:
+                # Same key as the first stage's embedding -> identical initial values.
+                self.output_layer = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, ps.tp_group,
+                                                           init_std=cfg.init_method_std, seed=seed,
+                                                           key=WORD_EMBEDDING_KEY, real_vocab_size=cfg.vocab_size)
+                self.output_layer.weight.shared_embedding = True
+
+    def output_weight(self) -> torch.Tensor:
+        if hasattr(self, "output_layer"):
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def attention_mask(self, batch) -> Optional[torch.Tensor]:
+        seg = batch.get("segment_ids")
+        if seg is None:
+            return None
+        from megatron.data.packing import packed_attention_mask
+        return packed_attention_mask(seg)
+
+    def forward(self, batch: dict, inputs: list) -> list:
+        mask = self.attention_mask(batch)
+        if self.pre_process:
+            tokens = batch["tokens"]
+            pos = batch.get("position_ids")
+            if pos is None:
+                pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+            x = self.embedding(tokens, pos)
+        else:
+            (x,) = inputs
+        x = self.decoder(x, mask, recompute=self.recompute)
+        if not self.post_process:
+            return [x]
+        x = self.final_layernorm(x)
+        x = copy_to_tensor_model_parallel_region(x, self.ps.tp_group)
+        logits = F.linear(x, self.output_weight())  # [s, b, v/tp]
+        labels = batch["labels"].transpose(0, 1)
+        losses = vocab_parallel_cross_entropy(logits, labels, self.ps.tp_group, self.cfg.vocab_size)
+        return [losses.transpose(0, 1)]  # [b, s]
+
+    def activation_shapes(self, microbatch_shape, micro_batch_size=None):
+        """Shapes of this stage's outputs for a micro-batch of token shape (b, s)."""
+        b, s = microbatch_shape[0]
+        return ((s, b, self.cfg.hidden_size),)

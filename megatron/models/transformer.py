@@ -1,0 +1,156 @@
+"""Tensor-parallel pre-LN transformer layers ([seq, batch, hidden] activations).
+
+Attention goes through torch's scaled_dot_product_attention: causal without a mask, or an
+explicit boolean mask (True = may attend) for packed sequences / padding, plus an optional
+additive bias (T5 relative positions). Recomputation is chosen per forward call (`recompute`
+is "none", "selective" = core attention only, or "full" = whole layer) because DynaPipe plans
+pick it per iteration.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, checkpoint,
+                                           get_rng_tracker)
+from megatron.core.tensor_parallel.mappings import group_size
+
+
+def _sdpa(q, k, v, mask, bias, causal, dropout_p):
+    """q,k,v: [b, np, s, hn]. mask: bool [b|1, 1, sq, sk] (True = attend) or None."""
+    attn_mask = mask
+    if bias is not None:
+        attn_mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+        if causal:
+            sq, sk = q.shape[-2], k.shape[-2]
+            tri = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+            attn_mask = attn_mask.masked_fill(~tri, float("-inf"))
+            causal = False
+        attn_mask = attn_mask.to(q.dtype)
+    elif mask is not None:
+        causal = False  # the explicit mask already encodes causality
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal)
+
+
+class ParallelAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_group, *, seed: int, key: str, cross: bool = False,
+                 causal: bool = True, out_std: float):
+        super().__init__()
+        tp = group_size(tp_group)
+        self.np = cfg.num_attention_heads // tp
+        self.hn = cfg.kv_channels
+        self.cross, self.causal = cross, causal
+        self.dropout_p = cfg.attention_dropout
+        proj = cfg.projection_size
+        std = cfg.init_method_std
+        if cross:
+            self.query = ColumnParallelLinear(cfg.hidden_size, proj, tp_group, init_std=std, seed=seed, key=key + ".query")
+            self.key_value = ColumnParallelLinear(cfg.hidden_size, 2 * proj, tp_group, init_std=std, seed=seed,
+                                                  key=key + ".key_value")
+        else:
+            self.query_key_value = ColumnParallelLinear(cfg.hidden_size, 3 * proj, tp_group, init_std=std,
+                                                        seed=seed, key=key + ".query_key_value")
+        self.dense = RowParallelLinear(proj, cfg.hidden_size, tp_group, init_std=out_std, seed=seed, key=key + ".dense")
+
+    def _heads(self, x, n):
+        s, b, _ = x.shape
+        return x.view(s, b, self.np, n * self.hn)
+
+    def core_attention(self, q, k, v, mask, bias):
+        # [s, b, np, hn] -> [b, np, s, hn]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        p = self.dropout_p if self.training else 0.0
+        if p > 0:
+            with get_rng_tracker().fork():
+                out = _sdpa(q, k, v, mask, bias, self.causal, p)
+        else:
+            out = _sdpa(q, k, v, mask, bias, self.causal, 0.0)
+        b, np_, s, hn = out.shape
+        return out.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
+
+    def forward(self, x, mask=None, bias=None, encoder_output=None, recompute: str = "none"):
+        if self.cross:
+            q = self._heads(self.query(x), 1)
+            k, v = self._heads(self.key_value(encoder_output), 2).chunk(2, dim=-1)
+        else:
+            q, k, v = self._heads(self.query_key_value(x), 3).chunk(3, dim=-1)
+        if recompute == "selective" and torch.is_grad_enabled():
+            ctx = checkpoint(self.core_attention, q, k, v, mask, bias)
+        else:
+            ctx = self.core_attention(q, k, v, mask, bias)
+        return self.dense(ctx)
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_group, *, seed: int, key: str, out_std: float):
+        super().__init__()
+        self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp_group,
+                                                  init_std=cfg.init_method_std, seed=seed, key=key + ".dense_h_to_4h")
+        self.dense_4h_to_h = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group,
+                                               init_std=out_std, seed=seed, key=key + ".dense_4h_to_h")
+
+    def forward(self, x):
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LN layer; `decoder=True` adds cross-attention over the encoder output (T5)."""
+
+    def __init__(self, cfg: ModelConfig, tp_group, *, layer_number: int, num_layers_total: int, seed: int,
+                 key: str, causal: bool = True, decoder: bool = False, relative_bias: Optional[nn.Module] = None):
+        super().__init__()
+        out_std = cfg.init_method_std / math.sqrt(2.0 * num_layers_total)
+        eps = cfg.layernorm_epsilon
+        self.layer_number = layer_number
+        self.hidden_dropout = cfg.hidden_dropout
+        self.input_layernorm = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.self_attention = ParallelAttention(cfg, tp_group, seed=seed, key=key + ".self_attention",
+                                                causal=causal, out_std=out_std)
+        self.decoder = decoder
+        if decoder:
+            self.pre_cross_attn_layernorm = nn.LayerNorm(cfg.hidden_size, eps=eps)
+            self.inter_attention = ParallelAttention(cfg, tp_group, seed=seed, key=key + ".inter_attention",
+                                                     cross=True, causal=False, out_std=out_std)
+        self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.mlp = ParallelMLP(cfg, tp_group, seed=seed, key=key + ".mlp", out_std=out_std)
+        self.relative_bias = relative_bias
+
+    def _drop(self, x):
+        return F.dropout(x, self.hidden_dropout, self.training) if self.hidden_dropout > 0 else x
+
+    def forward(self, x, mask=None, encoder_output=None, cross_mask=None, recompute: str = "none"):
+        bias = self.relative_bias(x.shape[0], x.shape[0]) if self.relative_bias is not None else None
+        x = x + self._drop(self.self_attention(self.input_layernorm(x), mask, bias, recompute=recompute))
+        if self.decoder:
+            x = x + self._drop(self.inter_attention(self.pre_cross_attn_layernorm(x), cross_mask,
+                                                    encoder_output=encoder_output, recompute=recompute))
+        return x + self._drop(self.mlp(self.post_attention_layernorm(x)))
+
+
+class TransformerBlock(nn.Module):
+    """A contiguous run of layers owned by one pipeline stage."""
+
+    def __init__(self, layers: list[TransformerLayer], recompute_method: Optional[str] = None,
+                 recompute_num_layers: Optional[int] = None):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.recompute_method = recompute_method or "uniform"
+        self.recompute_num_layers = recompute_num_layers
+
+    def _full_recompute(self, i: int) -> bool:
+        if self.recompute_method == "block" and self.recompute_num_layers is not None:
+            return i < self.recompute_num_layers
+        return True
+
+    def forward(self, x, mask=None, encoder_output=None, cross_mask=None, recompute: str = "none"):
+        for i, layer in enumerate(self.layers):
+            if recompute == "full" and self._full_recompute(i) and torch.is_grad_enabled():
+                x = checkpoint(lambda h, e, l=layer: l(h, mask, e, cross_mask), x, encoder_output)
+            else:
+                x = layer(x, mask, encoder_output, cross_mask, recompute=recompute)
+        return x

@@ -1,0 +1,226 @@
+"""Runs one rank's `ExecutionPlan`: the only thing that drives forward and backward passes.
+
+The executor does not know which planner wrote the plan. It keeps:
+* `slots`: buffer id -> list of tensors (received activations/gradients, outputs to send),
+* `records`: (microbatch, stage) -> (inputs, outputs) of a forward, until its backward,
+* pending non-blocking sends/receives, completed by the plan's `*Finish` instructions.
+
+The last stage turns per-token losses into `sum(loss * loss_mask) * loss_multiplier`, where the
+trainer sets the multiplier to loss_scale / (loss tokens in the whole global batch): whatever
+micro-batches the planner made, gradients equal those of one big batch.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from megatron.pipeline import instructions as I
+from megatron.pipeline.p2p import P2PCommunicator
+
+
+class PlanExecutionError(RuntimeError):
+    pass
+
+
+@dataclass
+class ExecutionStats:
+    loss_sum: float = 0.0  # sum of masked per-token losses on the last stage (unscaled)
+    loss_tokens: float = 0.0
+    forward_passes: int = 0
+    backward_passes: int = 0
+    peak_live_records: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _run_backward(outputs: List[torch.Tensor], grads: List[Optional[torch.Tensor]]) -> None:
+    """Backward that tolerates outputs whose data was freed after sending (Megatron's trick):
+    the autograd engine only needs their grad_fn, not their values."""
+    pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+    if not pairs:
+        return
+    outs, gs = zip(*pairs)
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=outs, grad_tensors=gs, keep_graph=False, create_graph=False, inputs=(),
+        allow_unreachable=True, accumulate_grad=True)
+
+
+def _free_data(t: torch.Tensor) -> None:
+    t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
+
+
+class PipelineExecutor:
+    def __init__(self, stages: Dict[int, nn.Module], comm: Optional[P2PCommunicator] = None, *,
+                 rank_desc: str = "rank 0", autocast_dtype: Optional[torch.dtype] = None,
+                 device: torch.device = torch.device("cpu"), comm_dtype: torch.dtype = torch.float32,
+                 free_sent_activations: bool = True):
+        self.stages = stages
+        self.comm = comm
+        self.rank_desc = rank_desc
+        self.autocast_dtype = autocast_dtype
+        self.device = device
+        self.comm_dtype = comm_dtype
+        self.free_sent_activations = free_sent_activations
+
+    # -- helpers -------------------------------------------------------------------------
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def run(self, plan: I.ExecutionPlan, microbatches: List[dict], loss_multiplier: float,
+            forward_only: bool = False) -> ExecutionStats:
+        self.slots: Dict[int, List[torch.Tensor]] = {}
+        self.records: Dict[tuple, tuple] = {}
+        self.data: Dict[int, dict] = {}
+        self.sends: Dict[tuple, object] = {}
+        self.recvs: Dict[tuple, object] = {}
+        self.plan = plan
+        self.microbatches = microbatches
+        self.loss_multiplier = loss_multiplier
+        self.forward_only = forward_only
+        self.stats = ExecutionStats()
+        for stage_id in plan.assigned_stages:
+            self.stages[stage_id].recompute = plan.recompute
+        for idx, ins in enumerate(plan.instructions):
+            try:
+                handler = self._HANDLERS[type(ins)]
+            except KeyError:
+                raise PlanExecutionError(f"{self.rank_desc}: no handler for instruction {ins!r}")
+            if forward_only and isinstance(ins, (I.BackwardPass, I.SendGradStart, I.SendGradFinish,
+                                                 I.RecvGradStart, I.RecvGradFinish)):
+                continue
+            try:
+                handler(self, ins)
+            except PlanExecutionError:
+                raise
+            except Exception as e:
+                raise PlanExecutionError(
+                    f"{self.rank_desc}, iteration {plan.iteration}: instruction {idx} "
+                    f"{type(ins).__name__}(microbatch={ins.microbatch}, stage={ins.stage}) failed: {e}") from e
+        if self.sends or self.recvs:
+            raise PlanExecutionError(
+                f"{self.rank_desc}, iteration {plan.iteration}: plan ended with unfinished communication "
+                f"(sends {sorted(self.sends)}, receives {sorted(self.recvs)})")
+        if not forward_only and self.records:
+            raise PlanExecutionError(
+                f"{self.rank_desc}, iteration {plan.iteration}: forwards without backward: {sorted(self.records)}")
+        self.slots = self.records = self.data = {}
+        return self.stats
+
+    # -- instruction handlers ------------------------------------------------------------
+    def _load_input(self, ins: I.LoadInput):
+        if ins.microbatch not in self.data:
+            batch = self.microbatches[ins.microbatch]
+            self.data[ins.microbatch] = {k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v)
+                                         for k, v in batch.items()}
+
+    def _forward(self, ins: I.ForwardPass):
+        stage = self.stages[ins.stage]
+        batch = self.data[ins.microbatch]
+        inputs = []
+        for bid in ins.buffer_ids:
+            for t in self.slots[bid]:
+                t = t.detach()
+                if t.is_floating_point() and not self.forward_only:
+                    t.requires_grad_(True)
+                inputs.append(t)
+        grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
+        with grad_ctx, self._autocast():
+            outputs = stage(batch, inputs)
+        self.stats.forward_passes += 1
+        if getattr(stage, "post_process", False) and not ins.output_buffer_ids:
+            losses = outputs[0]
+            mask = batch["loss_mask"].to(losses.dtype)
+            loss_sum = (losses.float() * mask).sum()
+            self.stats.loss_sum += float(loss_sum.detach())
+            self.stats.loss_tokens += float(mask.sum())
+            outputs = [loss_sum * self.loss_multiplier]
+        elif ins.output_buffer_ids:
+            outputs = [o if o.dtype == self.comm_dtype else o.to(self.comm_dtype) for o in outputs]
+            self._write_slots(ins.output_buffer_ids, outputs)
+        if not self.forward_only:
+            self.records[(ins.microbatch, ins.stage)] = (inputs, outputs)
+            self.stats.peak_live_records = max(self.stats.peak_live_records, len(self.records))
+
+    def _write_slots(self, buffer_ids, tensors):
+        if len(buffer_ids) == len(tensors):
+            for bid, t in zip(buffer_ids, tensors):
+                self.slots[bid] = [t]
+        elif len(buffer_ids) == 1:
+            self.slots[buffer_ids[0]] = list(tensors)
+        else:
+            raise PlanExecutionError(f"{self.rank_desc}: {len(tensors)} tensors do not fit buffers {buffer_ids}")
+
+    def _backward(self, ins: I.BackwardPass):
+        key = (ins.microbatch, ins.stage)
+        if key not in self.records:
+            raise PlanExecutionError(f"{self.rank_desc}: backward of microbatch {ins.microbatch} stage "
+                                     f"{ins.stage} without its forward")
+        inputs, outputs = self.records.pop(key)
+        if ins.buffer_ids:
+            grads = [g for bid in ins.buffer_ids for g in self.slots[bid]]
+        else:
+            grads = [torch.ones_like(outputs[0])]
+        if len(grads) != len(outputs):
+            raise PlanExecutionError(f"{self.rank_desc}: stage {ins.stage} has {len(outputs)} outputs but "
+                                     f"{len(grads)} gradients arrived")
+        _run_backward(outputs, grads)
+        self.stats.backward_passes += 1
+        if ins.output_buffer_ids:
+            in_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
+            in_grads = [g if g.dtype == self.comm_dtype else g.to(self.comm_dtype) for g in in_grads]
+            self._write_slots(ins.output_buffer_ids, in_grads)
+
+    def _free(self, ins: I.FreeBuffer):
+        for bid in ins.buffer_ids:
+            self.slots.pop(bid, None)
+
+    def _tensors(self, ins):
+        return [t for bid in ins.buffer_ids for t in self.slots[bid]]
+
+    def _send_start(self, ins, kind: str):
+        what = f"{type(ins).__name__}(microbatch={ins.microbatch}, stage={ins.stage}) to pipeline rank {ins.peer}"
+        self.sends[(kind, ins.microbatch, ins.stage)] = self.comm.isend(self._tensors(ins), ins.peer, what)
+
+    def _send_finish(self, ins, kind: str):
+        handle = self.sends.pop((kind, ins.microbatch, ins.stage))
+        self.comm.wait(handle)
+        if kind == "act" and self.free_sent_activations:
+            record = self.records.get((ins.microbatch, ins.stage))
+            stage = self.stages.get(ins.stage)
+            if record is not None and stage is not None:
+                inputs, outputs = record
+                for i in getattr(stage, "deallocatable_outputs", (0,)):
+                    o = outputs[i]
+                    if o.grad_fn is not None and all(o is not x for x in inputs):
+                        _free_data(o)
+
+    def _recv_start(self, ins, kind: str):
+        what = f"{type(ins).__name__}(microbatch={ins.microbatch}, stage={ins.stage}) from pipeline rank {ins.peer}"
+        handle = self.comm.irecv(ins.buffer_shapes, self.plan.dtype, ins.peer, what)
+        self.recvs[(kind, ins.microbatch, ins.stage)] = (handle, ins.buffer_ids)
+
+    def _recv_finish(self, ins, kind: str):
+        handle, buffer_ids = self.recvs.pop((kind, ins.microbatch, ins.stage))
+        tensors = self.comm.wait(handle)
+        for bid, t in zip(buffer_ids, tensors):
+            self.slots[bid] = [t]
+
+    _HANDLERS: Dict[type, Callable] = {
+        I.LoadInput: _load_input,
+        I.ForwardPass: _forward,
+        I.BackwardPass: _backward,
+        I.FreeBuffer: _free,
+        I.SendActivationStart: lambda self, ins: self._send_start(ins, "act"),
+        I.SendActivationFinish: lambda self, ins: self._send_finish(ins, "act"),
+        I.SendGradStart: lambda self, ins: self._send_start(ins, "grad"),
+        I.SendGradFinish: lambda self, ins: self._send_finish(ins, "grad"),
+        I.RecvActivationStart: lambda self, ins: self._recv_start(ins, "act"),
+        I.RecvActivationFinish: lambda self, ins: self._recv_finish(ins, "act"),
+        I.RecvGradStart: lambda self, ins: self._recv_start(ins, "grad"),
+        I.RecvGradFinish: lambda self, ins: self._recv_finish(ins, "grad"),
+    }
