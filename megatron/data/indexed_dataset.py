@@ -240,6 +240,20 @@ class IndexedDatasetBuilder:
         self._lengths.extend(lengths)
         self._doc_idx.append(len(self._lengths))
 
+    def add_documents(self, tokens: np.ndarray, sequence_lengths: np.ndarray,
+                      document_sequence_counts: np.ndarray) -> None:
+        """Bulk append: `tokens` is every sequence of several documents back to back,
+        `sequence_lengths` their lengths, `document_sequence_counts` the number of
+        sequences per document (0 allowed).  One write per call, no Python loop."""
+        lengths = np.asarray(sequence_lengths, dtype=np.int32)
+        counts = np.asarray(document_sequence_counts, dtype=np.int64)
+        if int(lengths.sum(dtype=np.int64)) != np.asarray(tokens).size or int(counts.sum()) != lengths.size:
+            raise IndexedDatasetError(f"{self.bin_file}: add_documents got inconsistent lengths")
+        self._write(tokens)
+        base = len(self._lengths)
+        self._lengths.frombytes(lengths.tobytes())
+        self._doc_idx.frombytes((np.cumsum(counts) + base).astype(np.int64).tobytes())
+
     def add_index(self, path_prefix: str) -> None:
         """Append a whole finished dataset (merging shards); dtypes must match."""
         other = _Index(idx_path(path_prefix))
