@@ -61,8 +61,10 @@ def validate_plans(plans: list[ExecutionPlan]) -> None:
     """Raise `PlanValidationError` unless `plans` (one per pipeline rank) can run together."""
     plans = _check_headers(plans)
     stage_to_rank = _check_stage_assignment(plans)
+    # Pairing first: a missing or mis-ordered message is best reported as a rank-pair error,
+    # before it surfaces on the receiver as "input not received".
+    _check_matching(plans, [_comm_sequences(plan) for plan in plans])
     ranks = [_RankChecker(plan, stage_to_rank).run() for plan in plans]
-    _check_matching(plans, ranks)
     _check_deadlock(plans, ranks)
 
 
@@ -327,11 +329,13 @@ class _RankChecker:
         if not ids:
             self.fail(index, instr, why)
         for j, (slot, shape) in enumerate(zip(ids, shapes)):
-            state = self.slots.get(slot)
-            if state is None or state[0] != (kind, mb, stage, j, len(ids)):
-                held = "nothing" if state is None else _tag_text(state[0])
-                self.fail(index, instr, f"{why}: slot {slot} (position {j}) holds {held}")
-            self._read(index, instr, slot, shape)
+            if slot not in self.slots:
+                self.fail(index, instr, f"{why}: slot {slot} is read before it is written or "
+                          "after it was freed")
+            state = self._read(index, instr, slot, shape)
+            if state[0] != (kind, mb, stage, j, len(ids)):
+                self.fail(index, instr, f"{why}: slot {slot} (position {j}) holds "
+                          f"{_tag_text(state[0])}")
 
     def _free(self, index, instr, slot, shape):
         state = self._read(index, instr, slot, shape) if slot in self.slots else None
@@ -368,10 +372,23 @@ def _tag_text(tag) -> str:
     return f"{what} of micro-batch {mb} (tensor {j} of {n})"
 
 
-def _check_matching(plans, ranks) -> None:
-    for a, sender in enumerate(ranks):
-        for b in range(len(ranks)):
-            sends, recvs = sender.sends.get(b, []), ranks[b].recvs.get(a, [])
+def _comm_sequences(plan):
+    """peer -> [(message, index, instruction)] for the sends and the receives of one plan, in
+    the order of their Starts (the order the channel pairs them in)."""
+    sends: dict = {}
+    recvs: dict = {}
+    for index, instr in enumerate(plan.instructions):
+        spec = _COMM.get(type(instr))
+        if spec is not None and spec[2]:
+            msg = (spec[0], instr.microbatch, instr.stage, tuple(map(tuple, instr.buffer_shapes)))
+            (sends if spec[1] else recvs).setdefault(instr.peer, []).append((msg, index, instr))
+    return sends, recvs
+
+
+def _check_matching(plans, sequences) -> None:
+    for a, (sends_of_a, _) in enumerate(sequences):
+        for b in range(len(sequences)):
+            sends, recvs = sends_of_a.get(b, []), sequences[b][1].get(a, [])
             for k in range(max(len(sends), len(recvs))):
                 pair = f"rank {a} -> rank {b}, message #{k}"
                 if k >= len(recvs):
