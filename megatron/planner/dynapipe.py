@@ -1,0 +1,374 @@
+"""DynaPipe planner: one global batch of variable-length samples -> per-DP-group micro-batches,
+recompute level, schedule and per-pipeline-rank `ExecutionPlan`s.
+
+Steps per iteration (`DynaPipePlanner.plan`):
+1. order the samples (GPT: longest first; T5: 2-D serpentine order, and plain
+   lexicographic order as a second candidate), pad lengths to `pad_multiple`;
+2. for each recompute level: build the segment-time matrix from the cost model under the
+   per-micro-batch memory limit ("1F1B fit": the micro-batch fits with S - s copies in
+   flight on stage s); if no partition fits, fall back to "single fit" (one micro-batch
+   fits), which only the memory-admitting adaptive schedule can run; cut optimally
+   (`partitioner.optimal_partition`) and split across DP groups (Karmarkar-Karp);
+3. per DP group, search schedules x micro-batch orders (`schedules.search`);
+4. keep the recompute level with the smallest iteration makespan (slowest DP group);
+5. lower the chosen per-stage orders to instruction streams (`lower_to_plans`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from megatron.planner import partitioner as part
+from megatron.planner.cost_model import RECOMPUTE_LEVELS, CostModel
+from megatron.planner.schedules import ScheduleChoice, search
+from megatron.planner.simulator import PipelineCosts
+
+
+class PlanningError(RuntimeError):
+    pass
+
+
+@dataclass
+class DynaPipeConfig:
+    """Model shape, parallel layout, memory limit and cost model of a DynaPipe planner.
+
+    GPT: `num_layers` layers split evenly over `pipeline_parallel` stages (or
+    `layers_per_stage` each, to plan a slice of a deeper model). T5: encoder stages first,
+    then decoder stages, half of the pipeline each (`pipeline_parallel` must be even).
+    Memory: `memory_limit_mb` per device; model states (16-bit weights and gradients plus
+    `optimizer_bytes_per_param` of fp32 Adam state, sharded over `zero_shards` ranks,
+    default DP) are subtracted per stage; the rest is for activations.
+    """
+
+    cost_model_path: str
+    model_kind: str = "gpt"
+    hidden_size: int = 4096
+    num_layers: int = 32
+    encoder_layers: int = 0
+    decoder_layers: int = 0
+    pipeline_parallel: int = 4
+    data_parallel: int = 1
+    tensor_parallel: int = 1
+    layers_per_stage: Optional[int] = None
+    memory_limit_mb: float = 36000.0
+    optimizer_bytes_per_param: float = 12.0
+    zero_shards: Optional[int] = None
+    recompute_levels: Tuple[str, ...] = RECOMPUTE_LEVELS
+    pad_multiple: int = 8
+    decoder_extra_tokens: int = 2  # bos/eos added to T5 targets
+    bandwidth_gbps: float = 4800.0  # per pipeline link (NVSwitch intra-node)
+    link_latency_ms: float = 0.01
+    activation_bytes: int = 2  # element size of cross-stage tensors in the cost model's runs
+    schedules: Tuple[str, ...] = ("1f1b", "adaptive")
+    max_orders: int = 2
+    dtype: str = "float32"
+    emit_plans: bool = True
+
+    def __post_init__(self):
+        if self.model_kind not in ("gpt", "t5"):
+            raise ValueError(f"model_kind must be 'gpt' or 't5', got {self.model_kind!r}")
+        if self.pipeline_parallel < 1 or self.data_parallel < 1 or self.tensor_parallel < 1:
+            raise ValueError("pipeline_parallel, data_parallel and tensor_parallel must be >= 1")
+        if self.model_kind == "t5" and self.pipeline_parallel % 2 and self.pipeline_parallel != 1:
+            raise ValueError(f"T5 needs an even pipeline_parallel (encoder half, decoder half), got {self.pipeline_parallel}")
+        bad = [r for r in self.recompute_levels if r not in RECOMPUTE_LEVELS]
+        if bad or not self.recompute_levels:
+            raise ValueError(f"recompute_levels must be a non-empty subset of {RECOMPUTE_LEVELS}, got {self.recompute_levels}")
+        for s in self.schedules:
+            if s not in ("1f1b", "adaptive"):
+                raise ValueError(f"unknown schedule {s!r}; choose from '1f1b', 'adaptive'")
+
+    def stage_layers(self) -> List[List[Tuple[str, int]]]:
+        """Per stage: [(component, layer count)]. The last stage also runs the output head."""
+        P = self.pipeline_parallel
+        if self.model_kind == "gpt":
+            n = self.layers_per_stage or self.num_layers // P
+            if n < 1 or (self.layers_per_stage is None and self.num_layers % P):
+                raise ValueError(f"{self.num_layers} GPT layers do not split evenly over {P} stages; set layers_per_stage")
+            return [[("encoder", n)] for _ in range(P)]
+        if P == 1:
+            return [[("encoder", self.layers_per_stage or self.encoder_layers),
+                     ("decoder", self.layers_per_stage or self.decoder_layers)]]
+        half = P // 2
+        ne = self.layers_per_stage or self.encoder_layers // half
+        nd = self.layers_per_stage or self.decoder_layers // half
+        if ne < 1 or nd < 1:
+            raise ValueError(f"T5 needs encoder_layers and decoder_layers >= {half} (one per stage)")
+        return [[("encoder", ne)]] * half + [[("decoder", nd)]] * half
+
+
+@dataclass
+class GroupPlan:
+    microbatches: List[List[int]]  # sample indices per micro-batch id (ids in run order)
+    shapes: List[Tuple[Tuple[int, ...], ...]]  # LoadInput shapes per micro-batch id
+    schedule: str
+    makespan_ms: float
+    peak_memory_mb: List[float]  # activation peak per pipeline rank
+    plans: list = field(default_factory=list)  # ExecutionPlan per pipeline rank
+    compute_orders: list = field(default_factory=list)  # per rank [(kind, mb, stage)]
+    result: object = None  # SimResult (chrome_trace() for a timeline)
+
+
+@dataclass
+class DynaPipeIterationPlan:
+    iteration: int
+    recompute: str
+    groups: List[GroupPlan]
+    makespan_ms: float
+    padding_efficiency: float
+    planning_ms: float
+    memory_fallback: bool  # True when only the admission-controlled schedule fits
+
+
+class DynaPipePlanner:
+    """Keeps the cost model and per-length cost caches across iterations."""
+
+    def __init__(self, config: DynaPipeConfig, cost_model: Optional[CostModel] = None):
+        self.cfg = config
+        self.cm = cost_model or CostModel.load(config.cost_model_path)
+        if self.cm.kind != config.model_kind:
+            raise ValueError(f"cost model {self.cm.name!r} is for {self.cm.kind!r}, config is {config.model_kind!r}")
+        self.layout = config.stage_layers()
+        self.S = len(self.layout)
+        self.available = self._available_memory()
+        self._cache = {}
+
+    # ---- memory -----------------------------------------------------------------------
+    def _available_memory(self) -> np.ndarray:
+        c, tp = self.cfg, self.cfg.tensor_parallel
+        zero = c.zero_shards or c.data_parallel
+        per_param = (4.0 + c.optimizer_bytes_per_param / zero) / 2.0  # x 16-bit parameter MB
+        avail = []
+        for s, comps in enumerate(self.layout):
+            mb = sum(n * self.cm.param_mb(comp, tp) for comp, n in comps)
+            first_dec = c.model_kind == "t5" and s == self.S // 2
+            if s == 0 or s == self.S - 1 or first_dec:  # embeddings (tied output head on the last)
+                mb += self.cm.param_mb("embedding", tp)
+            avail.append(c.memory_limit_mb - mb * per_param)
+        avail = np.array(avail)
+        if (avail <= 0).any():
+            s = int(np.argmin(avail))
+            raise PlanningError(f"model states alone exceed memory_limit_mb={c.memory_limit_mb} on stage {s}")
+        return avail
+
+    # ---- costs ------------------------------------------------------------------------
+    def stage_costs(self, rc: str, mbs, enc, dec=None) -> dict:
+        """Per-stage arrays (S, *shape): fwd, bwd, stored, transient, peak; and 'comm'."""
+        tp, out = self.cfg.tensor_parallel, {k: [] for k in ("fwd", "bwd", "stored", "peak")}
+        mbs, enc = np.asarray(mbs, float), np.asarray(enc, float)
+        mbs, enc = np.broadcast_arrays(mbs, enc)
+        for s, comps in enumerate(self.layout):
+            f = b = st = 0.0
+            pk = None
+            for comp, n in comps:
+                c = self.cm.layer(comp, tp, rc, mbs, enc, dec)
+                f, b = f + n * c["forward_ms"], b + n * c["backward_ms"]
+                peak = st + c["stored_mb"] * (n - 1) + c["peak_mb"]
+                pk = peak if pk is None else np.maximum(pk, peak)
+                st = st + n * c["stored_mb"]
+            if s == self.S - 1:
+                p = self.cm.postprocess(tp, rc, mbs, enc if dec is None else dec)
+                f, b = f + p["forward_ms"], b + p["backward_ms"]
+            for k, v in zip(("fwd", "bwd", "stored", "peak"), (f, b, st, pk)):
+                out[k].append(np.broadcast_to(v, mbs.shape))
+        out = {k: np.stack(v) for k, v in out.items()}
+        with np.errstate(invalid="ignore"):  # inf - inf where the shape is infeasible
+            out["transient"] = np.nan_to_num(out["peak"] - out["stored"], nan=np.inf)
+        tokens = mbs * (enc if dec is None else enc + dec)  # T5 decoder stages also pass the encoder output
+        comm = tokens * self.cfg.hidden_size / tp * self.cfg.activation_bytes * 8 / (self.cfg.bandwidth_gbps * 1e6)
+        out["comm"] = np.broadcast_to(comm + self.cfg.link_latency_ms, out["fwd"].shape)
+        return out
+
+    def _feasible(self, sc: dict, fit: str) -> np.ndarray:
+        S = self.S
+        inflight = (S - np.arange(S)) if fit == "1f1b" else np.ones(S)
+        shape = (S,) + (1,) * (sc["peak"].ndim - 1)
+        with np.errstate(invalid="ignore"):
+            need = (inflight.reshape(shape) - 1) * sc["stored"] + sc["peak"]
+        ok = (need <= self.available.reshape(shape)) & np.isfinite(sc["fwd"]) & np.isfinite(sc["bwd"])
+        return ok.all(axis=0)
+
+    def _gpt_segments(self, rc, fit, padded: np.ndarray) -> np.ndarray:
+        """(N, M) bottleneck times for GPT. The cost depends only on (first = longest
+        length, size), so rows are cached per padded length across iterations; a row
+        stops at the first infeasible size (memory grows with micro-batch size)."""
+        cache = self._cache.setdefault((rc, fit), {})
+        uniq, inv = np.unique(padded, return_inverse=True)
+        todo, size = [L for L in uniq.tolist() if L not in cache], 64
+        while todo:
+            m = np.arange(1, size + 1, dtype=float)
+            sc = self.stage_costs(rc, m[None, :], np.array(todo, float)[:, None])
+            T = np.where(self._feasible(sc, fit), (sc["fwd"] + sc["bwd"]).max(axis=0), np.inf)
+            left = []
+            for L, row in zip(todo, T):
+                bad = np.nonzero(~np.isfinite(row))[0]
+                if len(bad) and bad[-1] == size - 1 or size >= 4096:
+                    last = np.nonzero(np.isfinite(row))[0]
+                    cache[L] = row[: (last[-1] + 1 if len(last) else 1)]
+                else:
+                    left.append(L)
+            todo, size = left, size * 4
+        rows = [cache[L] for L in uniq.tolist()]
+        M = min(len(padded), max(len(r) for r in rows))
+        out = np.full((len(uniq), M), np.inf)
+        for k, r in enumerate(rows):
+            out[k, : min(M, len(r))] = r[:M]
+        return out[inv]
+
+    def _t5_segments(self, rc, fit, enc: np.ndarray, dec: np.ndarray, M: int) -> np.ndarray:
+        N = len(enc)
+        idx = np.minimum(np.arange(N)[:, None] + np.arange(M)[None, :], N - 1)
+        e = np.maximum.accumulate(enc[idx], axis=1)
+        d = np.maximum.accumulate(dec[idx], axis=1)
+        m = np.broadcast_to(np.arange(1, M + 1, dtype=float), (N, M))
+        sc = self.stage_costs(rc, m, e, d)
+        return np.where(self._feasible(sc, fit), (sc["fwd"] + sc["bwd"]).max(axis=0), np.inf)
+
+    def segment_times(self, rc: str, fit: str, enc: np.ndarray, dec: Optional[np.ndarray]) -> np.ndarray:
+        """Segment-time matrix for samples already in planning order, padded."""
+        if dec is None:
+            return self._gpt_segments(rc, fit, enc)
+        N, M = len(enc), min(32, len(enc))
+        while True:  # grow the size axis until a whole column is infeasible
+            T = self._t5_segments(rc, fit, enc, dec, M)
+            if M >= N or not np.isfinite(T[:, -1]).any():
+                return T
+            M = min(N, 2 * M)
+
+    # ---- planning ---------------------------------------------------------------------
+    def _pad(self, x, extra=0):
+        q = self.cfg.pad_multiple
+        return (np.asarray(x, dtype=np.int64) + extra + q - 1) // q * q
+
+    def plan(self, lengths, iteration: int = 0) -> DynaPipeIterationPlan:
+        t_start = time.perf_counter()
+        c = self.cfg
+        if len(lengths) == 0:
+            raise PlanningError(f"iteration {iteration}: empty batch")
+        if c.model_kind == "gpt":
+            lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
+            orders = [part.order_by_length(lens)]
+            enc_all, dec_all = self._pad(lens), None
+        else:
+            pairs = np.asarray(lengths, dtype=np.int64).reshape(-1, 2)
+            orders = [part.order_2d(pairs), part.order_lexicographic(pairs)]
+            enc_all, dec_all = self._pad(pairs[:, 0]), self._pad(pairs[:, 1], c.decoder_extra_tokens)
+        best = None  # (makespan, rc, fit, order, partition, groups[(mb_ids, ScheduleChoice)])
+        errors = []
+        for rc in c.recompute_levels:
+            if not self.cm.has(c.tensor_parallel, rc):
+                continue
+            for fit in ("1f1b", "single"):
+                cand = self._best_partition(rc, fit, orders, enc_all, dec_all, errors)
+                if cand is None:
+                    continue
+                order, p = cand
+                got = self._schedule_groups(rc, order, p, enc_all, dec_all, best[0] if best else np.inf)
+                if got is not None and (best is None or got[0] < best[0]):
+                    best = (got[0], rc, fit, order, p, got[1])
+                break  # "single" is only a fallback when no 1F1B-fit partition exists
+        if best is None:
+            why = "; ".join(errors[-3:]) or "no schedule fits in memory"
+            raise PlanningError(f"iteration {iteration}: no feasible plan ({why})")
+        return self._finish(best, iteration, lengths, enc_all, dec_all, t_start)
+
+    def _best_partition(self, rc, fit, orders, enc_all, dec_all, errors):
+        best = None
+        for order in orders:
+            enc = enc_all[order]
+            dec = None if dec_all is None else dec_all[order]
+            T = self.segment_times(rc, fit, enc, dec)
+            try:
+                p = part.optimal_partition(T, self.S, self.cfg.data_parallel)
+            except part.PartitionError as e:
+                errors.append(f"recompute={rc}, fit={fit}: {e}")
+                continue
+            if best is None or p.objective < best[1].objective:
+                best = (order, p)
+        return best
+
+    def _mb_costs(self, rc, order, p, enc_all, dec_all) -> Tuple[PipelineCosts, list]:
+        b = p.boundaries
+        samples = [order[b[k]:b[k + 1]] for k in range(len(b) - 1)]
+        mbs = np.array([len(s) for s in samples], float)
+        enc = np.array([enc_all[s].max() for s in samples], float)
+        dec = None if dec_all is None else np.array([dec_all[s].max() for s in samples], float)
+        sc = self.stage_costs(rc, mbs, enc, dec)
+        costs = PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]))
+        return costs, samples
+
+    def _schedule_groups(self, rc, order, p, enc_all, dec_all, bound):
+        if p.num_microbatches < self.cfg.data_parallel:
+            return None
+        costs, _ = self._mb_costs(rc, order, p, enc_all, dec_all)
+        groups = part.balance_groups(p.times, self.cfg.data_parallel)
+        out, makespan = [], 0.0
+        for g in groups:
+            sub = costs.subset(g)
+            orders = None
+            ch = search(sub, self.available, orders=orders, schedules=self.cfg.schedules, bound=bound,
+                        max_orders=self.cfg.max_orders)
+            if ch is None:
+                return None
+            makespan = max(makespan, ch.result.makespan)
+            out.append((g, ch))
+        return makespan, out
+
+    def _finish(self, best, iteration, lengths, enc_all, dec_all, t_start) -> DynaPipeIterationPlan:
+        makespan, rc, fit, order, p, groups = best
+        _, samples = self._mb_costs(rc, order, p, enc_all, dec_all)
+        group_plans = []
+        real = computed = 0
+        for g, ch in groups:
+            gp = self._group_plan(rc, ch, [samples[i] for i in g], enc_all, dec_all, iteration)
+            group_plans.append(gp)
+        for s in samples:
+            computed += len(s) * (enc_all[s].max() + (0 if dec_all is None else dec_all[s].max()))
+        raw = np.asarray(lengths, dtype=np.int64)
+        real = int(raw.sum())
+        return DynaPipeIterationPlan(
+            iteration=iteration, recompute=rc, groups=group_plans, makespan_ms=float(makespan),
+            padding_efficiency=real / float(computed), planning_ms=(time.perf_counter() - t_start) * 1e3,
+            memory_fallback=(fit == "single"))
+
+    def _group_plan(self, rc, ch: ScheduleChoice, samples, enc_all, dec_all, iteration) -> GroupPlan:
+        # Renumber micro-batches so that id k is the k-th one forwarded (the data loader
+        # yields them in id order).
+        rank_of = {old: new for new, old in enumerate(ch.order)}
+        mbs = [samples[old] for old in ch.order]
+        h, t5 = self.cfg.hidden_size, dec_all is not None
+        shapes, act = [], []
+        for s in mbs:
+            b, se = len(s), int(enc_all[s].max())
+            sd = int(dec_all[s].max()) if t5 else 0
+            shapes.append(((b, se), (b, sd)) if t5 else ((b, se),))
+            act.append((b, se, sd))
+        orders = [[(op.kind, rank_of[op.microbatch], op.stage) for op in stage_ops] for stage_ops in ch.orders]
+        plans = []
+        if self.cfg.emit_plans:
+            from megatron.pipeline.lowering import ComputeOp, lower_to_plans
+            half = self.S // 2
+
+            def activation_shapes(mb, stage):
+                b, se, sd = act[mb]
+                if not t5:
+                    return ((se, b, h),)
+                if self.S > 1 and stage < half:
+                    return ((se, b, h),)
+                return ((sd, b, h), (se, b, h))
+
+            plans = lower_to_plans([[ComputeOp(*o) for o in ops] for ops in orders], list(range(self.S)),
+                                   shapes, activation_shapes, recompute=rc, dtype=self.cfg.dtype,
+                                   iteration=iteration)
+        return GroupPlan([[int(i) for i in s] for s in mbs], shapes, ch.name, float(ch.result.makespan),
+                         [float(x) for x in ch.result.peak_memory], plans, orders, ch.result)
+
+
+def plan_batch(lengths, config: DynaPipeConfig, iteration: int = 0,
+               planner: Optional[DynaPipePlanner] = None) -> DynaPipeIterationPlan:
+    """Plan one global batch. `lengths`: GPT list[int]; T5 list[(input_len, target_len)].
+    Pass a long-lived `planner` to reuse its cost caches across iterations."""
+    return (planner or DynaPipePlanner(config)).plan(lengths, iteration)

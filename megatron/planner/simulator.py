@@ -1,0 +1,185 @@
+"""Event-driven simulation of a pipeline iteration.
+
+Input: per-stage, per-micro-batch costs (`PipelineCosts`) and, per rank, the order in which
+it runs its forward (F) and backward (B) passes. Each rank has one compute stream; every
+directed rank pair has one link that carries one transfer at a time (activations forward,
+gradients backward). An op starts when its rank is free and its inputs have arrived:
+F(mb, s) needs F(mb, s-1)'s output, B(mb, s) needs B(mb, s+1)'s gradient and F(mb, s).
+
+Activation memory per rank: a forward keeps `stored[s, mb]` until the matching backward
+ends; while an op runs, `transient[s, mb]` more is live (working set above what is kept).
+Memory counts activations only; model states are subtracted from the device limit by the
+caller. The result carries per-op times, the memory trace and a Chrome-trace export.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+
+class Op(NamedTuple):
+    kind: str  # "F" or "B"
+    microbatch: int
+    stage: int
+
+
+class SimulationError(RuntimeError):
+    pass
+
+
+@dataclass
+class PipelineCosts:
+    """All arrays are (num_stages, num_microbatches); times in ms, memory in MB.
+
+    `comm[s, mb]` is the transfer time of stage s's output activation to stage s+1 (the
+    gradient that comes back has the same size, so the same time); the last row is unused.
+    """
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    stored: np.ndarray
+    transient: np.ndarray
+    comm: np.ndarray
+
+    def __post_init__(self):
+        shapes = {np.shape(a) for a in (self.fwd, self.bwd, self.stored, self.transient, self.comm)}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+            raise ValueError(f"PipelineCosts arrays must share one (stages, microbatches) shape, got {shapes}")
+
+    @property
+    def num_stages(self) -> int:
+        return self.fwd.shape[0]
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.fwd.shape[1]
+
+    def subset(self, mbs: Sequence[int]) -> "PipelineCosts":
+        idx = np.asarray(mbs, dtype=np.int64)
+        return PipelineCosts(*(a[:, idx] for a in (self.fwd, self.bwd, self.stored, self.transient, self.comm)))
+
+
+@dataclass
+class SimResult:
+    makespan: float
+    start: Dict[Op, float]
+    end: Dict[Op, float]
+    peak_memory: List[float]  # per rank
+    memory_trace: List[List[Tuple[float, float]]]  # per rank: (time, MB) after each change
+    orders: List[List[Op]]  # per rank
+    comm: List[Tuple[str, int, int, int, int, float, float]] = field(default_factory=list)
+
+    def chrome_trace(self) -> dict:
+        """Chrome/Perfetto trace: one row per rank; memory as counters; transfers as slices."""
+        ev = []
+        for op, t0 in self.start.items():
+            rank = next(r for r, order in enumerate(self.orders) if op in order)
+            ev.append({"name": f"{op.kind}{op.microbatch}", "cat": "compute", "ph": "X", "pid": rank,
+                       "tid": 0, "ts": t0 * 1e3, "dur": (self.end[op] - t0) * 1e3,
+                       "args": {"stage": op.stage, "microbatch": op.microbatch}})
+        for kind, mb, stage, src, dst, t0, t1 in self.comm:
+            ev.append({"name": f"{kind}{mb}", "cat": "comm", "ph": "X", "pid": src, "tid": 1,
+                       "ts": t0 * 1e3, "dur": (t1 - t0) * 1e3, "args": {"to_rank": dst, "stage": stage}})
+        for rank, trace in enumerate(self.memory_trace):
+            for t, mem in trace:
+                ev.append({"name": "activation MB", "ph": "C", "pid": rank, "ts": t * 1e3, "args": {"MB": mem}})
+        for rank in range(len(self.orders)):
+            ev.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"pipeline rank {rank}"}})
+        return {"traceEvents": ev, "displayTimeUnit": "ms"}
+
+    def save_chrome_trace(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.chrome_trace(), f)
+
+
+def simulate(costs: PipelineCosts, orders: Sequence[Sequence[Op]],
+             stage_to_rank: Optional[Sequence[int]] = None) -> SimResult:
+    """Replay fixed per-rank op orders; raises SimulationError on a dependency deadlock."""
+    S, K = costs.num_stages, costs.num_microbatches
+    stage_to_rank = list(range(S)) if stage_to_rank is None else list(stage_to_rank)
+    R = len(orders)
+    fwd, bwd, stored, trans, comm = (a.tolist() for a in
+                                     (costs.fwd, costs.bwd, costs.stored, costs.transient, costs.comm))
+    arrival: Dict[Op, float] = {}  # when an op's input from another stage is available here
+    start: Dict[Op, float] = {}
+    end: Dict[Op, float] = {}
+    link_free: Dict[Tuple[int, int], float] = {}
+    transfers = []
+    free_at = [0.0] * R
+    mem = [0.0] * R
+    peak = [0.0] * R
+    trace: List[List[Tuple[float, float]]] = [[(0.0, 0.0)] for _ in range(R)]
+    ptr = [0] * R
+    remaining = sum(len(o) for o in orders)
+
+    def send(kind, mb, s_from, s_to, t_ready):
+        src, dst = stage_to_rank[s_from], stage_to_rank[s_to]
+        consumer = Op(kind, mb, s_to)
+        if src == dst:
+            arrival[consumer] = t_ready
+            return
+        dur = comm[min(s_from, s_to)][mb]
+        t0 = max(t_ready, link_free.get((src, dst), 0.0))
+        link_free[(src, dst)] = t0 + dur
+        arrival[consumer] = t0 + dur
+        transfers.append(("act" if kind == "F" else "grad", mb, s_from, src, dst, t0, t0 + dur))
+
+    while remaining:
+        progressed = False
+        for r in range(R):
+            order = orders[r]
+            while ptr[r] < len(order):
+                op = order[ptr[r]]
+                kind, mb, s = op
+                if kind == "F":
+                    if s > 0 and op not in arrival:
+                        break
+                    ready = arrival.get(op, 0.0)
+                else:
+                    f_op = Op("F", mb, s)
+                    if f_op not in end or (s < S - 1 and op not in arrival):
+                        break
+                    ready = max(end[f_op], arrival.get(op, 0.0))
+                t0 = max(free_at[r], ready)
+                if kind == "F":
+                    t1 = t0 + fwd[s][mb]
+                    hi = mem[r] + stored[s][mb] + trans[s][mb]
+                    mem[r] += stored[s][mb]
+                else:
+                    t1 = t0 + bwd[s][mb]
+                    hi = mem[r] + trans[s][mb]
+                    mem[r] -= stored[s][mb]
+                peak[r] = max(peak[r], hi)
+                trace[r].append((t0, hi))
+                trace[r].append((t1, mem[r]))
+                start[op], end[op] = t0, t1
+                free_at[r] = t1
+                if kind == "F" and s < S - 1:
+                    send("F", mb, s, s + 1, t1)
+                elif kind == "B" and s > 0:
+                    send("B", mb, s, s - 1, t1)
+                ptr[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            heads = {r: orders[r][ptr[r]] for r in range(R) if ptr[r] < len(orders[r])}
+            raise SimulationError(f"schedule deadlocks: every rank waits; next ops per rank: {heads}")
+    makespan = max(end.values()) if end else 0.0
+    return SimResult(makespan, start, end, peak, trace, [list(o) for o in orders], transfers)
+
+
+def check_dependencies(result: SimResult, costs: PipelineCosts, stage_to_rank=None) -> None:
+    """Assert-style re-check used by tests: every op starts after its inputs are complete."""
+    S = costs.num_stages
+    for op, t0 in result.start.items():
+        kind, mb, s = op
+        if kind == "F" and s > 0 and t0 < result.end[Op("F", mb, s - 1)] - 1e-9:
+            raise SimulationError(f"{op} starts before F({mb},{s - 1}) ends")
+        if kind == "B":
+            if t0 < result.end[Op("F", mb, s)] - 1e-9:
+                raise SimulationError(f"{op} starts before its forward ends")
+            if s < S - 1 and t0 < result.end[Op("B", mb, s + 1)] - 1e-9:
+                raise SimulationError(f"{op} starts before B({mb},{s + 1}) ends")
