@@ -103,7 +103,48 @@ class GPTStage(nn.Module):
         losses = vocab_parallel_cross_entropy(logits, labels, self.ps.tp_group, self.cfg.vocab_size)
         return [losses.transpose(0, 1)]  # [b, s]
 
-    def activation_shapes(self, microbatch_shape, micro_batch_size=None):
-        """Shapes of this stage's outputs for a micro-batch of token shape (b, s)."""
-        b, s = microbatch_shape[0]
-        return ((s, b, self.cfg.hidden_size),)
+
+def gpt_activation_shapes(cfg: ModelConfig, microbatch_shapes):
+    """(mb, stage) -> shapes of the stage's output: [s, b, h] for every GPT stage boundary."""
+    def shapes(mb, stage):
+        b, s = microbatch_shapes[mb][0]
+        return ((s, b, cfg.hidden_size),)
+    return shapes
+
+
+def num_model_chunks(cfg) -> int:
+    p = cfg.parallel
+    if p.num_layers_per_virtual_pipeline_stage is None:
+        return 1
+    return cfg.model.num_layers // p.pipeline_model_parallel_size // p.num_layers_per_virtual_pipeline_stage
+
+
+def build_gpt_stages(cfg, ps: ParallelState) -> dict:
+    """The GPT stages this pipeline rank owns: {stage id: GPTStage}. Stage k*PP + r lives on
+    pipeline rank r (Megatron's interleaved placement; k = 0 without virtual stages)."""
+    from megatron.planner.static import stage_layer_split
+    pp = ps.pp_size
+    chunks = num_model_chunks(cfg)
+    num_stages = pp * chunks
+    split = stage_layer_split(cfg.model.num_layers, num_stages, cfg.parallel.pipeline_stage_layers)
+    starts = [sum(split[:i]) for i in range(num_stages)]
+    stages = {}
+    for k in range(chunks):
+        sid = k * pp + ps.pp_rank
+        stages[sid] = GPTStage(cfg.model, ps, layer_start=starts[sid], layer_end=starts[sid] + split[sid],
+                               pre_process=sid == 0, post_process=sid == num_stages - 1,
+                               seed=cfg.training.seed, recompute_method=cfg.training.recompute_method,
+                               recompute_num_layers=cfg.training.recompute_num_layers)
+    return stages
+
+
+def tied_embedding_params(stages: dict, num_stages: int) -> list:
+    """Word-embedding copies that must stay equal across the first and last stage (PP > 1)."""
+    out = []
+    if 0 in stages and (num_stages - 1) not in stages:
+        out.append(stages[0].embedding.word_embeddings.weight)
+    last = stages.get(num_stages - 1)
+    if last is not None and 0 not in stages and getattr(getattr(last, "output_layer", None), "weight", None) is not None \
+            and getattr(last.output_layer.weight, "shared_embedding", False):
+        out.append(last.output_layer.weight)
+    return out

@@ -1,0 +1,114 @@
+"""Megatron-style progress lines, model-FLOPs accounting and TensorBoard scalars."""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+from megatron.config import MegatronConfig, ModelConfig
+from megatron.core.parallel_state import ParallelState
+
+
+def is_rank_last(ps: ParallelState) -> bool:
+    return ps.rank == ps.world_size - 1
+
+
+def print_rank_last(ps: ParallelState, msg: str) -> None:
+    if is_rank_last(ps):
+        print(msg, flush=True)
+
+
+def print_rank_0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def gpt_flops_per_sample(m: ModelConfig, padded_vocab: int, seq_len: Optional[int] = None) -> float:
+    """Model FLOPs (forward + backward, no recomputation) of one sample: Megatron's formula.
+
+    Per token and layer the forward does 2*(3 h p) QKV, 2*2 s p attention, 2 p h projection and
+    2*2 h f MLP multiply-adds; backward is twice the forward. With p = h and f = 4h this is
+    72 B s L h^2 (1 + s/6h + V/12Lh) per batch."""
+    s = seq_len or m.seq_length
+    h, p, f = m.hidden_size, m.projection_size, m.ffn_hidden_size
+    per_token_layer = 3 * (2 * 3 * h * p + 4 * s * p + 2 * p * h + 4 * h * f)
+    return s * (m.num_layers * per_token_layer + 3 * 2 * h * padded_vocab)
+
+
+class MetricsLogger:
+    def __init__(self, cfg: MegatronConfig, ps: ParallelState, flops_per_sample: float):
+        self.cfg, self.ps = cfg, ps
+        self.flops_per_sample = flops_per_sample
+        self.active = is_rank_last(ps)
+        self.writer = None
+        if self.active and cfg.logging.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                print("warning: --tensorboard-dir given but tensorboard is not installed "
+                      "(pip install tensorboard); scalars are not written", file=sys.stderr)
+            else:
+                self.writer = SummaryWriter(log_dir=cfg.logging.tensorboard_dir, max_queue=100)
+        self._reset()
+
+    def _reset(self):
+        self.n = 0
+        self.loss_sum = 0.0
+        self.time_s = 0.0
+        self.tokens = 0.0
+        self.nan_iters = 0
+        self.window_start = time.perf_counter()
+
+    def record(self, iteration: int, consumed: int, out: dict, lr: float, loss_scale: float,
+               skipped_total: int) -> None:
+        if not self.active:
+            return
+        loss = out["loss"]
+        if math.isfinite(loss):
+            self.loss_sum += loss
+            self.n += 1
+        else:
+            self.nan_iters += 1
+        self.time_s += out["time_s"]
+        self.tokens += out["tokens"]
+        if self.writer is not None:
+            self.writer.add_scalar("lm loss", loss, iteration)
+            self.writer.add_scalar("learning-rate", lr, iteration)
+            if out["grad_norm"] is not None:
+                self.writer.add_scalar("grad-norm", out["grad_norm"], iteration)
+            self.writer.add_scalar("loss-scale", loss_scale, iteration)
+        if iteration % self.cfg.logging.log_interval != 0:
+            return
+        iters = max(self.n + self.nan_iters, 1)
+        ms = 1000.0 * self.time_s / iters
+        tokens_per_s = self.tokens / max(self.time_s, 1e-9)
+        gbs = self.cfg.training.global_batch_size
+        tflops = self.flops_per_sample * gbs / max(self.time_s / iters, 1e-9) / self.ps.world_size / 1e12
+        gn = out["grad_norm"]
+        line = (f" iteration {iteration:8d}/{self.cfg.training.train_iters:8d} | consumed samples: {consumed:12d} | "
+                f"consumed tokens: {int(consumed * self.cfg.model.seq_length):14d} | "
+                f"elapsed time per iteration (ms): {ms:.1f} | tokens/s: {tokens_per_s:.1f} | "
+                f"TFLOP/s/device: {tflops:.3f} | learning rate: {lr:.6E} | global batch size: {gbs:5d} | "
+                f"lm loss: {self.loss_sum / max(self.n, 1):.6E} | "
+                f"loss scale: {loss_scale:.1f} | grad norm: {'nan' if gn is None else f'{gn:.3f}'} | "
+                f"number of skipped iterations: {skipped_total:3d} | number of nan iterations: {self.nan_iters:3d} |")
+        print(line, flush=True)
+        if self.writer is not None:
+            self.writer.add_scalar("iteration-time", ms / 1000.0, iteration)
+            self.writer.add_scalar("throughput/tokens-per-second", tokens_per_s, iteration)
+            self.writer.add_scalar("throughput/tflops-per-device", tflops, iteration)
+            self.writer.flush()
+        self._reset()
+
+    def log_validation(self, iteration: int, loss: Optional[float]) -> None:
+        if not self.active or loss is None:
+            return
+        ppl = math.exp(min(20.0, loss))
+        print(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |",
+              flush=True)
+        if self.writer is not None:
+            self.writer.add_scalar("lm loss validation", loss, iteration)
+            self.writer.flush()

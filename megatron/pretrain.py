@@ -1,0 +1,86 @@
+"""Wiring shared by the entry points: process groups, tokenizer, datasets, model stages,
+planner, trainer, checkpoints. `run_pretraining(cfg)` returns the process exit code."""
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch.distributed as dist
+
+from megatron.batching import gpt_microbatch
+from megatron.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
+from megatron.config import MegatronConfig
+from megatron.initialize import initialize_megatron
+from megatron.logging_utils import gpt_flops_per_sample, print_rank_0
+
+
+def _tokenizer(cfg: MegatronConfig):
+    d = cfg.data
+    if d.tokenizer_type is None:
+        return None
+    from megatron.tokenizer import build_tokenizer
+    return build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+                           tokenizer_model=d.tokenizer_model, vocab_size=cfg.model.vocab_size,
+                           vocab_extra_ids=d.vocab_extra_ids)
+
+
+def gpt_datasets(cfg: MegatronConfig):
+    t = cfg.training
+    n_train = t.train_iters * t.global_batch_size
+    n_valid = (t.train_iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size
+    if cfg.data.mock_data:
+        from megatron.data.mock_dataset import MockGPTDataset
+        return (MockGPTDataset(n_train, cfg.model.seq_length, cfg.model.vocab_size, t.seed),
+                MockGPTDataset(n_valid, cfg.model.seq_length, cfg.model.vocab_size, t.seed + 1))
+    from megatron.data.gpt_dataset import build_gpt_datasets
+    train, valid, _ = build_gpt_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length, t.seed,
+                                         (n_train, n_valid, 0), cfg.data.data_cache_path)
+    return train, valid
+
+
+def build_gpt_trainer(cfg: MegatronConfig, ps, device):
+    from megatron.models.gpt import (build_gpt_stages, gpt_activation_shapes, num_model_chunks,
+                                     tied_embedding_params)
+    from megatron.training import FixedBatchPlanner, Trainer
+    tokenizer = _tokenizer(cfg)
+    if tokenizer is not None:
+        cfg.model.vocab_size = tokenizer.vocab_size
+    train_ds, valid_ds = gpt_datasets(cfg)
+    stages = build_gpt_stages(cfg, ps)
+    chunks = num_model_chunks(cfg)
+    planner = FixedBatchPlanner(cfg.parallel.pipeline_schedule, ps.pp_size, chunks,
+                                lambda shapes: gpt_activation_shapes(cfg.model, shapes),
+                                cfg.training.recompute_level, cfg.training.params_dtype_name)
+    tied = [] if cfg.model.untie_embeddings_and_output_weights else tied_embedding_params(stages, ps.pp_size * chunks)
+    flops = gpt_flops_per_sample(cfg.model, cfg.model.padded_vocab_size(ps.tp_size))
+    return Trainer(cfg, ps, device, stages, train_ds=train_ds, valid_ds=valid_ds, collate_fn=gpt_microbatch,
+                   planner=planner, tied_params=tied, flops_per_sample=flops)
+
+
+def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int:
+    ps, device = initialize_megatron(cfg)
+    try:
+        print_rank_0(f"> {cfg.model.model_type.upper()}: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
+                     f"TP={ps.tp_size} PP={ps.pp_size} DP={ps.dp_size}, global batch "
+                     f"{cfg.training.global_batch_size} = {cfg.num_microbatches} micro-batches x "
+                     f"{cfg.training.micro_batch_size} x DP {ps.dp_size}")
+        trainer = build_trainer(cfg, ps, device)
+        if cfg.checkpoint.load:
+            load_checkpoint(trainer)
+        trainer.train(save_fn=save_checkpoint if cfg.checkpoint.save else None)
+        if cfg.checkpoint.save and (not cfg.checkpoint.save_interval
+                                    or trainer.iteration % cfg.checkpoint.save_interval != 0):
+            save_checkpoint(trainer)
+        return 0
+    except CheckpointError as e:
+        print(f"{ps.describe()}: checkpoint error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except Exception:
+        print(f"{ps.describe()}: training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass

@@ -1,0 +1,165 @@
+"""pretrain(): data -> planner -> executor -> gradient reduction -> optimizer -> log/checkpoint.
+
+Every step runs planner-written `ExecutionPlan`s through `PipelineExecutor`, also at PP=1, so
+a new schedule (DynaPipe, TeraPipe, ...) is a new planner, not a new training loop.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.batching import fixed_microbatch_indices
+from megatron.config import MegatronConfig
+from megatron.core.distributed import allreduce_data_parallel_grads, allreduce_embedding_grads
+from megatron.core.optimizer import LRScheduler, MegatronOptimizer
+from megatron.core.parallel_state import ParallelState
+from megatron.logging_utils import MetricsLogger, print_rank_last
+from megatron.pipeline.executor import PipelineExecutor
+from megatron.pipeline.p2p import DTYPES, P2PCommunicator
+
+
+class FixedBatchPlanner:
+    """Megatron's static schedules (1F1B / GPipe / interleaved) for fixed-shape micro-batches.
+
+    Plans depend only on the micro-batch shapes, so they are built (and validated) once per
+    distinct shape set and reused."""
+
+    def __init__(self, schedule: str, pp_size: int, num_model_chunks: int, activation_shapes_fn: Callable,
+                 recompute: str, dtype: str):
+        self.schedule = "interleaved" if num_model_chunks > 1 else schedule
+        self.pp_size, self.num_model_chunks = pp_size, num_model_chunks
+        self.activation_shapes_fn, self.recompute, self.dtype = activation_shapes_fn, recompute, dtype
+        self._cache: Dict[tuple, list] = {}
+
+    def plans(self, iteration: int, microbatch_shapes: Sequence[tuple]) -> list:
+        from megatron.planner.static import build_static_plans
+        key = tuple(microbatch_shapes)
+        if key not in self._cache:
+            self._cache[key] = build_static_plans(
+                self.schedule, len(microbatch_shapes), self.pp_size, self.num_model_chunks,
+                list(microbatch_shapes), self.activation_shapes_fn(list(microbatch_shapes)),
+                recompute=self.recompute, dtype=self.dtype, iteration=iteration)
+        return [dataclasses.replace(p, iteration=iteration) for p in self._cache[key]]
+
+
+def _all_reduce_sum(values: List[float], group, size: int) -> List[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if group is not None and size > 1:
+        dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+class Trainer:
+    def __init__(self, cfg: MegatronConfig, ps: ParallelState, device: torch.device,
+                 stages: Dict[int, nn.Module], *, train_ds, valid_ds=None, collate_fn: Callable,
+                 planner, tied_params: List[nn.Parameter], flops_per_sample: float = 0.0):
+        self.cfg, self.ps, self.device = cfg, ps, device
+        self.stages = stages
+        for m in stages.values():
+            m.to(device)
+        self.modules = [stages[k] for k in sorted(stages)]
+        self.train_ds, self.valid_ds, self.collate_fn = train_ds, valid_ds, collate_fn
+        self.planner, self.tied_params = planner, tied_params
+        t = cfg.training
+        self.lr_scheduler = LRScheduler(t)
+        self.optimizer = MegatronOptimizer(self.modules, t, ps, self.lr_scheduler, device)
+        comm = None
+        if ps.pp_size > 1:
+            comm = P2PCommunicator(ps.pp_global_ranks, ps.rank, ps.pp_group, ps.timeout, device)
+        autocast = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else None
+        self.comm_dtype_name = t.params_dtype_name
+        self.executor = PipelineExecutor(stages, comm, rank_desc=ps.describe(), autocast_dtype=autocast,
+                                         device=device, comm_dtype=DTYPES[self.comm_dtype_name])
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.skipped_iters = 0
+        self.logger = MetricsLogger(cfg, ps, flops_per_sample)
+
+    # -- data ----------------------------------------------------------------------------
+    def _microbatches(self, dataset, consumed: int) -> List[dict]:
+        t = self.cfg.training
+        idx = fixed_microbatch_indices(consumed, t.global_batch_size, t.micro_batch_size,
+                                       self.ps.dp_rank, self.ps.dp_size)
+        n = len(dataset)
+        if idx and idx[-1][-1] >= n:
+            raise RuntimeError(f"the dataset has {n} samples but iteration {self.iteration + 1} needs sample "
+                               f"{idx[-1][-1]}; build it for --train-iters x --global-batch-size samples")
+        return [self.collate_fn([dataset[i] for i in ids]) for ids in idx]
+
+    @staticmethod
+    def _shapes(microbatches: List[dict]) -> List[tuple]:
+        return [(tuple(mb["tokens"].shape),) for mb in microbatches]
+
+    # -- one step ------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        ps = self.ps
+        mbs = self._microbatches(self.train_ds, self.consumed_samples)
+        local_tokens = float(sum(float(mb["loss_mask"].sum()) for mb in mbs))
+        (total_tokens,) = _all_reduce_sum([local_tokens], ps.dp_group, ps.dp_size)
+        if total_tokens <= 0:
+            raise RuntimeError(f"iteration {self.iteration + 1}: the global batch has no loss tokens "
+                               "(every loss_mask entry is 0); check the data and --split")
+        plans = self.planner.plans(self.iteration + 1, self._shapes(mbs))
+        plan = plans[ps.pp_rank]
+        stats = self.executor.run(plan, mbs, self.optimizer.loss_scale / total_tokens)
+        allreduce_embedding_grads(self.tied_params, ps.embedding_group)
+        allreduce_data_parallel_grads(self.optimizer.params, ps.dp_group, ps.dp_size)
+        applied, grad_norm = self.optimizer.step()
+        if applied:
+            self.lr_scheduler.step()
+        else:
+            self.skipped_iters += 1
+        self.optimizer.zero_grad()
+        loss_sum, loss_tokens = _all_reduce_sum([stats.loss_sum, stats.loss_tokens], ps.dp_group, ps.dp_size)
+        self.iteration += 1
+        self.consumed_samples += self.cfg.training.global_batch_size
+        return {"loss": loss_sum / loss_tokens if loss_tokens else float("nan"), "grad_norm": grad_norm,
+                "applied": applied, "tokens": total_tokens, "num_microbatches": len(mbs)}
+
+    def evaluate(self, dataset, iters: int) -> Optional[float]:
+        if dataset is None or iters <= 0:
+            return None
+        for m in self.modules:
+            m.eval()
+        loss_sum = loss_tokens = 0.0
+        consumed = 0
+        try:
+            for _ in range(iters):
+                mbs = self._microbatches(dataset, consumed)
+                consumed += self.cfg.training.global_batch_size
+                plan = self.planner.plans(self.iteration, self._shapes(mbs))[self.ps.pp_rank]
+                stats = self.executor.run(plan, mbs, 1.0, forward_only=True)
+                loss_sum += stats.loss_sum
+                loss_tokens += stats.loss_tokens
+        finally:
+            for m in self.modules:
+                m.train()
+        loss_sum, loss_tokens = _all_reduce_sum([loss_sum, loss_tokens], self.ps.dp_group, self.ps.dp_size)
+        return loss_sum / loss_tokens if loss_tokens else None
+
+    # -- loop ----------------------------------------------------------------------------
+    def train(self, save_fn: Optional[Callable] = None) -> List[dict]:
+        cfg = self.cfg
+        history = []
+        for m in self.modules:
+            m.train()
+        while self.iteration < cfg.training.train_iters:
+            t0 = time.perf_counter()
+            out = self.train_step()
+            out["time_s"] = time.perf_counter() - t0
+            history.append(out)
+            self.logger.record(self.iteration, self.consumed_samples, out, self.lr_scheduler.lr(),
+                               self.optimizer.loss_scale, self.skipped_iters)
+            if self.valid_ds is not None and self.iteration % cfg.training.eval_interval == 0:
+                self.logger.log_validation(self.iteration, self.evaluate(self.valid_ds, cfg.training.eval_iters))
+            if save_fn and cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0:
+                save_fn(self)
+            if cfg.training.exit_interval and self.iteration % cfg.training.exit_interval == 0:
+                print_rank_last(self.ps, f"exiting at iteration {self.iteration} (--exit-interval)")
+                break
+        return history

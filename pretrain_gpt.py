@@ -1,0 +1,16 @@
+"""Pretrain GPT. Launch with torchrun, e.g. on CPU:
+
+    torchrun --standalone --nproc_per_node 4 pretrain_gpt.py --tensor-model-parallel-size 2 \
+        --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
+        --micro-batch-size 4 --global-batch-size 16 --train-iters 50 --mock-data --vocab-size 1024
+"""
+from __future__ import annotations
+
+import sys
+
+from megatron.arguments import parse_args
+from megatron.pretrain import run_pretraining
+
+if __name__ == "__main__":
+    cfg = parse_args(sys.argv[1:], model_type="gpt")
+    sys.exit(run_pretraining(cfg))
