@@ -152,8 +152,8 @@ class _ShapeCache:
 
 
 def _channels(orders, stage_to_rank, num_stages) -> dict:
-    """(src, dst) -> {message: k}, messages in the order src starts them (= its compute order,
-    since each send starts right after its producing op)."""
+    """(src, dst) -> ({message: k}, [messages]), in the order src starts them (= its compute
+    order, since each send starts right after its producing op)."""
     channels: dict = {}
     for src, order in enumerate(orders):
         for op in order:
@@ -164,8 +164,9 @@ def _channels(orders, stage_to_rank, num_stages) -> dict:
             else:
                 continue
             if dst != src:
-                chan = channels.setdefault((src, dst), {})
-                chan[msg] = len(chan)
+                index, messages = channels.setdefault((src, dst), ({}, []))
+                index[msg] = len(messages)
+                messages.append(msg)
     return channels
 
 
@@ -227,11 +228,10 @@ class _RankEmitter:
                 raise ValueError(f"rank {self.rank}: {ComputeOp(kind, mb, s)} is ordered before "
                                  f"{ComputeOp(kind, mb, src_stage)} that produces its input")
             return self.local.pop(msg)
-        chan = self.channels[(src, self.rank)]
-        k = chan[msg]
+        index, messages = self.channels[(src, self.rank)]
+        k = index[msg]
         posted = self.posted.get(src, 0)
         if k >= posted:
-            messages = list(chan)
             for j in range(posted, k + 1):
                 kind_j, mb_j, s_j = m = messages[j]
                 shapes = self.shapes(mb_j, s_j if kind_j == ACT else s_j - 1)
@@ -257,7 +257,7 @@ class _RankEmitter:
         if dst == self.rank:
             self.local[out_msg] = (out_ids, out_shapes)
             return
-        key = (self.rank, dst, self.channels[(self.rank, dst)][out_msg], True)
+        key = (self.rank, dst, self.channels[(self.rank, dst)][0][out_msg], True)
         self.records.append(("start", key, _SEND_START[out_msg[0]], mb, s, out_ids, out_shapes,
                              dst))
         if out_msg[0] == ACT:
