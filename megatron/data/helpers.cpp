@@ -147,7 +147,8 @@ py::array build_mapping(const py::array_t<int64_t, py::array::c_style>& docs,
 
   std::vector<int64_t> flat;  // 3 entries per sample
   for (int32_t epoch = 0; epoch < num_epochs; ++epoch) {
-    if (static_cast<int64_t>(flat.size() / 3) >= max_num_samples) break;
+    const size_t before = flat.size();
+    if (static_cast<int64_t>(before / 3) >= max_num_samples) break;
     for (int64_t k = 0; k < n_docs; ++k) {
       const int64_t first = d(k), last = d(k + 1);
       if (last - first < min_num_sent) continue;
@@ -177,6 +178,8 @@ py::array build_mapping(const py::array_t<int64_t, py::array::c_style>& docs,
         }
       }
     }
+    // No document yields a sample: more epochs would loop for ever without progress.
+    if (flat.size() == before) break;
   }
   int64_t n = static_cast<int64_t>(flat.size() / 3);
   // Fisher-Yates over whole rows so epochs and documents are mixed.
