@@ -15,7 +15,6 @@ that fits in memory.
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -46,6 +45,11 @@ def one_f_one_b(num_stages: int, order: Sequence[int]) -> List[List[Op]]:
 def adaptive(costs: PipelineCosts, order: Sequence[int], mem_limit: Sequence[float]) -> List[List[Op]]:
     """Memory-aware wait-free schedule (one stage per rank). Raises ScheduleInfeasible if
     some micro-batch does not fit on a stage even when nothing else is in flight."""
+    return _adaptive(costs, order, mem_limit)[0]
+
+
+def _adaptive(costs, order, mem_limit):
+    """(per-stage orders, makespan); `simulate` on the orders reproduces the same times."""
     S, K = costs.num_stages, len(order)
     fwd, bwd, stored, trans, comm = (a.tolist() for a in
                                      (costs.fwd, costs.bwd, costs.stored, costs.transient, costs.comm))
@@ -56,6 +60,7 @@ def adaptive(costs: PipelineCosts, order: Sequence[int], mem_limit: Sequence[flo
     free_at = [0.0] * S
     mem = [0.0] * S
     inflight: List[dict] = [dict() for _ in range(S)]  # mb -> transient
+    inflight_max = [0.0] * S
     link_free = [0.0] * S  # link s->s+1 (activations) ...
     glink_free = [0.0] * S  # ... and s->s-1 (gradients)
     orders: List[List[Op]] = [[] for _ in range(S)]
@@ -69,7 +74,7 @@ def adaptive(costs: PipelineCosts, order: Sequence[int], mem_limit: Sequence[flo
         if fptr[s] < K:
             mb = order[fptr[s]]
             if mb in f_arrival[s]:
-                worst = max([trans[s][mb]] + list(inflight[s].values()))
+                worst = max(trans[s][mb], inflight_max[s])
                 if mem[s] + stored[s][mb] + worst <= mem_limit[s] + 1e-9:
                     c = (max(free_at[s], f_arrival[s][mb]), 1)
                     best = c if best is None or c < best else best
@@ -80,21 +85,20 @@ def adaptive(costs: PipelineCosts, order: Sequence[int], mem_limit: Sequence[flo
                     )
         return best
 
-    heap = []
-    for s in range(S):
-        c = candidate(s)
-        if c is not None:
-            heapq.heappush(heap, (c[0], c[1], s))
+    # S is small: keep each stage's next choice and take the earliest (backward first at
+    # equal times, then lower stage); only stages whose inputs changed are re-evaluated.
+    cand = [candidate(s) for s in range(S)]
     total = 2 * S * K
+    makespan = 0.0
     while done < total:
-        if not heap:
+        pick = None
+        for x in range(S):
+            c = cand[x]
+            if c is not None and (pick is None or c < pick[0]):
+                pick = (c, x)
+        if pick is None:
             raise SimulationError("adaptive schedule stalled (no stage can run)")  # pragma: no cover
-        t, is_f, s = heapq.heappop(heap)
-        c = candidate(s)
-        if c is None or c != (t, is_f):
-            if c is not None:  # stale entry: re-queue with the stage's current choice
-                heapq.heappush(heap, (c[0], c[1], s))
-            continue
+        (t, is_f), s = pick
         touched = {s}
         if is_f:
             mb = order[fptr[s]]
@@ -102,6 +106,7 @@ def adaptive(costs: PipelineCosts, order: Sequence[int], mem_limit: Sequence[flo
             t1 = t + fwd[s][mb]
             mem[s] += stored[s][mb]
             inflight[s][mb] = trans[s][mb]
+            inflight_max[s] = max(inflight_max[s], trans[s][mb])
             orders[s].append(Op("F", mb, s))
             if s < S - 1:
                 t0 = max(t1, link_free[s])
@@ -114,7 +119,9 @@ def adaptive(costs: PipelineCosts, order: Sequence[int], mem_limit: Sequence[flo
             _, mb = b_queue[s].pop(0)
             t1 = t + bwd[s][mb]
             mem[s] -= stored[s][mb]
-            del inflight[s][mb]
+            gone = inflight[s].pop(mb)
+            if gone >= inflight_max[s]:
+                inflight_max[s] = max(inflight[s].values(), default=0.0)
             orders[s].append(Op("B", mb, s))
             if s > 0:
                 t0 = max(t1, glink_free[s])
@@ -122,12 +129,11 @@ def adaptive(costs: PipelineCosts, order: Sequence[int], mem_limit: Sequence[flo
                 b_queue[s - 1].append((t0 + comm[s - 1][mb], mb))
                 touched.add(s - 1)
         free_at[s] = t1
+        makespan = max(makespan, t1)
         done += 1
         for x in touched:
-            c = candidate(x)
-            if c is not None:
-                heapq.heappush(heap, (c[0], c[1], x))
-    return orders
+            cand[x] = candidate(x)
+    return orders, makespan
 
 
 @dataclass
@@ -170,16 +176,24 @@ def search(costs: PipelineCosts, mem_limit: Sequence[float], orders: Optional[Li
     # No schedule beats the busiest stage's total compute: skip the search if that loses.
     if float((costs.fwd + costs.bwd).sum(axis=1).max()) >= bound:
         return None
-    best = None
+    best = None  # (makespan, name, order, ops, SimResult or None)
     for order in orders or candidate_orders(costs, max_orders):
         for name in schedules:
-            try:
-                ops = one_f_one_b(S, order) if name == "1f1b" else adaptive(costs, order, mem_limit)
-            except ScheduleInfeasible:
-                continue
-            res = simulate(costs, ops)
-            if any(p > m + 1e-6 for p, m in zip(res.peak_memory, mem_limit)):
-                continue
-            if res.makespan < bound and (best is None or res.makespan < best.result.makespan):
-                best = ScheduleChoice(name, list(order), ops, res)
-    return best
+            if name == "1f1b":
+                ops = one_f_one_b(S, order)
+                res = simulate(costs, ops)
+                if any(p > m + 1e-6 for p, m in zip(res.peak_memory, mem_limit)):
+                    continue
+                makespan = res.makespan
+            else:
+                try:  # fits by construction; simulated below only if it wins
+                    ops, makespan = _adaptive(costs, order, mem_limit)
+                except ScheduleInfeasible:
+                    continue
+                res = None
+            if makespan < bound and (best is None or makespan < best[0]):
+                best = (makespan, name, list(order), ops, res)
+    if best is None:
+        return None
+    makespan, name, order, ops, res = best
+    return ScheduleChoice(name, order, ops, res if res is not None else simulate(costs, ops))
