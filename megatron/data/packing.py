@@ -1,0 +1,160 @@
+"""Turning variable-length samples into fixed-shape batches: packing and padding.
+
+* `pack_samples`: next-fit packing of several samples per row, with segment ids and
+  per-sample position ids; `packed_attention_mask` makes the causal, block-diagonal
+  mask so packed samples never attend to each other (the reference DynaPipe code
+  packed without such a mask, letting samples leak into one another).
+* `collate_supervised_gpt` / `collate_supervised_t5`: one (input, target) pair per row,
+  padded; for GPT the loss covers the target tokens only.
+* `padding_stats`: real tokens / computed tokens of any of these batches.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def pack_samples(samples: Sequence[np.ndarray], max_len: int, pad_id: int = 0) -> dict:
+    """Pack samples next-fit into rows of max_len tokens.
+
+    Samples keep their order; a sample that does not fit in the current row's free
+    space closes the row and starts a new one; samples longer than max_len are
+    truncated to max_len; empty samples are skipped.  Inside each sample,
+    labels[j] = tokens[j + 1] and the sample's last position has no label (loss_mask 0),
+    so no label crosses a sample boundary.  Returns numpy arrays [rows, max_len]:
+    tokens, labels (int64), loss_mask (float32), position_ids (reset to 0 per sample),
+    segment_ids (1..k per sample within the row, 0 on padding).
+    """
+    if max_len <= 0:
+        raise ValueError(f"max_len must be positive, got {max_len}")
+    rows: list[list[np.ndarray]] = []
+    free = 0
+    for s in samples:
+        s = np.asarray(s, dtype=np.int64)[:max_len]
+        if s.size == 0:
+            continue
+        if not rows or s.size > free:
+            rows.append([])
+            free = max_len
+        rows[-1].append(s)
+        free -= s.size
+    n = len(rows)
+    out = {
+        "tokens": np.full((n, max_len), pad_id, dtype=np.int64),
+        "labels": np.full((n, max_len), pad_id, dtype=np.int64),
+        "loss_mask": np.zeros((n, max_len), dtype=np.float32),
+        "position_ids": np.zeros((n, max_len), dtype=np.int64),
+        "segment_ids": np.zeros((n, max_len), dtype=np.int64),
+    }
+    for r, row in enumerate(rows):
+        pos = 0
+        for k, s in enumerate(row, start=1):
+            L = s.size
+            sl = slice(pos, pos + L)
+            out["tokens"][r, sl] = s
+            out["labels"][r, pos:pos + L - 1] = s[1:]
+            out["loss_mask"][r, pos:pos + L - 1] = 1.0
+            out["position_ids"][r, sl] = np.arange(L)
+            out["segment_ids"][r, sl] = k
+            pos += L
+    return out
+
+
+def packed_attention_mask(segment_ids):
+    """Bool mask [b, 1, s, s] for torch SDPA (True = may attend) from segment ids [b, s].
+
+    Position i attends to j iff j <= i and both are in the same (non-zero) segment.
+    Padding positions (segment 0) attend only to themselves, so no softmax row is
+    empty (an all-False row gives NaN in SDPA); their outputs are ignored anyway.
+    """
+    import torch
+    seg = torch.as_tensor(segment_ids)
+    if seg.dim() != 2:
+        raise ValueError(f"segment_ids must be [batch, seq], got shape {tuple(seg.shape)}")
+    s = seg.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=seg.device).tril_()
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
+    eye = torch.eye(s, dtype=torch.bool, device=seg.device)
+    pad_self = (seg == 0)[:, :, None] & eye
+    return ((same & causal) | pad_self).unsqueeze(1)
+
+
+def collate_supervised_gpt(pairs: Sequence[dict], seq_length: int, pad_id: int = 0) -> dict:
+    """One concatenated sequence per (inputs, targets) pair, for decoder-only models.
+
+    x = inputs + targets; tokens = x[:-1], labels = x[1:]; loss_mask is 1 exactly where
+    the label is a target token.  Sequences longer than seq_length + 1 lose input tokens
+    from the left first (the target is what is trained on), then target tokens from the
+    right.  Returns numpy [b, seq_length] tokens, labels, loss_mask (float32),
+    position_ids, attention_mask [b, 1, s, s] is left to `packed_attention_mask(segment_ids)`
+    with segment_ids 1 on real tokens and 0 on padding.
+    """
+    b = len(pairs)
+    out = {
+        "tokens": np.full((b, seq_length), pad_id, dtype=np.int64),
+        "labels": np.full((b, seq_length), pad_id, dtype=np.int64),
+        "loss_mask": np.zeros((b, seq_length), dtype=np.float32),
+        "position_ids": np.tile(np.arange(seq_length, dtype=np.int64), (b, 1)),
+        "segment_ids": np.zeros((b, seq_length), dtype=np.int64),
+    }
+    for r, p in enumerate(pairs):
+        inp = np.asarray(p["inputs"], dtype=np.int64)
+        tgt = np.asarray(p["targets"], dtype=np.int64)
+        excess = inp.size + tgt.size - (seq_length + 1)
+        if excess > 0:
+            cut = min(excess, max(inp.size - 1, 0))  # keep at least one input token to predict from
+            inp = inp[cut:]
+            tgt = tgt[:seq_length + 1 - inp.size]
+        x = np.concatenate([inp, tgt])
+        n = x.size - 1
+        if n <= 0:
+            continue
+        out["tokens"][r, :n] = x[:-1]
+        out["labels"][r, :n] = x[1:]
+        # label j is x[j+1]; it is a target token when j + 1 >= len(inputs)
+        out["loss_mask"][r, max(inp.size - 1, 0):n] = 1.0
+        out["segment_ids"][r, :n] = 1
+    return out
+
+
+def collate_supervised_t5(pairs: Sequence[dict], encoder_seq_length: int, decoder_seq_length: int,
+                          bos: int, eos: int, pad: int) -> dict:
+    """Encoder = inputs, decoder input = [bos] + targets, labels = targets + [eos], padded
+    (labels -1 on padding) and truncated to the given lengths; masks as in t5_dataset."""
+    b = len(pairs)
+    enc = np.full((b, encoder_seq_length), pad, dtype=np.int64)
+    dec = np.full((b, decoder_seq_length), pad, dtype=np.int64)
+    lab = np.full((b, decoder_seq_length), -1, dtype=np.int64)
+    lm = np.zeros((b, decoder_seq_length), dtype=np.int64)
+    n_enc = np.zeros(b, dtype=np.int64)
+    n_dec = np.zeros(b, dtype=np.int64)
+    for r, p in enumerate(pairs):
+        i = np.asarray(p["inputs"], dtype=np.int64)[:encoder_seq_length]
+        t = np.asarray(p["targets"], dtype=np.int64)[:decoder_seq_length - 1]
+        enc[r, :i.size] = i
+        dec[r, :t.size + 1] = np.concatenate([[bos], t])
+        lab[r, :t.size + 1] = np.concatenate([t, [eos]])
+        lm[r, :t.size + 1] = 1
+        n_enc[r], n_dec[r] = i.size, t.size + 1
+    ev = np.arange(encoder_seq_length)[None, :] < n_enc[:, None]
+    dv = np.arange(decoder_seq_length)[None, :] < n_dec[:, None]
+    return {
+        "text_enc": enc, "text_dec": dec, "labels": lab, "loss_mask": lm,
+        "enc_mask": ev[:, :, None] & ev[:, None, :],
+        "dec_mask": dv[:, :, None] & dv[:, None, :] & np.tri(decoder_seq_length, dtype=bool)[None],
+        "enc_dec_mask": dv[:, :, None] & ev[:, None, :],
+    }
+
+
+def padding_stats(*valid_masks) -> dict:
+    """Padding efficiency of a batch: real tokens / computed tokens.
+
+    Pass one or more arrays whose non-zero entries mark real tokens and whose size is
+    the computed shape, e.g. `segment_ids` of a packed or GPT-collated batch, or
+    `enc_mask[:, 0]`-style validity vectors for T5 (`loss_mask` of T5 marks the decoder).
+    """
+    real = sum(int(np.count_nonzero(np.asarray(m))) for m in valid_masks)
+    computed = sum(int(np.asarray(m).size) for m in valid_masks)
+    return {"real_tokens": real, "computed_tokens": computed,
+            "efficiency": real / computed if computed else 0.0}
