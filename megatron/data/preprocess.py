@@ -70,8 +70,8 @@ def expand_inputs(patterns: list[str]) -> list[str]:
         if not hits:
             raise PreprocessError(f"--input {pat}: no file matches")
         for f in hits:
-            if not os.path.isfile(f):
-                raise PreprocessError(f"--input {f}: not a file")
+            if not os.path.exists(f) or os.path.isdir(f):  # pipes are fine (streaming)
+                raise PreprocessError(f"--input {f}: no such file")
             files.append(f)
     return files
 
@@ -81,8 +81,9 @@ class Unit:
     """A contiguous piece of one input file: bytes [start, end), first line number."""
     path: str
     start: int = 0
-    end: Optional[int] = None
+    end: Optional[int] = None  # None: read to the end (gzip, pipes)
     first_line: int = 1
+    gz: bool = False
 
 
 def _line_start_after(f, pos: int) -> int:
@@ -110,7 +111,8 @@ def plan_partitions(files: list[str], partitions: int) -> list[list[Unit]]:
     """Split the inputs into `partitions` groups of contiguous units of similar size."""
     units = []
     for f in files:
-        units.append(Unit(f, 0, None if f.endswith(".gz") else os.path.getsize(f)))
+        seekable = os.path.isfile(f) and not f.endswith(".gz")
+        units.append(Unit(f, 0, os.path.getsize(f) if seekable else None, gz=f.endswith(".gz")))
     if partitions <= 1:
         return [units]
     total = sum(os.path.getsize(u.path) for u in units)
@@ -131,7 +133,7 @@ def plan_partitions(files: list[str], partitions: int) -> list[list[Unit]]:
                 stop = _line_start_after(fh, start + int(budget))
                 if stop >= u.end:
                     break
-                cut.append(Unit(u.path, start, stop))
+                cut.append(Unit(u.path, start, stop))  # plain file piece
                 start, budget = stop, target
             cut.append(Unit(u.path, start, u.end))
             budget -= u.end - start
@@ -141,7 +143,7 @@ def plan_partitions(files: list[str], partitions: int) -> list[list[Unit]]:
         u.first_line = 1 + (_count_newlines(u.path, u.start) if u.start else 0)
     # Greedy contiguous grouping by size.
     groups: list[list[Unit]] = [[] for _ in range(partitions)]
-    sizes = [(u.end if u.end is not None else os.path.getsize(u.path)) - u.start for u in cut]
+    sizes = [(u.end if u.end is not None else max(os.path.getsize(u.path), 1)) - u.start for u in cut]
     acc, g = 0.0, 0
     for u, s in zip(cut, sizes):
         if acc >= target * (g + 1) - 1e-9 and g < partitions - 1 and groups[g]:
@@ -154,20 +156,24 @@ def plan_partitions(files: list[str], partitions: int) -> list[list[Unit]]:
 def read_lines(units: list[Unit]) -> Iterator[tuple[str, int, bytes]]:
     """Yield (path, line number, raw line) over the units, lazily."""
     for u in units:
-        if u.end is None:
-            fh = gzip.open(u.path, "rb")
-        else:
-            fh = open(u.path, "rb")
-            fh.seek(u.start)
         lineno = u.first_line
-        pos = u.start
-        with fh:
-            for line in fh:
-                if u.end is not None and pos >= u.end:
-                    break
-                pos += len(line)
-                yield u.path, lineno, line
-                lineno += 1
+        try:
+            if u.gz:
+                fh = gzip.open(u.path, "rb")
+            else:
+                fh = open(u.path, "rb")
+                if u.start:
+                    fh.seek(u.start)
+            pos = u.start
+            with fh:
+                for line in fh:
+                    if u.end is not None and pos >= u.end:
+                        break
+                    pos += len(line)
+                    yield u.path, lineno, line
+                    lineno += 1
+        except (OSError, EOFError) as exc:  # corrupt/truncated gzip, unreadable file
+            raise PreprocessError(f"{u.path}:{lineno}: cannot read input ({exc})") from None
 
 
 def chunked(lines, n: int):
@@ -186,8 +192,12 @@ def chunked(lines, n: int):
 _state: dict = {}
 
 
-def _init_worker(opts: Options) -> None:
+def _init_worker(opts: Options, in_pool: bool = False) -> None:
     from megatron.tokenizer import build_tokenizer
+    if in_pool:
+        # Parallelism comes from the worker processes; HF tokenizers' own thread pool
+        # on top would oversubscribe the cores.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _state["opts"] = opts
     _state["tok"] = build_tokenizer(**opts.tokenizer_kwargs)
 
@@ -264,7 +274,7 @@ def run_partition(opts: Options, units: list[Unit], prefix: str, workers: int,
     try:
         chunks = chunked(read_lines(units), opts.chunk_lines)
         if workers > 1:
-            pool = mp.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(opts,))
+            pool = mp.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(opts, True))
             results = _bounded_imap(pool, chunks, 2 * workers)
         else:
             _init_worker(opts)
