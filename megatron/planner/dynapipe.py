@@ -119,7 +119,8 @@ class DynaPipeIterationPlan:
     groups: List[GroupPlan]
     makespan_ms: float
     padding_efficiency: float
-    planning_ms: float
+    planning_ms: float  # ordering, partition, DP split, schedule search
+    lowering_ms: float  # instruction streams for every rank (+ validation)
     memory_fallback: bool  # True when only the admission-controlled schedule fits
 
 
@@ -320,6 +321,7 @@ class DynaPipePlanner:
     def _finish(self, best, iteration, lengths, enc_all, dec_all, t_start) -> DynaPipeIterationPlan:
         makespan, rc, fit, order, p, groups = best
         _, samples = self._mb_costs(rc, order, p, enc_all, dec_all)
+        planning_ms = (time.perf_counter() - t_start) * 1e3
         group_plans = []
         real = computed = 0
         for g, ch in groups:
@@ -331,8 +333,8 @@ class DynaPipePlanner:
         real = int(raw.sum())
         return DynaPipeIterationPlan(
             iteration=iteration, recompute=rc, groups=group_plans, makespan_ms=float(makespan),
-            padding_efficiency=real / float(computed), planning_ms=(time.perf_counter() - t_start) * 1e3,
-            memory_fallback=(fit == "single"))
+            padding_efficiency=real / float(computed), planning_ms=planning_ms,
+            lowering_ms=(time.perf_counter() - t_start) * 1e3 - planning_ms, memory_fallback=(fit == "single"))
 
     def _group_plan(self, rc, ch: ScheduleChoice, samples, enc_all, dec_all, iteration) -> GroupPlan:
         # Renumber micro-batches so that id k is the k-th one forwarded (the data loader

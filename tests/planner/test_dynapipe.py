@@ -1,0 +1,136 @@
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron.pipeline.validator import validate_plans
+from megatron.planner.dynapipe import DynaPipeConfig, DynaPipePlanner, PlanningError, plan_batch
+from megatron.planner.partitioner import objective, optimal_partition, order_by_length
+from megatron.planner.simulator import PipelineCosts, simulate
+
+CM = Path(__file__).resolve().parents[2] / "cost_models"
+
+
+def gpt_config(**kw):
+    base = dict(cost_model_path=str(CM / "gpt_6.7b_a100.json"), hidden_size=4096, num_layers=32,
+                pipeline_parallel=4, data_parallel=2, memory_limit_mb=36000)
+    base.update(kw)
+    return DynaPipeConfig(**base)
+
+
+def t5_config(**kw):
+    base = dict(cost_model_path=str(CM / "t5_11b_a100.json"), model_kind="t5", hidden_size=1024,
+                encoder_layers=24, decoder_layers=24, pipeline_parallel=4, data_parallel=2)
+    base.update(kw)
+    return DynaPipeConfig(**base)
+
+
+def lengths(rng, n, hi):
+    return np.minimum(hi, rng.lognormal(np.log(200), 1.0, n).astype(int) + 4).tolist()
+
+
+def check_plan(plan, n_samples, planner, t5=False):
+    seen = sorted(i for g in plan.groups for mb in g.microbatches for i in mb)
+    assert seen == list(range(n_samples))  # every sample exactly once
+    assert len(plan.groups) == planner.cfg.data_parallel
+    for g in plan.groups:
+        assert len(g.plans) == planner.S
+        validate_plans(g.plans)
+        assert all(p.recompute == plan.recompute for p in g.plans)
+        # Activation memory stays under what the device has left after model states.
+        assert all(p <= a + 1e-6 for p, a in zip(g.peak_memory_mb, planner.available))
+        for shapes, mb in zip(g.shapes, g.microbatches):
+            assert shapes[0][0] == len(mb) and len(shapes) == (2 if t5 else 1)
+    assert plan.makespan_ms == max(g.makespan_ms for g in plan.groups)
+    assert 0 < plan.padding_efficiency <= 1
+
+
+@pytest.mark.parametrize("seed,hi", [(0, 512), (1, 2048), (2, 8192)])
+def test_gpt_plans_are_valid(seed, hi):
+    rng = np.random.default_rng(seed)
+    lens = lengths(rng, 60, hi)
+    planner = DynaPipePlanner(gpt_config())
+    plan = planner.plan(lens, iteration=3)
+    check_plan(plan, len(lens), planner)
+    for g in plan.groups:
+        for mb, shapes in zip(g.microbatches, g.shapes):
+            assert shapes[0][1] == -(-max(lens[i] for i in mb) // 8) * 8  # padded to the longest, x8
+    assert all(p.iteration == 3 for g in plan.groups for p in g.plans)
+
+
+def test_t5_plans_are_valid():
+    rng = np.random.default_rng(5)
+    pairs = list(zip(lengths(rng, 50, 1024), (np.array(lengths(rng, 50, 256)) // 4 + 1).tolist()))
+    planner = DynaPipePlanner(t5_config())
+    plan = planner.plan(pairs)
+    check_plan(plan, len(pairs), planner, t5=True)
+    ep = plan.groups[0].plans[-1]
+    # Decoder stages receive two tensors (decoder hidden, encoder output).
+    recv = [i for i in ep.instructions if type(i).__name__ == "RecvActivationStart"]
+    assert recv and all(len(i.buffer_shapes) == 2 for i in recv)
+
+
+def test_partition_is_brute_force_optimal_end_to_end():
+    rng = np.random.default_rng(11)
+    planner = DynaPipePlanner(gpt_config(data_parallel=1, emit_plans=False))
+    for _ in range(5):
+        lens = np.array(lengths(rng, 9, 1024))
+        order = order_by_length(lens)
+        padded = (lens[order] + 7) // 8 * 8
+        T = planner.segment_times("none", "1f1b", padded, None)
+        p = optimal_partition(T, planner.S, 1)
+        best = np.inf
+        for mask in range(1 << 8):
+            cuts = [0] + [i + 1 for i in range(8) if mask >> i & 1] + [9]
+            times = [T[a, b - a - 1] if b - a <= T.shape[1] else np.inf for a, b in zip(cuts, cuts[1:])]
+            if all(np.isfinite(times)):
+                best = min(best, objective(times, planner.S, 1))
+        assert p.objective == pytest.approx(best)
+
+
+def test_micro_batches_respect_the_1f1b_memory_limit():
+    rng = np.random.default_rng(2)
+    planner = DynaPipePlanner(gpt_config(emit_plans=False, schedules=("1f1b",)))
+    lens = lengths(rng, 120, 2048)
+    plan = planner.plan(lens)
+    assert not plan.memory_fallback
+    S = planner.S
+    for g in plan.groups:
+        for mb in g.microbatches:
+            L = -(-max(lens[i] for i in mb) // 8) * 8
+            sc = planner.stage_costs(plan.recompute, np.array([len(mb)], float), np.array([L], float))
+            need = (S - np.arange(S) - 1) * sc["stored"][:, 0] + sc["peak"][:, 0]
+            assert (need <= planner.available + 1e-6).all()
+
+
+def test_tighter_memory_forces_recompute_or_fallback():
+    rng = np.random.default_rng(4)
+    lens = lengths(rng, 80, 4096)
+    loose = plan_batch(lens, gpt_config(emit_plans=False))
+    tight = plan_batch(lens, gpt_config(emit_plans=False, memory_limit_mb=27000))
+    levels = ["none", "selective", "full"]
+    assert levels.index(tight.recompute) >= levels.index(loose.recompute) or tight.memory_fallback
+    assert tight.makespan_ms >= loose.makespan_ms - 1e-6
+
+
+def test_planning_failure_names_iteration():
+    with pytest.raises(PlanningError, match="iteration 7"):
+        plan_batch([100, 20000], gpt_config(emit_plans=False), iteration=7)  # 20000 is past the grid
+    with pytest.raises(ValueError, match="do not split evenly"):
+        gpt_config(num_layers=30).stage_layers()
+    with pytest.raises(PlanningError, match="model states"):
+        DynaPipePlanner(gpt_config(memory_limit_mb=10000))
+
+
+def test_simulated_makespan_matches_replay():
+    rng = np.random.default_rng(9)
+    planner = DynaPipePlanner(gpt_config(emit_plans=False))
+    plan = planner.plan(lengths(rng, 70, 2048))
+    for g in plan.groups:
+        mbs = np.array([len(m) for m in g.microbatches], float)
+        L = np.array([s[0][1] for s in g.shapes], float)
+        sc = planner.stage_costs(plan.recompute, mbs, L)
+        costs = PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]))
+        from megatron.planner.simulator import Op
+        orders = [[Op(*o) for o in ops] for ops in g.compute_orders]
+        assert simulate(costs, orders).makespan == pytest.approx(g.makespan_ms)
