@@ -72,19 +72,19 @@ def test_t5_plans_are_valid():
 
 def test_partition_is_brute_force_optimal_end_to_end():
     rng = np.random.default_rng(11)
-    planner = DynaPipePlanner(gpt_config(data_parallel=1, emit_plans=False))
+    planner = DynaPipePlanner(gpt_config(emit_plans=False))
     for _ in range(5):
         lens = np.array(lengths(rng, 9, 1024))
         order = order_by_length(lens)
         padded = (lens[order] + 7) // 8 * 8
         T = planner.segment_times("none", "1f1b", padded, None)
-        p = optimal_partition(T, planner.S, 1)
+        p = optimal_partition(T, planner.S, 2)
         best = np.inf
         for mask in range(1 << 8):
             cuts = [0] + [i + 1 for i in range(8) if mask >> i & 1] + [9]
             times = [T[a, b - a - 1] if b - a <= T.shape[1] else np.inf for a, b in zip(cuts, cuts[1:])]
             if all(np.isfinite(times)):
-                best = min(best, objective(times, planner.S, 1))
+                best = min(best, objective(times, planner.S, 2))
         assert p.objective == pytest.approx(best)
 
 
