@@ -2,8 +2,8 @@
 per (model, max length).
 
 Setup (DynaPipe's 8-GPU node): GPT-6.7B, 32 layers, PP=4 (8 layers per stage), DP=2, TP=1;
-T5-11B, 24+24 layers, PP=4 (two encoder stages of 12 layers, two decoder stages of 12), DP=2,
-TP=1. Device memory limit 36000 MB, model states (16-bit weights + grads, Adam state ZeRO-1
+T5-11B, 24+24 layers, PP=4 (two encoder stages of 12 layers, two decoder stages of 12), TP=2,
+DP=1 (see `config`). Device memory limit 36000 MB, model states (16-bit weights + grads, Adam state ZeRO-1
 sharded over DP) subtracted per stage. 65,536 tokens per global batch.
 
 Lengths: a deterministic (seeded) heavy-tailed multi-task mixture, see `TASKS`: each task
@@ -83,9 +83,11 @@ def config(kind, cm_dir):
         return DynaPipeConfig(cost_model_path=str(cm_dir / "gpt_6.7b_a100.json"), model_kind="gpt",
                               hidden_size=4096, num_layers=32, pipeline_parallel=4, data_parallel=2,
                               memory_limit_mb=36000)
+    # TP=2, DP=1: with TP=1 the 12 decoder layers' model states leave 3.4 GB for activations
+    # per decoder stage, and a 2048-token sample does not fit even with full recompute.
     return DynaPipeConfig(cost_model_path=str(cm_dir / "t5_11b_a100.json"), model_kind="t5", hidden_size=1024,
-                          encoder_layers=24, decoder_layers=24, pipeline_parallel=4, data_parallel=2,
-                          memory_limit_mb=36000)
+                          encoder_layers=24, decoder_layers=24, pipeline_parallel=4, data_parallel=1,
+                          tensor_parallel=2, memory_limit_mb=36000)
 
 
 def pack_rows(batch, kind, max_len):

@@ -55,6 +55,10 @@ class Grid:
             if arr.shape != shape:
                 raise CostModelError(f"grid {k!r} has shape {arr.shape}, axes give {shape}")
             self.values[k] = arr
+        # All quantities side by side, flattened: one gather per corner serves them all.
+        self._names = list(self.values)
+        self._flat = np.stack([self.values[k] for k in self._names], axis=-1).reshape(-1, len(self._names))
+        self._strides = [int(np.prod(shape[a + 1:])) for a in range(len(shape))]
 
     def __call__(self, *coords) -> Dict[str, np.ndarray]:
         coords = np.broadcast_arrays(*[np.asarray(c, dtype=np.float64) for c in coords])
@@ -73,29 +77,26 @@ class Grid:
             i = np.clip(np.searchsorted(ax, x, side="right") - 1, 0, len(ax) - 2)
             lo_idx.append(i)
             frac.append((x - ax[i]) / (ax[i + 1] - ax[i]))
-        result = {k: np.zeros(n) for k in self.values}
         d = len(self.axes)
+        acc = np.zeros((n, len(self._names)))
         for corner in range(1 << d):
             w = np.ones(n)
-            idx = []
+            lin = np.zeros(n, dtype=np.int64)
             for a in range(d):
                 up = (corner >> a) & 1
-                if len(self.axes[a]) == 1 and up:
+                if up and len(self.axes[a]) == 1:
                     w = w * 0.0
-                    idx.append(lo_idx[a])
-                    continue
-                w = w * (frac[a] if up else 1.0 - frac[a])
-                idx.append(np.minimum(lo_idx[a] + up, len(self.axes[a]) - 1))
-            used = w > 0
-            for k, v in self.values.items():
-                corner_v = v[tuple(idx)]
-                # A zero-weight corner must not turn the result into NaN.
-                result[k] += np.where(used, corner_v, 0.0) * w
-        for k in result:
-            r = result[k]
-            r[np.isnan(r) | outside] = np.inf
-            result[k] = r.reshape(out_shape)
-        return result
+                    up = 0
+                elif up:
+                    w = w * frac[a]
+                else:
+                    w = w * (1.0 - frac[a])
+                lin += np.minimum(lo_idx[a] + up, len(self.axes[a]) - 1) * self._strides[a]
+            vals = self._flat[lin]
+            # A zero-weight corner must not turn the result into NaN.
+            acc += np.where((w > 0)[:, None], vals * w[:, None], 0.0)
+        acc[np.isnan(acc).any(axis=1) | outside] = np.inf
+        return {k: acc[:, i].reshape(out_shape) for i, k in enumerate(self._names)}
 
 
 @dataclass

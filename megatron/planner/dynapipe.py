@@ -64,6 +64,7 @@ class DynaPipeConfig:
     activation_bytes: int = 2  # element size of cross-stage tensors in the cost model's runs
     schedules: Tuple[str, ...] = ("1f1b", "adaptive")
     max_orders: int = 2
+    t5_lexicographic_order: bool = False
     dtype: str = "float32"
     emit_plans: bool = True
 
@@ -160,12 +161,18 @@ class DynaPipePlanner:
         """Per-stage arrays (S, *shape): fwd, bwd, stored, transient, peak; and 'comm'."""
         tp, out = self.cfg.tensor_parallel, {k: [] for k in ("fwd", "bwd", "stored", "peak")}
         mbs, enc = np.asarray(mbs, float), np.asarray(enc, float)
-        mbs, enc = np.broadcast_arrays(mbs, enc)
+        if dec is not None:
+            mbs, enc, dec = np.broadcast_arrays(mbs, enc, np.asarray(dec, float))
+        else:
+            mbs, enc = np.broadcast_arrays(mbs, enc)
+        layer = {}  # stages of one component share the per-layer costs: query each once
         for s, comps in enumerate(self.layout):
             f = b = st = 0.0
             pk = None
             for comp, n in comps:
-                c = self.cm.layer(comp, tp, rc, mbs, enc, dec)
+                if comp not in layer:
+                    layer[comp] = self.cm.layer(comp, tp, rc, mbs, enc, dec)
+                c = layer[comp]
                 f, b = f + n * c["forward_ms"], b + n * c["backward_ms"]
                 peak = st + c["stored_mb"] * (n - 1) + c["peak_mb"]
                 pk = peak if pk is None else np.maximum(pk, peak)
@@ -219,25 +226,32 @@ class DynaPipePlanner:
             out[k, : min(M, len(r))] = r[:M]
         return out[inv]
 
-    def _t5_segments(self, rc, fit, enc: np.ndarray, dec: np.ndarray, M: int) -> np.ndarray:
+    def _t5_segments(self, rc, fit, enc: np.ndarray, dec: np.ndarray, m0: int, m1: int) -> np.ndarray:
+        """Columns m0..m1-1 (sizes m0+1..m1) of the T5 segment matrix; the padded shape is the
+        running max of both lengths. Only distinct (size, enc, dec) shapes are costed."""
         N = len(enc)
-        idx = np.minimum(np.arange(N)[:, None] + np.arange(M)[None, :], N - 1)
-        e = np.maximum.accumulate(enc[idx], axis=1)
-        d = np.maximum.accumulate(dec[idx], axis=1)
-        m = np.broadcast_to(np.arange(1, M + 1, dtype=float), (N, M))
-        sc = self.stage_costs(rc, m, e, d)
-        return np.where(self._feasible(sc, fit), (sc["fwd"] + sc["bwd"]).max(axis=0), np.inf)
+        idx = np.arange(N)[:, None] + np.arange(m1)[None, :]
+        e = np.maximum.accumulate(enc[np.minimum(idx, N - 1)], axis=1)[:, m0:]
+        d = np.maximum.accumulate(dec[np.minimum(idx, N - 1)], axis=1)[:, m0:]
+        m = np.broadcast_to(np.arange(m0 + 1, m1 + 1, dtype=np.int64), e.shape)
+        key = (m << 42) | (e.astype(np.int64) << 21) | d.astype(np.int64)
+        uniq, inv = np.unique(key, return_inverse=True)
+        sc = self.stage_costs(rc, (uniq >> 42).astype(float), ((uniq >> 21) & 0x1FFFFF).astype(float),
+                              (uniq & 0x1FFFFF).astype(float))
+        t = np.where(self._feasible(sc, fit), (sc["fwd"] + sc["bwd"]).max(axis=0), np.inf)
+        return t[inv.reshape(e.shape)]
 
     def segment_times(self, rc: str, fit: str, enc: np.ndarray, dec: Optional[np.ndarray]) -> np.ndarray:
         """Segment-time matrix for samples already in planning order, padded."""
         if dec is None:
             return self._gpt_segments(rc, fit, enc)
         N, M = len(enc), min(32, len(enc))
-        while True:  # grow the size axis until a whole column is infeasible
-            T = self._t5_segments(rc, fit, enc, dec, M)
-            if M >= N or not np.isfinite(T[:, -1]).any():
-                return T
-            M = min(N, 2 * M)
+        T = self._t5_segments(rc, fit, enc, dec, 0, M)
+        while M < N and np.isfinite(T[:, -1]).any():  # grow until a whole column is infeasible
+            M2 = min(N, 2 * M)
+            T = np.concatenate([T, self._t5_segments(rc, fit, enc, dec, M, M2)], axis=1)
+            M = M2
+        return T
 
     # ---- planning ---------------------------------------------------------------------
     def _pad(self, x, extra=0):
@@ -255,7 +269,9 @@ class DynaPipePlanner:
             enc_all, dec_all = self._pad(lens), None
         else:
             pairs = np.asarray(lengths, dtype=np.int64).reshape(-1, 2)
-            orders = [part.order_2d(pairs), part.order_lexicographic(pairs)]
+            orders = [part.order_2d(pairs)]
+            if c.t5_lexicographic_order:  # a second candidate order: ~2x the partition time
+                orders.append(part.order_lexicographic(pairs))
             enc_all, dec_all = self._pad(pairs[:, 0]), self._pad(pairs[:, 1], c.decoder_extra_tokens)
         best = None  # (makespan, rc, fit, order, partition, groups[(mb_ids, ScheduleChoice)])
         errors = []
