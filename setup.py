@@ -26,6 +26,7 @@ setup(
         "nltk",
         "tqdm",
         "tokenizers",
+        "tiktoken",  # fastest GPT-2 BPE backend, fed local vocab files (never downloads)
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout"],

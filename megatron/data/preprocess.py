@@ -192,14 +192,17 @@ def chunked(lines, n: int):
 _state: dict = {}
 
 
-def _init_worker(opts: Options, in_pool: bool = False) -> None:
+def _init_worker(opts: Options, in_pool: bool = False, tokenizer=None) -> None:
     from megatron.tokenizer import build_tokenizer
     if in_pool:
-        # Parallelism comes from the worker processes; HF tokenizers' own thread pool
-        # on top would oversubscribe the cores.
+        # Parallelism comes from the worker processes; tokenizer thread pools on top
+        # would oversubscribe the cores.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if tokenizer is None and _state.get("kwargs") == opts.tokenizer_kwargs:
+        tokenizer = _state["tok"]  # inherited through fork: no second 0.3 s vocab load
     _state["opts"] = opts
-    _state["tok"] = build_tokenizer(**opts.tokenizer_kwargs)
+    _state["tok"] = tokenizer if tokenizer is not None else build_tokenizer(**opts.tokenizer_kwargs)
+    _state["kwargs"] = opts.tokenizer_kwargs
 
 
 def _parse(path, lineno, raw, keys):
@@ -265,19 +268,19 @@ def run_partition(opts: Options, units: list[Unit], prefix: str, workers: int,
                   position: int = 0) -> Stats:
     """Tokenize `units` into `{prefix}_{key}_{level}.bin/.idx`; all-or-nothing."""
     from megatron.tokenizer import build_tokenizer
-    vocab = build_tokenizer(**opts.tokenizer_kwargs).vocab_size
-    dtype = optimal_dtype(vocab)
+    tokenizer = build_tokenizer(**opts.tokenizer_kwargs)
+    dtype = optimal_dtype(tokenizer.vocab_size)
     builders = {k: IndexedDatasetBuilder(bin_path(output_prefix_for(prefix, k, opts.split_sentences)), dtype)
                 for k in opts.json_keys}
     stats = Stats()
     pool = None
     try:
         chunks = chunked(read_lines(units), opts.chunk_lines)
+        _init_worker(opts, tokenizer=tokenizer)
         if workers > 1:
             pool = mp.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(opts, True))
             results = _bounded_imap(pool, chunks, 2 * workers)
         else:
-            _init_worker(opts)
             results = map(encode_chunk, chunks)
         progress = _Progress(opts, stats, position)
         for per_key, ndocs, nbytes, bad in results:

@@ -61,15 +61,18 @@ class AbstractTokenizer:
 class GPT2BPETokenizer(AbstractTokenizer):
     """GPT-2 BPE from --vocab-file (encoder.json) + --merge-file (vocab.bpe).
 
-    `backend="hf"` (default) runs the same byte-level BPE in HF `tokenizers` (Rust,
-    batched); `backend="python"` is the pure-Python reference.  Ids are identical.
+    Backends, all giving identical ids (tests compare them on adversarial text):
+      "tiktoken"  OpenAI's Rust implementation, fed our local files (fastest);
+      "hf"        HF `tokenizers` byte-level BPE built from the same files;
+      "python"    the pure-Python reference in gpt2_bpe.py.
+    "auto" (default) picks the first that is installed and accepts the vocabulary.
     Sentinels from --vocab-extra-ids get ids after the 50,257 GPT-2 tokens.
     """
 
     name = "GPT2BPETokenizer"
 
     def __init__(self, vocab_file: str, merge_file: str, vocab_extra_ids: int = 0,
-                 backend: str = "hf"):
+                 backend: str = "auto"):
         encoder, merges = load_vocab_and_merges(vocab_file, merge_file)
         self.reference = ByteLevelBPE(encoder, merges)
         self.eod = encoder.get("<|endoftext|>")
@@ -80,26 +83,69 @@ class GPT2BPETokenizer(AbstractTokenizer):
         self.additional_special_tokens_ids = list(range(self._base, self._base + vocab_extra_ids))
         self._extra = {name: i for name, i in zip(sentinel_names(vocab_extra_ids),
                                                   self.additional_special_tokens_ids)}
-        self._fast = None
-        if backend == "hf":
+        if backend not in ("auto", "tiktoken", "hf", "python"):
+            raise ValueError(f"unknown GPT-2 BPE backend {backend!r} (auto, tiktoken, hf, python)")
+        self._tiktoken = self._fast = None
+        if backend in ("auto", "tiktoken"):
+            self._tiktoken = self._make_tiktoken(encoder, strict=backend == "tiktoken")
+        if backend == "hf" or (backend == "auto" and self._tiktoken is None):
             from tokenizers import Tokenizer, decoders, models, pre_tokenizers
             tok = Tokenizer(models.BPE(vocab=encoder, merges=merges))
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
             tok.decoder = decoders.ByteLevel()
             self._fast = tok
-        elif backend != "python":
-            raise ValueError(f"unknown GPT-2 BPE backend {backend!r} (use 'hf' or 'python')")
+        self.backend = "tiktoken" if self._tiktoken else "hf" if self._fast else "python"
+
+    def _make_tiktoken(self, encoder, strict: bool):
+        try:
+            import tiktoken
+        except ImportError:
+            if strict:
+                raise
+            return None
+        b2u = {v: k for k, v in self.reference.byte_encoder.items()}
+        try:
+            ranks = {bytes(b2u[c] for c in tok): i for tok, i in encoder.items() if tok != "<|endoftext|>"}
+            # tiktoken's spelling of GPT-2's pattern (same matches, non-capturing group).
+            return tiktoken.Encoding(
+                "megatron-gpt2-local", explicit_n_vocab=len(encoder),
+                pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+                mergeable_ranks=ranks, special_tokens={"<|endoftext|>": self.eod})
+        except (KeyError, ValueError, AssertionError):
+            if strict:
+                raise
+            return None  # a vocabulary tiktoken cannot represent: fall back to HF
+
+    def _tiktoken_batch(self, texts: list[str]) -> list[list[int]]:
+        """tiktoken releases the GIL while encoding, so a few threads each looping over a
+        slice of the batch use every core.  (tiktoken's own encode_batch submits one
+        future per text, which costs more than encoding a short document.)"""
+        enc = self._tiktoken.encode_ordinary
+        # One thread when this process is one of several preprocessing workers.
+        threads = 1 if os.environ.get("TOKENIZERS_PARALLELISM") == "false" else min(len(texts), os.cpu_count() or 1)
+        if threads <= 1 or len(texts) < 16:
+            return [enc(t) for t in texts]
+        if getattr(self, "_pool", None) is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpt2-bpe")
+        step = -(-len(texts) // threads)
+        parts = self._pool.map(lambda lo: [enc(t) for t in texts[lo:lo + step]], range(0, len(texts), step))
+        return [ids for part in parts for ids in part]
 
     @property
     def vocab_size(self) -> int:
         return self._base + len(self._extra)
 
     def tokenize(self, text: str) -> list[int]:
+        if self._tiktoken is not None:
+            return self._tiktoken.encode_ordinary(text)
         if self._fast is not None:
             return self._fast.encode(text, add_special_tokens=False).ids
         return self.reference.encode(text)
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        if self._tiktoken is not None:
+            return self._tiktoken_batch(texts)
         if self._fast is not None:
             return [e.ids for e in self._fast.encode_batch(texts, add_special_tokens=False)]
         return [self.reference.encode(t) for t in texts]

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from megatron.tokenizer import build_tokenizer
+from megatron.tokenizer.tokenizers import GPT2BPETokenizer
 from megatron.tokenizer.gpt2_bpe import bytes_to_unicode
 
 TEXTS = [
@@ -37,14 +38,16 @@ def test_known_ids(gpt2_tokenizer):
     assert gpt2_tokenizer.vocab_size == 50257 and gpt2_tokenizer.eod == 50256
 
 
-def test_python_and_rust_backends_agree(gpt2_files):
-    py = build_tokenizer("GPT2BPETokenizer", vocab_file=gpt2_files[0], merge_file=gpt2_files[1])
-    ref = py.reference
+@pytest.mark.parametrize("backend", ["hf", "tiktoken"])
+def test_fast_backends_equal_python_reference(gpt2_files, backend):
+    if backend == "tiktoken":
+        pytest.importorskip("tiktoken")
+    tok = GPT2BPETokenizer(*gpt2_files, backend=backend)
+    assert tok.backend == backend
     texts = TEXTS + _random_texts()
-    fast = py.tokenize_batch(texts)
-    for t, ids in zip(texts, fast):
-        assert ref.encode(t) == ids, t[:60]
-        assert py.detokenize(ids) == t
+    for t, ids in zip(texts, tok.tokenize_batch(texts)):
+        assert tok.reference.encode(t) == ids == tok.tokenize(t), t[:60]
+        assert tok.detokenize(ids) == t
 
 
 def test_against_tiktoken(gpt2_files):
