@@ -45,14 +45,22 @@ def _child(rank, world, port, fn, args, kwargs, results, timeout_s, env):
         results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - everything goes back to the test process
         results.put((rank, "error", traceback.format_exc()))
-        os._exit(1)
+        _flush_and_exit(results, 1)
     finally:
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
-    os._exit(0)
+    _flush_and_exit(results, 0)
+
+
+def _flush_and_exit(results, code: int) -> None:
+    # Queue.put hands the payload to a feeder thread; os._exit before it has written a large
+    # result would leave the test process blocked reading half a message.
+    results.close()
+    results.join_thread()
+    os._exit(code)
 
 
 def run_distributed(fn, world: int = 2, *args, timeout_s: float = 60.0, env=None, **kwargs):
