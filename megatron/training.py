@@ -47,6 +47,11 @@ class FixedBatchPlanner:
         return [dataclasses.replace(p, iteration=iteration) for p in self._cache[key]]
 
 
+def gpt_microbatch_shapes(mb: dict) -> tuple:
+    """LoadInput shapes of a GPT micro-batch: ((b, s),)."""
+    return (tuple(mb["tokens"].shape),)
+
+
 def _all_reduce_sum(values: List[float], group, size: int) -> List[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if group is not None and size > 1:
@@ -57,7 +62,8 @@ def _all_reduce_sum(values: List[float], group, size: int) -> List[float]:
 class Trainer:
     def __init__(self, cfg: MegatronConfig, ps: ParallelState, device: torch.device,
                  stages: Dict[int, nn.Module], *, train_ds, valid_ds=None, collate_fn: Callable,
-                 planner, tied_params: List[nn.Parameter], flops_per_sample: float = 0.0):
+                 planner, tied_params: List[nn.Parameter], flops_per_sample: float = 0.0,
+                 shapes_fn: Optional[Callable] = None):
         self.cfg, self.ps, self.device = cfg, ps, device
         self.stages = stages
         for m in stages.values():
@@ -65,6 +71,7 @@ class Trainer:
         self.modules = [stages[k] for k in sorted(stages)]
         self.train_ds, self.valid_ds, self.collate_fn = train_ds, valid_ds, collate_fn
         self.planner, self.tied_params = planner, tied_params
+        self.shapes_fn = shapes_fn or gpt_microbatch_shapes
         t = cfg.training
         self.lr_scheduler = LRScheduler(t)
         self.optimizer = MegatronOptimizer(self.modules, t, ps, self.lr_scheduler, device)
@@ -91,9 +98,8 @@ class Trainer:
                                f"{idx[-1][-1]}; build it for --train-iters x --global-batch-size samples")
         return [self.collate_fn([dataset[i] for i in ids]) for ids in idx]
 
-    @staticmethod
-    def _shapes(microbatches: List[dict]) -> List[tuple]:
-        return [(tuple(mb["tokens"].shape),) for mb in microbatches]
+    def _shapes(self, microbatches: List[dict]) -> List[tuple]:
+        return [self.shapes_fn(mb) for mb in microbatches]
 
     # -- one step ------------------------------------------------------------------------
     def train_step(self) -> dict:
