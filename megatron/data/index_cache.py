@@ -50,7 +50,7 @@ def cached_arrays(cache_dir: Optional[str], description: str, kind: str, names: 
     """
     if cache_dir is None:
         return build()
-    digest = hashlib.md5(description.encode("utf-8")).hexdigest()
+    digest = hashlib.md5(description.encode("utf-8"), usedforsecurity=False).hexdigest()
     paths = {n: os.path.join(cache_dir, f"{digest}-{kind}-{n}.npy") for n in names}
     desc_path = os.path.join(cache_dir, f"{digest}-{kind}-description.txt")
 

@@ -114,10 +114,15 @@ class _Index:
         self.sequence_pointers = np.frombuffer(self._mmap, np.int64, n, off)
         off += 8 * n
         self.document_indices = np.frombuffer(self._mmap, np.int64, d, off)
-        if d == 0 or (d and self.document_indices[0] != 0) or (
-                d and self.document_indices[-1] != n):
+        doc = self.document_indices
+        # Megatron's builder always ends the last document at sequence_count, but files
+        # written by other scripts may leave trailing sequences outside any document.
+        if d == 0 or doc[0] != 0 or doc[-1] > n or (d > 1 and bool((np.diff(doc) < 0).any())):
             raise IndexedDatasetError(
-                f"{path}: document_indices must start at 0 and end at sequence_count {n}")
+                f"{path}: document_indices must start at 0, never decrease and stay <= {n}")
+        if n and (self.sequence_pointers[0] != 0 or self.sequence_pointers[-1] != (
+                int(self.sequence_lengths.sum(dtype=np.int64)) - int(self.sequence_lengths[-1])) * self.dtype.itemsize):
+            raise IndexedDatasetError(f"{path}: sequence_pointers disagree with sequence_lengths (corrupt index)")
 
 
 class IndexedDataset:

@@ -209,7 +209,9 @@ def _parse(path, lineno, raw, keys):
     try:
         obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return None, f"{path}:{lineno}: invalid JSON ({exc.msg if hasattr(exc, 'msg') else exc})"
+        hint = ("; input must be JSON lines (one object per line), not a JSON array"
+                if raw.lstrip()[:1] == b"[" else "")
+        return None, f"{path}:{lineno}: invalid JSON ({exc.msg if hasattr(exc, 'msg') else exc}){hint}"
     if not isinstance(obj, dict):
         return None, f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}"
     for k in keys:

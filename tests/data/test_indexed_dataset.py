@@ -99,3 +99,20 @@ def test_dtype_overflow_and_choice(tmp_path):
     with pytest.raises(IndexedDatasetError, match="does not fit"):
         b.add_item(np.array([70000], dtype=np.int64))
     b.abort()
+
+
+def test_corrupt_pointers_and_doc_indices(tmp_path):
+    prefix = str(tmp_path / "c")
+    _build(prefix, [[[1, 2, 3]], [[4, 5]]], np.int32)
+    data = bytearray(open(prefix + ".idx", "rb").read())
+    ptr_off = 34 + 2 * 4
+    bad = data.copy()
+    bad[ptr_off + 8:ptr_off + 16] = struct.pack("<q", 4)  # second pointer should be 12
+    open(prefix + ".idx", "wb").write(bytes(bad))
+    with pytest.raises(IndexedDatasetError, match="sequence_pointers"):
+        IndexedDataset(prefix)
+    bad = data.copy()
+    bad[-8:] = struct.pack("<q", 7)  # last document ends past the 2 sequences
+    open(prefix + ".idx", "wb").write(bytes(bad))
+    with pytest.raises(IndexedDatasetError, match="document_indices"):
+        IndexedDataset(prefix)
