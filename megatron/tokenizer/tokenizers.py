@@ -116,6 +116,11 @@ class GPT2BPETokenizer(AbstractTokenizer):
                 raise
             return None  # a vocabulary tiktoken cannot represent: fall back to HF
 
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_pool"] = None  # thread pools do not pickle (spawned DataLoader workers)
+        return state
+
     def _tiktoken_batch(self, texts: list[str]) -> list[list[int]]:
         """tiktoken releases the GIL while encoding, so a few threads each looping over a
         slice of the batch use every core.  (tiktoken's own encode_batch submits one

@@ -76,3 +76,10 @@ def test_sentinels_and_errors(gpt2_files):
         build_tokenizer("GPT2BPETokenizer", vocab_file=gpt2_files[0], merge_file="/nonexistent")
     with pytest.raises(ValueError, match="--tokenizer-type 'Nope'"):
         build_tokenizer("Nope")
+
+
+def test_pickles_after_batch_use(gpt2_tokenizer):
+    import pickle
+    gpt2_tokenizer.tokenize_batch(["a b c"] * 64)
+    clone = pickle.loads(pickle.dumps(gpt2_tokenizer))
+    assert clone.tokenize_batch(["Hello world"] * 20)[0] == [15496, 995]
