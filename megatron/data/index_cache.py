@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from typing import Callable, Optional
 
 import numpy as np
@@ -57,15 +58,22 @@ def cached_arrays(cache_dir: Optional[str], description: str, kind: str, names: 
     def complete() -> bool:
         return all(os.path.exists(p) for p in paths.values())
 
+    built = None
     if is_rank_zero() and not complete():
-        arrays = build()
-        os.makedirs(cache_dir, exist_ok=True)
-        for n, p in paths.items():
-            _save_atomic(p, np.asarray(arrays[n]))
-        with open(desc_path + ".tmp", "w") as f:
-            f.write(description)
-        os.replace(desc_path + ".tmp", desc_path)
+        built = build()
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            for n, p in paths.items():
+                _save_atomic(p, np.asarray(built[n]))
+            with open(desc_path + ".tmp", "w") as f:
+                f.write(description)
+            os.replace(desc_path + ".tmp", desc_path)
+        except OSError as exc:  # read-only data folder: train anyway, just uncached
+            warnings.warn(f"cannot write dataset index cache under {cache_dir} ({exc}); indices are rebuilt "
+                          "on every run and by every rank; pass --data-cache-path to a writable folder")
     barrier()
+    if built is not None and not complete():
+        return built
     if not complete():  # not visible here (node-local disk): build locally, same result
         arrays = build()
         try:

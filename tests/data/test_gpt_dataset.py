@@ -119,3 +119,12 @@ def _dist_build(rank, world, prefix, cache):
     ds, _, _ = gpt_dataset.build_gpt_datasets([prefix], "1", 8, 7, (30, 0, 0), cache)
     assert len(calls) == (1 if rank == 0 else 0), (rank, calls)
     return ds.shuffle_index.tolist()
+
+
+def test_unwritable_cache_warns_and_still_works(tmp_path):
+    prefix = make_dataset(str(tmp_path / "d"), random_docs(10))
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.warns(UserWarning, match="--data-cache-path"):
+        ds = GPTDataset(IndexedDataset(prefix), np.arange(10), 5, 8, 1, str(blocker / "cache"))
+    assert len(ds) >= 5
