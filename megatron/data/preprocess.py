@@ -95,9 +95,10 @@ def _line_start_after(f, pos: int) -> int:
     return f.tell()
 
 
-def _count_newlines(path: str, end: int) -> int:
-    n, left = 0, end
+def _count_newlines(path: str, start: int, end: int) -> int:
+    n, left = 0, end - start
     with open(path, "rb") as f:
+        f.seek(start)
         while left > 0:
             buf = f.read(min(left, 1 << 24))
             if not buf:
@@ -139,8 +140,12 @@ def plan_partitions(files: list[str], partitions: int) -> list[list[Unit]]:
             budget -= u.end - start
             if budget <= 0:
                 budget = target
-    for u in cut:  # line numbers for error messages (one pass over the preceding bytes)
-        u.first_line = 1 + (_count_newlines(u.path, u.start) if u.start else 0)
+    # Line numbers for error messages: one pass over each file, piece by piece.
+    for prev, u in zip([None] + cut[:-1], cut):
+        if u.start == 0:
+            u.first_line = 1
+        else:  # the previous unit is the piece of the same file just before this one
+            u.first_line = prev.first_line + _count_newlines(u.path, prev.start, u.start)
     # Greedy contiguous grouping by size.
     groups: list[list[Unit]] = [[] for _ in range(partitions)]
     sizes = [(u.end if u.end is not None else max(os.path.getsize(u.path), 1)) - u.start for u in cut]

@@ -100,6 +100,11 @@ def test_bad_line_stops_with_location(tmp_path):
     assert r.returncode == 1
     assert f"{tmp_path / 'bad.jsonl'}:501: invalid JSON" in r.stderr and "--skip-bad-lines" in r.stderr
     assert os.listdir(tmp_path / "o") == []  # nothing half-written, chunks before line 501 included
+    # Line 501 lies in the second partition: its line number is still exact.
+    r = _run(["--input", str(tmp_path / "bad.jsonl"), *GPT2, "--workers", "2", "--partitions", "2",
+              "--output-prefix", out])
+    assert r.returncode == 1 and f"{tmp_path / 'bad.jsonl'}:501: invalid JSON" in r.stderr
+    assert os.listdir(tmp_path / "o") == []
     r = _run(["--input", str(tmp_path / "bad.jsonl"), *GPT2, "--skip-bad-lines", "--workers", "2",
               "--output-prefix", out])
     assert r.returncode == 0, r.stderr
