@@ -70,18 +70,23 @@ def assemble(per_rank: list) -> dict:
     return full
 
 
-def run_layout(rank, world, cfg_kwargs, steps_with_grads=1):
-    """Train with the given layout; return losses, grad norms, step-1 grads and final params."""
-    from megatron.initialize import set_seeds
+def make_trainer(cfg):
+    """A GPT Trainer for `cfg` on the already-initialised process group (as pretrain_gpt.py builds it)."""
     from megatron.core.parallel_state import initialize_model_parallel
+    from megatron.initialize import set_seeds
     from megatron.pretrain import build_gpt_trainer
 
-    cfg = tiny_config(world=world, **cfg_kwargs)
     ps = initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
                                    cfg.parallel.pipeline_model_parallel_size)
     device = torch.device("cpu")
     set_seeds(cfg.training.seed, ps, device)
-    trainer = build_gpt_trainer(cfg, ps, device)
+    return build_gpt_trainer(cfg, ps, device)
+
+
+def run_layout(rank, world, cfg_kwargs, steps_with_grads=1):
+    """Train with the given layout; return losses, grad norms, step-1 grads and final params."""
+    trainer = make_trainer(tiny_config(world=world, **cfg_kwargs))
+    ps = trainer.ps
     grads = []
     zero = trainer.optimizer.zero_grad
 

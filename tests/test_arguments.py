@@ -1,0 +1,61 @@
+"""Inconsistent flags exit with status 2 and one line naming the flags, before any process group."""
+import subprocess
+import sys
+
+import pytest
+
+from megatron.arguments import parse_args
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--mock-data", "--vocab-size", "100"]
+
+
+def _error(capsys, argv, world=4):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv, world_size=world)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("extra,world,needles", [
+    (["--num-attention-heads", "5"], 1, ["--hidden-size (64)", "--num-attention-heads (5)"]),
+    (["--tensor-model-parallel-size", "3"], 4, ["world size (4)", "--tensor-model-parallel-size (3)"]),
+    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"], 4, ["world size (4)", "= 8"]),
+    (["--micro-batch-size", "3", "--global-batch-size", "8"], 2, ["--global-batch-size (8)", "--micro-batch-size (3)"]),
+    (["--pipeline-model-parallel-size", "3"], 3, ["--num-layers (4)", "--pipeline-model-parallel-size (3)"]),
+    (["--bf16", "--fp16"], 1, ["--bf16 and --fp16"]),
+    (["--min-lr", "1", "--lr", "0.1"], 1, ["--min-lr (1.0)", "--lr (0.1)"]),
+    (["--pipeline-stage-layers", "1,2", "--pipeline-model-parallel-size", "2"], 2, ["--pipeline-stage-layers 1,2"]),
+    (["--recompute-method", "uniform"], 1, ["--recompute-method", "--recompute-granularity full"]),
+])
+def test_inconsistent_flags(capsys, extra, world, needles):
+    err = _error(capsys, BASE + extra, world)
+    for n in needles:
+        assert n in err, err
+
+
+def test_missing_required_and_data(capsys):
+    assert "--num-layers" in _error(capsys, ["--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "4",
+                                             "--mock-data", "--vocab-size", "10"], 1)
+    no_data = [a for a in BASE if a not in ("--mock-data",)]
+    assert "--data-path" in _error(capsys, no_data, 1)
+
+
+def test_valid_config_maps_flags():
+    cfg = parse_args(BASE + ["--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size",
+                             "8", "--lr", "3e-4", "--recompute-granularity", "selective", "--bf16"], world_size=4)
+    assert cfg.parallel.data_parallel_size == 2 and cfg.num_microbatches == 2
+    assert cfg.model.ffn_hidden_size == 256 and cfg.model.kv_channels == 16
+    assert cfg.training.recompute_level == "selective" and cfg.training.params_dtype_name == "bfloat16"
+    assert cfg.model.padded_vocab_size(2) == 256
+
+
+def test_entry_point_exits_before_process_group():
+    # WORLD_SIZE=4 with TP=3: must fail fast with the message, without waiting for peers.
+    env = {"WORLD_SIZE": "4", "RANK": "0", "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([sys.executable, "pretrain_gpt.py", *BASE, "--tensor-model-parallel-size", "3"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2
+    assert "world size (4) is not divisible by --tensor-model-parallel-size (3)" in r.stderr
