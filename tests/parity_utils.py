@@ -76,8 +76,10 @@ def make_trainer(cfg):
     from megatron.initialize import set_seeds
     from megatron.pretrain import build_gpt_trainer
 
+    from datetime import timedelta
     ps = initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
-                                   cfg.parallel.pipeline_model_parallel_size)
+                                   cfg.parallel.pipeline_model_parallel_size,
+                                   timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
     device = torch.device("cpu")
     set_seeds(cfg.training.seed, ps, device)
     return build_gpt_trainer(cfg, ps, device)

@@ -43,28 +43,44 @@ class P2PCommunicator:
     def isend(self, tensors: List[torch.Tensor], peer: int, what: str) -> P2PHandle:
         dst = self.peers[peer]
         tensors = [t.contiguous() for t in tensors]
-        works = [dist.isend(t, dst=dst, group=self.group) for t in tensors]
+        try:
+            works = [dist.isend(t, dst=dst, group=self.group) for t in tensors]
+        except RuntimeError as e:
+            raise self._error(what, peer, e, 0.0) from e
         return P2PHandle(works, tensors, what)
 
     def irecv(self, shapes, dtype: str, peer: int, what: str) -> P2PHandle:
         src = self.peers[peer]
         tensors = [torch.empty(tuple(s), dtype=DTYPES[dtype], device=self.device) for s in shapes]
-        works = [dist.irecv(t, src=src, group=self.group) for t in tensors]
+        try:
+            works = [dist.irecv(t, src=src, group=self.group) for t in tensors]
+        except RuntimeError as e:
+            raise self._error(what, peer, e, 0.0) from e
         return P2PHandle(works, tensors, what)
+
+    def _error(self, what: str, peer: int, cause, elapsed: float) -> PipelineCommError:
+        text = str(cause).splitlines()[0] if cause is not None else ""
+        where = f"global rank {self.my_rank}, in {what} (pipeline rank {peer} = global rank {self.peers[peer]})"
+        if cause is None or "timed out" in text.lower():
+            return PipelineCommError(
+                f"{where}: timed out after {elapsed:.1f}s (limit {self.timeout.total_seconds():.0f}s): the peer never "
+                f"reached the matching operation; it is stuck or slow (raise --distributed-timeout-minutes if slow)")
+        return PipelineCommError(f"{where}: communication failed after {elapsed:.1f}s: the peer probably died; "
+                                 f"see its log ({text})")
 
     def wait(self, handle: P2PHandle) -> List[torch.Tensor]:
         start = time.monotonic()
+        peer = self._peer_of(handle)
         for w in handle.works:
             try:
                 ok = w.wait(self.timeout)
             except RuntimeError as e:
-                raise PipelineCommError(
-                    f"global rank {self.my_rank}: pipeline communication failed in {handle.what} "
-                    f"after {time.monotonic() - start:.1f}s ({e.__class__.__name__}: {str(e).splitlines()[0]}). "
-                    f"The peer rank probably died or is stuck; see its log.") from e
+                raise self._error(handle.what, peer, e, time.monotonic() - start) from e
             if ok is False:
-                raise PipelineCommError(
-                    f"global rank {self.my_rank}: timed out after {self.timeout.total_seconds():.0f}s "
-                    f"in {handle.what}; the peer never reached the matching operation "
-                    f"(raise --distributed-timeout-minutes if it is just slow)")
+                raise self._error(handle.what, peer, None, time.monotonic() - start)
         return handle.tensors
+
+    @staticmethod
+    def _peer_of(handle: P2PHandle) -> int:
+        # `what` ends with "... pipeline rank N"; keep the handle small instead of storing it twice.
+        return int(handle.what.rsplit(" ", 1)[-1])
