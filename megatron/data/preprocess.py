@@ -227,36 +227,71 @@ def _parse(path, lineno, raw, keys):
     return obj, None
 
 
+def _parse_chunk(chunk, keys, skip_bad: bool):
+    """JSON objects of the non-blank lines of a chunk, plus error strings.
+
+    Fast path: the whole chunk is parsed by one C-level json.loads call as a JSON array
+    (per-line calls cost more than the tokenizer for short documents).  It is accepted
+    only if it yields exactly one valid object per line; otherwise every line is parsed
+    on its own so errors carry the exact file:line.
+    """
+    lines = [(path, lineno, raw) for path, lineno, raw in chunk if raw.strip()]
+    try:
+        objs = json.loads(b"[" + b",".join(raw for _, _, raw in lines) + b"]")
+        if len(objs) == len(lines) and all(
+                type(o) is dict and all(type(o.get(k)) is str for k in keys) for o in objs):
+            return objs, []
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        pass
+    docs, bad = [], []
+    for path, lineno, raw in lines:
+        obj, err = _parse(path, lineno, raw, keys)
+        if err:
+            bad.append(err)
+            if not skip_bad:
+                break  # the run stops anyway; no need to look further
+            continue
+        docs.append(obj)
+    return docs, bad
+
+
+def _pack_documents(ids: list, eod) -> tuple:
+    """One sequence per document: (tokens, sequence lengths, sequences per document).
+    Empty documents get no sequence; eod (if not None) ends every non-empty one."""
+    n = len(ids)
+    lens = np.fromiter(map(len, ids), dtype=np.int64, count=n)
+    tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lens.sum()))
+    nonempty = lens > 0
+    if eod is not None and n:
+        tokens = np.insert(tokens, np.cumsum(lens)[nonempty], eod)
+        lens = lens + nonempty
+    return tokens, lens[nonempty].astype(np.int32), nonempty.astype(np.int64)
+
+
 def encode_chunk(chunk):
     """Parse and tokenize one chunk of lines.  Returns (per-key arrays, n_docs, n_bytes, bad)."""
     opts: Options = _state["opts"]
     tok = _state["tok"]
-    docs, bad, nbytes = [], [], 0
-    for path, lineno, raw in chunk:
-        nbytes += len(raw)
-        if not raw.strip():
-            continue  # blank lines (e.g. a trailing newline) are not documents
-        obj, err = _parse(path, lineno, raw, opts.json_keys)
-        if err:
-            bad.append(err)
-            if not opts.skip_bad_lines:
-                break  # the run stops anyway; no need to tokenize the rest
-            continue
-        docs.append(obj)
+    nbytes = sum(len(raw) for _, _, raw in chunk)
+    docs, bad = _parse_chunk(chunk, opts.json_keys, opts.skip_bad_lines)
+    if bad and not opts.skip_bad_lines:
+        return {}, 0, nbytes, bad
     out = {}
+    eod = tok.eod if opts.append_eod else None
     for key in opts.json_keys:
-        if opts.split_sentences:
-            from .sentence_split import split_sentences
-            pieces = [split_sentences(d[key], opts.lang, opts.keep_newlines) for d in docs]
-        else:
-            pieces = [[d[key]] for d in docs]
+        if not opts.split_sentences:
+            texts = [d[key] for d in docs]
+            out[key] = _pack_documents(tok.tokenize_batch(texts) if texts else [], eod)
+            continue
+        from .sentence_split import split_sentences
+        pieces = [split_sentences(d[key], opts.lang, opts.keep_newlines) for d in docs]
         flat = [s for p in pieces for s in p]
         ids = tok.tokenize_batch(flat) if flat else []
         seqs_out, lengths, counts, it = [], [], [], iter(ids)
         for p in pieces:
             seqs = [s for s in (next(it) for _ in p) if len(s) > 0]  # Megatron drops empty sentences
-            if seqs and opts.append_eod:
-                seqs[-1] = list(seqs[-1]) + [tok.eod]
+            if seqs and eod is not None:
+                seqs[-1] = list(seqs[-1]) + [eod]
             seqs_out.extend(seqs)
             lengths.extend(len(s) for s in seqs)
             counts.append(len(seqs))
