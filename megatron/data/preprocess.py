@@ -218,7 +218,8 @@ def _parse(path, lineno, raw, keys):
                 if raw.lstrip()[:1] == b"[" else "")
         return None, f"{path}:{lineno}: invalid JSON ({exc.msg if hasattr(exc, 'msg') else exc}){hint}"
     if not isinstance(obj, dict):
-        return None, f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}"
+        hint = "; input must be JSON lines (one object per line), not a JSON array" if isinstance(obj, list) else ""
+        return None, f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}{hint}"
     for k in keys:
         if k not in obj:
             return None, f"{path}:{lineno}: missing key {k!r} (--json-keys {' '.join(keys)})"

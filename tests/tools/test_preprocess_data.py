@@ -164,3 +164,21 @@ def test_shipped_multitask_set_end_to_end(tmp_path):
     batch = collate_supervised_gpt([ds[i] for i in batch_ids], 256, pad_id=tok.pad)
     assert batch["loss_mask"].sum() == sum(min(int(ds.target_lengths[i]), 256) for i in batch_ids)
     assert 0 < padding_stats(batch["segment_ids"])["efficiency"] <= 1
+
+
+@pytest.mark.parametrize("line, reason", [
+    (b'{"text": "a"}, {"text": "b"}', "invalid JSON (Extra data)"),
+    (b'[{"text": "a"}]', "not a JSON array"),
+    (b'{"text": 5}', "key 'text' is int, expected a string"),
+    (b'"just a string"', "expected a JSON object, got str"),
+    (b'{"text": "\xff\xfe"}', "invalid JSON"),
+])
+def test_chunk_parser_pinpoints_bad_lines(line, reason):
+    from megatron.data.preprocess import _parse_chunk
+    chunk = [("f.jsonl", 1, b'{"text": "ok"}\n'), ("f.jsonl", 2, line + b"\n"), ("f.jsonl", 3, b"\n"),
+             ("f.jsonl", 4, b'{"text": "fine"}\n')]
+    docs, bad = _parse_chunk(chunk, ["text"], skip_bad=True)
+    assert [d["text"] for d in docs] == ["ok", "fine"]
+    assert len(bad) == 1 and bad[0].startswith("f.jsonl:2: ") and reason in bad[0], bad
+    docs, bad = _parse_chunk([c for c in chunk if c[1] != 2], ["text"], skip_bad=False)
+    assert [d["text"] for d in docs] == ["ok", "fine"] and bad == []
