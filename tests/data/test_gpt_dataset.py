@@ -128,3 +128,15 @@ def test_unwritable_cache_warns_and_still_works(tmp_path):
     with pytest.warns(UserWarning, match="--data-cache-path"):
         ds = GPTDataset(IndexedDataset(prefix), np.arange(10), 5, 8, 1, str(blocker / "cache"))
     assert len(ds) >= 5
+
+
+def test_split_by_documents_on_sentence_level_data(tmp_path):
+    # 4 documents with 3, 1, 2, 2 sentences: a 50/50 split puts sentences 0-3 in train.
+    docs = [[[1] * 5, [2] * 5, [3] * 5], [[4] * 5], [[5] * 5, [6] * 5], [[7] * 5, [8] * 5]]
+    prefix = make_dataset(str(tmp_path / "s"), docs)
+    train, valid, test = build_gpt_datasets([prefix], "50,50,0", 4, 1, (0, 0, 0), None)
+    assert test is None
+    assert sorted(set(train.document_index.tolist())) == [0, 1, 2, 3]
+    assert sorted(set(valid.document_index.tolist())) == [4, 5, 6, 7]
+    tokens = {int(t) for i in range(len(valid)) for t in valid[i]["text"]}
+    assert tokens <= {5, 6, 7, 8}
