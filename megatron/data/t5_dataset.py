@@ -3,7 +3,8 @@
 Samples are runs of whole sentences of one document (C++ `build_mapping` over
 sentence-level data from `preprocess_data.py --split-sentences`), truncated to the
 encoder length.  About `mask_prob` (0.15) of the tokens are masked in spans whose
-lengths follow a geometric distribution (p = 0.2, at most `max_ngrams` = 10).  Each
+lengths in words follow a geometric distribution (p = 0.2, at most `max_ngrams` = 10);
+with a WordPiece tokenizer spans cover whole words, as in Megatron.  Each
 span is replaced by the next sentinel <extra_id_k> in the encoder input;
     decoder input = [BOS] + sentinel_0 span_0 + sentinel_1 span_1 + ...
     labels        =         sentinel_0 span_0 + sentinel_1 span_1 + ... + [EOS]
@@ -30,28 +31,49 @@ from .indexed_dataset import IndexedDataset
 
 
 def geometric_spans(num_tokens: int, mask_prob: float, rng: np.random.RandomState, max_ngrams: int = 10,
-                    p: float = 0.2, max_spans: Optional[int] = None) -> list[tuple[int, int]]:
+                    p: float = 0.2, max_spans: Optional[int] = None,
+                    word_starts: Optional[np.ndarray] = None) -> list[tuple[int, int]]:
     """Non-overlapping, non-adjacent [start, end) spans covering about mask_prob of the
-    tokens (at least one token when num_tokens > 0), sorted by start."""
+    tokens (at least one span when num_tokens > 0), sorted by start.
+
+    Span lengths count words: n ~ Geometric(p), capped at max_ngrams.  With
+    `word_starts` (bool per token, False on WordPiece "##" continuations) spans begin
+    and end on word boundaries (Megatron's whole-word masking); without it every token
+    is a word.  A span stops growing before it would exceed the token budget.
+    """
     if num_tokens <= 0:
         return []
     budget = max(1, int(round(num_tokens * mask_prob)))
+    if word_starts is None:
+        starts = np.arange(num_tokens)
+    else:
+        starts = np.flatnonzero(np.asarray(word_starts[:num_tokens], dtype=bool))
+        if len(starts) == 0 or starts[0] != 0:
+            starts = np.concatenate([[0], starts])
+    ends = np.append(starts[1:], num_tokens)  # word k covers tokens [starts[k], ends[k])
     covered = np.zeros(num_tokens + 1, dtype=bool)
     spans, masked = [], 0
-    for start in rng.permutation(num_tokens):
+    for w in rng.permutation(len(starts)):
         if masked >= budget or (max_spans is not None and len(spans) >= max_spans):
             break
+        start = int(starts[w])
         if covered[start] or (start > 0 and covered[start - 1]):
             continue
-        n = min(int(rng.geometric(p)), max_ngrams, budget - masked)
-        end = start
-        # Grow the span while it stays clear of other spans (keeps a gap of one token).
-        while end < min(start + n, num_tokens) and not covered[end] and not covered[end + 1]:
-            end += 1
+        n = min(int(rng.geometric(p)), max_ngrams)
+        end, k = start, w
+        while k < min(w + n, len(starts)):
+            nxt = int(ends[k])
+            # Stay within budget (only the very first word may overflow it, so that a
+            # sample of long words still gets one span) and one token clear of others.
+            if masked + nxt - start > budget and (end > start or masked > 0):
+                break
+            if covered[end:nxt + 1].any():
+                break
+            end, k = nxt, k + 1
         if end == start:
             continue
         covered[start:end] = True
-        spans.append((int(start), int(end)))
+        spans.append((start, end))
         masked += end - start
     return sorted(spans)
 
@@ -110,6 +132,9 @@ class T5Dataset:
         self.sentinels = sentinels
         self.enc_len, self.dec_len = encoder_seq_length, decoder_seq_length
         self.mask_prob, self.max_ngrams = mask_prob, max_ngrams
+        # Whole-word masking when the tokenizer marks word-continuation pieces (WordPiece "##").
+        cont = getattr(tokenizer, "continuation_mask", None)
+        self.continuation = np.asarray(cont(), dtype=bool) if callable(cont) else None
         lo, hi = doc_range
         docs = np.ascontiguousarray(indexed.document_indices[lo:hi + 1], dtype=np.int64)
         sizes = np.ascontiguousarray(indexed.sequence_lengths, dtype=np.int32)
@@ -147,8 +172,9 @@ class T5Dataset:
         max_masked = max(1, int(round(len(tokens) * budget_prob)))
         while max_masked > 1 and 1 + 2 * max_masked > self.dec_len:
             max_masked -= 1
+        word_starts = None if self.continuation is None else ~self.continuation[tokens]
         spans = geometric_spans(len(tokens), max_masked / max(len(tokens), 1), rng, self.max_ngrams,
-                                max_spans=len(self.sentinels))
+                                max_spans=len(self.sentinels), word_starts=word_starts)
         while 1 + sum(e - s + 1 for s, e in spans) > self.dec_len:
             spans = spans[:-1]
         return make_t5_example(tokens, spans, self.sentinels, self.tok.bos, self.tok.eos, self.tok.pad,

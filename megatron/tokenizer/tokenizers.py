@@ -318,6 +318,17 @@ class BertWordPieceTokenizer(AbstractTokenizer):
         self.bos, self.eos = t2i("[BOS]"), t2i("[EOS]")
         self.eod = self.sep
         self.additional_special_tokens_ids = [t2i(s) for s in sentinel_names(vocab_extra_ids)]
+        self._continuation = None
+
+    def continuation_mask(self):
+        """Bool per id: True for "##" word-continuation pieces (T5 whole-word masking)."""
+        if self._continuation is None:
+            import numpy as np
+            mask = np.zeros(self.vocab_size, dtype=bool)
+            for token, i in self.tok.get_vocab(with_added_tokens=True).items():
+                mask[i] = token.startswith("##")
+            self._continuation = mask
+        return self._continuation
 
     @property
     def vocab_size(self) -> int:

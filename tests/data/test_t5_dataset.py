@@ -75,3 +75,34 @@ def test_t5_needs_sentinels(tmp_path):
     tok = build_tokenizer("NullTokenizer", vocab_size=1000)
     with pytest.raises(ValueError, match="--vocab-extra-ids"):
         build_t5_datasets([prefix], "1", 32, 16, tok, 1, (10,))
+
+
+def test_whole_word_spans():
+    rng = np.random.RandomState(1)
+    word_starts = np.random.RandomState(2).rand(300) < 0.6  # ~40% of tokens continue a word
+    word_starts[0] = True
+    total = 0
+    for _ in range(200):
+        spans = geometric_spans(300, 0.15, rng, word_starts=word_starts)
+        for s, e in spans:
+            assert word_starts[s] and (e == 300 or word_starts[e])  # whole words only
+        total += sum(e - s for s, e in spans)
+    assert abs(total / (200 * 300) - 0.15) < 0.02
+
+
+def test_wordpiece_tokenizer_drives_whole_word_masking(tmp_path):
+    import os
+    vocab = os.path.join(os.path.dirname(__file__), "..", "..", "data", "tokenizers", "kjv_wordpiece-vocab.txt")
+    tok = build_tokenizer("BertWordPieceCase", vocab_file=vocab, vocab_extra_ids=10)
+    cont = tok.continuation_mask()
+    ids = tok.tokenize("Jehoshaphat and Zerubbabel went unto Mahershalalhashbaz")
+    assert cont[ids].any() and not cont[ids[0]]
+    prefix = make_dataset(str(tmp_path / "w"), [[ids, ids], [ids]])
+    tok.bos = tok.bos if tok.bos is not None else tok.cls
+    train, _, _ = build_t5_datasets([prefix], "1", 64, 32, tok, 3, (20,), None)
+    for i in range(len(train)):
+        enc = train[i]["text_enc"]
+        sentinel_pos = np.flatnonzero(np.isin(enc, tok.additional_special_tokens_ids))
+        for p in sentinel_pos:  # the token after a masked span never continues a word
+            if p + 1 < len(enc) and enc[p + 1] != tok.pad:
+                assert not cont[enc[p + 1]]
