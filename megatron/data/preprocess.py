@@ -19,6 +19,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -203,6 +204,9 @@ def _init_worker(opts: Options, in_pool: bool = False, tokenizer=None) -> None:
         # Parallelism comes from the worker processes; tokenizer thread pools on top
         # would oversubscribe the cores.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        # Ctrl-C is handled once, by the writing process, which aborts the outputs and
+        # terminates the pool (workers would otherwise each print a traceback).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if tokenizer is None and _state.get("kwargs") == opts.tokenizer_kwargs:
         tokenizer = _state["tok"]  # inherited through fork: no second 0.3 s vocab load
     _state["opts"] = opts

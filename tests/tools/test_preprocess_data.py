@@ -122,12 +122,14 @@ def test_truncated_gzip_is_reported(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a named pipe")
-def test_ctrl_c_leaves_no_valid_looking_index(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ctrl_c_leaves_no_valid_looking_index(tmp_path, workers):
     fifo = tmp_path / "stream.jsonl"
     os.mkfifo(fifo)
     out = str(tmp_path / "o")
     proc = subprocess.Popen([sys.executable, TOOL, "--no-progress", "--input", str(fifo), *GPT2,
-                             "--chunk-lines", "4", "--output-prefix", out], stderr=subprocess.PIPE, text=True)
+                             "--chunk-lines", "4", "--workers", str(workers), "--output-prefix", out],
+                            stderr=subprocess.PIPE, text=True)
     with open(fifo, "w") as w:
         for d in _docs(50):
             w.write(json.dumps(d) + "\n")
@@ -139,6 +141,7 @@ def test_ctrl_c_leaves_no_valid_looking_index(tmp_path):
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
+    assert err.count("Traceback") == 0, err
     assert not [f for f in os.listdir(tmp_path) if f.startswith("o_")]
 
 
