@@ -1,0 +1,69 @@
+"""The model pieces the cost model prices, built from the real model code for one TP rank.
+
+* ``encoder``: a stack of `TransformerLayer`s (GPT layer, or T5 encoder layer: not causal);
+* ``decoder``: T5 decoder layers (causal self-attention + cross-attention over the encoder
+  output);
+* ``postprocess``: final norm + output head + vocab-parallel loss, i.e. a `GPTStage` with no
+  layers and only `post_process` (the exact code the last pipeline stage runs).
+
+Several layers are stacked per measurement (overheads amortise; the layer-to-layer hand-off
+is part of what a layer costs) and the caller divides by the count.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron.config import ModelConfig
+from megatron.core.parallel_state import ParallelState
+from megatron.models.gpt import GPTEmbedding, GPTStage
+from megatron.models.transformer import TransformerBlock, TransformerLayer
+from megatron.profiling.measure import Workload
+
+
+def param_bytes(module: torch.nn.Module) -> tuple:
+    """(parameter count, bytes) held by this rank."""
+    ps = list(module.parameters())
+    return sum(p.numel() for p in ps), sum(p.numel() * p.element_size() for p in ps)
+
+
+def build_layers(cfg: ModelConfig, ps: ParallelState, component: str, n: int, seed: int) -> TransformerBlock:
+    decoder = component == "decoder"
+    causal = cfg.model_type == "gpt" or decoder
+    layers = [TransformerLayer(cfg, ps.tp_group, layer_number=i, num_layers_total=n, seed=seed,
+                               key=f"{component}.layers.{i}", causal=causal, decoder=decoder)
+              for i in range(n)]
+    return TransformerBlock(layers)
+
+
+def build_postprocess(cfg: ModelConfig, ps: ParallelState, seed: int) -> GPTStage:
+    return GPTStage(cfg, ps, layer_start=0, layer_end=0, pre_process=False, post_process=True, seed=seed)
+
+
+def build_embedding(cfg: ModelConfig, ps: ParallelState, seed: int) -> GPTEmbedding:
+    return GPTEmbedding(cfg, ps, cfg.padded_vocab_size(ps.tp_size), seed)
+
+
+def _hidden(s, b, cfg, device, dtype):
+    return torch.randn(s, b, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
+
+
+def layer_workload(block: TransformerBlock, cfg: ModelConfig, recompute: str, mbs: int, seq: int,
+                   device, dtype, dec_seq: int | None = None) -> Workload:
+    """Forward of the stack on a [seq, mbs, hidden] input that needs its gradient (as on every
+    pipeline stage after the first). Decoder: `seq` is the encoder length, `dec_seq` the
+    decoder's; the encoder output is shared by all decoder layers, so no layer owns it."""
+    if dec_seq is None:
+        return Workload(block, lambda: (_hidden(seq, mbs, cfg, device, dtype),),
+                        lambda x: block(x, recompute=recompute))
+    return Workload(block,
+                    lambda: (_hidden(dec_seq, mbs, cfg, device, dtype), _hidden(seq, mbs, cfg, device, dtype)),
+                    lambda x, enc: block(x, None, enc, None, recompute=recompute),
+                    shared=lambda ins: [ins[1]])
+
+
+def postprocess_workload(stage: GPTStage, cfg: ModelConfig, mbs: int, seq: int, device, dtype) -> Workload:
+    def make():
+        labels = torch.randint(0, cfg.vocab_size, (mbs, seq), device=device)
+        return _hidden(seq, mbs, cfg, device, dtype), labels
+
+    return Workload(stage, make, lambda x, labels: stage({"labels": labels}, [x])[0])

@@ -1,0 +1,157 @@
+"""Measure one shape: forward/backward time, activation memory kept for backward, transient peak.
+
+The unit measured is a `Workload`: a module run forward on freshly made inputs and then
+backward from an output gradient. Three kinds of numbers come out:
+
+* time: warm-up iterations, then the median of N timed ones (device synchronised around each
+  phase, so asynchronous CUDA kernels are inside the interval they belong to);
+* stored bytes: every tensor autograd saves for backward passes through a
+  `saved_tensors_hooks` pack hook; summing the *unique storages* (a view keeps its whole
+  storage alive) minus parameters and declared shared inputs gives what the layers keep.
+  This works on every device because it needs no allocator statistics;
+* peak bytes: the highest allocation above the starting point during one forward+backward.
+  CUDA: `torch.cuda.max_memory_allocated`. CPU has no allocator counters, so the same pass
+  runs under `torch.profiler` with memory events and the running sum of allocations is replayed.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+
+class ShapeInfeasible(Exception):
+    """The shape does not fit (out of memory, or past a configured cap); recorded as null."""
+
+
+@dataclass
+class Workload:
+    """`make_inputs()` makes fresh inputs for `run(*inputs)`, which returns one tensor to run
+    backward from. `owned_input(inputs)` is the input the first measured layer owns (it is not
+    allocated inside the pass, so the peak adds it back); `shared(inputs)` lists inputs no
+    measured layer owns (T5: the encoder output every decoder layer reads), left out of
+    the stored bytes."""
+    module: torch.nn.Module
+    make_inputs: Callable[[], Sequence[torch.Tensor]]
+    run: Callable[..., torch.Tensor]
+    owned_input: Callable[[Sequence[torch.Tensor]], Optional[torch.Tensor]] = lambda ins: ins[0]
+    shared: Callable[[Sequence[torch.Tensor]], List[torch.Tensor]] = lambda ins: []
+
+
+@dataclass
+class Result:
+    forward_ms: float
+    backward_ms: float
+    stored_bytes: int  # saved for backward, all measured layers together
+    peak_bytes: int  # highest live activation memory during forward+backward, inputs included
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _ensure_grads(module: torch.nn.Module) -> None:
+    # Gradient buffers are model state, not activations: allocate them before measuring so
+    # the peak only sees memory that scales with the micro-batch.
+    for p in module.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def _storage_key(t: torch.Tensor):
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def time_workload(w: Workload, device: torch.device, warmup: int, iters: int,
+                  max_seconds: Optional[float], agree: Callable[[bool], bool] = lambda x: x) -> tuple:
+    """(median forward ms, median backward ms). Raises ShapeInfeasible past `max_seconds`
+    for one forward+backward, judged on the first iteration; `agree` makes every TP rank take
+    the same decision (one rank leaving while the others enter a collective would hang)."""
+    fwd, bwd = [], []
+    for i in range(warmup + iters):
+        inputs = w.make_inputs()
+        _sync(device)
+        t0 = time.perf_counter()
+        out = w.run(*inputs)
+        _sync(device)
+        t1 = time.perf_counter()
+        out.backward(torch.ones_like(out))
+        _sync(device)
+        t2 = time.perf_counter()
+        if i == 0 and max_seconds is not None and agree(t2 - t0 > max_seconds):
+            raise ShapeInfeasible(f"one forward+backward took over --max-seconds-per-shape {max_seconds}s")
+        if i >= warmup:
+            fwd.append((t1 - t0) * 1e3)
+            bwd.append((t2 - t1) * 1e3)
+        del out, inputs
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def memory_workload(w: Workload, device: torch.device) -> tuple:
+    """(stored bytes, peak bytes) of one forward+backward."""
+    params = {_storage_key(p) for p in w.module.parameters()}
+    inputs = w.make_inputs()
+    skip = params | {_storage_key(t) for t in w.shared(inputs)}
+    seen = {}
+
+    def pack(t):
+        k = _storage_key(t)
+        if k not in skip:
+            seen[k] = k[1]  # ints only: holding the tensor would delay its free and skew the peak
+        return t
+
+    owned = w.owned_input(inputs)
+    base_extra = owned.untyped_storage().nbytes() if owned is not None else 0
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = w.run(*inputs)
+        out.backward(torch.ones_like(out))
+        _sync(device)
+        peak = torch.cuda.max_memory_allocated(device) - start
+    else:
+        peak = _cpu_peak(lambda: _cpu_step(w, inputs, pack))
+    return sum(seen.values()), peak + base_extra
+
+
+def _cpu_step(w, inputs, pack):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = w.run(*inputs)
+    out.backward(torch.ones_like(out))
+
+
+def _cpu_peak(step: Callable[[], None]) -> int:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()  # negative for frees
+        peak = max(peak, live)
+    return peak
+
+
+def measure(w: Workload, device: torch.device, warmup: int, iters: int,
+            max_seconds: Optional[float] = None, agree: Callable[[bool], bool] = lambda x: x) -> Result:
+    """Time and memory of one shape. Raises ShapeInfeasible when it does not fit."""
+    try:
+        _ensure_grads(w.module)
+        f, b = time_workload(w, device, warmup, iters, max_seconds, agree)
+        stored, peak = memory_workload(w, device)
+    except torch.cuda.OutOfMemoryError as e:
+        torch.cuda.empty_cache()
+        raise ShapeInfeasible(f"CUDA out of memory: {str(e).splitlines()[0]}") from None
+    except RuntimeError as e:
+        if "can't allocate memory" in str(e) or "out of memory" in str(e):
+            raise ShapeInfeasible(f"out of memory: {str(e).splitlines()[0]}") from None
+        raise
+    return Result(f, b, stored, peak)

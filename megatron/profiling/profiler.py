@@ -1,0 +1,232 @@
+"""Sweep a grid of shapes on one tensor-parallel rank and turn the numbers into a `CostModel`.
+
+Grid (DynaPipe's): per TP size, recompute level in none/selective/full, micro-batch size x
+sequence length (T5 decoder: x decoder length). Shapes are visited in increasing order; once a
+shape does not fit, every shape at least as large on every axis is skipped (recorded as null)
+without running, as DynaPipe did.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from megatron.config import ModelConfig
+from megatron.core.parallel_state import ParallelState
+from megatron.core.tensor_parallel.random import get_rng_tracker, model_parallel_seed
+from megatron.planner.cost_model import COMPONENT_AXES, RECOMPUTE_LEVELS, CostModel, Grid, Profile
+from megatron.profiling import components as C
+from megatron.profiling.measure import ShapeInfeasible, measure
+
+MB = 1e6  # the cost-model files use decimal megabytes (the DynaPipe tables do too)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ProfileSpec:
+    model: ModelConfig
+    tps: List[int]
+    micro_batch_sizes: List[int]
+    seq_lengths: List[int]
+    decoder_seq_lengths: List[int] = field(default_factory=list)
+    recompute: List[str] = field(default_factory=lambda: list(RECOMPUTE_LEVELS))
+    layers: int = 3
+    warmup: int = 2
+    iters: int = 5
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_seconds: Optional[float] = None  # one forward+backward slower than this = infeasible
+    max_tokens: Optional[int] = None  # mbs x length above this = infeasible, not run
+    seed: int = 1234
+    name: str = "profiled"
+    cpu_threads: int = 1  # per rank; the CPU trainer runs its ranks with one thread each
+
+    def __post_init__(self):
+        def bad(flag, msg):
+            raise ValueError(f"{flag}: {msg}")
+        for flag, vals in (("--tp", self.tps), ("--micro-batch-sizes", self.micro_batch_sizes),
+                           ("--seq-lengths", self.seq_lengths)):
+            if not vals or any(v < 1 for v in vals) or sorted(set(vals)) != list(vals):
+                bad(flag, f"needs distinct positive values in increasing order, got {vals}")
+        t5 = self.model.model_type == "t5"
+        if t5 and (not self.decoder_seq_lengths or sorted(set(self.decoder_seq_lengths)) != self.decoder_seq_lengths
+                   or self.decoder_seq_lengths[0] < 1):
+            bad("--decoder-seq-lengths", f"T5 needs distinct positive increasing values, got {self.decoder_seq_lengths}")
+        if not t5 and self.decoder_seq_lengths:
+            bad("--decoder-seq-lengths", "only applies to --model-type t5")
+        if not self.recompute or any(r not in RECOMPUTE_LEVELS for r in self.recompute):
+            bad("--recompute", f"values must be among {RECOMPUTE_LEVELS}, got {self.recompute}")
+        if self.layers < 1:
+            bad("--num-layers-profiled", f"must be >= 1, got {self.layers}")
+        if self.iters < 1 or self.warmup < 0:
+            bad("--iters/--warmup", f"need iters >= 1 and warmup >= 0, got {self.iters}/{self.warmup}")
+        if self.cpu_threads < 1:
+            bad("--cpu-threads", f"must be >= 1, got {self.cpu_threads}")
+        if self.dtype not in DTYPES:
+            bad("--dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        m = self.model
+        for tp in self.tps:
+            if m.num_attention_heads % tp or m.ffn_hidden_size % tp:
+                bad("--tp", f"{tp} must divide --num-attention-heads ({m.num_attention_heads}) and "
+                            f"--ffn-hidden-size ({m.ffn_hidden_size})")
+
+    @property
+    def components(self) -> List[str]:
+        return ["encoder", "decoder", "postprocess"] if self.model.model_type == "t5" else ["encoder", "postprocess"]
+
+    def axes(self, component: str) -> List[List[int]]:
+        enc, dec = self.seq_lengths, self.decoder_seq_lengths
+        if component == "decoder":
+            return [self.micro_batch_sizes, enc, dec]
+        if component == "postprocess" and self.model.model_type == "t5":
+            return [self.micro_batch_sizes, dec]  # the head runs on the decoder sequence
+        return [self.micro_batch_sizes, enc]
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, tp_rank: int, device_type: str):
+    """Attention dropout needs the TP RNG stream; restore the caller's RNG state afterwards so
+    profiling in-process (tests, notebooks) does not perturb it."""
+    tracker = get_rng_tracker()
+    saved = (tracker.device_type, tracker.get_states(), torch.get_rng_state())
+    model_parallel_seed(seed, tp_rank, 0, device_type)
+    try:
+        yield
+    finally:
+        tracker.device_type = saved[0]
+        tracker.set_states(saved[1])
+        torch.set_rng_state(saved[2])
+
+
+def _sweep(spec, axes, run_shape, log, label) -> Dict[str, np.ndarray]:
+    shape = tuple(len(a) for a in axes)
+    out = {q: np.full(shape, np.nan) for q in ("forward_ms", "backward_ms", "stored_mb", "peak_mb")}
+    failed = []  # index tuples that did not fit: everything dominating them is skipped
+    for idx in itertools.product(*[range(n) for n in shape]):
+        vals = [a[i] for a, i in zip(axes, idx)]
+        tokens = vals[0] * max(vals[1:])
+        why = None
+        if any(all(i >= j for i, j in zip(idx, f)) for f in failed):
+            why = "dominated by a shape that did not fit"
+        elif spec.max_tokens is not None and tokens > spec.max_tokens:
+            why = f"mbs x length = {tokens} > --max-tokens {spec.max_tokens}"
+        else:
+            try:
+                r = run_shape(*vals)
+            except ShapeInfeasible as e:
+                why = str(e)
+        if why is not None:
+            failed.append(idx)
+            log(f"{label} {vals}: unmeasured ({why})")
+            continue
+        for q, v in zip(out, (r.forward_ms, r.backward_ms, r.stored_bytes / MB, r.peak_bytes / MB)):
+            out[q][idx] = v
+        log(f"{label} {vals}: fwd {r.forward_ms:.3f} ms bwd {r.backward_ms:.3f} ms "
+            f"stored {r.stored_bytes / MB:.3f} MB peak {r.peak_bytes / MB:.3f} MB")
+    return out
+
+
+def profile_rank(spec: ProfileSpec, ps: ParallelState, agree: Callable[[bool], bool] = lambda x: x,
+                 log: Callable[[str], None] = lambda s: None) -> dict:
+    """Everything one TP size contributes, measured on this rank (all TP ranks must call it).
+
+    Returns {"tp", "params": {component: (count, bytes)}, "grids": {recompute: {component:
+    {quantity: per-layer array}}}}. `agree(flag)` ORs a flag over the TP group so every rank
+    skips the same shapes (a rank alone leaving a collective would hang the others)."""
+    device = torch.device(spec.device)
+    dtype = DTYPES[spec.dtype]
+    n, tp, cfg = spec.layers, ps.tp_size, spec.model
+    cap = spec.max_seconds
+
+    def fits(fn):
+        try:
+            res, err = fn(), None
+        except ShapeInfeasible as e:
+            res, err = None, e
+        if agree(err is not None):
+            raise err or ShapeInfeasible("another tensor-parallel rank could not run this shape")
+        return res
+
+    with _seeded(spec.seed, ps.tp_rank, device.type):
+        mods = {c: C.build_layers(cfg, ps, c, n, spec.seed).to(device, dtype) for c in spec.components if c != "postprocess"}
+        head = C.build_postprocess(cfg, ps, spec.seed).to(device, dtype)
+        params = {c: C.param_bytes(m.layers[0]) for c, m in mods.items()}
+        params["embedding"] = C.param_bytes(C.build_embedding(cfg, ps, spec.seed).to(dtype=dtype))
+        grids = {}
+        post = None
+        for rc in spec.recompute:
+            grids[rc] = {}
+            for comp, block in mods.items():
+                def run(mbs, seq, dec=None, block=block, rc=rc):
+                    w = C.layer_workload(block, cfg, rc, mbs, seq, device, dtype, dec)
+                    r = fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree))
+                    r.forward_ms, r.backward_ms = r.forward_ms / n, r.backward_ms / n
+                    r.stored_bytes //= n
+                    # The stack peaks at (n - 1) layers' stored memory plus one layer's peak; the
+                    # planner adds them back the same way for a stage of any depth.
+                    r.peak_bytes = max(r.peak_bytes - (n - 1) * r.stored_bytes, r.stored_bytes)
+                    return r
+                grids[rc][comp] = _sweep(spec, spec.axes(comp), run, log, f"tp{tp} {rc} {comp}")
+            if post is None:  # the head is never recomputed: one sweep serves every level
+                def run_post(mbs, seq):
+                    w = C.postprocess_workload(head, cfg, mbs, seq, device, dtype)
+                    return fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree))
+                post = _sweep(spec, spec.axes("postprocess"), run_post, log, f"tp{tp} postprocess")
+            grids[rc]["postprocess"] = post
+    return {"tp": tp, "params": params, "grids": grids}
+
+
+def to_cost_model(spec: ProfileSpec, results: List[dict], meta: dict) -> CostModel:
+    m = spec.model
+    profiles, params = [], {}
+    for res in results:
+        # The format stores 16-bit parameter MB (the planner scales it to weights + grads +
+        # optimizer state), whatever dtype the profile ran in.
+        state = {c: cnt * 2 / MB for c, (cnt, _) in res["params"].items()}
+        params[str(res["tp"])] = {c: {"count": cnt, "bytes": b} for c, (cnt, b) in res["params"].items()}
+        for rc, comps in res["grids"].items():
+            grids = {c: Grid(spec.axes(c), comps[c]) for c in COMPONENT_AXES if c in comps}
+            profiles.append(Profile(res["tp"], rc, state, grids))
+    model = {"kind": m.model_type, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
+             "ffn_hidden_size": m.ffn_hidden_size, "kv_channels": m.kv_channels, "vocab_size": m.vocab_size,
+             "max_position_embeddings": m.max_position_embeddings,
+             "hidden_dropout": m.hidden_dropout, "attention_dropout": m.attention_dropout}
+    meta = dict(meta, units={"time": "ms", "memory": "MB (1e6 bytes)"}, parameters=params,
+                dtype=spec.dtype, profiler={"cpu_threads_per_rank": spec.cpu_threads,"layers_per_measurement": spec.layers, "warmup": spec.warmup,
+                                             "iters": spec.iters, "statistic": "median",
+                                             "max_seconds": spec.max_seconds, "max_tokens": spec.max_tokens})
+    return CostModel(spec.name, model, profiles, meta)
+
+
+def describe_device(device: str) -> str:
+    import platform
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}"
+    return f"CPU {platform.processor() or platform.machine()}, torch {torch.__version__}"
+
+
+def run_profile(spec: ProfileSpec, log: Callable[[str], None] = lambda s: None) -> CostModel:
+    """Profile every TP size of `spec` (TP > 1 in spawned ranks) and return the cost model."""
+    from megatron.profiling.launch import run_tp_ranks
+    t0 = time.perf_counter()
+    results = []
+    for tp in spec.tps:
+        if tp > 1:
+            results.append(run_tp_ranks(spec, tp, log))
+            continue
+        threads = torch.get_num_threads()
+        if not spec.device.startswith("cuda"):
+            torch.set_num_threads(spec.cpu_threads)
+        try:
+            results.append(profile_rank(spec, ParallelState(), log=log))
+        finally:
+            torch.set_num_threads(threads)
+    meta = {"device": describe_device(spec.device), "source": "megatron.profiling.profile_model",
+            "profile_seconds": round(time.perf_counter() - t0, 1)}
+    return to_cost_model(spec, results, meta)
+
