@@ -14,8 +14,9 @@ VOCAB = 101  # not divisible by the padding multiple: padded rows must be cut be
 ATOL, RTOL = 2e-5, 1e-4
 
 
-def tiny_t5_config(world=1, tp=1, pp=1, split=None, pos="relative", iters=3, lr=1e-3, mbs=2, gbs=8,
+def tiny_t5_config(world=None, tp=1, pp=1, split=None, pos="relative", iters=3, lr=1e-3, mbs=2, gbs=8,
                    enc_layers=2, dec_layers=2, enc_seq=16, dec_seq=8):
+    world = world or tp * pp
     return MegatronConfig(
         model=ModelConfig(model_type="t5", encoder_num_layers=enc_layers, decoder_num_layers=dec_layers,
                           hidden_size=32, num_attention_heads=4, encoder_seq_length=enc_seq, decoder_seq_length=dec_seq,

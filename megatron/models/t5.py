@@ -89,9 +89,10 @@ def _valid(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _attention_mask(mask: torch.Tensor) -> torch.Tensor:
-    """[b, sq, sk] bool -> [b, 1, sq, sk]. A padding query whose row is all False would make
-    SDPA return NaN, which then leaks through 0 * NaN into real tokens of later layers; such
-    rows may attend everywhere instead (their outputs never reach a loss token)."""
+    """[b, sq, sk] bool -> [b, 1, sq, sk]. A padding query's row is all False; torch < 2.5 and
+    some fused kernels return NaN for such a row, which then leaks through 0 * NaN into real
+    tokens of later layers. Such rows may attend everywhere instead (like Megatron's -10000
+    fill): their outputs never reach a real token or a loss token."""
     mask = mask | ~mask.any(dim=-1, keepdim=True)
     return mask.unsqueeze(1)
 
