@@ -15,7 +15,7 @@ ATOL, RTOL = 2e-5, 1e-4
 
 
 def tiny_t5_config(world=None, tp=1, pp=1, split=None, pos="relative", iters=3, lr=1e-3, mbs=2, gbs=8,
-                   enc_layers=2, dec_layers=2, enc_seq=16, dec_seq=8):
+                   enc_layers=2, dec_layers=2, enc_seq=16, dec_seq=8, recompute=None):
     world = world or tp * pp
     return MegatronConfig(
         model=ModelConfig(model_type="t5", encoder_num_layers=enc_layers, decoder_num_layers=dec_layers,
@@ -26,7 +26,8 @@ def tiny_t5_config(world=None, tp=1, pp=1, split=None, pos="relative", iters=3, 
         parallel=ParallelConfig(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 pipeline_model_parallel_split_rank=split, distributed_timeout_minutes=1.0),
         training=TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, train_iters=iters, lr=lr,
-                                lr_warmup_iters=1, seed=1234, clip_grad=1.0, eval_interval=1000),
+                                lr_warmup_iters=1, seed=1234, clip_grad=1.0, eval_interval=1000,
+                                recompute_granularity=recompute),
         data=DataConfig(mock_data=True, vocab_extra_ids=5),
         checkpoint=CheckpointConfig(), logging=LoggingConfig(log_interval=1000),
     )
@@ -127,6 +128,7 @@ LAYOUTS = {
     "tp2": (2, dict(tp=2)),
     "dp2": (2, dict()),
     "pp4_split2": (4, dict(pp=4, split=2)),  # tied group {0, 2, 3}: three copies
+    "pp2_split1_full_recompute": (2, dict(pp=2, split=1, recompute="full")),
 }
 
 

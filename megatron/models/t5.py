@@ -143,6 +143,9 @@ def t5_stage_layers(cfg) -> list:
     """Per pipeline rank: ((enc_start, enc_end), (dec_start, dec_end)) layer ranges."""
     m, pp = cfg.model, cfg.parallel.pipeline_model_parallel_size
     r = t5_split_rank(cfg)
+    if m.position_embedding_type == "learned_absolute" and m.max_position_embeddings < m.decoder_seq_length:
+        raise ConfigError(f"--max-position-embeddings ({m.max_position_embeddings}) must be >= "
+                          f"--decoder-seq-length ({m.decoder_seq_length}) with learned absolute positions")
     if pp == 1:
         return [((0, m.encoder_num_layers), (0, m.decoder_num_layers))]
     if m.encoder_num_layers % r:

@@ -55,6 +55,10 @@ def test_stage_layout_and_split_rank_errors():
         t5_stage_layers(tiny_t5_config(pp=4, split=3, enc_layers=2))
     with pytest.raises(ConfigError, match="--decoder-num-layers"):
         t5_stage_layers(tiny_t5_config(pp=4, split=1, enc_layers=2, dec_layers=2))
+    cfg = tiny_t5_config(pos="learned_absolute", dec_seq=32)
+    cfg.model.max_position_embeddings = 16
+    with pytest.raises(ConfigError, match="--max-position-embeddings"):
+        t5_stage_layers(cfg)
     cfg = tiny_t5_config(pp=2, split=1)
     cfg.parallel.num_layers_per_virtual_pipeline_stage = 1
     with pytest.raises(ConfigError, match="--num-layers-per-virtual-pipeline-stage is not supported for T5"):
