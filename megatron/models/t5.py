@@ -28,8 +28,8 @@ from torch import nn
 
 from megatron.config import ConfigError, ModelConfig
 from megatron.core.parallel_state import ParallelState, global_rank
-from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region, init_generator,
-                                           mark_tensor_parallel, vocab_parallel_cross_entropy)
+from megatron.core.tensor_parallel import (VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
+                                           init_generator, mark_tensor_parallel, vocab_parallel_cross_entropy)
 from megatron.core.tensor_parallel.mappings import group_rank, group_size
 from megatron.models.gpt import WORD_EMBEDDING_KEY, GPTEmbedding
 from megatron.models.transformer import TransformerBlock, TransformerLayer
@@ -213,7 +213,6 @@ class T5Stage(nn.Module):
             self.decoder_final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
             if not pre_process_decoder:
                 # Same key as the embedding -> identical initial values (kept equal by the grad sum).
-                from megatron.core.tensor_parallel import VocabParallelEmbedding
                 self.output_layer = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, ps.tp_group,
                                                            init_std=cfg.init_method_std, seed=seed,
                                                            key=WORD_EMBEDDING_KEY, real_vocab_size=cfg.vocab_size)
@@ -223,7 +222,6 @@ class T5Stage(nn.Module):
             mark_tensor_parallel(self.lm_head_bias, 0)
 
     def _embed(self, tokens):
-        pos = None
         if self.embedding.position_embeddings is not None:
             pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
             return self.embedding(tokens, pos)
