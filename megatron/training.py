@@ -47,6 +47,39 @@ class FixedBatchPlanner:
         return [dataclasses.replace(p, iteration=iteration) for p in self._cache[key]]
 
 
+@dataclasses.dataclass
+class IterationWork:
+    """What one rank runs in one iteration: its micro-batches (this DP rank's), the plan of
+    its pipeline rank, how many samples the whole global batch consumed, and planner info
+    for the log (micro-batch shapes, padding efficiency, planning / simulated time, ...)."""
+    microbatches: List[dict]
+    plan: object
+    num_samples: int
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+class FixedBatchSource:
+    """Megatron's fixed global batches (--global-batch-size of --micro-batch-size samples)
+    with a static schedule from `FixedBatchPlanner`."""
+
+    def __init__(self, cfg: MegatronConfig, ps: ParallelState, dataset, collate_fn: Callable,
+                 planner: FixedBatchPlanner, shapes_fn: Callable):
+        self.cfg, self.ps, self.dataset = cfg, ps, dataset
+        self.collate_fn, self.planner, self.shapes_fn = collate_fn, planner, shapes_fn
+
+    def next(self, iteration: int, consumed_samples: int) -> IterationWork:
+        t = self.cfg.training
+        idx = fixed_microbatch_indices(consumed_samples, t.global_batch_size, t.micro_batch_size,
+                                       self.ps.dp_rank, self.ps.dp_size)
+        n = len(self.dataset)
+        if idx and idx[-1][-1] >= n:
+            raise RuntimeError(f"the dataset has {n} samples but iteration {iteration} needs sample "
+                               f"{idx[-1][-1]}; build it for --train-iters x --global-batch-size samples")
+        mbs = [self.collate_fn([self.dataset[i] for i in ids]) for ids in idx]
+        plan = self.planner.plans(iteration, [self.shapes_fn(mb) for mb in mbs])[self.ps.pp_rank]
+        return IterationWork(mbs, plan, t.global_batch_size)
+
+
 def gpt_microbatch_shapes(mb: dict) -> tuple:
     """LoadInput shapes of a GPT micro-batch: ((b, s),)."""
     return (tuple(mb["tokens"].shape),)
@@ -62,16 +95,19 @@ def _all_reduce_sum(values: List[float], group, size: int) -> List[float]:
 class Trainer:
     def __init__(self, cfg: MegatronConfig, ps: ParallelState, device: torch.device,
                  stages: Dict[int, nn.Module], *, train_ds, valid_ds=None, collate_fn: Callable,
-                 planner, tied_params: List[nn.Parameter], flops_per_sample: float = 0.0,
-                 shapes_fn: Optional[Callable] = None):
+                 planner=None, tied_params: List[nn.Parameter], flops_per_sample: float = 0.0,
+                 shapes_fn: Optional[Callable] = None, batch_source=None, valid_source=None):
         self.cfg, self.ps, self.device = cfg, ps, device
         self.stages = stages
         for m in stages.values():
             m.to(device)
         self.modules = [stages[k] for k in sorted(stages)]
-        self.train_ds, self.valid_ds, self.collate_fn = train_ds, valid_ds, collate_fn
-        self.planner, self.tied_params = planner, tied_params
-        self.shapes_fn = shapes_fn or gpt_microbatch_shapes
+        self.tied_params = tied_params
+        shapes_fn = shapes_fn or gpt_microbatch_shapes
+        self.batch_source = batch_source or FixedBatchSource(cfg, ps, train_ds, collate_fn, planner, shapes_fn)
+        if valid_source is None and valid_ds is not None and planner is not None:
+            valid_source = FixedBatchSource(cfg, ps, valid_ds, collate_fn, planner, shapes_fn)
+        self.valid_source = valid_source
         t = cfg.training
         self.lr_scheduler = LRScheduler(t)
         self.optimizer = MegatronOptimizer(self.modules, t, ps, self.lr_scheduler, device)
@@ -87,32 +123,17 @@ class Trainer:
         self.skipped_iters = 0
         self.logger = MetricsLogger(cfg, ps, flops_per_sample)
 
-    # -- data ----------------------------------------------------------------------------
-    def _microbatches(self, dataset, consumed: int) -> List[dict]:
-        t = self.cfg.training
-        idx = fixed_microbatch_indices(consumed, t.global_batch_size, t.micro_batch_size,
-                                       self.ps.dp_rank, self.ps.dp_size)
-        n = len(dataset)
-        if idx and idx[-1][-1] >= n:
-            raise RuntimeError(f"the dataset has {n} samples but iteration {self.iteration + 1} needs sample "
-                               f"{idx[-1][-1]}; build it for --train-iters x --global-batch-size samples")
-        return [self.collate_fn([dataset[i] for i in ids]) for ids in idx]
-
-    def _shapes(self, microbatches: List[dict]) -> List[tuple]:
-        return [self.shapes_fn(mb) for mb in microbatches]
-
     # -- one step ------------------------------------------------------------------------
     def train_step(self) -> dict:
         ps = self.ps
-        mbs = self._microbatches(self.train_ds, self.consumed_samples)
+        work = self.batch_source.next(self.iteration + 1, self.consumed_samples)
+        mbs = work.microbatches
         local_tokens = float(sum(float(mb["loss_mask"].sum()) for mb in mbs))
         (total_tokens,) = _all_reduce_sum([local_tokens], ps.dp_group, ps.dp_size)
         if total_tokens <= 0:
             raise RuntimeError(f"iteration {self.iteration + 1}: the global batch has no loss tokens "
                                "(every loss_mask entry is 0); check the data and --split")
-        plans = self.planner.plans(self.iteration + 1, self._shapes(mbs))
-        plan = plans[ps.pp_rank]
-        stats = self.executor.run(plan, mbs, self.optimizer.loss_scale / total_tokens)
+        stats = self.executor.run(work.plan, mbs, self.optimizer.loss_scale / total_tokens)
         allreduce_embedding_grads(self.tied_params, ps.embedding_group)
         allreduce_data_parallel_grads(self.optimizer.params, ps.dp_group, ps.dp_size)
         applied, grad_norm = self.optimizer.step()
@@ -123,12 +144,13 @@ class Trainer:
         self.optimizer.zero_grad()
         loss_sum, loss_tokens = _all_reduce_sum([stats.loss_sum, stats.loss_tokens], ps.dp_group, ps.dp_size)
         self.iteration += 1
-        self.consumed_samples += self.cfg.training.global_batch_size
+        self.consumed_samples += work.num_samples
         return {"loss": loss_sum / loss_tokens if loss_tokens else float("nan"), "grad_norm": grad_norm,
-                "applied": applied, "tokens": total_tokens, "num_microbatches": len(mbs)}
+                "applied": applied, "tokens": total_tokens, "num_microbatches": len(mbs),
+                "num_samples": work.num_samples, "planner": work.info}
 
-    def evaluate(self, dataset, iters: int) -> Optional[float]:
-        if dataset is None or iters <= 0:
+    def evaluate(self, source, iters: int) -> Optional[float]:
+        if source is None or iters <= 0:
             return None
         for m in self.modules:
             m.eval()
@@ -136,10 +158,9 @@ class Trainer:
         consumed = 0
         try:
             for _ in range(iters):
-                mbs = self._microbatches(dataset, consumed)
-                consumed += self.cfg.training.global_batch_size
-                plan = self.planner.plans(self.iteration, self._shapes(mbs))[self.ps.pp_rank]
-                stats = self.executor.run(plan, mbs, 1.0, forward_only=True)
+                work = source.next(self.iteration, consumed)
+                consumed += work.num_samples
+                stats = self.executor.run(work.plan, work.microbatches, 1.0, forward_only=True)
                 loss_sum += stats.loss_sum
                 loss_tokens += stats.loss_tokens
         finally:
@@ -161,8 +182,8 @@ class Trainer:
             history.append(out)
             self.logger.record(self.iteration, self.consumed_samples, out, self.lr_scheduler.lr(),
                                self.optimizer.loss_scale, self.skipped_iters)
-            if self.valid_ds is not None and self.iteration % cfg.training.eval_interval == 0:
-                self.logger.log_validation(self.iteration, self.evaluate(self.valid_ds, cfg.training.eval_iters))
+            if self.valid_source is not None and self.iteration % cfg.training.eval_interval == 0:
+                self.logger.log_validation(self.iteration, self.evaluate(self.valid_source, cfg.training.eval_iters))
             if save_fn and cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0:
                 save_fn(self)
             if cfg.training.exit_interval and self.iteration % cfg.training.exit_interval == 0:
