@@ -48,6 +48,8 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
         g.add_argument("--decoder-num-layers", type=int, default=None)
         g.add_argument("--encoder-seq-length", type=int, default=None)
         g.add_argument("--decoder-seq-length", type=int, default=None)
+        g.add_argument("--relative-attention-num-buckets", type=int, default=32)
+        g.add_argument("--relative-attention-max-distance", type=int, default=128)
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -152,6 +154,8 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
             hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
             layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std,
             position_embedding_type=args.position_embedding_type or "relative",
+            relative_attention_num_buckets=args.relative_attention_num_buckets,
+            relative_attention_max_distance=args.relative_attention_max_distance,
         )
     else:
         _required(args, ["--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"], model_type)

@@ -77,6 +77,10 @@ class ModelConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.max_position_embeddings is None:
             self.max_position_embeddings = max(self.seq_length, self.decoder_seq_length or 0)
+        if self.model_type == "t5" and self.position_embedding_type == "learned_absolute":
+            _require(self.max_position_embeddings >= self.decoder_seq_length,
+                     f"--max-position-embeddings ({self.max_position_embeddings}) must be >= "
+                     f"--decoder-seq-length ({self.decoder_seq_length}) with learned positions")
         _require(self.max_position_embeddings >= self.seq_length,
                  f"--max-position-embeddings ({self.max_position_embeddings}) must be >= "
                  f"--seq-length ({self.seq_length})")

@@ -2,8 +2,6 @@
 per-stage model, static 1F1B/GPipe planner and the Trainer. Mirrors `build_gpt_trainer`."""
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from megatron.config import MegatronConfig
 from megatron.pretrain import _tokenizer
 
@@ -28,14 +26,6 @@ def t5_datasets(cfg: MegatronConfig, tokenizer):
     return train, valid
 
 
-def _sync_position_grads(params, group):
-    """Sum the position-table gradients of the encoder's and decoder's first stages."""
-    for p in params:
-        if p.grad is None:
-            p.grad = p.detach().new_zeros(p.shape)
-        dist.all_reduce(p.grad, group=group)
-
-
 def build_t5_trainer(cfg: MegatronConfig, ps, device):
     from megatron.models.t5 import (build_t5_stages, t5_activation_shapes, t5_flops_per_sample,
                                     t5_microbatch, t5_microbatch_shapes, t5_parallel_state, t5_tied_params)
@@ -55,16 +45,9 @@ def build_t5_trainer(cfg: MegatronConfig, ps, device):
                                 cfg.training.recompute_level, cfg.training.params_dtype_name)
     tied, tied_pos = t5_tied_params(stages)
     flops = t5_flops_per_sample(cfg.model, cfg.model.padded_vocab_size(ps.tp_size))
-    trainer = Trainer(cfg, ps, device, stages, train_ds=train_ds, valid_ds=valid_ds, collate_fn=t5_microbatch,
-                      planner=planner, tied_params=tied, flops_per_sample=flops, shapes_fn=t5_microbatch_shapes)
-    if tied_pos and pos_group is not None:
-        # The Trainer syncs one tied group ({0, split, last}: word embeddings); learned position
-        # tables live on {0, split} only, so their sum runs right before the optimizer step
-        # (after the DP reduction, which commutes with it).
-        step = trainer.optimizer.step
-
-        def step_with_position_sync():
-            _sync_position_grads(tied_pos, pos_group)
-            return step()
-        trainer.optimizer.step = step_with_position_sync
-    return trainer
+    # Word embeddings are tied over {0, split, last} (ps.embedding_group); learned position
+    # tables only over {0, split}.
+    extra = [(tied_pos, pos_group)] if tied_pos and pos_group is not None else []
+    return Trainer(cfg, ps, device, stages, train_ds=train_ds, valid_ds=valid_ds, collate_fn=t5_microbatch,
+                   planner=planner, tied_params=tied, flops_per_sample=flops, shapes_fn=t5_microbatch_shapes,
+                   extra_tied_groups=extra)

@@ -96,13 +96,17 @@ class Trainer:
     def __init__(self, cfg: MegatronConfig, ps: ParallelState, device: torch.device,
                  stages: Dict[int, nn.Module], *, train_ds, valid_ds=None, collate_fn: Callable,
                  planner=None, tied_params: List[nn.Parameter], flops_per_sample: float = 0.0,
-                 shapes_fn: Optional[Callable] = None, batch_source=None, valid_source=None):
+                 shapes_fn: Optional[Callable] = None, batch_source=None, valid_source=None,
+                 extra_tied_groups: Sequence[tuple] = ()):
         self.cfg, self.ps, self.device = cfg, ps, device
         self.stages = stages
         for m in stages.values():
             m.to(device)
         self.modules = [stages[k] for k in sorted(stages)]
         self.tied_params = tied_params
+        # (params, group) pairs whose gradients are summed like tied embeddings, e.g. T5's learned
+        # position tables shared by the first encoder and first decoder stage.
+        self.extra_tied_groups = list(extra_tied_groups)
         shapes_fn = shapes_fn or gpt_microbatch_shapes
         self.batch_source = batch_source or FixedBatchSource(cfg, ps, train_ds, collate_fn, planner, shapes_fn)
         if valid_source is None and valid_ds is not None and planner is not None:
@@ -135,6 +139,8 @@ class Trainer:
                                "(every loss_mask entry is 0); check the data and --split")
         stats = self.executor.run(work.plan, mbs, self.optimizer.loss_scale / total_tokens)
         allreduce_embedding_grads(self.tied_params, ps.embedding_group)
+        for params, group in self.extra_tied_groups:
+            allreduce_embedding_grads(params, group)
         allreduce_data_parallel_grads(self.optimizer.params, ps.dp_group, ps.dp_size)
         applied, grad_norm = self.optimizer.step()
         if applied:
