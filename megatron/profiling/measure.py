@@ -67,9 +67,13 @@ def _storage_key(t: torch.Tensor):
     return s.data_ptr(), s.nbytes()
 
 
+STATISTICS = {"median": statistics.median, "min": min}
+
+
 def time_workload(w: Workload, device: torch.device, warmup: int, iters: int,
-                  max_seconds: Optional[float], agree: Callable[[bool], bool] = lambda x: x) -> tuple:
-    """(median forward ms, median backward ms). Raises ShapeInfeasible past `max_seconds`
+                  max_seconds: Optional[float], agree: Callable[[bool], bool] = lambda x: x,
+                  statistic: str = "median") -> tuple:
+    """(forward ms, backward ms): median (or min) over the timed iterations. Raises ShapeInfeasible past `max_seconds`
     for one forward+backward, judged on the first iteration; `agree` makes every TP rank take
     the same decision (one rank leaving while the others enter a collective would hang)."""
     fwd, bwd = [], []
@@ -89,7 +93,8 @@ def time_workload(w: Workload, device: torch.device, warmup: int, iters: int,
             fwd.append((t1 - t0) * 1e3)
             bwd.append((t2 - t1) * 1e3)
         del out, inputs
-    return statistics.median(fwd), statistics.median(bwd)
+    stat = STATISTICS[statistic]
+    return stat(fwd), stat(bwd)
 
 
 def memory_workload(w: Workload, device: torch.device) -> tuple:
@@ -141,11 +146,12 @@ def _cpu_peak(step: Callable[[], None]) -> int:
 
 
 def measure(w: Workload, device: torch.device, warmup: int, iters: int,
-            max_seconds: Optional[float] = None, agree: Callable[[bool], bool] = lambda x: x) -> Result:
+            max_seconds: Optional[float] = None, agree: Callable[[bool], bool] = lambda x: x,
+            statistic: str = "median") -> Result:
     """Time and memory of one shape. Raises ShapeInfeasible when it does not fit."""
     try:
         _ensure_grads(w.module)
-        f, b = time_workload(w, device, warmup, iters, max_seconds, agree)
+        f, b = time_workload(w, device, warmup, iters, max_seconds, agree, statistic)
         stored, peak = memory_workload(w, device)
     except torch.cuda.OutOfMemoryError as e:
         torch.cuda.empty_cache()

@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("measurement")
     g.add_argument("--num-layers-profiled", type=int, default=3, help="layers per measurement (DynaPipe: 3)")
     g.add_argument("--warmup", type=int, default=2)
-    g.add_argument("--iters", type=int, default=5, help="timed iterations; the median is kept")
+    g.add_argument("--iters", type=int, default=5, help="timed iterations")
+    g.add_argument("--statistic", choices=["median", "min"], default="median",
+                   help="kept over the timed iterations (min resists other processes on a shared CPU)")
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on CUDA, float32 on CPU")
@@ -97,7 +99,8 @@ def spec_from_args(args):
         decoder_seq_lengths=args.decoder_seq_lengths, recompute=[r.strip() for r in args.recompute.split(",")],
         layers=args.num_layers_profiled, warmup=args.warmup, iters=args.iters, device=device,
         dtype=args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
-        max_seconds=args.max_seconds_per_shape, max_tokens=args.max_tokens, seed=args.seed, cpu_threads=args.cpu_threads,
+        max_seconds=args.max_seconds_per_shape, max_tokens=args.max_tokens, seed=args.seed,
+        cpu_threads=args.cpu_threads, statistic=args.statistic,
         name=args.name or Path(args.output).stem)
 
 
@@ -120,6 +123,9 @@ def main(argv=None) -> int:
     os.close(fd)
     try:
         cm.save(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only; the result is a shared artifact
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

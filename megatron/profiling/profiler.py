@@ -21,7 +21,7 @@ from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import get_rng_tracker, model_parallel_seed
 from megatron.planner.cost_model import COMPONENT_AXES, RECOMPUTE_LEVELS, CostModel, Grid, Profile
 from megatron.profiling import components as C
-from megatron.profiling.measure import ShapeInfeasible, measure
+from megatron.profiling.measure import STATISTICS, ShapeInfeasible, measure
 
 MB = 1e6  # the cost-model files use decimal megabytes (the DynaPipe tables do too)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,6 +45,9 @@ class ProfileSpec:
     seed: int = 1234
     name: str = "profiled"
     cpu_threads: int = 1  # per rank; the CPU trainer runs its ranks with one thread each
+    # "min" suits a shared CPU: other processes only ever add time, so the fastest iteration
+    # is the best estimate of the uncontended cost. DynaPipe (dedicated GPUs) used the median.
+    statistic: str = "median"
 
     def __post_init__(self):
         def bad(flag, msg):
@@ -65,6 +68,8 @@ class ProfileSpec:
             bad("--num-layers-profiled", f"must be >= 1, got {self.layers}")
         if self.iters < 1 or self.warmup < 0:
             bad("--iters/--warmup", f"need iters >= 1 and warmup >= 0, got {self.iters}/{self.warmup}")
+        if self.statistic not in STATISTICS:
+            bad("--statistic", f"must be one of {sorted(STATISTICS)}, got {self.statistic!r}")
         if self.cpu_threads < 1:
             bad("--cpu-threads", f"must be >= 1, got {self.cpu_threads}")
         if self.dtype not in DTYPES:
@@ -164,7 +169,7 @@ def profile_rank(spec: ProfileSpec, ps: ParallelState, agree: Callable[[bool], b
             for comp, block in mods.items():
                 def run(mbs, seq, dec=None, block=block, rc=rc):
                     w = C.layer_workload(block, cfg, rc, mbs, seq, device, dtype, dec)
-                    r = fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree))
+                    r = fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree, spec.statistic))
                     r.forward_ms, r.backward_ms = r.forward_ms / n, r.backward_ms / n
                     r.stored_bytes //= n
                     # The stack peaks at (n - 1) layers' stored memory plus one layer's peak; the
@@ -175,7 +180,7 @@ def profile_rank(spec: ProfileSpec, ps: ParallelState, agree: Callable[[bool], b
             if post is None:  # the head is never recomputed: one sweep serves every level
                 def run_post(mbs, seq):
                     w = C.postprocess_workload(head, cfg, mbs, seq, device, dtype)
-                    return fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree))
+                    return fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree, spec.statistic))
                 post = _sweep(spec, spec.axes("postprocess"), run_post, log, f"tp{tp} postprocess")
             grids[rc]["postprocess"] = post
     return {"tp": tp, "params": params, "grids": grids}
@@ -198,7 +203,7 @@ def to_cost_model(spec: ProfileSpec, results: List[dict], meta: dict) -> CostMod
              "hidden_dropout": m.hidden_dropout, "attention_dropout": m.attention_dropout}
     meta = dict(meta, units={"time": "ms", "memory": "MB (1e6 bytes)"}, parameters=params,
                 dtype=spec.dtype, profiler={"cpu_threads_per_rank": spec.cpu_threads,"layers_per_measurement": spec.layers, "warmup": spec.warmup,
-                                             "iters": spec.iters, "statistic": "median",
+                                             "iters": spec.iters, "statistic": spec.statistic,
                                              "max_seconds": spec.max_seconds, "max_tokens": spec.max_tokens})
     return CostModel(spec.name, model, profiles, meta)
 
