@@ -108,7 +108,17 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--vocab-extra-ids", type=int, default=0)
     g.add_argument("--num-workers", type=int, default=0)
     g.add_argument("--tokens-per-global-batch", type=int, default=None)
-    g.add_argument("--pack-dataset", action="store_true")
+    g.add_argument("--pack-dataset", action="store_true",
+                   help="multi-task baseline: pack samples into rows of --seq-length (block-diagonal mask)")
+
+    g = p.add_argument_group("dynapipe")
+    g.add_argument("--dynapipe", action="store_true",
+                   help="plan every global batch with DynaPipe (variable micro-batches, schedule, recompute)")
+    g.add_argument("--dynapipe-cost-model", default=None, help="cost model file (cost_models/*.json)")
+    g.add_argument("--dynapipe-memory-limit", type=float, default=36000.0, help="planner memory limit per device, MB")
+    g.add_argument("--dynapipe-planner-workers", type=int, default=2,
+                   help="planner processes on rank 0 (0: plan in-process on every rank)")
+    g.add_argument("--dynapipe-lookahead", type=int, default=4, help="iterations planned ahead")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
@@ -199,6 +209,9 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
         vocab_extra_ids=args.vocab_extra_ids, num_workers=args.num_workers,
         tokens_per_global_batch=args.tokens_per_global_batch, pack_dataset=args.pack_dataset,
+        dynapipe=args.dynapipe, dynapipe_cost_model=args.dynapipe_cost_model,
+        dynapipe_memory_limit=args.dynapipe_memory_limit, dynapipe_planner_workers=args.dynapipe_planner_workers,
+        dynapipe_lookahead=args.dynapipe_lookahead,
     )
     if args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
         raise ConfigError("--mock-data needs --vocab-size (or a tokenizer) to know the vocabulary")

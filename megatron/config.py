@@ -220,10 +220,27 @@ class DataConfig:
     # Variable-length / DynaPipe batching.
     tokens_per_global_batch: Optional[int] = None
     pack_dataset: bool = False
+    dynapipe: bool = False
+    dynapipe_cost_model: Optional[str] = None
+    dynapipe_memory_limit: float = 36000.0  # MB per device, for the planner
+    dynapipe_planner_workers: int = 2
+    dynapipe_lookahead: int = 4
 
     def __post_init__(self):
         if not self.mock_data:
             _require(bool(self.data_path), "no training data: give --data-path PREFIX, or --mock-data for generated tokens")
+        if self.targets_data_path:
+            _require(self.tokens_per_global_batch is not None and self.tokens_per_global_batch > 0,
+                     "multi-task data (--targets-data-path) is batched by tokens: give --tokens-per-global-batch N")
+        if self.dynapipe:
+            _require(bool(self.targets_data_path),
+                     "--dynapipe trains on multi-task data: give --data-path INPUTS --targets-data-path TARGETS")
+            _require(self.dynapipe_cost_model is not None,
+                     "--dynapipe needs --dynapipe-cost-model FILE (see cost_models/ and experiment_scripts/gen_cost_model.sh)")
+            _require(not self.pack_dataset, "--dynapipe and --pack-dataset are two ways to batch; pick one")
+            _require(self.dynapipe_memory_limit > 0, f"--dynapipe-memory-limit must be positive, got {self.dynapipe_memory_limit}")
+            _require(self.dynapipe_planner_workers >= 0 and self.dynapipe_lookahead >= 1,
+                     "--dynapipe-planner-workers must be >= 0 and --dynapipe-lookahead >= 1")
         _require(self.vocab_extra_ids >= 0, f"--vocab-extra-ids must be >= 0, got {self.vocab_extra_ids}")
 
 
@@ -293,6 +310,19 @@ class MegatronConfig:
                      and all(n >= 1 for n in p.pipeline_stage_layers),
                      f"--pipeline-stage-layers {','.join(map(str, p.pipeline_stage_layers))} must list "
                      f"{p.pipeline_model_parallel_size} positive counts summing to --num-layers ({m.num_layers})")
+
+        if self.data.dynapipe:
+            lengths = (m.seq_length,) if m.model_type == "gpt" else (m.encoder_seq_length, m.decoder_seq_length)
+            _require(all(n % 8 == 0 for n in lengths),
+                     f"--dynapipe pads micro-batches to multiples of 8 tokens: sequence lengths {lengths} must be "
+                     "multiples of 8 (--seq-length / --encoder-seq-length / --decoder-seq-length)")
+            _require(p.num_layers_per_virtual_pipeline_stage is None and p.pipeline_stage_layers is None,
+                     "--dynapipe plans uniform, non-interleaved stages: drop --num-layers-per-virtual-pipeline-stage "
+                     "and --pipeline-stage-layers")
+            if m.model_type == "t5" and p.pipeline_model_parallel_size > 1:
+                _require(p.pipeline_model_parallel_split_rank == p.pipeline_model_parallel_size // 2,
+                         "--dynapipe with T5 puts the encoder on the first half of the pipeline: set "
+                         f"--pipeline-model-parallel-split-rank {p.pipeline_model_parallel_size // 2}")
 
     @property
     def num_microbatches(self) -> int:

@@ -38,12 +38,35 @@ def gpt_flops_per_sample(m: ModelConfig, padded_vocab: int, seq_len: Optional[in
     return s * (m.num_layers * per_token_layer + 3 * 2 * h * padded_vocab)
 
 
+def planner_line(info: dict, measured_s: float) -> str:
+    """Per-iteration planner report (last iteration of the window): micro-batches, padding,
+    planning time, simulated vs measured time, predicted peak activation memory."""
+    shapes = info.get("microbatch_shapes", [])
+    shown = ", ".join("x".join(str(d) for d in (s if isinstance(s[0], int) else (s[0][0], s[0][1], s[1][1])))
+                      for s in shapes[:8]) + (" ..." if len(shapes) > 8 else "")
+    parts = [f" planner: {info.get('planner')}", f"micro-batches per DP group: {info.get('num_microbatches')}",
+             f"shapes (b x s): {shown}"]
+    if "padding_efficiency" in info:
+        parts.append(f"padding efficiency: {info['padding_efficiency']:.3f}")
+    if "recompute" in info:
+        parts.append(f"recompute: {info['recompute']} | schedule: {info.get('schedule')}")
+    if "planning_ms" in info:
+        parts.append(f"planning ms: {info['planning_ms']:.1f} (waited {info.get('plan_wait_ms', 0.0):.1f})")
+    if "simulated_ms" in info:
+        parts.append(f"simulated / measured iteration ms: {info['simulated_ms']:.1f} / {measured_s * 1e3:.1f}")
+    if "predicted_peak_mb" in info:
+        peaks = ", ".join(f"{x:.1f}" for x in info["predicted_peak_mb"])
+        parts.append(f"predicted peak activation MB per stage: [{peaks}]")
+    return " | ".join(parts) + " |"
+
+
 class MetricsLogger:
     def __init__(self, cfg: MegatronConfig, ps: ParallelState, flops_per_sample: float):
         self.cfg, self.ps = cfg, ps
         self.flops_per_sample = flops_per_sample
         self.active = is_rank_last(ps)
         self.writer = None
+        self.consumed_tokens = 0.0
         if self.active and cfg.logging.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -74,6 +97,7 @@ class MetricsLogger:
             self.nan_iters += 1
         self.time_s += out["time_s"]
         self.tokens += out["tokens"]
+        self.consumed_tokens += out.get("computed_tokens", out["tokens"])
         if self.writer is not None:
             self.writer.add_scalar("lm loss", loss, iteration)
             self.writer.add_scalar("learning-rate", lr, iteration)
@@ -85,18 +109,24 @@ class MetricsLogger:
         iters = max(self.n + self.nan_iters, 1)
         ms = 1000.0 * self.time_s / iters
         tokens_per_s = self.tokens / max(self.time_s, 1e-9)
-        gbs = self.cfg.training.global_batch_size
+        gbs = out.get("num_samples") or self.cfg.training.global_batch_size
         tflops = self.flops_per_sample * gbs / max(self.time_s / iters, 1e-9) / self.ps.world_size / 1e12
         gn = out["grad_norm"]
         line = (f" iteration {iteration:8d}/{self.cfg.training.train_iters:8d} | consumed samples: {consumed:12d} | "
-                f"consumed tokens: {int(consumed * self.cfg.model.seq_length):14d} | "
+                f"consumed tokens: {int(self.consumed_tokens):14d} | "
                 f"elapsed time per iteration (ms): {ms:.1f} | tokens/s: {tokens_per_s:.1f} | "
                 f"TFLOP/s/device: {tflops:.3f} | learning rate: {lr:.6E} | global batch size: {gbs:5d} | "
                 f"lm loss: {self.loss_sum / max(self.n, 1):.6E} | "
                 f"loss scale: {loss_scale:.1f} | grad norm: {'nan' if gn is None else f'{gn:.3f}'} | "
                 f"number of skipped iterations: {skipped_total:3d} | number of nan iterations: {self.nan_iters:3d} |")
         print(line, flush=True)
+        info = out.get("planner") or {}
+        if info:
+            print(planner_line(info, out["time_s"]), flush=True)
         if self.writer is not None:
+            for key in ("padding_efficiency", "planning_ms", "simulated_ms"):
+                if key in info:
+                    self.writer.add_scalar(f"planner/{key}", info[key], iteration)
             self.writer.add_scalar("iteration-time", ms / 1000.0, iteration)
             self.writer.add_scalar("throughput/tokens-per-second", tokens_per_s, iteration)
             self.writer.add_scalar("throughput/tflops-per-device", tflops, iteration)

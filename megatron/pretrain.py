@@ -42,10 +42,10 @@ def build_gpt_trainer(cfg: MegatronConfig, ps, device):
     from megatron.models.gpt import (build_gpt_stages, gpt_activation_shapes, num_model_chunks,
                                      tied_embedding_params)
     from megatron.training import FixedBatchPlanner, Trainer
+    from megatron.training import gpt_microbatch_shapes
     tokenizer = _tokenizer(cfg)
     if tokenizer is not None:
         cfg.model.vocab_size = tokenizer.vocab_size
-    train_ds, valid_ds = gpt_datasets(cfg)
     stages = build_gpt_stages(cfg, ps)
     chunks = num_model_chunks(cfg)
     planner = FixedBatchPlanner(cfg.parallel.pipeline_schedule, ps.pp_size, chunks,
@@ -53,17 +53,43 @@ def build_gpt_trainer(cfg: MegatronConfig, ps, device):
                                 cfg.training.recompute_level, cfg.training.params_dtype_name)
     tied = [] if cfg.model.untie_embeddings_and_output_weights else tied_embedding_params(stages, ps.pp_size * chunks)
     flops = gpt_flops_per_sample(cfg.model, cfg.model.padded_vocab_size(ps.tp_size))
+    if cfg.data.targets_data_path:
+        source = supervised_source(cfg, ps, tokenizer, planner, gpt_microbatch_shapes)
+        return Trainer(cfg, ps, device, stages, tied_params=tied, flops_per_sample=flops, batch_source=source,
+                       train_ds=None, collate_fn=None)
+    train_ds, valid_ds = gpt_datasets(cfg)
     return Trainer(cfg, ps, device, stages, train_ds=train_ds, valid_ds=valid_ds, collate_fn=gpt_microbatch,
                    planner=planner, tied_params=tied, flops_per_sample=flops)
+
+
+def supervised_source(cfg: MegatronConfig, ps, tokenizer, planner, shapes_fn):
+    """Batch source for multi-task (inputs, targets) data: DynaPipe, packing or fixed micro-batches."""
+    from megatron.data.supervised_dataset import build_supervised_datasets
+    from megatron.supervised_training import (BaselineSource, DynaPipeSource, dynapipe_planner_config,
+                                              tokenizer_ids)
+    if tokenizer is None:
+        raise ValueError("multi-task data (--targets-data-path) needs --tokenizer-type for its pad/eod ids")
+    train, _, _ = build_supervised_datasets(cfg.data.data_path, cfg.data.targets_data_path, cfg.data.split)
+    if train is None:
+        raise ValueError(f"--split {cfg.data.split} leaves no training pairs")
+    ids = tokenizer_ids(tokenizer)
+    if cfg.data.dynapipe:
+        return DynaPipeSource(cfg, ps, train, ids, dynapipe_planner_config(cfg, ps),
+                              cfg.data.dynapipe_planner_workers, cfg.data.dynapipe_lookahead)
+    return BaselineSource(cfg, ps, train, ids, planner, shapes_fn, pack=cfg.data.pack_dataset)
 
 
 def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int:
     ps, device = initialize_megatron(cfg)
     try:
-        print_rank_0(f"> {cfg.model.model_type.upper()}: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
-                     f"TP={ps.tp_size} PP={ps.pp_size} DP={ps.dp_size}, global batch "
-                     f"{cfg.training.global_batch_size} = {cfg.num_microbatches} micro-batches x "
+        if cfg.data.tokens_per_global_batch and cfg.data.targets_data_path:
+            how = "dynapipe" if cfg.data.dynapipe else "packing" if cfg.data.pack_dataset else "fixed micro-batches"
+            batch = f"global batches of <= {cfg.data.tokens_per_global_batch} tokens ({how})"
+        else:
+            batch = (f"global batch {cfg.training.global_batch_size} = {cfg.num_microbatches} micro-batches x "
                      f"{cfg.training.micro_batch_size} x DP {ps.dp_size}")
+        print_rank_0(f"> {cfg.model.model_type.upper()}: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
+                     f"TP={ps.tp_size} PP={ps.pp_size} DP={ps.dp_size}, {batch}")
         trainer = build_trainer(cfg, ps, device)
         if cfg.checkpoint.load:
             load_checkpoint(trainer)

@@ -94,7 +94,7 @@ def _all_reduce_sum(values: List[float], group, size: int) -> List[float]:
 
 class Trainer:
     def __init__(self, cfg: MegatronConfig, ps: ParallelState, device: torch.device,
-                 stages: Dict[int, nn.Module], *, train_ds, valid_ds=None, collate_fn: Callable,
+                 stages: Dict[int, nn.Module], *, train_ds=None, valid_ds=None, collate_fn: Optional[Callable] = None,
                  planner=None, tied_params: List[nn.Parameter], flops_per_sample: float = 0.0,
                  shapes_fn: Optional[Callable] = None, batch_source=None, valid_source=None,
                  extra_tied_groups: Sequence[tuple] = ()):
@@ -177,6 +177,14 @@ class Trainer:
 
     # -- loop ----------------------------------------------------------------------------
     def train(self, save_fn: Optional[Callable] = None) -> List[dict]:
+        try:
+            return self._train(save_fn)
+        finally:
+            close = getattr(self.batch_source, "close", None)
+            if close is not None:
+                close()
+
+    def _train(self, save_fn: Optional[Callable]) -> List[dict]:
         cfg = self.cfg
         history = []
         for m in self.modules:

@@ -15,7 +15,8 @@ from typing import Sequence
 import numpy as np
 
 
-def pack_samples(samples: Sequence[np.ndarray], max_len: int, pad_id: int = 0) -> dict:
+def pack_samples(samples: Sequence[np.ndarray], max_len: int, pad_id: int = 0,
+                 loss_starts: Sequence[int] | None = None) -> dict:
     """Pack samples next-fit into rows of max_len tokens.
 
     Samples keep their order; a sample that does not fit in the current row's free
@@ -25,19 +26,24 @@ def pack_samples(samples: Sequence[np.ndarray], max_len: int, pad_id: int = 0) -
     so no label crosses a sample boundary.  Returns numpy arrays [rows, max_len]:
     tokens, labels (int64), loss_mask (float32), position_ids (reset to 0 per sample),
     segment_ids (1..k per sample within the row, 0 on padding).
+    `loss_starts[i]` (supervised pairs: the input length of sample i) restricts the loss to
+    labels at or after that position of the sample, i.e. to the target tokens.
     """
     if max_len <= 0:
         raise ValueError(f"max_len must be positive, got {max_len}")
     rows: list[list[np.ndarray]] = []
+    starts: list[list[int]] = []
     free = 0
-    for s in samples:
+    for i, s in enumerate(samples):
         s = np.asarray(s, dtype=np.int64)[:max_len]
         if s.size == 0:
             continue
         if not rows or s.size > free:
             rows.append([])
+            starts.append([])
             free = max_len
         rows[-1].append(s)
+        starts[-1].append(0 if loss_starts is None else int(loss_starts[i]))
         free -= s.size
     n = len(rows)
     out = {
@@ -49,12 +55,12 @@ def pack_samples(samples: Sequence[np.ndarray], max_len: int, pad_id: int = 0) -
     }
     for r, row in enumerate(rows):
         pos = 0
-        for k, s in enumerate(row, start=1):
+        for k, (s, q) in enumerate(zip(row, starts[r]), start=1):
             L = s.size
             sl = slice(pos, pos + L)
             out["tokens"][r, sl] = s
             out["labels"][r, pos:pos + L - 1] = s[1:]
-            out["loss_mask"][r, pos:pos + L - 1] = 1.0
+            out["loss_mask"][r, pos + max(q - 1, 0):pos + L - 1] = 1.0
             out["position_ids"][r, sl] = np.arange(L)
             out["segment_ids"][r, sl] = k
             pos += L

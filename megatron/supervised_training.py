@@ -1,0 +1,254 @@
+"""Multi-task (inputs, targets) training: token-budget global batches and three ways to cut them.
+
+* `--dynapipe`: per-batch DynaPipe plans (variable micro-batches, recompute level and schedule
+  chosen for that batch under `--dynapipe-memory-limit`), computed ahead by planner worker
+  processes on rank 0 and shipped to every rank over the job's TCP store (`PlanService`).
+* `--pack-dataset`: the packing baseline: samples packed next-fit into rows of --seq-length
+  with a block-diagonal causal mask, --micro-batch-size rows per micro-batch, static 1F1B.
+* neither: the fixed micro-batch baseline: --micro-batch-size samples per micro-batch in data
+  order, padded to the longest sample of the micro-batch, static 1F1B.
+
+All three consume the same global batches (`TokenBudgetSampler` over --tokens-per-global-batch)
+and normalise the loss by the target tokens of the whole global batch, so they train the same
+model on the same data and differ only in speed and memory.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+from megatron.config import MegatronConfig
+from megatron.data.packing import collate_supervised_gpt, collate_supervised_t5, pack_samples
+from megatron.data.samplers import TokenBudgetSampler
+from megatron.training import FixedBatchPlanner, IterationWork
+
+PAD_MULTIPLE = 8
+
+
+def _tensors(d: dict) -> dict:
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in d.items()}
+
+
+def planning_lengths(cfg: MegatronConfig, dataset) -> np.ndarray:
+    """Tokens each sample occupies after truncation: GPT len(input + target) - 1 (<= seq);
+    T5 pairs (encoder, decoder) with the decoder's bos."""
+    m = cfg.model
+    if m.model_type == "gpt":
+        return np.minimum(dataset.input_lengths + dataset.target_lengths - 1, m.seq_length).clip(min=1)
+    enc = np.minimum(dataset.input_lengths, m.encoder_seq_length).clip(min=1)
+    dec = np.minimum(dataset.target_lengths + 1, m.decoder_seq_length)
+    return np.stack([enc, dec], axis=1)
+
+
+def global_batch_bounds(cfg: MegatronConfig, lengths: np.ndarray, consumed_samples: int, iterations: int) -> np.ndarray:
+    """Start/end sample index of each upcoming global batch (contiguous in data order)."""
+    budget_len = lengths if lengths.ndim == 1 else lengths.sum(axis=1)
+    max_len = cfg.model.seq_length if lengths.ndim == 1 else cfg.model.encoder_seq_length + cfg.model.decoder_seq_length
+    sampler = TokenBudgetSampler(budget_len, cfg.data.tokens_per_global_batch, max_len, consumed_samples)
+    bounds = [consumed_samples]
+    for batch in sampler:
+        bounds.append(batch[-1] + 1)
+        if len(bounds) > iterations:
+            break
+    if len(bounds) <= iterations:
+        raise RuntimeError(f"the multi-task dataset has {len(lengths)} samples: enough for {len(bounds) - 1} global "
+                           f"batches of --tokens-per-global-batch {cfg.data.tokens_per_global_batch}, but "
+                           f"{iterations} iterations remain (--train-iters)")
+    return np.asarray(bounds, dtype=np.int64)
+
+
+class _SupervisedSource:
+    """Global batches are laid out when the first iteration is requested: only then (after a
+    checkpoint load) are the resumed iteration and consumed-sample count known."""
+
+    def __init__(self, cfg: MegatronConfig, ps, dataset, tokenizer_ids: dict):
+        self.cfg, self.ps, self.dataset = cfg, ps, dataset
+        self.ids = tokenizer_ids
+        self.lengths = planning_lengths(cfg, dataset)
+        self.bounds = None
+
+    def _start(self, iteration: int, consumed_samples: int) -> None:
+        self.first_iteration = iteration
+        remaining = self.cfg.training.train_iters - iteration + 1
+        self.bounds = global_batch_bounds(self.cfg, self.lengths, consumed_samples, remaining)
+
+    def _batch(self, iteration: int, consumed_samples: int):
+        if self.bounds is None:
+            self._start(iteration, consumed_samples)
+        k = iteration - self.first_iteration
+        if not 0 <= k < len(self.bounds) - 1:
+            raise RuntimeError(f"iteration {iteration} is outside the planned range of global batches")
+        lo, hi = int(self.bounds[k]), int(self.bounds[k + 1])
+        if lo != consumed_samples:
+            raise RuntimeError(f"iteration {iteration}: the planned global batch starts at sample {lo} but "
+                               f"{consumed_samples} samples were consumed")
+        return lo, hi
+
+    def collate(self, sample_ids: List[int], shape) -> dict:
+        pairs = [self.dataset[i] for i in sample_ids]
+        if self.cfg.model.model_type == "gpt":
+            d = collate_supervised_gpt(pairs, shape[0][1], pad_id=self.ids["pad"])
+            # Right padding under a causal mask cannot influence real tokens, and padding carries
+            # no loss, so the plain causal kernel is exact here (no explicit mask needed).
+            real = int((d.pop("segment_ids") > 0).sum())
+        else:
+            d = collate_supervised_t5(pairs, shape[0][1], shape[1][1], self.ids["bos"], self.ids["eos"],
+                                      self.ids["pad"])
+            d["loss_mask"] = d["loss_mask"].astype(np.float32)
+            real = int(np.einsum("bii->", d["enc_mask"]) + d["loss_mask"].sum())
+        out = _tensors(d)
+        out["num_real_tokens"] = real
+        return out
+
+
+def _stripped(plan):
+    for g in plan.groups:  # simulator traces are large and only needed for inspection
+        g.result = None
+        g.compute_orders = []
+    return plan
+
+
+_WORKER_PLANNERS: dict = {}
+
+
+def plan_iteration(config, lengths: np.ndarray, bounds: np.ndarray, first_iteration: int, iteration: int):
+    """Module-level so planner worker processes can unpickle it; keeps one planner (and its cost
+    caches) per worker process."""
+    from megatron.planner.dynapipe import DynaPipePlanner
+    key = id(config)
+    planner = _WORKER_PLANNERS.get(key)
+    if planner is None:
+        planner = _WORKER_PLANNERS[key] = DynaPipePlanner(config)
+    k = iteration - first_iteration
+    lo, hi = int(bounds[k]), int(bounds[k + 1])
+    return _stripped(planner.plan(lengths[lo:hi].tolist(), iteration=iteration))
+
+
+class DynaPipeSource(_SupervisedSource):
+    """Per-iteration DynaPipe plans; DP rank d runs group d, pipeline rank p its plan p."""
+
+    def __init__(self, cfg, ps, dataset, tokenizer_ids, planner_config, num_workers: int, lookahead: int):
+        super().__init__(cfg, ps, dataset, tokenizer_ids)
+        self.planner_config, self.num_workers, self.lookahead = planner_config, num_workers, lookahead
+        self.service = None
+
+    def _start(self, iteration: int, consumed_samples: int) -> None:
+        super()._start(iteration, consumed_samples)
+        self.plan_fn = functools.partial(plan_iteration, self.planner_config, self.lengths, self.bounds,
+                                         self.first_iteration)
+        if self.num_workers > 0 and self.ps.world_size > 1:
+            from megatron.planner.service import PlanService
+            self.service = PlanService(self.plan_fn if self.ps.rank == 0 else None, self.ps.rank,
+                                       self.ps.world_size, lookahead=self.lookahead, num_workers=self.num_workers,
+                                       start_iteration=self.first_iteration, num_iterations=len(self.bounds) - 1,
+                                       prefix=f"dynapipe-plans-{self.first_iteration}")
+
+    def next(self, iteration: int, consumed_samples: int) -> IterationWork:
+        lo, hi = self._batch(iteration, consumed_samples)
+        t0 = time.perf_counter()
+        plan = self.service.get(iteration) if self.service is not None else self.plan_fn(iteration)
+        wait_ms = (time.perf_counter() - t0) * 1e3
+        if len(plan.groups) != self.ps.dp_size:
+            raise RuntimeError(f"iteration {iteration}: plan has {len(plan.groups)} data-parallel groups, "
+                               f"the job has {self.ps.dp_size}")
+        group = plan.groups[self.ps.dp_rank]
+        mbs = [self.collate([lo + i for i in ids], shape) for ids, shape in zip(group.microbatches, group.shapes)]
+        info = {"planner": "dynapipe", "recompute": plan.recompute, "schedule": group.schedule,
+                "microbatch_shapes": [s[0] if len(s) == 1 else s for s in group.shapes],
+                "num_microbatches": [len(g.microbatches) for g in plan.groups],
+                "padding_efficiency": plan.padding_efficiency, "planning_ms": plan.planning_ms,
+                "plan_wait_ms": wait_ms, "simulated_ms": plan.makespan_ms,
+                "predicted_peak_mb": group.peak_memory_mb}
+        return IterationWork(mbs, group.plans[self.ps.pp_rank], hi - lo, info)
+
+    def close(self):
+        if self.service is not None:
+            self.service.close()
+
+
+class BaselineSource(_SupervisedSource):
+    """Fixed micro-batches (--micro-batch-size samples) or packed rows (--pack-dataset) of the same
+    token-budget global batches, with a static schedule."""
+
+    def __init__(self, cfg, ps, dataset, tokenizer_ids, planner: FixedBatchPlanner, shapes_fn, pack: bool):
+        super().__init__(cfg, ps, dataset, tokenizer_ids)
+        self.planner, self.shapes_fn, self.pack = planner, shapes_fn, pack
+
+    def _packed_microbatches(self, lo: int, hi: int) -> List[dict]:
+        seq, mbs = self.cfg.model.seq_length, self.cfg.training.micro_batch_size
+        seqs, starts = [], []
+        for i in range(lo, hi):
+            p = self.dataset[i]
+            x = np.concatenate([p["inputs"], p["targets"]]).astype(np.int64)
+            if x.size > seq + 1:  # same truncation as collate_supervised_gpt: inputs first
+                cut = min(x.size - (seq + 1), max(len(p["inputs"]) - 1, 0))
+                x = x[cut:][:seq + 1]
+                starts.append(len(p["inputs"]) - cut)
+            else:
+                starts.append(len(p["inputs"]))
+            seqs.append(x)
+        # Rows hold seq + 1 tokens so that a full-length sample keeps all of its labels.
+        rows = pack_samples(seqs, seq + 1, pad_id=self.ids["pad"], loss_starts=starts)
+        rows = {k: v[:, :seq] for k, v in rows.items()}
+        n = rows["tokens"].shape[0]
+        chunks = [list(range(s, min(s + mbs, n))) for s in range(0, n, mbs)]
+        out = []
+        for c in chunks[self.ps.dp_rank::self.ps.dp_size]:
+            mb = _tensors({k: v[c] for k, v in rows.items()})
+            mb["num_real_tokens"] = int((mb["segment_ids"] > 0).sum())
+            out.append(mb)
+        return out
+
+    def next(self, iteration: int, consumed_samples: int) -> IterationWork:
+        lo, hi = self._batch(iteration, consumed_samples)
+        if self.pack and self.cfg.model.model_type == "gpt":
+            mbs = self._packed_microbatches(lo, hi)
+        else:
+            size = self.cfg.training.micro_batch_size
+            chunks = [list(range(s, min(s + size, hi))) for s in range(lo, hi, size)]
+            mbs = []
+            for c in chunks[self.ps.dp_rank::self.ps.dp_size]:
+                longest = self.lengths[c].max(axis=0)
+                pad = lambda n: int(-(-int(n) // PAD_MULTIPLE) * PAD_MULTIPLE)  # noqa: E731
+                b = len(c)
+                shape = ((b, pad(longest)),) if self.lengths.ndim == 1 else ((b, pad(longest[0])), (b, pad(longest[1])))
+                mbs.append(self.collate(c, shape))
+        if not mbs:
+            raise RuntimeError(f"iteration {iteration}: data-parallel rank {self.ps.dp_rank} got no micro-batch; "
+                               "raise --tokens-per-global-batch or lower --micro-batch-size")
+        plan = self.planner.plans(iteration, [self.shapes_fn(mb) for mb in mbs])[self.ps.pp_rank]
+        info = {"planner": "packing" if self.pack else "fixed", "num_microbatches": [len(mbs)],
+                "microbatch_shapes": [tuple(mb["tokens" if "tokens" in mb else "text_enc"].shape) for mb in mbs],
+                "padding_efficiency": padding_efficiency(mbs)}
+        return IterationWork(mbs, plan, hi - lo, info)
+
+
+def padding_efficiency(mbs: List[dict]) -> float:
+    """Real tokens / computed tokens of this rank's micro-batches (encoder + decoder for T5)."""
+    computed = sum(int(mb["tokens"].numel()) if "tokens" in mb else
+                   int(mb["text_enc"].numel() + mb["text_dec"].numel()) for mb in mbs)
+    return sum(mb["num_real_tokens"] for mb in mbs) / max(computed, 1)
+
+
+def tokenizer_ids(tokenizer) -> dict:
+    pad = tokenizer.pad if tokenizer.pad is not None else (tokenizer.eod if tokenizer.eod is not None else 0)
+    bos = tokenizer.bos if tokenizer.bos is not None else pad
+    eos = tokenizer.eos if tokenizer.eos is not None else (tokenizer.eod if tokenizer.eod is not None else pad)
+    return {"pad": int(pad), "bos": int(bos), "eos": int(eos)}
+
+
+def dynapipe_planner_config(cfg: MegatronConfig, ps):
+    from megatron.planner.dynapipe import DynaPipeConfig
+    m, d = cfg.model, cfg.data
+    common = dict(cost_model_path=d.dynapipe_cost_model, hidden_size=m.hidden_size,
+                  pipeline_parallel=ps.pp_size, data_parallel=ps.dp_size, tensor_parallel=ps.tp_size,
+                  memory_limit_mb=d.dynapipe_memory_limit, pad_multiple=PAD_MULTIPLE,
+                  dtype=cfg.training.params_dtype_name)
+    if m.model_type == "gpt":
+        return DynaPipeConfig(model_kind="gpt", num_layers=m.num_layers, **common)
+    return DynaPipeConfig(model_kind="t5", num_layers=m.num_layers, encoder_layers=m.encoder_num_layers,
+                          decoder_layers=m.decoder_num_layers, decoder_extra_tokens=0, **common)
