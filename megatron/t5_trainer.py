@@ -37,7 +37,6 @@ def build_t5_trainer(cfg: MegatronConfig, ps, device):
         # With a tokenizer, --vocab-size is only its input (NullTokenizer); the model's vocabulary
         # is the tokenizer's, sentinels included. With --mock-data alone it is the whole vocabulary.
         cfg.model.vocab_size = tokenizer.vocab_size
-    train_ds, valid_ds = t5_datasets(cfg, tokenizer)
     ps, pos_group = t5_parallel_state(cfg, ps)  # collective: every rank creates the T5 groups
     stages = build_t5_stages(cfg, ps)
     planner = FixedBatchPlanner(cfg.parallel.pipeline_schedule, ps.pp_size, 1,
@@ -48,6 +47,12 @@ def build_t5_trainer(cfg: MegatronConfig, ps, device):
     # Word embeddings are tied over {0, split, last} (ps.embedding_group); learned position
     # tables only over {0, split}.
     extra = [(tied_pos, pos_group)] if tied_pos and pos_group is not None else []
+    if cfg.data.targets_data_path:  # multi-task (inputs, targets): DynaPipe or a baseline
+        from megatron.pretrain import supervised_source
+        source = supervised_source(cfg, ps, tokenizer, planner, t5_microbatch_shapes)
+        return Trainer(cfg, ps, device, stages, tied_params=tied, flops_per_sample=flops, batch_source=source,
+                       extra_tied_groups=extra)
+    train_ds, valid_ds = t5_datasets(cfg, tokenizer)
     return Trainer(cfg, ps, device, stages, train_ds=train_ds, valid_ds=valid_ds, collate_fn=t5_microbatch,
                    planner=planner, tied_params=tied, flops_per_sample=flops, shapes_fn=t5_microbatch_shapes,
                    extra_tied_groups=extra)
