@@ -115,7 +115,8 @@ def _stripped(plan):
 _WORKER_PLANNERS: dict = {}
 
 
-def plan_iteration(config, lengths: np.ndarray, bounds: np.ndarray, first_iteration: int, iteration: int):
+def plan_iteration(config, lengths: np.ndarray, bounds: np.ndarray, first_iteration: int, validate_iters: int,
+                   iteration: int):
     """Module-level so planner worker processes can unpickle it; keeps one planner (and its cost
     caches) per worker process."""
     from megatron.planner.dynapipe import DynaPipePlanner
@@ -125,7 +126,8 @@ def plan_iteration(config, lengths: np.ndarray, bounds: np.ndarray, first_iterat
         planner = _WORKER_PLANNERS[key] = DynaPipePlanner(config)
     k = iteration - first_iteration
     lo, hi = int(bounds[k]), int(bounds[k + 1])
-    return _stripped(planner.plan(lengths[lo:hi].tolist(), iteration=iteration))
+    validate = validate_iters < 0 or iteration <= validate_iters
+    return _stripped(planner.plan(lengths[lo:hi].tolist(), iteration=iteration, validate=validate))
 
 
 class DynaPipeSource(_SupervisedSource):
@@ -139,7 +141,7 @@ class DynaPipeSource(_SupervisedSource):
     def _start(self, iteration: int, consumed_samples: int) -> None:
         super()._start(iteration, consumed_samples)
         self.plan_fn = functools.partial(plan_iteration, self.planner_config, self.lengths, self.bounds,
-                                         self.first_iteration)
+                                         self.first_iteration, self.cfg.parallel.validate_plans_iters)
         if self.num_workers > 0 and self.ps.world_size > 1:
             from megatron.planner.service import PlanService
             self.service = PlanService(self.plan_fn if self.ps.rank == 0 else None, self.ps.rank,

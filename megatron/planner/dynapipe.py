@@ -258,7 +258,9 @@ class DynaPipePlanner:
         q = self.cfg.pad_multiple
         return (np.asarray(x, dtype=np.int64) + extra + q - 1) // q * q
 
-    def plan(self, lengths, iteration: int = 0) -> DynaPipeIterationPlan:
+    def plan(self, lengths, iteration: int = 0, validate: bool = True) -> DynaPipeIterationPlan:
+        """`validate`: check the emitted instruction streams with `validate_plans` (deadlock,
+        matching, shapes); the trainer does it for the first --validate-plans-iters iterations."""
         t_start = time.perf_counter()
         c = self.cfg
         if len(lengths) == 0:
@@ -290,7 +292,7 @@ class DynaPipePlanner:
         if best is None:
             why = "; ".join(errors[-3:]) or "no schedule fits in memory"
             raise PlanningError(f"iteration {iteration}: no feasible plan ({why})")
-        return self._finish(best, iteration, lengths, enc_all, dec_all, t_start)
+        return self._finish(best, iteration, lengths, enc_all, dec_all, t_start, validate)
 
     def _best_partition(self, rc, fit, orders, enc_all, dec_all, errors):
         best = None
@@ -334,14 +336,14 @@ class DynaPipePlanner:
             out.append((g, ch))
         return makespan, out
 
-    def _finish(self, best, iteration, lengths, enc_all, dec_all, t_start) -> DynaPipeIterationPlan:
+    def _finish(self, best, iteration, lengths, enc_all, dec_all, t_start, validate=True) -> DynaPipeIterationPlan:
         makespan, rc, fit, order, p, groups = best
         _, samples = self._mb_costs(rc, order, p, enc_all, dec_all)
         planning_ms = (time.perf_counter() - t_start) * 1e3
         group_plans = []
         real = computed = 0
         for g, ch in groups:
-            gp = self._group_plan(rc, ch, [samples[i] for i in g], enc_all, dec_all, iteration)
+            gp = self._group_plan(rc, ch, [samples[i] for i in g], enc_all, dec_all, iteration, validate)
             group_plans.append(gp)
         for s in samples:
             computed += len(s) * (enc_all[s].max() + (0 if dec_all is None else dec_all[s].max()))
@@ -352,7 +354,7 @@ class DynaPipePlanner:
             padding_efficiency=real / float(computed), planning_ms=planning_ms,
             lowering_ms=(time.perf_counter() - t_start) * 1e3 - planning_ms, memory_fallback=(fit == "single"))
 
-    def _group_plan(self, rc, ch: ScheduleChoice, samples, enc_all, dec_all, iteration) -> GroupPlan:
+    def _group_plan(self, rc, ch: ScheduleChoice, samples, enc_all, dec_all, iteration, validate=True) -> GroupPlan:
         # Renumber micro-batches so that id k is the k-th one forwarded (the data loader
         # yields them in id order).
         rank_of = {old: new for new, old in enumerate(ch.order)}
@@ -380,7 +382,7 @@ class DynaPipePlanner:
 
             plans = lower_to_plans([[ComputeOp(*o) for o in ops] for ops in orders], list(range(self.S)),
                                    shapes, activation_shapes, recompute=rc, dtype=self.cfg.dtype,
-                                   iteration=iteration)
+                                   iteration=iteration, validate=validate)
         return GroupPlan([[int(i) for i in s] for s in mbs], shapes, ch.name, float(ch.result.makespan),
                          [float(x) for x in ch.result.peak_memory], plans, orders, ch.result)
 
