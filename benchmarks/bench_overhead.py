@@ -92,7 +92,7 @@ def main():
 
     def plain_step(step):
         base = step * a.global_batch_size
-        mbs = [gpt_microbatch([ours.train_ds[base + k * a.micro_batch_size + j] for j in range(a.micro_batch_size)])
+        mbs = [gpt_microbatch([ours.batch_source.dataset[base + k * a.micro_batch_size + j] for j in range(a.micro_batch_size)])
                for k in range(n_micro)]
         denom = sum(float(mb["loss_mask"].sum()) for mb in mbs)
         for mb in mbs:
