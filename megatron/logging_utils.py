@@ -96,8 +96,8 @@ class MetricsLogger:
         else:
             self.nan_iters += 1
         self.time_s += out["time_s"]
-        self.tokens += out["tokens"]
-        self.consumed_tokens += out.get("computed_tokens", out["tokens"])
+        self.tokens += out.get("real_tokens", out["tokens"])
+        self.consumed_tokens += out.get("real_tokens", out["tokens"])
         if self.writer is not None:
             self.writer.add_scalar("lm loss", loss, iteration)
             self.writer.add_scalar("learning-rate", lr, iteration)

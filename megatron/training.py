@@ -85,6 +85,15 @@ def gpt_microbatch_shapes(mb: dict) -> tuple:
     return (tuple(mb["tokens"].shape),)
 
 
+def real_tokens(mb: dict) -> int:
+    """Non-padding input tokens of a micro-batch (collates of padded data record the count)."""
+    if "num_real_tokens" in mb:
+        return int(mb["num_real_tokens"])
+    if "tokens" in mb:
+        return int(mb["tokens"].numel())
+    return int(mb["text_enc"].numel() + mb["text_dec"].numel())
+
+
 def _all_reduce_sum(values: List[float], group, size: int) -> List[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if group is not None and size > 1:
@@ -133,7 +142,8 @@ class Trainer:
         work = self.batch_source.next(self.iteration + 1, self.consumed_samples)
         mbs = work.microbatches
         local_tokens = float(sum(float(mb["loss_mask"].sum()) for mb in mbs))
-        (total_tokens,) = _all_reduce_sum([local_tokens], ps.dp_group, ps.dp_size)
+        local_real = float(sum(real_tokens(mb) for mb in mbs))
+        total_tokens, total_real = _all_reduce_sum([local_tokens, local_real], ps.dp_group, ps.dp_size)
         if total_tokens <= 0:
             raise RuntimeError(f"iteration {self.iteration + 1}: the global batch has no loss tokens "
                                "(every loss_mask entry is 0); check the data and --split")
@@ -152,7 +162,7 @@ class Trainer:
         self.iteration += 1
         self.consumed_samples += work.num_samples
         return {"loss": loss_sum / loss_tokens if loss_tokens else float("nan"), "grad_norm": grad_norm,
-                "applied": applied, "tokens": total_tokens, "num_microbatches": len(mbs),
+                "applied": applied, "tokens": total_tokens, "real_tokens": total_real, "num_microbatches": len(mbs),
                 "num_samples": work.num_samples, "planner": work.info}
 
     def evaluate(self, source, iters: int) -> Optional[float]:
