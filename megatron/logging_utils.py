@@ -57,6 +57,9 @@ def planner_line(info: dict, measured_s: float) -> str:
     if "predicted_peak_mb" in info:
         peaks = ", ".join(f"{x:.1f}" for x in info["predicted_peak_mb"])
         parts.append(f"predicted peak activation MB per stage: [{peaks}]")
+        measured = info.get("measured_peak_mb")
+        parts.append("measured peak activation MB (this stage): "
+                     + (f"{measured:.1f}" if measured is not None else "n/a on CPU"))
     return " | ".join(parts) + " |"
 
 

@@ -147,7 +147,15 @@ class Trainer:
         if total_tokens <= 0:
             raise RuntimeError(f"iteration {self.iteration + 1}: the global batch has no loss tokens "
                                "(every loss_mask entry is 0); check the data and --split")
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base_mb = torch.cuda.memory_allocated(self.device) / 1e6
         stats = self.executor.run(work.plan, mbs, self.optimizer.loss_scale / total_tokens)
+        if on_cuda and work.info:
+            # Activation peak above what was allocated before the pipeline ran (weights, grads,
+            # optimizer state): comparable with the planner's predicted activation peak.
+            work.info["measured_peak_mb"] = torch.cuda.max_memory_allocated(self.device) / 1e6 - base_mb
         allreduce_embedding_grads(self.tied_params, ps.embedding_group)
         for params, group in self.extra_tied_groups:
             allreduce_embedding_grads(params, group)
