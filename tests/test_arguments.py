@@ -59,3 +59,32 @@ def test_entry_point_exits_before_process_group():
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 2
     assert "world size (4) is not divisible by --tensor-model-parallel-size (3)" in r.stderr
+
+
+MT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+      "--data-path", "in", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--dynapipe", "--tokens-per-global-batch", "512", "--dynapipe-cost-model", "c.json"], "--targets-data-path"),
+    (["--targets-data-path", "out"], "--tokens-per-global-batch"),
+    (["--targets-data-path", "out", "--tokens-per-global-batch", "512", "--dynapipe"], "--dynapipe-cost-model"),
+    (["--targets-data-path", "out", "--tokens-per-global-batch", "512", "--dynapipe", "--dynapipe-cost-model", "c",
+      "--pack-dataset"], "pick one"),
+    (["--targets-data-path", "out", "--tokens-per-global-batch", "512", "--dynapipe", "--dynapipe-cost-model", "c",
+      "--seq-length", "60"], "multiples of 8"),
+])
+def test_dynapipe_flags(capsys, extra, needle):
+    assert needle in _error(capsys, MT + extra, 1)
+
+
+def test_planner_log_line():
+    from megatron.logging_utils import planner_line
+    line = planner_line({"planner": "dynapipe", "num_microbatches": [3, 3], "microbatch_shapes": [(4, 64), (2, 128)],
+                         "padding_efficiency": 0.975, "recompute": "selective", "schedule": "adaptive",
+                         "planning_ms": 12.5, "plan_wait_ms": 0.2, "simulated_ms": 410.0,
+                         "predicted_peak_mb": [120.0, 30.5]}, 0.5)
+    for part in ("micro-batches per DP group: [3, 3]", "4x64, 2x128", "padding efficiency: 0.975",
+                 "recompute: selective", "planning ms: 12.5", "simulated / measured iteration ms: 410.0 / 500.0",
+                 "[120.0, 30.5]", "n/a on CPU"):
+        assert part in line, line
