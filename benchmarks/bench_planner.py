@@ -16,7 +16,10 @@ Measured per configuration, over `--iters` global batches:
   level, DP-group split, schedule search for every DP group), single thread, caches warm
   (the first `--warmup` batches fill the per-length cost cache and are not counted);
   lowering_ms_median: lowering + validating the instruction streams of all ranks (separate).
-* padding_efficiency: real tokens / computed tokens (micro-batch size x padded length).
+* padding_efficiency: real tokens / computed tokens (micro-batch size x padded length; T5:
+  size x (padded input max + padded target max), the target with its 2 bos/eos tokens).
+  padding_efficiency_bound: the same with every sample alone (rounding to `pad_multiple`
+  and bos/eos only), the most any partition can reach.
 * speedup_vs_packing: simulated iteration time of the packing baseline (next-fit packing into
   max-length rows, fixed micro-batch size, 1F1B; best micro-batch size and recompute that fit)
   over DynaPipe's, same batches. speedup_vs_fixed: same for fixed-size micro-batches of
@@ -83,8 +86,10 @@ def config(kind, cm_dir):
         return DynaPipeConfig(cost_model_path=str(cm_dir / "gpt_6.7b_a100.json"), model_kind="gpt",
                               hidden_size=4096, num_layers=32, pipeline_parallel=4, data_parallel=2,
                               memory_limit_mb=36000)
-    # TP=2, DP=1: with TP=1 the 12 decoder layers' model states leave 3.4 GB for activations
-    # per decoder stage, and a 2048-token sample does not fit even with full recompute.
+    # TP=2, DP=1. DP=2 (TP=1) fits only at max length 512: with TP=1 the model states leave
+    # 11.4 GB (encoder stages) / 3.35 GB (decoder stages) for activations, and with full
+    # recompute a (2048, 2048) sample peaks at 4.0 GB on a decoder stage and a 4096-token
+    # input at 16.2 GB on an encoder stage, so some 2048 and all 4096 batches are infeasible.
     return DynaPipeConfig(cost_model_path=str(cm_dir / "t5_11b_a100.json"), model_kind="t5", hidden_size=1024,
                           encoder_layers=24, decoder_layers=24, pipeline_parallel=4, data_parallel=1,
                           tensor_parallel=2, memory_limit_mb=36000)
@@ -169,7 +174,7 @@ def run(kind, max_len, args):
     cfg.emit_plans = False
     for b in batches[:args.warmup]:
         planner.plan(b)
-    times, effs, dyn, pack, fixed, lower_ms = [], [], [], [], [], []
+    times, effs, dyn, pack, fixed, lower_ms, bounds = [], [], [], [], [], [], []
     picks = {"recompute": {}, "schedule": {}, "baseline_packing": {}, "baseline_fixed": {}}
     n_mb = []
     for i, b in enumerate(batches[args.warmup:]):
@@ -177,6 +182,12 @@ def run(kind, max_len, args):
         plan = planner.plan(b, i)
         times.append((time.perf_counter() - t0) * 1e3)
         effs.append(plan.padding_efficiency)
+        raw = np.asarray(b, dtype=np.int64)
+        if kind == "gpt":
+            bounds.append(raw.sum() / planner._pad(raw).sum())
+        else:
+            bounds.append(raw.sum() / (planner._pad(raw[:, 0]).sum()
+                                       + planner._pad(raw[:, 1], cfg.decoder_extra_tokens).sum()))
         dyn.append(plan.makespan_ms)
         n_mb.append(sum(len(g.microbatches) for g in plan.groups))
         picks["recompute"][plan.recompute] = picks["recompute"].get(plan.recompute, 0) + 1
@@ -206,6 +217,7 @@ def run(kind, max_len, args):
         "lowering_ms_median": round(statistics.median(lower_ms), 2) if lower_ms else None,
         "padding_efficiency": round(float(np.mean(effs)), 4),
         "padding_efficiency_min": round(float(np.min(effs)), 4),
+        "padding_efficiency_bound": round(float(np.mean(bounds)), 4),
         "iteration_ms_mean": round(float(np.mean(dyn)), 1),
         "speedup_vs_packing": None if ratio(pack) is None else round(ratio(pack), 3),
         "speedup_vs_fixed": None if ratio(fixed) is None else round(ratio(fixed), 3),

@@ -2,14 +2,16 @@
 recompute level, schedule and per-pipeline-rank `ExecutionPlan`s.
 
 Steps per iteration (`DynaPipePlanner.plan`):
-1. order the samples (GPT: longest first; T5: 2-D serpentine order, and plain
-   lexicographic order as a second candidate), pad lengths to `pad_multiple`;
+1. order the samples (GPT: longest first; T5: cluster + tour order over (input, target)
+   lengths, `partitioner.order_clustered`, optionally plain lexicographic order as a second
+   candidate), pad lengths to `pad_multiple`;
 2. for each recompute level: build the segment-time matrix from the cost model under the
    per-micro-batch memory limit ("1F1B fit": the micro-batch fits with S - s copies in
    flight on stage s); if no partition fits, fall back to "single fit" (one micro-batch
    fits), which only the memory-admitting adaptive schedule can run; cut optimally
    (`partitioner.optimal_partition`) and split across DP groups (Karmarkar-Karp);
-3. per DP group, search schedules x micro-batch orders (`schedules.search`);
+3. per DP group, search schedules x micro-batch orders (`schedules.search`), levels in
+   increasing partition objective so that the best makespan so far prunes the rest;
 4. keep the recompute level with the smallest iteration makespan (slowest DP group);
 5. lower the chosen per-stage orders to instruction streams (`lower_to_plans`).
 """
@@ -128,6 +130,8 @@ class DynaPipeIterationPlan:
 class DynaPipePlanner:
     """Keeps the cost model and per-length cost caches across iterations."""
 
+    T5_CACHE_ENTRIES = 4_000_000  # per (recompute, fit); the cache restarts when it would grow past this
+
     def __init__(self, config: DynaPipeConfig, cost_model: Optional[CostModel] = None):
         self.cfg = config
         self.cm = cost_model or CostModel.load(config.cost_model_path)
@@ -227,18 +231,33 @@ class DynaPipePlanner:
         return out[inv]
 
     def _t5_segments(self, rc, fit, enc: np.ndarray, dec: np.ndarray, m0: int, m1: int) -> np.ndarray:
-        """Columns m0..m1-1 (sizes m0+1..m1) of the T5 segment matrix; the padded shape is the
-        running max of both lengths. Only distinct (size, enc, dec) shapes are costed."""
+        """Columns m0..m1-1 (sizes m0+1..m1) of the T5 segment matrix. The cost depends only on
+        (size, padded enc max, padded dec max) and the maxima are running maxima along the
+        order, so the block is a few numpy passes; distinct shapes are costed once and kept
+        in a per-(recompute, fit) cache across iterations (sorted int64 keys, looked up with
+        `searchsorted`: only shapes never seen before are interpolated)."""
         N = len(enc)
         idx = np.arange(N)[:, None] + np.arange(m1)[None, :]
         e = np.maximum.accumulate(enc[np.minimum(idx, N - 1)], axis=1)[:, m0:]
         d = np.maximum.accumulate(dec[np.minimum(idx, N - 1)], axis=1)[:, m0:]
-        m = np.broadcast_to(np.arange(m0 + 1, m1 + 1, dtype=np.int64), e.shape)
+        m = np.arange(m0 + 1, m1 + 1, dtype=np.int64)[None, :]
         key = (m << 42) | (e.astype(np.int64) << 21) | d.astype(np.int64)
         uniq, inv = np.unique(key, return_inverse=True)
-        sc = self.stage_costs(rc, (uniq >> 42).astype(float), ((uniq >> 21) & 0x1FFFFF).astype(float),
-                              (uniq & 0x1FFFFF).astype(float))
-        t = np.where(self._feasible(sc, fit), (sc["fwd"] + sc["bwd"]).max(axis=0), np.inf)
+        ck, cv = self._cache.get(("t5", rc, fit), (np.zeros(0, np.int64), np.zeros(0)))
+        pos = np.minimum(np.searchsorted(ck, uniq), max(len(ck) - 1, 0))
+        hit = (ck[pos] == uniq) if len(ck) else np.zeros(len(uniq), bool)
+        t = np.empty(len(uniq))
+        t[hit] = cv[pos[hit]]
+        miss = uniq[~hit]
+        if len(miss):
+            sc = self.stage_costs(rc, (miss >> 42).astype(float), ((miss >> 21) & 0x1FFFFF).astype(float),
+                                  (miss & 0x1FFFFF).astype(float))
+            t[~hit] = np.where(self._feasible(sc, fit), (sc["fwd"] + sc["bwd"]).max(axis=0), np.inf)
+            if len(ck) + len(miss) > self.T5_CACHE_ENTRIES:
+                ck, cv = np.zeros(0, np.int64), np.zeros(0)
+            allk = np.concatenate([ck, miss])
+            s = np.argsort(allk, kind="stable")
+            self._cache[("t5", rc, fit)] = (allk[s], np.concatenate([cv, t[~hit]])[s])
         return t[inv.reshape(e.shape)]
 
     def segment_times(self, rc: str, fit: str, enc: np.ndarray, dec: Optional[np.ndarray]) -> np.ndarray:
@@ -271,24 +290,27 @@ class DynaPipePlanner:
             enc_all, dec_all = self._pad(lens), None
         else:
             pairs = np.asarray(lengths, dtype=np.int64).reshape(-1, 2)
-            orders = [part.order_2d(pairs)]
+            orders = [part.order_clustered(pairs)]
             if c.t5_lexicographic_order:  # a second candidate order: ~2x the partition time
                 orders.append(part.order_lexicographic(pairs))
             enc_all, dec_all = self._pad(pairs[:, 0]), self._pad(pairs[:, 1], c.decoder_extra_tokens)
         best = None  # (makespan, rc, fit, order, partition, groups[(mb_ids, ScheduleChoice)])
         errors = []
-        for rc in c.recompute_levels:
+        cands = []  # (partition objective, level index, rc, fit, order, partition)
+        for k, rc in enumerate(c.recompute_levels):
             if not self.cm.has(c.tensor_parallel, rc):
                 continue
             for fit in ("1f1b", "single"):
                 cand = self._best_partition(rc, fit, orders, enc_all, dec_all, errors)
-                if cand is None:
-                    continue
-                order, p = cand
-                got = self._schedule_groups(rc, order, p, enc_all, dec_all, best[0] if best else np.inf)
-                if got is not None and (best is None or got[0] < best[0]):
-                    best = (got[0], rc, fit, order, p, got[1])
-                break  # "single" is only a fallback when no 1F1B-fit partition exists
+                if cand is not None:
+                    cands.append((cand[1].objective, k, rc, fit) + cand)
+                    break  # "single" is only a fallback when no 1F1B-fit partition exists
+        # Schedule the most promising level first: its makespan is the bound that lets
+        # `search` skip the others (ties keep the lower recompute level, as before).
+        for _, _, rc, fit, order, p in sorted(cands, key=lambda x: (x[0], x[1])):
+            got = self._schedule_groups(rc, order, p, enc_all, dec_all, best[0] if best else np.inf)
+            if got is not None and (best is None or got[0] < best[0]):
+                best = (got[0], rc, fit, order, p, got[1])
         if best is None:
             why = "; ".join(errors[-3:]) or "no schedule fits in memory"
             raise PlanningError(f"iteration {iteration}: no feasible plan ({why})")

@@ -103,7 +103,7 @@ def _reconstruct(T: np.ndarray, tau: float) -> List[int]:
     return cuts[::-1]
 
 
-def optimal_partition(seg_time: np.ndarray, num_stages: int, dp: int = 1, batch_taus: int = 48) -> Partition:
+def optimal_partition(seg_time: np.ndarray, num_stages: int, dp: int = 1, batch_taus: int = 16) -> Partition:
     """Exactly minimise ``(num_stages-1)*t_max + sum(t)/dp`` over contiguous partitions.
 
     `seg_time` is (N, M): entry [i, m-1] is the time of segment [i, i+m) (inf = not allowed;
@@ -178,13 +178,15 @@ def order_by_length(lengths: Sequence[int]) -> np.ndarray:
 
 
 def order_2d(pairs: Sequence[Sequence[int]], ratio: float = 1.25) -> np.ndarray:
-    """T5: a serpentine 2-D order of (input, target) lengths.
+    """T5 (previous default, kept for comparison): a serpentine 2-D order of (input, target)
+    lengths.
 
     Samples are bucketed by input length on a geometric scale (bucket width ``ratio``),
     buckets go longest first, and inside a bucket targets alternate descending/ascending so
     that neighbours across a bucket border have similar target lengths too. Contiguous
     segments then have both maxima close to their members' lengths (little padding), which
     is what the published planner gets from clustering + a TSP tour, at sort cost.
+    `order_clustered` pads less (measured: +0.01-0.017 padding efficiency on the benchmark).
     """
     p = np.asarray(pairs, dtype=np.float64).reshape(-1, 2)
     enc, dec = np.maximum(p[:, 0], 1), p[:, 1]
@@ -198,7 +200,72 @@ def order_2d(pairs: Sequence[Sequence[int]], ratio: float = 1.25) -> np.ndarray:
     return np.asarray(order, dtype=np.int64)
 
 
+def _path_2opt(D: np.ndarray, tour: np.ndarray, max_moves: int) -> np.ndarray:
+    """Improve an open path with best-improvement 2-opt moves (segment reversals)."""
+    K = len(tour)
+    if K < 3:
+        return tour
+    for _ in range(max_moves):
+        prev = np.concatenate(([-1], tour[:-1]))  # node before position i (-1: path start)
+        nxt = np.concatenate((tour[1:], [-1]))  # node after position j (-1: path end)
+        a, b = prev[:, None], tour[:, None]  # reversal of positions i..j
+        c, d = tour[None, :], nxt[None, :]
+        old = np.where(a >= 0, D[np.maximum(a, 0), b], 0.0) + np.where(d >= 0, D[c, np.maximum(d, 0)], 0.0)
+        new = np.where(a >= 0, D[np.maximum(a, 0), c], 0.0) + np.where(d >= 0, D[b, np.maximum(d, 0)], 0.0)
+        gain = np.triu(old - new, 1)
+        k = int(np.argmax(gain))
+        i, j = divmod(k, K)
+        if gain[i, j] <= 1e-9:
+            break
+        tour[i:j + 1] = tour[i:j + 1][::-1].copy()
+    return tour
+
+
+def order_clustered(pairs: Sequence[Sequence[int]], ratio: float = 1.25, two_opt_moves: int = 64) -> np.ndarray:
+    """T5: DynaPipe-style cluster + tour order of (input, target) lengths.
+
+    Clusters are the non-empty cells of a geometric grid over (input, target) (cell width
+    ``ratio`` on both axes: a cheap stand-in for complete-linkage agglomerative clustering,
+    which bounds the in-cluster spread the same way). Each cluster is represented by its
+    padded shape (max input, max target); the distance between two clusters is the L1
+    distance of those shapes, i.e. the extra tokens per sample a micro-batch spanning both
+    pays. Clusters are chained into an open path (nearest neighbour from the longest-input
+    cluster, then best-improvement 2-opt, at most `two_opt_moves` moves: cheap for the < 200
+    clusters of a global batch) and concatenated in path order; inside a cluster samples go
+    by input length, then target length, both descending. Deterministic (no randomness, ties
+    broken by cluster key).
+    """
+    p = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    n = len(p)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    enc, dec = np.maximum(p[:, 0], 1), np.maximum(p[:, 1], 1)
+    lr = np.log(ratio)
+    be = np.floor(np.log(enc) / lr).astype(np.int64)
+    bd = np.floor(np.log(dec) / lr).astype(np.int64)
+    keys, inv = np.unique(be * (1 << 20) + bd, return_inverse=True)
+    K = len(keys)
+    C = np.zeros((K, 2))
+    np.maximum.at(C[:, 0], inv, enc)
+    np.maximum.at(C[:, 1], inv, dec)
+    D = np.abs(C[:, None, :] - C[None, :, :]).sum(axis=-1)
+    start = int(np.lexsort((-C[:, 1], -C[:, 0]))[0])
+    tour = np.empty(K, dtype=np.int64)
+    tour[0] = start
+    left = np.ones(K, dtype=bool)
+    left[start] = False
+    for t in range(1, K):
+        row = np.where(left, D[tour[t - 1]], np.inf)
+        tour[t] = int(np.argmin(row))
+        left[tour[t]] = False
+    tour = _path_2opt(D, tour, two_opt_moves)
+    rank = np.empty(K, dtype=np.int64)
+    rank[tour] = np.arange(K)
+    return np.lexsort((-dec, -enc, rank[inv])).astype(np.int64)
+
+
 def order_lexicographic(pairs: Sequence[Sequence[int]]) -> np.ndarray:
+    """T5 ablation "S" of the paper: input length, then target length, both descending."""
     p = np.asarray(pairs).reshape(-1, 2)
     return np.lexsort((-p[:, 1], -p[:, 0]))
 

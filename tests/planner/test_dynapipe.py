@@ -134,3 +134,45 @@ def test_simulated_makespan_matches_replay():
         from megatron.planner.simulator import Op
         orders = [[Op(*o) for o in ops] for ops in g.compute_orders]
         assert simulate(costs, orders).makespan == pytest.approx(g.makespan_ms)
+
+
+def test_t5_segment_cache_and_order_are_exact_and_deterministic():
+    from megatron.planner.partitioner import order_clustered
+    rng = np.random.default_rng(12)
+    pairs = np.stack([np.array(lengths(rng, 40, 1024)), np.array(lengths(rng, 40, 256)) // 4 + 1], axis=1)
+    warm = DynaPipePlanner(t5_config(emit_plans=False))
+    o = order_clustered(pairs)
+    enc, dec = warm._pad(pairs[o, 0]), warm._pad(pairs[o, 1], 2)
+    a = warm.segment_times("full", "1f1b", enc, dec)
+    b = warm.segment_times("full", "1f1b", enc, dec)  # served from the shape cache
+    fresh = DynaPipePlanner(t5_config(emit_plans=False)).segment_times("full", "1f1b", enc, dec)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, fresh)
+    # Entry = cost model at (size, running max enc, running max dec).
+    i, m = 3, 5
+    sc = warm.stage_costs("full", np.array([m], float), np.array([enc[i:i + m].max()], float),
+                          np.array([dec[i:i + m].max()], float))
+    assert a[i, m - 1] == pytest.approx(float((sc["fwd"] + sc["bwd"]).max()))
+    # Same plan twice (warm caches) and from a fresh planner.
+    p1, p2 = warm.plan(pairs.tolist()), warm.plan(pairs.tolist())
+    p3 = DynaPipePlanner(t5_config(emit_plans=False)).plan(pairs.tolist())
+    assert [g.microbatches for g in p1.groups] == [g.microbatches for g in p2.groups] == [g.microbatches for g in p3.groups]
+    assert p1.makespan_ms == p3.makespan_ms
+
+
+def test_t5_partition_is_brute_force_optimal_on_clustered_order():
+    from megatron.planner.partitioner import order_clustered
+    rng = np.random.default_rng(13)
+    planner = DynaPipePlanner(t5_config(emit_plans=False, tensor_parallel=2, data_parallel=1))
+    for _ in range(4):
+        pairs = np.stack([np.array(lengths(rng, 9, 1024)), np.array(lengths(rng, 9, 256)) // 3 + 1], axis=1)
+        o = order_clustered(pairs)
+        T = planner.segment_times("full", "1f1b", planner._pad(pairs[o, 0]), planner._pad(pairs[o, 1], 2))
+        p = optimal_partition(T, planner.S, 1)
+        best = np.inf
+        for mask in range(1 << 8):
+            cuts = [0] + [i + 1 for i in range(8) if mask >> i & 1] + [9]
+            times = [T[a, b - a - 1] if b - a <= T.shape[1] else np.inf for a, b in zip(cuts, cuts[1:])]
+            if all(np.isfinite(times)):
+                best = min(best, objective(times, planner.S, 1))
+        assert p.objective == pytest.approx(best)

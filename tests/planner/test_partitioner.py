@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from megatron.planner.partitioner import (
-    PartitionError, balance_groups, objective, optimal_partition, order_2d, order_by_length,
+    PartitionError, balance_groups, objective, optimal_partition, order_2d, order_by_length, order_clustered,
+    order_lexicographic,
 )
 
 
@@ -102,3 +103,60 @@ def test_balance_groups(k):
     assert max(sums) - min(sums) <= max(times)
     with pytest.raises(PartitionError, match="data-parallel"):
         balance_groups([1.0], 2)
+
+
+def _padded_tokens(pairs, order, size):
+    """Computed tokens of fixed-size contiguous micro-batches along `order`."""
+    p = np.asarray(pairs)[order]
+    return sum(len(c) * (c[:, 0].max() + c[:, 1].max()) for c in (p[k:k + size] for k in range(0, len(p), size)))
+
+
+def _t5_pairs(rng, n):
+    enc = np.minimum(2048, rng.lognormal(np.log(rng.choice([60, 180, 500, 1400], size=n)), 0.7)).astype(int) + 4
+    dec = np.minimum(2048, rng.lognormal(np.log(rng.choice([6, 30, 90, 200], size=n)), 0.8)).astype(int) + 1
+    return np.stack([enc, dec], axis=1)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_clustered_order_pads_less_than_lexicographic(seed):
+    rng = np.random.default_rng(seed)
+    pairs = _t5_pairs(rng, 200)
+    o = order_clustered(pairs)
+    assert sorted(o.tolist()) == list(range(len(pairs)))  # a permutation
+    lex = order_lexicographic(pairs)
+    # Summed over micro-batch sizes (one size can be unlucky at cluster borders).
+    sizes = (2, 4, 8, 16)
+    assert sum(_padded_tokens(pairs, o, s) for s in sizes) <= sum(_padded_tokens(pairs, lex, s) for s in sizes)
+    # Path length in (input, target) space is what the tour shortens.
+    path = lambda order: np.abs(np.diff(pairs[order], axis=0)).sum()  # noqa: E731
+    assert path(o) <= path(lex)
+
+
+def test_clustered_order_is_deterministic_and_handles_edge_cases():
+    rng = np.random.default_rng(3)
+    pairs = _t5_pairs(rng, 150)
+    assert order_clustered(pairs).tolist() == order_clustered(pairs.copy()).tolist()
+    assert order_clustered(np.zeros((0, 2), int)).tolist() == []
+    assert order_clustered([(7, 3)]).tolist() == [0]
+    same = [(64, 8)] * 5
+    assert order_clustered(same).tolist() == [0, 1, 2, 3, 4]  # one cluster, stable
+    # Longest-input cluster first; a sample's cluster mates are contiguous.
+    o = order_clustered([(10, 3), (500, 20), (480, 400), (12, 100), (11, 4)])
+    assert o[0] in (1, 2)
+    pos = {int(x): k for k, x in enumerate(o)}
+    assert abs(pos[0] - pos[4]) == 1
+
+
+def test_two_opt_never_lengthens_the_path():
+    from megatron.planner.partitioner import _path_2opt
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        K = int(rng.integers(1, 30))
+        C = rng.uniform(0, 100, size=(K, 2))
+        D = np.abs(C[:, None] - C[None]).sum(-1)
+        tour = rng.permutation(K)
+        length = lambda t: sum(D[a, b] for a, b in zip(t, t[1:]))  # noqa: E731
+        before = length(tour)
+        after = _path_2opt(D, tour.copy(), 1000)
+        assert sorted(after.tolist()) == list(range(K))
+        assert length(after) <= before + 1e-9
