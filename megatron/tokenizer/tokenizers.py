@@ -247,7 +247,24 @@ class GPTSentencePieceTokenizer(SentencePieceTokenizer):
         self._inv_added = {v: k for k, v in self._added.items()}
 
 
-class HuggingFaceTokenizer(AbstractTokenizer):
+class _HFBackedTokenizer(AbstractTokenizer):
+    """Shared methods of tokenizers backed by an HF `tokenizers` object in `self.tok`."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def detokenize(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class HuggingFaceTokenizer(_HFBackedTokenizer):
     """A local HF `tokenizer.json` (--tokenizer-model PATH, or a directory holding one).
 
     Specials are looked up by their usual spellings; sentinels are added as special tokens.
@@ -280,21 +297,8 @@ class HuggingFaceTokenizer(AbstractTokenizer):
         self.pad = first(self._PAD)
         self.bos = first(self._BOS)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.tok.get_vocab_size(with_added_tokens=True)
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
-
-    def detokenize(self, ids) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-
-class BertWordPieceTokenizer(AbstractTokenizer):
+class BertWordPieceTokenizer(_HFBackedTokenizer):
     """BERT WordPiece from --vocab-file vocab.txt (BertWordPieceLowerCase / BertWordPieceCase).
 
     Uses HF `tokenizers`' BERT normaliser + WordPiece.  As in Megatron, [BOS]/[EOS] and
@@ -329,19 +333,6 @@ class BertWordPieceTokenizer(AbstractTokenizer):
                 mask[i] = token.startswith("##")
             self._continuation = mask
         return self._continuation
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tok.get_vocab_size(with_added_tokens=True)
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
-
-    def detokenize(self, ids) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 class NullTokenizer(AbstractTokenizer):
