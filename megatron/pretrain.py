@@ -14,7 +14,7 @@ from megatron.initialize import initialize_megatron
 from megatron.logging_utils import gpt_flops_per_sample, print_rank_0
 
 
-def _tokenizer(cfg: MegatronConfig):
+def tokenizer_from_config(cfg: MegatronConfig):
     d = cfg.data
     if d.tokenizer_type is None:
         return None
@@ -43,7 +43,7 @@ def build_gpt_trainer(cfg: MegatronConfig, ps, device):
                                      tied_embedding_params)
     from megatron.training import FixedBatchPlanner, Trainer
     from megatron.training import gpt_microbatch_shapes
-    tokenizer = _tokenizer(cfg)
+    tokenizer = tokenizer_from_config(cfg)
     if tokenizer is not None:
         cfg.model.vocab_size = tokenizer.vocab_size
     stages = build_gpt_stages(cfg, ps)

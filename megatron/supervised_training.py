@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from megatron.config import MegatronConfig
-from megatron.data.packing import collate_supervised_gpt, collate_supervised_t5, pack_samples
+from megatron.data.packing import collate_supervised_gpt, collate_supervised_t5, concat_pair, pack_samples
 from megatron.data.samplers import TokenBudgetSampler
 from megatron.training import FixedBatchPlanner, IterationWork
 
@@ -185,14 +185,9 @@ class BaselineSource(_SupervisedSource):
         seqs, starts = [], []
         for i in range(lo, hi):
             p = self.dataset[i]
-            x = np.concatenate([p["inputs"], p["targets"]]).astype(np.int64)
-            if x.size > seq + 1:  # same truncation as collate_supervised_gpt: inputs first
-                cut = min(x.size - (seq + 1), max(len(p["inputs"]) - 1, 0))
-                x = x[cut:][:seq + 1]
-                starts.append(len(p["inputs"]) - cut)
-            else:
-                starts.append(len(p["inputs"]))
+            x, n_in = concat_pair(p["inputs"], p["targets"], seq)  # the fixed collate's truncation
             seqs.append(x)
+            starts.append(n_in)
         # Rows hold seq + 1 tokens so that a full-length sample keeps all of its labels.
         rows = pack_samples(seqs, seq + 1, pad_id=self.ids["pad"], loss_starts=starts)
         rows = {k: v[:, :seq] for k, v in rows.items()}

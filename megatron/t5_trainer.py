@@ -3,7 +3,7 @@ per-stage model, static 1F1B/GPipe planner and the Trainer. Mirrors `build_gpt_t
 from __future__ import annotations
 
 from megatron.config import MegatronConfig
-from megatron.pretrain import _tokenizer
+from megatron.pretrain import tokenizer_from_config
 
 
 def t5_datasets(cfg: MegatronConfig, tokenizer):
@@ -32,7 +32,7 @@ def build_t5_trainer(cfg: MegatronConfig, ps, device):
     from megatron.training import FixedBatchPlanner, Trainer
     if cfg.model.model_type != "t5":
         raise ValueError(f"build_t5_trainer needs a T5 config (model_type 't5'), got {cfg.model.model_type!r}")
-    tokenizer = _tokenizer(cfg)
+    tokenizer = tokenizer_from_config(cfg)
     if tokenizer is not None:
         # With a tokenizer, --vocab-size is only its input (NullTokenizer); the model's vocabulary
         # is the tokenizer's, sentinels included. With --mock-data alone it is the whole vocabulary.

@@ -6,6 +6,7 @@ a new schedule (DynaPipe, TeraPipe, ...) is a new planner, not a new training lo
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -13,14 +14,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.batching import fixed_microbatch_indices
 from megatron.config import MegatronConfig
 from megatron.core.distributed import allreduce_data_parallel_grads, allreduce_embedding_grads
 from megatron.core.optimizer import LRScheduler, MegatronOptimizer
 from megatron.core.parallel_state import ParallelState
+from megatron.data.samplers import MegatronPretrainingSampler
 from megatron.logging_utils import MetricsLogger, print_rank_last
 from megatron.pipeline.executor import PipelineExecutor
 from megatron.pipeline.p2p import DTYPES, P2PCommunicator
+from megatron.planner.static import build_static_plans
 
 
 class FixedBatchPlanner:
@@ -37,7 +39,6 @@ class FixedBatchPlanner:
         self._cache: Dict[tuple, list] = {}
 
     def plans(self, iteration: int, microbatch_shapes: Sequence[tuple]) -> list:
-        from megatron.planner.static import build_static_plans
         key = tuple(microbatch_shapes)
         if key not in self._cache:
             self._cache[key] = build_static_plans(
@@ -69,12 +70,13 @@ class FixedBatchSource:
 
     def next(self, iteration: int, consumed_samples: int) -> IterationWork:
         t = self.cfg.training
-        idx = fixed_microbatch_indices(consumed_samples, t.global_batch_size, t.micro_batch_size,
-                                       self.ps.dp_rank, self.ps.dp_size)
         n = len(self.dataset)
-        if idx and idx[-1][-1] >= n:
+        if consumed_samples + t.global_batch_size > n:
             raise RuntimeError(f"the dataset has {n} samples but iteration {iteration} needs sample "
-                               f"{idx[-1][-1]}; build it for --train-iters x --global-batch-size samples")
+                               f"{consumed_samples + t.global_batch_size - 1}; build it for --train-iters x "
+                               "--global-batch-size samples")
+        sampler = MegatronPretrainingSampler(n, consumed_samples, t.micro_batch_size, self.ps.dp_rank, self.ps.dp_size)
+        idx = list(itertools.islice(sampler, self.cfg.num_microbatches))
         mbs = [self.collate_fn([self.dataset[i] for i in ids]) for ids in idx]
         plan = self.planner.plans(iteration, [self.shapes_fn(mb) for mb in mbs])[self.ps.pp_rank]
         return IterationWork(mbs, plan, t.global_batch_size)

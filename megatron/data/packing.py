@@ -86,6 +86,20 @@ def packed_attention_mask(segment_ids):
     return ((same & causal) | pad_self).unsqueeze(1)
 
 
+def concat_pair(inputs, targets, seq_length: int):
+    """inputs + targets as one sequence of at most seq_length + 1 tokens, and how many of its
+    leading tokens are inputs. Input tokens go first from the left (the target is what is
+    trained on; at least one input token stays to predict from), then target tokens from the right."""
+    inp = np.asarray(inputs, dtype=np.int64)
+    tgt = np.asarray(targets, dtype=np.int64)
+    excess = inp.size + tgt.size - (seq_length + 1)
+    if excess > 0:
+        cut = min(excess, max(inp.size - 1, 0))
+        inp = inp[cut:]
+        tgt = tgt[:seq_length + 1 - inp.size]
+    return np.concatenate([inp, tgt]), inp.size
+
+
 def collate_supervised_gpt(pairs: Sequence[dict], seq_length: int, pad_id: int = 0) -> dict:
     """One concatenated sequence per (inputs, targets) pair, for decoder-only models.
 
@@ -105,21 +119,14 @@ def collate_supervised_gpt(pairs: Sequence[dict], seq_length: int, pad_id: int =
         "segment_ids": np.zeros((b, seq_length), dtype=np.int64),
     }
     for r, p in enumerate(pairs):
-        inp = np.asarray(p["inputs"], dtype=np.int64)
-        tgt = np.asarray(p["targets"], dtype=np.int64)
-        excess = inp.size + tgt.size - (seq_length + 1)
-        if excess > 0:
-            cut = min(excess, max(inp.size - 1, 0))  # keep at least one input token to predict from
-            inp = inp[cut:]
-            tgt = tgt[:seq_length + 1 - inp.size]
-        x = np.concatenate([inp, tgt])
+        x, n_in = concat_pair(p["inputs"], p["targets"], seq_length)
         n = x.size - 1
         if n <= 0:
             continue
         out["tokens"][r, :n] = x[:-1]
         out["labels"][r, :n] = x[1:]
         # label j is x[j+1]; it is a target token when j + 1 >= len(inputs)
-        out["loss_mask"][r, max(inp.size - 1, 0):n] = 1.0
+        out["loss_mask"][r, max(n_in - 1, 0):n] = 1.0
         out["segment_ids"][r, :n] = 1
     return out
 

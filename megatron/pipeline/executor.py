@@ -12,7 +12,7 @@ micro-batches the planner made, gradients equal those of one big batch.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -33,7 +33,6 @@ class ExecutionStats:
     forward_passes: int = 0
     backward_passes: int = 0
     peak_live_records: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def _run_backward(outputs: List[torch.Tensor], grads: List[Optional[torch.Tensor]]) -> None:

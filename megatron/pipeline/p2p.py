@@ -22,10 +22,10 @@ class PipelineCommError(RuntimeError):
 
 
 class P2PHandle:
-    __slots__ = ("works", "tensors", "what")
+    __slots__ = ("works", "tensors", "what", "peer")
 
-    def __init__(self, works, tensors, what: str):
-        self.works, self.tensors, self.what = works, tensors, what
+    def __init__(self, works, tensors, what: str, peer: int):
+        self.works, self.tensors, self.what, self.peer = works, tensors, what, peer
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self.works)
@@ -47,7 +47,7 @@ class P2PCommunicator:
             works = [dist.isend(t, dst=dst, group=self.group) for t in tensors]
         except RuntimeError as e:
             raise self._error(what, peer, e, 0.0) from e
-        return P2PHandle(works, tensors, what)
+        return P2PHandle(works, tensors, what, peer)
 
     def irecv(self, shapes, dtype: str, peer: int, what: str) -> P2PHandle:
         src = self.peers[peer]
@@ -56,7 +56,7 @@ class P2PCommunicator:
             works = [dist.irecv(t, src=src, group=self.group) for t in tensors]
         except RuntimeError as e:
             raise self._error(what, peer, e, 0.0) from e
-        return P2PHandle(works, tensors, what)
+        return P2PHandle(works, tensors, what, peer)
 
     def _error(self, what: str, peer: int, cause, elapsed: float) -> PipelineCommError:
         text = str(cause).splitlines()[0] if cause is not None else ""
@@ -70,7 +70,7 @@ class P2PCommunicator:
 
     def wait(self, handle: P2PHandle) -> List[torch.Tensor]:
         start = time.monotonic()
-        peer = self._peer_of(handle)
+        peer = handle.peer
         for w in handle.works:
             try:
                 ok = w.wait(self.timeout)
@@ -79,8 +79,3 @@ class P2PCommunicator:
             if ok is False:
                 raise self._error(handle.what, peer, None, time.monotonic() - start)
         return handle.tensors
-
-    @staticmethod
-    def _peer_of(handle: P2PHandle) -> int:
-        # `what` ends with "... pipeline rank N"; keep the handle small instead of storing it twice.
-        return int(handle.what.rsplit(" ", 1)[-1])
