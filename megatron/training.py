@@ -5,6 +5,7 @@ a new schedule (DynaPipe, TeraPipe, ...) is a new planner, not a new training lo
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import time
@@ -29,18 +30,25 @@ class FixedBatchPlanner:
     """Megatron's static schedules (1F1B / GPipe / interleaved) for fixed-shape micro-batches.
 
     Plans depend only on the micro-batch shapes, so they are built (and validated) once per
-    distinct shape set and reused."""
+    distinct shape set and reused. The cache is bounded: the fixed-micro-batch baseline on
+    multi-task data meets a new shape set almost every iteration."""
+
+    CACHE_SIZE = 64
 
     def __init__(self, schedule: str, pp_size: int, num_model_chunks: int, activation_shapes_fn: Callable,
                  recompute: str, dtype: str):
         self.schedule = "interleaved" if num_model_chunks > 1 else schedule
         self.pp_size, self.num_model_chunks = pp_size, num_model_chunks
         self.activation_shapes_fn, self.recompute, self.dtype = activation_shapes_fn, recompute, dtype
-        self._cache: Dict[tuple, list] = {}
+        self._cache: "collections.OrderedDict[tuple, list]" = collections.OrderedDict()
 
     def plans(self, iteration: int, microbatch_shapes: Sequence[tuple]) -> list:
         key = tuple(microbatch_shapes)
-        if key not in self._cache:
+        if key in self._cache:
+            self._cache.move_to_end(key)
+        else:
+            if len(self._cache) >= self.CACHE_SIZE:
+                self._cache.popitem(last=False)
             self._cache[key] = build_static_plans(
                 self.schedule, len(microbatch_shapes), self.pp_size, self.num_model_chunks,
                 list(microbatch_shapes), self.activation_shapes_fn(list(microbatch_shapes)),
