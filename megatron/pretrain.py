@@ -24,10 +24,17 @@ def tokenizer_from_config(cfg: MegatronConfig):
                            vocab_extra_ids=d.vocab_extra_ids)
 
 
-def gpt_datasets(cfg: MegatronConfig):
+def sample_counts(cfg: MegatronConfig):
+    """(train, validation) samples a run consumes: datasets are built to exactly that size."""
     t = cfg.training
     n_train = t.train_iters * t.global_batch_size
     n_valid = (t.train_iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size
+    return n_train, n_valid
+
+
+def gpt_datasets(cfg: MegatronConfig):
+    t = cfg.training
+    n_train, n_valid = sample_counts(cfg)
     if cfg.data.mock_data:
         from megatron.data.mock_dataset import MockGPTDataset
         return (MockGPTDataset(n_train, cfg.model.seq_length, cfg.model.vocab_size, t.seed),

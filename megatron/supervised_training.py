@@ -29,6 +29,10 @@ from megatron.training import FixedBatchPlanner, IterationWork
 PAD_MULTIPLE = 8
 
 
+def _round_up(n) -> int:
+    return int(-(-int(n) // PAD_MULTIPLE) * PAD_MULTIPLE)
+
+
 def _tensors(d: dict) -> dict:
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in d.items()}
 
@@ -210,9 +214,9 @@ class BaselineSource(_SupervisedSource):
             mbs = []
             for c in chunks[self.ps.dp_rank::self.ps.dp_size]:
                 longest = self.lengths[c].max(axis=0)
-                pad = lambda n: int(-(-int(n) // PAD_MULTIPLE) * PAD_MULTIPLE)  # noqa: E731
                 b = len(c)
-                shape = ((b, pad(longest)),) if self.lengths.ndim == 1 else ((b, pad(longest[0])), (b, pad(longest[1])))
+                shape = ((b, _round_up(longest)),) if self.lengths.ndim == 1 else \
+                    ((b, _round_up(longest[0])), (b, _round_up(longest[1])))
                 mbs.append(self.collate(c, shape))
         if not mbs:
             raise RuntimeError(f"iteration {iteration}: data-parallel rank {self.ps.dp_rank} got no micro-batch; "

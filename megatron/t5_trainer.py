@@ -3,13 +3,12 @@ per-stage model, static 1F1B/GPipe planner and the Trainer. Mirrors `build_gpt_t
 from __future__ import annotations
 
 from megatron.config import MegatronConfig
-from megatron.pretrain import tokenizer_from_config
+from megatron.pretrain import sample_counts, tokenizer_from_config
 
 
 def t5_datasets(cfg: MegatronConfig, tokenizer):
     t, m = cfg.training, cfg.model
-    n_train = t.train_iters * t.global_batch_size
-    n_valid = (t.train_iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size
+    n_train, n_valid = sample_counts(cfg)
     if cfg.data.mock_data:
         from megatron.data.mock_dataset import MockT5Dataset
         args = (m.encoder_seq_length, m.decoder_seq_length, m.vocab_size)
