@@ -93,6 +93,9 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--max-consecutive-skipped-iters", type=int, default=100,
+                   help="stop with an error after this many iterations in a row are skipped for inf/nan "
+                        "gradients (0 = never)")
 
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true",
@@ -138,6 +141,22 @@ def _required(args, names, model_type):
     missing = [n for n in names if getattr(args, n.lstrip("-").replace("-", "_")) is None]
     if missing:
         raise ConfigError(f"missing required flag(s) for pretrain_{model_type}.py: {' '.join(missing)}")
+
+
+def _check_writable_dir(flag: str, path: Optional[str]) -> None:
+    """An output folder that cannot be written fails here, in one line, not mid-run in a traceback."""
+    if not path:
+        return
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise ConfigError(f"{flag} {path}: {probe} exists and is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: {probe} is not writable by this user; choose a folder you can write")
 
 
 def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
@@ -202,6 +221,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         hysteresis=args.hysteresis, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, exit_interval=args.exit_interval,
+        max_consecutive_skipped_iters=args.max_consecutive_skipped_iters,
     )
     data = DataConfig(
         mock_data=args.mock_data, data_path=args.data_path, targets_data_path=args.targets_data_path,
@@ -215,6 +235,8 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
     )
     if args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
         raise ConfigError("--mock-data needs --vocab-size (or a tokenizer) to know the vocabulary")
+    for flag, d in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
+        _check_writable_dir(flag, d)
     checkpoint = CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
                                   no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
                                   finetune=args.finetune)

@@ -1,18 +1,36 @@
-"""Checkpoints in Megatron's layout, written atomically and validated on load.
+"""Checkpoints in Megatron's layout, written atomically, checksummed and validated on load.
 
     <dir>/latest_checkpointed_iteration.txt
-    <dir>/iter_0000100/mp_rank_XX[_YYY]/model_optim_rng.pt     (XX = TP rank, YYY = PP rank)
+    <dir>/iter_0000100/mp_rank_XX[_YYY]/model_optim_rng.pt          (XX = TP rank, YYY = PP rank)
+    <dir>/iter_0000100/mp_rank_XX[_YYY]/model_optim_rng.pt.sha256   (checksum, written after the file)
+    <dir>/iter_0000100/manifest.json                                (every file + sha256; marks it complete)
 
-Each file is written to a temporary name, fsynced and renamed; the tracker file moves to the
-new iteration only after every rank has finished (barrier), so a crash at any point of a save
-leaves the previous checkpoint loadable. Loading compares the saved configuration with the
-current one and names every mismatch with its flag.
+What a checkpoint guarantees:
+- Each file is written to a temporary name, fsynced, renamed, and its directory fsynced, so a
+  crash or power loss at any point leaves either the old or the new file, never a torn one.
+- The manifest is written after every rank has finished (barrier), and the tracker moves only
+  after the manifest: the tracker never names an incomplete checkpoint.
+- Loading verifies each rank's file against its checksum. A corrupted or missing file makes
+  every rank fall back, together, to the newest older checkpoint that verifies, with a loud
+  message naming the file; if none verifies, loading fails. It never trains on corrupted state.
+- Stray temporaries of killed writers and iteration folders that a killed save left incomplete
+  (newer than the tracker, without a manifest) are removed by the next save or load.
+- Files get the mode a plain write would (0666 minus the umask), so a team can read them.
+Loading also compares the saved configuration with the current one and names every mismatch
+with its flag.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
+import re
+import shutil
+import socket
+import sys
 import tempfile
+import time
 from typing import Optional
 
 import numpy as np
@@ -56,20 +74,129 @@ def checkpoint_path(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_si
     return os.path.join(root, f"iter_{iteration:07d}", sub, "model_optim_rng.pt")
 
 
-def _atomic_write_bytes(path: str, write_fn) -> None:
+MANIFEST = "manifest.json"
+_TMP_PREFIX = ".tmp-"
+_ITER_RE = re.compile(r"^iter_(\d{7})$")
+
+
+def _file_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _fsync_dir(d: str) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return  # not supported on this platform / file system
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _HashingWriter:
+    """File wrapper that hashes what passes through, so a checkpoint is read from disk only once."""
+
+    def __init__(self, f):
+        self.f, self.h = f, hashlib.sha256()
+
+    def write(self, b):
+        self.h.update(b)
+        return self.f.write(b)
+
+    def flush(self):
+        self.f.flush()
+
+
+def _atomic_write_bytes(path: str, write_fn) -> str:
+    """Write via a temporary file + fsync + rename + directory fsync; returns the sha256 hex digest."""
     d = os.path.dirname(path)
     os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
+    # The writer's host and pid in the name let a later run tell a dead writer's leftovers apart.
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=d)
     try:
         with os.fdopen(fd, "wb") as f:
-            write_fn(f)
+            w = _HashingWriter(f)
+            write_fn(w)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, _file_mode())
         os.replace(tmp, path)
+        _fsync_dir(d)
+        return w.h.hexdigest()
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _is_stale_temporary(name: str, age_s: float, max_age_s: float) -> bool:
+    """A temporary is stale when its writer (same host) is dead, or, for another host's, when old."""
+    m = re.match(re.escape(_TMP_PREFIX) + r"(.+)-(\d+)-[^-]*$", name)
+    if m and m.group(1) == socket.gethostname():
+        try:
+            os.kill(int(m.group(2)), 0)
+            return False
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False  # alive, another user's
+    return age_s > max_age_s
+
+
+def remove_stale_files(root: str, max_age_s: float = 3600.0) -> list:
+    """Remove temporaries of dead writers and incomplete iteration folders newer than the tracker.
+
+    Called by rank 0 only, at a point where no rank of this job is writing. Returns what it removed."""
+    removed = []
+    if not os.path.isdir(root):
+        return removed
+    tracked = None
+    try:
+        tracked = read_tracker(root)
+    except CheckpointError:
+        pass
+    now = time.time()
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            if not name.startswith(_TMP_PREFIX):
+                continue
+            full = os.path.join(dirpath, name)
+            try:
+                age = now - os.path.getmtime(full)
+            except OSError:
+                continue
+            if _is_stale_temporary(name, age, max_age_s):
+                try:
+                    os.unlink(full)
+                    removed.append(full)
+                except OSError:
+                    pass
+    for name in os.listdir(root):
+        m = _ITER_RE.match(name)
+        full = os.path.join(root, name)
+        if not m or not os.path.isdir(full) or os.path.exists(os.path.join(full, MANIFEST)):
+            continue
+        it = int(m.group(1))
+        # A folder newer than the tracker was never completed (the tracker moves last); a folder
+        # holding no model file at all is a save killed before it wrote anything.
+        has_model = any(f == "model_optim_rng.pt" for _, _, fs in os.walk(full) for f in fs)
+        if (tracked is not None and it > tracked) or not has_model:
+            shutil.rmtree(full, ignore_errors=True)
+            removed.append(full)
+    return removed
 
 
 def rng_state() -> dict:
@@ -92,28 +219,76 @@ def _barrier():
         dist.barrier()
 
 
+def _all_ok(ok: bool) -> bool:
+    """True only if `ok` holds on every rank (so all ranks take the same branch)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return ok
+    t = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _checkpoint_files(root: str, iteration: int) -> list:
+    it_dir = os.path.join(root, f"iter_{iteration:07d}")
+    out = []
+    for dirpath, _dirs, files in os.walk(it_dir):
+        for f in files:
+            if f == "model_optim_rng.pt":
+                out.append(os.path.relpath(os.path.join(dirpath, f), it_dir))
+    return sorted(out)
+
+
+def _write_manifest(root: str, iteration: int) -> None:
+    it_dir = os.path.join(root, f"iter_{iteration:07d}")
+    entries = {}
+    for rel in _checkpoint_files(root, iteration):
+        full = os.path.join(it_dir, rel)
+        with open(full + ".sha256") as f:
+            digest = f.read().split()[0]
+        entries[rel] = {"sha256": digest, "bytes": os.path.getsize(full)}
+    body = json.dumps({"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION, "files": entries},
+                      indent=1, sort_keys=True).encode()
+    _atomic_write_bytes(os.path.join(it_dir, MANIFEST), lambda f: f.write(body))
+
+
 def save_checkpoint(trainer, root: Optional[str] = None) -> str:
     cfg, ps = trainer.cfg, trainer.ps
     root = root or cfg.checkpoint.save
     path = checkpoint_path(root, trainer.iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
-    if ps.dp_rank == 0:
-        state = {
-            "checkpoint_version": CHECKPOINT_VERSION,
-            "config": cfg.to_dict(),
-            "iteration": trainer.iteration,
-            "consumed_samples": trainer.consumed_samples,
-            "skipped_iters": trainer.skipped_iters,
-            "model": {sid: m.state_dict() for sid, m in trainer.stages.items()},
-            "optimizer": trainer.optimizer.state_dict(),
-            "opt_param_scheduler": trainer.lr_scheduler.state_dict(),
-            "rng_state": rng_state(),
-        }
-        _atomic_write_bytes(path, lambda f: torch.save(state, f))
-    _barrier()
-    if ps.rank == 0:
-        _atomic_write_bytes(os.path.join(root, TRACKER), lambda f: f.write(f"{trainer.iteration}\n".encode()))
-        print(f"saved checkpoint at iteration {trainer.iteration} to {root}", flush=True)
-    _barrier()
+    try:
+        if ps.rank == 0:
+            os.makedirs(root, exist_ok=True)
+            remove_stale_files(root)
+        _barrier()
+        if ps.dp_rank == 0:
+            state = {
+                "checkpoint_version": CHECKPOINT_VERSION,
+                "config": cfg.to_dict(),
+                "iteration": trainer.iteration,
+                "consumed_samples": trainer.consumed_samples,
+                "skipped_iters": trainer.skipped_iters,
+                "consumed_tokens": getattr(trainer, "consumed_tokens", 0),
+                "logger": trainer.logger.state_dict() if hasattr(trainer.logger, "state_dict") else {},
+                "model": {sid: m.state_dict() for sid, m in trainer.stages.items()},
+                "optimizer": trainer.optimizer.state_dict(),
+                "opt_param_scheduler": trainer.lr_scheduler.state_dict(),
+                "rng_state": rng_state(),
+            }
+            for key, obj in getattr(trainer, "extra_checkpoint_state", {}).items():
+                state[key] = obj.state_dict()
+            digest = _atomic_write_bytes(path, lambda f: torch.save(state, f))
+            _atomic_write_bytes(path + ".sha256", lambda f: f.write(f"{digest}  model_optim_rng.pt\n".encode()))
+        _barrier()
+        if ps.rank == 0:
+            # The manifest marks the iteration complete; only then may the tracker move to it.
+            _write_manifest(root, trainer.iteration)
+            _atomic_write_bytes(os.path.join(root, TRACKER), lambda f: f.write(f"{trainer.iteration}\n".encode()))
+            print(f"saved checkpoint at iteration {trainer.iteration} to {root}", flush=True)
+        _barrier()
+    except OSError as e:
+        raise CheckpointError(f"{ps.describe()}: cannot write checkpoint under --save {root}: "
+                              f"{e.strerror or e} ({e.filename or root}); check the folder exists, is "
+                              f"writable and has free space") from e
     return path
 
 
@@ -141,25 +316,93 @@ def config_mismatches(saved: dict, current: dict) -> list:
     return out
 
 
+def _verify_file(path: str) -> Optional[str]:
+    """None when `path` matches its recorded checksum, else why not. Files saved before checksums
+    existed (no .sha256 beside them) are accepted as they are."""
+    if not os.path.exists(path):
+        return "the file is missing"
+    side = path + ".sha256"
+    if not os.path.exists(side):
+        it_dir = os.path.dirname(os.path.dirname(path))
+        if os.path.exists(os.path.join(it_dir, MANIFEST)):
+            return f"its checksum file {side} is missing"
+        return None
+    try:
+        with open(side) as f:
+            expected = f.read().split()[0]
+    except (OSError, IndexError):
+        return f"its checksum file {side} is unreadable"
+    actual = _sha256_file(path)
+    if actual != expected:
+        return f"sha256 {actual[:16]}... does not match the recorded {expected[:16]}... (the file is corrupted)"
+    return None
+
+
+def _listed_in_manifest(root: str, iteration: int, path: str) -> bool:
+    it_dir = os.path.join(root, f"iter_{iteration:07d}")
+    try:
+        with open(os.path.join(it_dir, MANIFEST)) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return os.path.relpath(path, it_dir) in files
+
+
+def _older_complete_iterations(root: str, below: int) -> list:
+    out = []
+    for name in os.listdir(root):
+        m = _ITER_RE.match(name)
+        if m and int(m.group(1)) < below and os.path.exists(os.path.join(root, name, MANIFEST)):
+            out.append(int(m.group(1)))
+    return sorted(out, reverse=True)
+
+
 def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
-    """Load the latest checkpoint under `root` (--load). Returns False if there is none."""
+    """Load the latest checkpoint under `root` (--load) that verifies. Returns False if there is none.
+
+    Every rank verifies its own file; if any rank's file is corrupt or missing, all ranks fall back
+    together to the newest older complete checkpoint, and the bad file is named loudly."""
     cfg, ps = trainer.cfg, trainer.ps
     root = root or cfg.checkpoint.load
-    iteration = read_tracker(root)
-    if iteration is None:
+    if ps.rank == 0 and os.path.isdir(root) and os.access(root, os.W_OK):
+        for gone in remove_stale_files(root):
+            print(f"checkpoint: removed {gone} (left by an interrupted save)", flush=True)
+    _barrier()
+    tracked = read_tracker(root)
+    if tracked is None:
         if ps.rank == 0:
             print(f"warning: no {TRACKER} under --load {root}; starting from scratch", flush=True)
         return False
-    path = checkpoint_path(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
-    if not os.path.exists(path):
-        hint = ""
-        it_dir = os.path.join(root, f"iter_{iteration:07d}")
-        if os.path.isdir(it_dir):
-            hint = f" (it holds {sorted(os.listdir(it_dir))}: was it saved with another TP/PP layout?)"
-        raise CheckpointError(f"{ps.describe()}: checkpoint file {path} is missing{hint}")
+    iteration, path = tracked, None
+    for iteration in [tracked] + _older_complete_iterations(root, tracked):
+        path = checkpoint_path(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
+        problem = _verify_file(path)
+        not_in_layout = problem is not None and not os.path.exists(path) and not _listed_in_manifest(root, iteration, path)
+        if not _all_ok(not not_in_layout):
+            # A layout mismatch, not corruption: falling back would only hide the real problem.
+            it_dir = os.path.join(root, f"iter_{iteration:07d}")
+            hint = ""
+            if os.path.isdir(it_dir):
+                hint = f" (it holds {sorted(os.listdir(it_dir))}: was it saved with another TP/PP layout?)"
+            what = f"checkpoint file {path} is missing{hint}" if not_in_layout else \
+                f"another rank's checkpoint file under {it_dir} is missing (was it saved with another TP/PP layout?)"
+            raise CheckpointError(f"{ps.describe()}: {what}")
+        if problem is not None:
+            print(f"CHECKPOINT CORRUPT: {ps.describe()}: {path}: {problem}", file=sys.stderr, flush=True)
+        if _all_ok(problem is None):
+            break
+        if ps.rank == 0:
+            print(f"CHECKPOINT: iteration {iteration} under {root} failed verification on at least one rank; "
+                  f"trying an older complete checkpoint", file=sys.stderr, flush=True)
+    else:
+        raise CheckpointError(f"{ps.describe()}: no checkpoint under --load {root} verifies (tracked iteration "
+                              f"{tracked} and every older complete one failed); see the CHECKPOINT CORRUPT lines")
+    if iteration != tracked and ps.rank == 0:
+        print(f"WARNING: loading iteration {iteration} instead of the tracked iteration {tracked}, whose files are "
+              f"corrupt; training resumes from the older state", file=sys.stderr, flush=True)
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # truncated or foreign file
+    except Exception as e:  # truncated or foreign file without a checksum
         raise CheckpointError(f"{ps.describe()}: cannot read checkpoint {path}: {e}") from e
     problems = config_mismatches(state.get("config", {}), cfg.to_dict())
     if problems:
@@ -174,6 +417,12 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
     trainer.iteration = state["iteration"]
     trainer.consumed_samples = state["consumed_samples"]
     trainer.skipped_iters = state.get("skipped_iters", 0)
+    trainer.consumed_tokens = state.get("consumed_tokens", 0)
+    if hasattr(trainer.logger, "load_state_dict"):
+        trainer.logger.load_state_dict(state.get("logger", {}))
+    for key, obj in getattr(trainer, "extra_checkpoint_state", {}).items():
+        if key in state:
+            obj.load_state_dict(state[key])
     if not cfg.checkpoint.no_load_optim:
         trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.lr_scheduler.load_state_dict(state["opt_param_scheduler"])

@@ -68,6 +68,14 @@ class ModelConfig:
                         ("--num-attention-heads", self.num_attention_heads),
                         ("--seq-length", self.seq_length)):
             _require(v > 0, f"{flag} must be positive, got {v}")
+        for flag, v in (("--ffn-hidden-size", self.ffn_hidden_size), ("--kv-channels", self.kv_channels),
+                        ("--max-position-embeddings", self.max_position_embeddings),
+                        ("--vocab-size", self.vocab_size)):
+            _require(v is None or v > 0, f"{flag} must be positive, got {v}")
+        _require(self.layernorm_epsilon > 0, f"--layernorm-epsilon must be positive, got {self.layernorm_epsilon}")
+        _require(self.init_method_std > 0, f"--init-method-std must be positive, got {self.init_method_std}")
+        _require(self.relative_attention_num_buckets >= 1 and self.relative_attention_max_distance >= 1,
+                 "--relative-attention-num-buckets and --relative-attention-max-distance must be >= 1")
         if self.kv_channels is None:
             _require(self.hidden_size % self.num_attention_heads == 0,
                      f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
@@ -129,6 +137,13 @@ class ParallelConfig:
                  f"--distributed-backend must be nccl or gloo, got {self.distributed_backend!r}")
         _require(self.distributed_timeout_minutes > 0,
                  f"--distributed-timeout-minutes must be positive, got {self.distributed_timeout_minutes}")
+        _require(self.world_size >= 1, f"world size must be >= 1, got {self.world_size}")
+        if self.num_layers_per_virtual_pipeline_stage is not None:
+            _require(self.num_layers_per_virtual_pipeline_stage >= 1,
+                     f"--num-layers-per-virtual-pipeline-stage must be >= 1, got {self.num_layers_per_virtual_pipeline_stage}")
+        if self.pipeline_model_parallel_split_rank is not None:
+            _require(0 <= self.pipeline_model_parallel_split_rank <= pp,
+                     f"--pipeline-model-parallel-split-rank must be in [0, {pp}], got {self.pipeline_model_parallel_split_rank}")
         _require(self.pipeline_schedule in ("1f1b", "gpipe"),
                  f"--pipeline-schedule must be 1f1b or gpipe, got {self.pipeline_schedule!r}")
 
@@ -167,6 +182,7 @@ class TrainingConfig:
     eval_interval: int = 1000
     eval_iters: int = 10
     exit_interval: Optional[int] = None
+    max_consecutive_skipped_iters: int = 100  # 0 = never stop
 
     def __post_init__(self):
         _require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
@@ -194,6 +210,26 @@ class TrainingConfig:
             _require(self.recompute_granularity == "full",
                      "--recompute-method applies only with --recompute-granularity full")
         _require(self.eval_interval > 0, f"--eval-interval must be positive, got {self.eval_interval}")
+        _require(self.eval_iters >= 0, f"--eval-iters must be >= 0, got {self.eval_iters}")
+        _require(self.global_batch_size is None or self.global_batch_size >= 1,
+                 f"--global-batch-size must be >= 1, got {self.global_batch_size}")
+        _require(self.lr_decay_iters >= 0, f"--lr-decay-iters must be >= 0, got {self.lr_decay_iters}")
+        _require(self.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        _require(self.exit_interval is None or self.exit_interval > 0,
+                 f"--exit-interval must be positive, got {self.exit_interval}")
+        _require(self.max_consecutive_skipped_iters >= 0,
+                 f"--max-consecutive-skipped-iters must be >= 0, got {self.max_consecutive_skipped_iters}")
+        _require(self.loss_scale is None or self.loss_scale > 0, f"--loss-scale must be positive, got {self.loss_scale}")
+        _require(self.initial_loss_scale > 0 and self.min_loss_scale > 0,
+                 f"--initial-loss-scale ({self.initial_loss_scale}) and --min-loss-scale ({self.min_loss_scale}) "
+                 "must be positive")
+        _require(self.loss_scale_window >= 1, f"--loss-scale-window must be >= 1, got {self.loss_scale_window}")
+        _require(self.hysteresis >= 1, f"--hysteresis must be >= 1, got {self.hysteresis}")
+        _require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
+        _require(self.adam_eps > 0, f"--adam-eps must be positive, got {self.adam_eps}")
+        if self.recompute_num_layers is not None:
+            _require(self.recompute_num_layers >= 1,
+                     f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")
 
     @property
     def recompute_level(self) -> str:
@@ -242,6 +278,9 @@ class DataConfig:
             _require(self.dynapipe_planner_workers >= 0 and self.dynapipe_lookahead >= 1,
                      "--dynapipe-planner-workers must be >= 0 and --dynapipe-lookahead >= 1")
         _require(self.vocab_extra_ids >= 0, f"--vocab-extra-ids must be >= 0, got {self.vocab_extra_ids}")
+        _require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
+        _require(self.tokens_per_global_batch is None or self.tokens_per_global_batch > 0,
+                 f"--tokens-per-global-batch must be positive, got {self.tokens_per_global_batch}")
 
 
 @dataclass

@@ -69,7 +69,9 @@ class MetricsLogger:
         self.flops_per_sample = flops_per_sample
         self.active = is_rank_last(ps)
         self.writer = None
-        self.consumed_tokens = 0.0
+        self.consumed_tokens = 0
+        self._skipped_before_window = 0
+        self._printed_any = False
         if self.active and cfg.logging.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -90,6 +92,7 @@ class MetricsLogger:
 
     def record(self, iteration: int, consumed: int, out: dict, lr: float, loss_scale: float,
                skipped_total: int) -> None:
+        self.consumed_tokens = int(out.get("consumed_tokens", self.consumed_tokens + out.get("real_tokens", out["tokens"])))
         if not self.active:
             return
         loss = out["loss"]
@@ -100,28 +103,33 @@ class MetricsLogger:
             self.nan_iters += 1
         self.time_s += out["time_s"]
         self.tokens += out.get("real_tokens", out["tokens"])
-        self.consumed_tokens += out.get("real_tokens", out["tokens"])
         if self.writer is not None:
             self.writer.add_scalar("lm loss", loss, iteration)
             self.writer.add_scalar("learning-rate", lr, iteration)
             if out["grad_norm"] is not None:
                 self.writer.add_scalar("grad-norm", out["grad_norm"], iteration)
             self.writer.add_scalar("loss-scale", loss_scale, iteration)
-        if iteration % self.cfg.logging.log_interval != 0:
+        first = not self._printed_any  # the first iteration of a run always prints, so a run shows life early
+        if iteration % self.cfg.logging.log_interval != 0 and not first:
             return
+        self._printed_any = True
         iters = max(self.n + self.nan_iters, 1)
         ms = 1000.0 * self.time_s / iters
         tokens_per_s = self.tokens / max(self.time_s, 1e-9)
         gbs = out.get("num_samples") or self.cfg.training.global_batch_size
         tflops = self.flops_per_sample * gbs / max(self.time_s / iters, 1e-9) / self.ps.world_size / 1e12
         gn = out["grad_norm"]
+        # Megatron prints skipped iterations per log interval, not since the start.
+        skipped = skipped_total - self._skipped_before_window
+        self._skipped_before_window = skipped_total
+        avg = self.loss_sum / self.n if self.n else float("nan")
         line = (f" iteration {iteration:8d}/{self.cfg.training.train_iters:8d} | consumed samples: {consumed:12d} | "
                 f"consumed tokens: {int(self.consumed_tokens):14d} | "
                 f"elapsed time per iteration (ms): {ms:.1f} | tokens/s: {tokens_per_s:.1f} | "
                 f"TFLOP/s/device: {tflops:.3f} | learning rate: {lr:.6E} | global batch size: {gbs:5d} | "
-                f"lm loss: {self.loss_sum / max(self.n, 1):.6E} | "
-                f"loss scale: {loss_scale:.1f} | grad norm: {'nan' if gn is None else f'{gn:.3f}'} | "
-                f"number of skipped iterations: {skipped_total:3d} | number of nan iterations: {self.nan_iters:3d} |")
+                f"lm loss: {avg:.6E} | "
+                f"loss scale: {loss_scale:.1f} | grad norm: {'skipped' if gn is None else f'{gn:.3f}'} | "
+                f"number of skipped iterations: {skipped:3d} | number of nan iterations: {self.nan_iters:3d} |")
         print(line, flush=True)
         info = out.get("planner") or {}
         if info:
@@ -135,6 +143,13 @@ class MetricsLogger:
             self.writer.add_scalar("throughput/tflops-per-device", tflops, iteration)
             self.writer.flush()
         self._reset()
+
+    def state_dict(self) -> dict:
+        return {"consumed_tokens": self.consumed_tokens, "skipped_before_window": self._skipped_before_window}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.consumed_tokens = int(sd.get("consumed_tokens", 0))
+        self._skipped_before_window = int(sd.get("skipped_before_window", 0))
 
     def log_validation(self, iteration: int, loss: Optional[float]) -> None:
         if not self.active or loss is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -143,7 +144,9 @@ class Trainer:
                                          device=device, comm_dtype=DTYPES[self.comm_dtype_name])
         self.iteration = 0
         self.consumed_samples = 0
+        self.consumed_tokens = 0  # real (non-padding) input tokens; saved in checkpoints
         self.skipped_iters = 0
+        self.consecutive_skipped = 0
         self.logger = MetricsLogger(cfg, ps, flops_per_sample)
 
     # -- one step ------------------------------------------------------------------------
@@ -173,15 +176,39 @@ class Trainer:
         applied, grad_norm = self.optimizer.step()
         if applied:
             self.lr_scheduler.step()
+            if self.consecutive_skipped and ps.rank == ps.world_size - 1:
+                print(f" loss scale settled at {self.optimizer.loss_scale:.1f} after {self.consecutive_skipped} "
+                      f"skipped iteration(s) (fp16 overflow)", flush=True)
+            self.consecutive_skipped = 0
         else:
             self.skipped_iters += 1
+            self.consecutive_skipped += 1
+            self._check_consecutive_skips()
         self.optimizer.zero_grad()
         loss_sum, loss_tokens = _all_reduce_sum([stats.loss_sum, stats.loss_tokens], ps.dp_group, ps.dp_size)
         self.iteration += 1
         self.consumed_samples += work.num_samples
-        return {"loss": loss_sum / loss_tokens if loss_tokens else float("nan"), "grad_norm": grad_norm,
+        self.consumed_tokens += int(total_real)
+        return {"consumed_tokens": self.consumed_tokens, "loss": loss_sum / loss_tokens if loss_tokens else float("nan"), "grad_norm": grad_norm,
                 "applied": applied, "tokens": total_tokens, "real_tokens": total_real, "num_microbatches": len(mbs),
                 "num_samples": work.num_samples, "planner": work.info}
+
+    def _check_consecutive_skips(self) -> None:
+        t, n = self.cfg.training, self.consecutive_skipped
+        limit = getattr(t, "max_consecutive_skipped_iters", 0)
+        if limit and n >= limit:
+            static = t.loss_scale is not None
+            raise RuntimeError(
+                f"iteration {self.iteration + 1}: {n} consecutive iterations skipped for inf/nan gradients "
+                f"(--max-consecutive-skipped-iters {limit}); "
+                + (f"the static --loss-scale {t.loss_scale} overflows every step: lower it or drop it for dynamic "
+                   "scaling" if static else "the loss or gradients are not finite: check the data, lower --lr, "
+                   "or use --bf16"))
+        warn_at = 10 if t.loss_scale is not None else 40
+        if n == warn_at and self.ps.rank == self.ps.world_size - 1:
+            print(f"WARNING: {n} consecutive iterations skipped for inf/nan gradients (loss scale "
+                  f"{self.optimizer.loss_scale:.1f}); training stops at --max-consecutive-skipped-iters "
+                  f"{limit or 'unlimited'}", file=sys.stderr, flush=True)
 
     def evaluate(self, source, iters: int) -> Optional[float]:
         if source is None or iters <= 0:
