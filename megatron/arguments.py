@@ -21,8 +21,20 @@ def _int_list(text: str):
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line, from rank 0 only, with exit status 2.
+
+    Under torchrun every rank parses the same command line; a usage dump from each of them buries
+    the one useful line."""
+
+    def error(self, message):
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
 def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _OneLineParser(
         prog=f"pretrain_{model_type}.py",
         description=f"Megatron-style {model_type.upper()} pretraining (launch with torchrun).",
     )

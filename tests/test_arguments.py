@@ -88,3 +88,47 @@ def test_planner_log_line():
                  "recompute: selective", "planning ms: 12.5", "simulated / measured iteration ms: 410.0 / 500.0",
                  "[120.0, 30.5]", "n/a on CPU"):
         assert part in line, line
+
+
+# -- every size and count flag is checked up front, naming the flag (issue 16) -----------------
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--global-batch-size", "-4"], "--global-batch-size must be >= 1, got -4"),
+    (["--ffn-hidden-size", "-8"], "--ffn-hidden-size must be positive, got -8"),
+    (["--vocab-size", "0"], "--vocab-size must be positive, got 0"),
+    (["--kv-channels", "0"], "--kv-channels must be positive"),
+    (["--max-position-embeddings", "-1"], "--max-position-embeddings must be positive"),
+    (["--eval-iters", "-1"], "--eval-iters must be >= 0"),
+    (["--num-workers", "-2"], "--num-workers must be >= 0"),
+    (["--hysteresis", "0"], "--hysteresis must be >= 1"),
+    (["--loss-scale", "0"], "--loss-scale must be positive"),
+    (["--max-consecutive-skipped-iters", "-1"], "--max-consecutive-skipped-iters must be >= 0"),
+])
+def test_bad_sizes_named(capsys, extra, needle):
+    err = _error(capsys, BASE + extra, 1)
+    assert needle in err, err
+
+
+def test_unknown_flag_one_line_rank0_only(capsys, monkeypatch):
+    err = _error(capsys, BASE + ["--no-such-flag"], 1)
+    assert "unrecognized arguments: --no-such-flag" in err and "usage:" not in err
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(SystemExit) as e:
+        parse_args(BASE + ["--hidden-size", "abc"], world_size=4)
+    assert e.value.code == 2 and capsys.readouterr().err == ""  # other ranks stay quiet
+
+
+def test_unwritable_save_dir_named(capsys, tmp_path, monkeypatch):
+    import os
+    import megatron.arguments as arguments
+    real_access = os.access
+    locked = str(tmp_path / "locked")
+    os.mkdir(locked)
+    # root ignores permission bits, so the check's view of the folder is what is simulated
+    monkeypatch.setattr(arguments.os, "access", lambda p, m: False if p == locked else real_access(p, m))
+    err = _error(capsys, BASE + ["--save", locked + "/ckpt"], 1)
+    assert "--save" in err and "not writable" in err and locked in err
+    monkeypatch.undo()
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert "is not a folder" in _error(capsys, BASE + ["--save", str(f / "ckpt")], 1)
