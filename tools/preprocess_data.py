@@ -8,12 +8,16 @@ Example (the shipped corpus, GPT-2 BPE):
         --output-prefix data/cache/kjv_gpt2
     -> data/cache/kjv_gpt2_text_document.bin/.idx
 
-See docs/data.md for every flag.  Exit status: 0 ok, 1 bad input/arguments, 130 Ctrl-C.
+See docs/data.md for every flag.  Exit status: 0 ok, 1 bad input (or an empty one with
+--fail-on-empty), 2 bad arguments, 130 interrupted (Ctrl-C or SIGTERM; partial outputs removed).
+SIGINT inherited as ignored (nohup, `cmd &` in a script) stays ignored, as POSIX tools do;
+SIGTERM always stops the tool cleanly.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -47,7 +51,11 @@ def get_args(argv=None):
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes (a multiple of --partitions)")
     g.add_argument("--partitions", type=int, default=1, help="split the input and process the parts in parallel")
-    g.add_argument("--log-interval", type=int, default=1000, help="log every N documents when not on a terminal")
+    g.add_argument("--log-interval", type=int, default=1000,
+                   help="when not on a terminal, log at the first tokenizer batch (--chunk-lines) boundary past "
+                        "every N documents; the line gives the exact count")
+    g.add_argument("--fail-on-empty", action="store_true",
+                   help="exit 1 (and remove the outputs) when the input holds no documents, instead of warning")
     g.add_argument("--chunk-lines", type=int, default=256, help="lines per tokenizer batch")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -64,6 +72,11 @@ def main(argv=None) -> int:
         lang=args.lang, workers=args.workers, partitions=args.partitions, log_interval=args.log_interval,
         skip_bad_lines=args.skip_bad_lines, chunk_lines=args.chunk_lines, progress=not args.no_progress)
     t0 = time.time()
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)  # a scheduler's kill cleans up like Ctrl-C
     try:
         stats = preprocess(opts)
     except KeyboardInterrupt:
@@ -72,6 +85,19 @@ def main(argv=None) -> int:
     except (PreprocessError, ValueError, FileNotFoundError) as exc:
         print(f"preprocess_data: error: {exc}", file=sys.stderr)
         return 1
+    if stats.documents == 0:
+        outs = [output_prefix_for(args.output_prefix, k, args.split_sentences) for k in args.json_keys]
+        if args.fail_on_empty:
+            for base in outs:
+                for ext in (".bin", ".idx"):
+                    if os.path.exists(base + ext):
+                        os.remove(base + ext)
+            print(f"preprocess_data: error: no documents in --input {' '.join(args.input)} (--fail-on-empty); "
+                  "no outputs written", file=sys.stderr)
+            return 1
+        print(f"preprocess_data: WARNING: no documents in --input {' '.join(args.input)}; wrote empty datasets "
+              f"{', '.join(outs)} that training will refuse (use --fail-on-empty to make this an error)",
+              file=sys.stderr)
     dt = max(time.time() - t0, 1e-9)
     outs = ", ".join(output_prefix_for(args.output_prefix, k, args.split_sentences) for k in args.json_keys)
     print(f"done: {stats.documents} documents, {stats.tokens} tokens, {stats.bytes / 1e6:.1f} MB in {dt:.1f} s "

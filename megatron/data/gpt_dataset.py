@@ -160,7 +160,7 @@ class GPTDataset:
 
 
 def _build_split_datasets(prefix, split, seq_length, seed, num_samples, data_cache_path):
-    indexed = IndexedDataset(prefix)
+    indexed = IndexedDataset(prefix).require_tokens("--data-path")
     ranges = split_ranges(split, indexed.num_documents)
     out = []
     doc_bounds = indexed.document_indices

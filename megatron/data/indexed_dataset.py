@@ -172,6 +172,14 @@ class IndexedDataset:
     def __len__(self) -> int:
         return int(self.index.sequence_count)
 
+    def require_tokens(self, flag: str = "--data-path") -> "IndexedDataset":
+        """Training on an empty dataset fails here, naming the prefix, not deep inside a sampler."""
+        if self.num_documents == 0 or int(self.index.sequence_lengths.astype(np.int64).sum()) == 0:
+            raise IndexedDatasetError(
+                f"{flag} {self.path_prefix}: the dataset holds no tokens ({self.num_documents} documents); "
+                "was tools/preprocess_data.py given an empty input?")
+        return self
+
     def _start(self, i: int) -> int:
         return int(self.index.sequence_pointers[i]) // self.index.dtype.itemsize
 

@@ -207,6 +207,7 @@ def _init_worker(opts: Options, in_pool: bool = False, tokenizer=None) -> None:
         # Ctrl-C is handled once, by the writing process, which aborts the outputs and
         # terminates the pool (workers would otherwise each print a traceback).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # pool.terminate() must not raise inside workers
     if tokenizer is None and _state.get("kwargs") == opts.tokenizer_kwargs:
         tokenizer = _state["tok"]  # inherited through fork: no second 0.3 s vocab load
     _state["opts"] = opts

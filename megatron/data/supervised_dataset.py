@@ -25,8 +25,8 @@ class SupervisedDataset:
     """`ds[i] = {"inputs": int64[...], "targets": int64[...]}` for pairs `indices` (all by default)."""
 
     def __init__(self, inputs_prefix: str, targets_prefix: str, indices: Optional[np.ndarray] = None):
-        self.inputs = IndexedDataset(inputs_prefix)
-        self.targets = IndexedDataset(targets_prefix)
+        self.inputs = IndexedDataset(inputs_prefix).require_tokens("--data-path")
+        self.targets = IndexedDataset(targets_prefix).require_tokens("--targets-data-path")
         if self.inputs.num_documents != self.targets.num_documents:
             raise ValueError(
                 f"{idx_path(inputs_prefix)} has {self.inputs.num_documents} documents but "

@@ -197,7 +197,7 @@ def build_t5_datasets(data_path: Sequence[str], split: str, encoder_seq_length: 
         weights = [1.0 / len(prefixes)] * len(prefixes)
     per = []
     for prefix, w in zip(prefixes, weights):
-        indexed = IndexedDataset(prefix)
+        indexed = IndexedDataset(prefix).require_tokens("--data-path")
         out = []
         for name, rng, n in zip(SPLIT_NAMES, split_ranges(split, indexed.num_documents), num_samples):
             want = n if len(prefixes) == 1 else int(math.ceil(math.ceil((n or 0) * w) * 1.005))

@@ -121,15 +121,21 @@ def test_truncated_gzip_is_reported(tmp_path):
     assert not any(f.startswith("o_") for f in os.listdir(tmp_path))
 
 
+def _sigint_default():
+    # The suite may itself run with SIGINT ignored (started by `nohup`, or `make test &` from a
+    # script): a real terminal's Ctrl-C reaches a tool whose SIGINT is at its default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a named pipe")
-@pytest.mark.parametrize("workers", [1, 2])
-def test_ctrl_c_leaves_no_valid_looking_index(tmp_path, workers):
+@pytest.mark.parametrize("workers,sig", [(1, signal.SIGINT), (2, signal.SIGINT), (2, signal.SIGTERM)])
+def test_ctrl_c_leaves_no_valid_looking_index(tmp_path, workers, sig):
     fifo = tmp_path / "stream.jsonl"
     os.mkfifo(fifo)
     out = str(tmp_path / "o")
     proc = subprocess.Popen([sys.executable, TOOL, "--no-progress", "--input", str(fifo), *GPT2,
                              "--chunk-lines", "4", "--workers", str(workers), "--output-prefix", out],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
     with open(fifo, "w") as w:
         for d in _docs(50):
             w.write(json.dumps(d) + "\n")
@@ -138,11 +144,30 @@ def test_ctrl_c_leaves_no_valid_looking_index(tmp_path, workers):
         while not os.path.exists(out + "_text_document.bin.tmp") and time.time() < deadline:
             time.sleep(0.05)
         time.sleep(0.3)  # let it write a few chunks while the pipe stays open
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
     assert err.count("Traceback") == 0, err
     assert not [f for f in os.listdir(tmp_path) if f.startswith("o_")]
+
+
+def test_empty_input_warns_or_fails(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    r = _run(["--input", str(tmp_path / "empty.jsonl"), *GPT2, "--output-prefix", str(tmp_path / "o")])
+    assert r.returncode == 0 and "WARNING: no documents" in r.stderr and "--fail-on-empty" in r.stderr
+    from megatron.data.indexed_dataset import IndexedDatasetError
+    with pytest.raises(IndexedDatasetError, match="o_text_document: the dataset holds no tokens"):
+        IndexedDataset(str(tmp_path / "o_text_document")).require_tokens()
+    r = _run(["--input", str(tmp_path / "empty.jsonl"), *GPT2, "--output-prefix", str(tmp_path / "p"),
+              "--fail-on-empty"])
+    assert r.returncode == 1 and "no documents" in r.stderr
+    assert not any(f.startswith("p_") for f in os.listdir(tmp_path))
+
+
+def test_bad_arguments_exit_2_as_help_says(tmp_path):
+    r = _run(["--input", "x", *GPT2, "--output-prefix", str(tmp_path / "o"), "--workers", "abc"])
+    assert r.returncode == 2
+    assert "2 bad arguments" in _run(["--help"]).stdout
 
 
 def test_shipped_multitask_set_end_to_end(tmp_path):
