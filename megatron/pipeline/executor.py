@@ -183,10 +183,21 @@ class PipelineExecutor:
 
     def _send_start(self, ins, kind: str):
         what = f"{type(ins).__name__}(microbatch={ins.microbatch}, stage={ins.stage}) to pipeline rank {ins.peer}"
-        self.sends[(kind, ins.microbatch, ins.stage)] = self.comm.isend(self._tensors(ins), ins.peer, what)
+        tensors = self._tensors(ins)
+        # The receiver allocates from the plan's shapes, so a send that disagrees with them would
+        # corrupt or hang the receive: refuse it here, naming the instruction.
+        actual = [tuple(t.shape) for t in tensors]
+        planned = [tuple(x) for x in ins.buffer_shapes]
+        if actual != planned:
+            raise PlanExecutionError(f"{self.rank_desc}: {what}: the tensors to send have shapes {actual} but the plan "
+                               f"says {planned}; the planner's shapes do not match the model")
+        self.sends[(kind, ins.microbatch, ins.stage)] = self.comm.isend(tensors, ins.peer, what)
 
     def _send_finish(self, ins, kind: str):
         handle = self.sends.pop((kind, ins.microbatch, ins.stage))
+        if handle.peer != ins.peer:
+            raise PlanExecutionError(f"{self.rank_desc}: {type(ins).__name__}(microbatch={ins.microbatch}) names pipeline "
+                               f"rank {ins.peer} but its Start sent to {handle.peer}")
         self.comm.wait(handle)
         if kind == "act" and self.free_sent_activations:
             record = self.records.get((ins.microbatch, ins.stage))

@@ -328,9 +328,11 @@ def _decode_plan(data: bytes) -> ExecutionPlan:
     if len(data) < _HEADER.size:
         raise ValueError(f"serialized ExecutionPlan is truncated: {len(data)} bytes, the header "
                          f"alone is {_HEADER.size}")
-    magic, version, _, nbytes, crc, dlen = _HEADER.unpack_from(data)
+    magic, version, reserved, nbytes, crc, dlen = _HEADER.unpack_from(data)
     if magic != _MAGIC:
         raise ValueError(f"not a serialized ExecutionPlan: magic {magic!r}, expected {_MAGIC!r}")
+    if reserved != 0:
+        raise ValueError(f"serialized ExecutionPlan is corrupt: reserved header field is {reserved}, must be 0")
     if version != _VERSION:
         raise ValueError(f"serialized ExecutionPlan has format version {version}; this build "
                          f"reads version {_VERSION} (planner and trainer are out of sync)")

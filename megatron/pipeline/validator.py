@@ -294,6 +294,11 @@ class _RankChecker:
         if tuple(instr.buffer_ids) != tuple(start.buffer_ids):
             self.fail(index, instr, f"slots differ from its Start (#{start_index} "
                       f"{describe(start)})")
+        if tuple(map(tuple, instr.buffer_shapes)) != tuple(map(tuple, start.buffer_shapes)):
+            self.fail(index, instr, f"shapes {[tuple(x) for x in instr.buffer_shapes]} differ from its Start's "
+                      f"{[tuple(x) for x in start.buffer_shapes]} (#{start_index} {describe(start)})")
+        if peer != start.peer:
+            self.fail(index, instr, f"peer {peer} differs from its Start's peer {start.peer} (#{start_index})")
         # Blocking rule of the deadlock search: a send completes once the peer posted the
         # matching receive; a receive completes once the peer started the matching send.
         if is_send:

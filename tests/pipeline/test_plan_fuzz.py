@@ -1,0 +1,146 @@
+"""Mutation fuzzing of plans: every mutant that would deadlock or mis-shape at run time is rejected.
+
+Each mutation below is harmful by construction (an unmatched message, a wrong shape or peer, a
+second receive into the same message, a free before the last use, a use before the load), so
+the validator must refuse every one. Byte flips of a serialized plan must never decode. A fixed
+seed keeps the default run fast and reproducible; `-m slow` runs thousands of mutants.
+"""
+import dataclasses
+import random
+
+import pytest
+
+from megatron.pipeline import instructions as I
+from megatron.pipeline.validator import PlanValidationError, validate_plans
+from megatron.planner.static import build_static_plans
+
+COMM = (I.SendActivationStart, I.SendActivationFinish, I.RecvActivationStart, I.RecvActivationFinish,
+        I.SendGradStart, I.SendGradFinish, I.RecvGradStart, I.RecvGradFinish)
+
+
+def _valid_plans(rng):
+    pp = rng.choice([2, 3, 4])
+    schedule = rng.choice(["gpipe", "gpipe-fifo", "1f1b", "interleaved"])
+    chunks = 2 if schedule == "interleaved" else 1
+    m = pp * rng.choice([1, 2]) if schedule == "interleaved" else rng.randint(1, 6)
+    seqs = [8 * rng.randint(1, 4) for _ in range(m)]  # variable micro-batch shapes, as DynaPipe makes
+    shapes = [((2, s),) for s in seqs]
+    return build_static_plans(schedule, m, pp, chunks, shapes, lambda mb, stage: ((seqs[mb], 2, 8),))
+
+
+def _pick(rng, plans, kinds):
+    cands = [(r, i) for r, p in enumerate(plans) for i, x in enumerate(p.instructions) if isinstance(x, kinds)]
+    return rng.choice(cands) if cands else None
+
+
+def _bump(shape):
+    return tuple(shape[:-1]) + (shape[-1] + 1,)
+
+
+def _mutate(rng, plans):
+    """Apply one harmful mutation in place; returns its name (None if the plan has no target)."""
+    kind = rng.choice(["drop_comm", "shape", "peer", "dup_recv", "early_free", "use_before_load",
+                       "finish_shape", "send_after_finish"])
+    if kind == "drop_comm":
+        hit = _pick(rng, plans, COMM)
+        if hit:
+            del plans[hit[0]].instructions[hit[1]]
+    elif kind in ("shape", "finish_shape"):
+        hit = _pick(rng, plans, (I.SendActivationStart, I.RecvGradStart, I.RecvActivationStart, I.SendGradStart)
+                    if kind == "shape" else (I.SendActivationFinish, I.RecvActivationFinish, I.SendGradFinish,
+                                             I.RecvGradFinish))
+        if hit:
+            x = plans[hit[0]].instructions[hit[1]]
+            plans[hit[0]].instructions[hit[1]] = dataclasses.replace(
+                x, buffer_shapes=(_bump(x.buffer_shapes[0]),) + tuple(x.buffer_shapes[1:]))
+    elif kind == "peer":
+        hit = _pick(rng, plans, COMM)
+        if hit:
+            x = plans[hit[0]].instructions[hit[1]]
+            others = [r for r in range(len(plans)) if r != x.peer]
+            plans[hit[0]].instructions[hit[1]] = dataclasses.replace(x, peer=rng.choice(others))
+    elif kind == "dup_recv":
+        hit = _pick(rng, plans, (I.RecvActivationStart, I.RecvGradStart))
+        if hit:
+            x = plans[hit[0]].instructions[hit[1]]
+            plans[hit[0]].instructions.insert(hit[1] + 1, x)
+    elif kind == "early_free":
+        hit = _pick(rng, plans, I.FreeBuffer)
+        if hit:
+            r, i = hit
+            ins = plans[r].instructions
+            slots = set(ins[i].buffer_ids)
+            # The last earlier instruction that reads or writes one of the freed slots.
+            users = [j for j in range(i) if slots & set(getattr(ins[j], "buffer_ids", ()) or ())
+                     and not isinstance(ins[j], I.FreeBuffer)]
+            if users:
+                free = ins.pop(i)
+                ins.insert(users[-1], free)  # now before its last use
+            else:
+                kind = None
+    elif kind == "use_before_load":
+        hit = _pick(rng, plans, I.LoadInput)
+        if hit:
+            r, i = hit
+            ins = plans[r].instructions
+            load = ins.pop(i)
+            fwd = next(j for j in range(i, len(ins)) if isinstance(ins[j], I.ForwardPass)
+                       and ins[j].microbatch == load.microbatch)
+            ins.insert(fwd + 1, load)
+    elif kind == "send_after_finish":
+        hit = _pick(rng, plans, (I.SendActivationStart, I.SendGradStart))
+        if hit:
+            r, i = hit
+            ins = plans[r].instructions
+            start = ins[i]
+            fin = next(j for j in range(i + 1, len(ins)) if isinstance(ins[j], (I.SendActivationFinish,
+                       I.SendGradFinish)) and ins[j].microbatch == start.microbatch and ins[j].stage == start.stage)
+            ins.insert(fin, ins.pop(i))  # the Finish now precedes its Start
+    return kind if hit else None
+
+
+def _fuzz(n, seed):
+    rng = random.Random(seed)
+    tried = 0
+    while tried < n:
+        plans = _valid_plans(rng)
+        validate_plans(plans)
+        kind = _mutate(rng, plans)
+        if kind is None:
+            continue
+        tried += 1
+        with pytest.raises(PlanValidationError):
+            validate_plans(plans)
+            pytest.fail(f"mutant #{tried} ({kind}) was accepted")
+
+
+def _flips(n, seed):
+    rng = random.Random(seed)
+    for t in range(n):
+        data = bytearray(_valid_plans(rng)[0].serialize())
+        for _ in range(rng.randint(1, 4)):
+            pos = rng.randrange(len(data))
+            data[pos] ^= 1 << rng.randrange(8)
+        with pytest.raises(ValueError):
+            I.ExecutionPlan.deserialize(bytes(data))
+
+
+def test_harmful_mutants_rejected():
+    _fuzz(300, seed=0)
+
+
+def test_byte_flips_rejected():
+    _flips(300, seed=1)
+
+
+def test_reserved_header_must_be_zero():
+    data = bytearray(build_static_plans("1f1b", 2, 2, 1, [((2, 8),)] * 2, ((8, 2, 8),))[0].serialize())
+    data[6] = 1  # the u16 reserved field after magic and version
+    with pytest.raises(ValueError, match="reserved header field"):
+        I.ExecutionPlan.deserialize(bytes(data))
+
+
+@pytest.mark.slow
+def test_harmful_mutants_rejected_many():
+    _fuzz(3000, seed=2)
+    _flips(3000, seed=3)
