@@ -134,6 +134,9 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--dynapipe-planner-workers", type=int, default=2,
                    help="planner processes on rank 0 (0: plan in-process on every rank)")
     g.add_argument("--dynapipe-lookahead", type=int, default=4, help="iterations planned ahead")
+    g.add_argument("--dynapipe-cost-model-any", action="store_true",
+                   help="use --dynapipe-cost-model even though it was profiled for another model shape "
+                        "(for experiments: the planner's times and memory will not describe this model)")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
@@ -169,6 +172,23 @@ def _check_writable_dir(flag: str, path: Optional[str]) -> None:
         raise ConfigError(f"{flag} {path}: {probe} exists and is not a folder")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {path}: {probe} is not writable by this user; choose a folder you can write")
+
+
+def _check_cost_model_matches(path: str, model: ModelConfig) -> None:
+    """A cost model describes one model shape; planning another with it gives meaningless plans."""
+    from megatron.planner.cost_model import CostModel, CostModelError
+    try:
+        saved = CostModel.load(path).model
+    except CostModelError as e:
+        raise ConfigError(f"--dynapipe-cost-model: {e}") from None
+    run = {"kind": model.model_type, "hidden_size": model.hidden_size,
+           "num_attention_heads": model.num_attention_heads, "ffn_hidden_size": model.ffn_hidden_size,
+           "kv_channels": model.kv_channels}
+    diffs = [f"{k} {saved[k]} vs {run[k]}" for k in run if k in saved and saved[k] != run[k]]
+    if diffs:
+        raise ConfigError(f"--dynapipe-cost-model {path} was profiled for another model ({', '.join(diffs)}: "
+                          "cost model vs this run); profile this model (experiment_scripts/gen_cost_model.sh) or "
+                          "pass --dynapipe-cost-model-any to plan with it anyway")
 
 
 def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
@@ -253,8 +273,11 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
                                   no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
                                   finetune=args.finetune)
     logging_cfg = LoggingConfig(log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir)
-    return MegatronConfig(model=model, parallel=parallel, training=training, data=data,
-                          checkpoint=checkpoint, logging=logging_cfg)
+    cfg = MegatronConfig(model=model, parallel=parallel, training=training, data=data,
+                         checkpoint=checkpoint, logging=logging_cfg)
+    if args.dynapipe and args.dynapipe_cost_model and not args.dynapipe_cost_model_any:
+        _check_cost_model_matches(args.dynapipe_cost_model, cfg.model)
+    return cfg
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, model_type: str = "gpt",

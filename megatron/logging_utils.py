@@ -72,6 +72,7 @@ class MetricsLogger:
         self.consumed_tokens = 0
         self._skipped_before_window = 0
         self._printed_any = False
+        self._drift_warned = False
         if self.active and cfg.logging.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -134,6 +135,14 @@ class MetricsLogger:
         info = out.get("planner") or {}
         if info:
             print(planner_line(info, out["time_s"]), flush=True)
+            sim = info.get("simulated_ms")
+            if sim and not self._drift_warned and iteration > 1:
+                ratio = out["time_s"] * 1e3 / sim
+                if ratio > 3.0 or ratio < 1 / 3.0:
+                    self._drift_warned = True
+                    print(f"WARNING: measured iteration time is {ratio:.1f}x the planner's simulated time; the cost "
+                          "model does not describe this model or device, so plans (and memory) are unreliable: "
+                          "profile it here (experiment_scripts/gen_cost_model.sh)", file=sys.stderr, flush=True)
         if self.writer is not None:
             for key in ("padding_efficiency", "planning_ms", "simulated_ms"):
                 if key in info:

@@ -132,3 +132,19 @@ def test_unwritable_save_dir_named(capsys, tmp_path, monkeypatch):
     f = tmp_path / "file"
     f.write_text("x")
     assert "is not a folder" in _error(capsys, BASE + ["--save", str(f / "ckpt")], 1)
+
+
+def test_dynapipe_cost_model_for_another_model_is_refused(capsys):
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    a100 = os.path.join(root, "cost_models", "gpt_6.7b_a100.json")
+    argv = BASE + ["--data-path", "in", "--targets-data-path", "out", "--tokens-per-global-batch", "512",
+                   "--dynapipe", "--dynapipe-cost-model", a100]
+    err = _error(capsys, argv, 1)
+    assert "hidden_size 4096 vs 64" in err and "--dynapipe-cost-model-any" in err
+    cfg = parse_args(argv + ["--dynapipe-cost-model-any"], world_size=1)  # deliberate override
+    assert cfg.data.dynapipe
+    tiny = os.path.join(root, "cost_models", "cpu_tiny_gpt.json")
+    ok = BASE + ["--ffn-hidden-size", "256", "--data-path", "in", "--targets-data-path", "out",
+                 "--tokens-per-global-batch", "512", "--dynapipe", "--dynapipe-cost-model", tiny]
+    assert parse_args(ok, world_size=1).data.dynapipe_cost_model == tiny
