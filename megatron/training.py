@@ -142,6 +142,10 @@ class Trainer:
         self.comm_dtype_name = t.params_dtype_name
         self.executor = PipelineExecutor(stages, comm, rank_desc=ps.describe(), autocast_dtype=autocast,
                                          device=device, comm_dtype=DTYPES[self.comm_dtype_name])
+        if dist.is_initialized() and ps.world_size > 1:
+            from megatron.core import heartbeat
+            from megatron.planner.service import default_store
+            heartbeat.start(default_store(), ps.rank, ps.world_size)
         self.iteration = 0
         self.consumed_samples = 0
         self.consumed_tokens = 0  # real (non-padding) input tokens; saved in checkpoints

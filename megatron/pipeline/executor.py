@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from megatron.core import heartbeat
 from megatron.pipeline import instructions as I
 from megatron.pipeline.p2p import P2PCommunicator
 
@@ -84,7 +85,10 @@ class PipelineExecutor:
         self.stats = ExecutionStats()
         for stage_id in plan.assigned_stages:
             self.stages[stage_id].recompute = plan.recompute
+        beat = heartbeat.active()
         for idx, ins in enumerate(plan.instructions):
+            if beat is not None:
+                beat.note(plan.iteration, ins)
             try:
                 handler = self._HANDLERS[type(ins)]
             except KeyError:
@@ -100,6 +104,8 @@ class PipelineExecutor:
                 raise PlanExecutionError(
                     f"{self.rank_desc}, iteration {plan.iteration}: instruction {idx} "
                     f"{type(ins).__name__}(microbatch={ins.microbatch}, stage={ins.stage}) failed: {e}") from e
+        if beat is not None:
+            beat.current = None
         if self.sends or self.recvs:
             raise PlanExecutionError(
                 f"{self.rank_desc}, iteration {plan.iteration}: plan ended with unfinished communication "

@@ -14,6 +14,8 @@ from typing import List, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core import heartbeat
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -62,9 +64,12 @@ class P2PCommunicator:
         text = str(cause).splitlines()[0] if cause is not None else ""
         where = f"global rank {self.my_rank}, in {what} (pipeline rank {peer} = global rank {self.peers[peer]})"
         if cause is None or "timed out" in text.lower():
+            beat = heartbeat.active()
+            blame = f"; diagnosis: {beat.diagnose()}" if beat is not None else ""
             return PipelineCommError(
                 f"{where}: timed out after {elapsed:.1f}s (limit {self.timeout.total_seconds():.0f}s): the peer never "
-                f"reached the matching operation; it is stuck or slow (raise --distributed-timeout-minutes if slow)")
+                f"reached the matching operation; it is stuck or slow (raise --distributed-timeout-minutes if slow)"
+                f"{blame}")
         return PipelineCommError(f"{where}: communication failed after {elapsed:.1f}s: the peer probably died; "
                                  f"see its log ({text})")
 

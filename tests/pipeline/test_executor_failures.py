@@ -26,10 +26,15 @@ def _peer_fails(rank, world, mode):
     raise AssertionError("rank 0 finished a step without its pipeline peer")
 
 
+FAST_BEAT = {"MEGATRON_HEARTBEAT_SECONDS": "0.3"}
+
+
 def test_stalled_peer_times_out_naming_instruction():
-    msg, elapsed = run_distributed(_peer_fails, 2, "stall")[0]
+    msg, elapsed = run_distributed(_peer_fails, 2, "stall", env=FAST_BEAT)[0]
     assert "Finish(microbatch=" in msg, msg
     assert "pipeline rank 1" in msg and "timed out" in msg
+    # rank 1 sleeps in its main thread: its heartbeat thread still beats, so it is not blamed as dead
+    assert "every other rank is still alive" in msg, msg
     assert elapsed < 6
 
 
@@ -37,3 +42,31 @@ def test_dead_peer_fails_fast_naming_instruction():
     msg, elapsed = run_distributed(_peer_fails, 2, "dead")[0]
     assert "pipeline rank 1" in msg and "the peer probably died" in msg, msg
     assert elapsed < 6
+
+
+def _stopped_last_rank(rank, world):
+    import os
+    import signal
+    import subprocess
+    cfg = tiny_config(world=world, pp=4, iters=1)
+    cfg.parallel.distributed_timeout_minutes = 0.05  # 3 s
+    t = make_trainer(cfg)
+    if rank == world - 1:
+        # Stop this whole process (heartbeat thread included), as SIGSTOP or a hung host would;
+        # a child wakes it long after the others have timed out and reported.
+        subprocess.Popen(["sh", "-c", f"sleep 9; kill -CONT {os.getpid()}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return None
+    try:
+        t.train_step()
+    except PlanExecutionError as e:
+        return str(e)
+    raise AssertionError("finished a step while the last stage was stopped")
+
+
+def test_stopped_rank_is_blamed_by_every_survivor():
+    msgs = run_distributed(_stopped_last_rank, 4, env=FAST_BEAT, timeout_s=40)
+    for rank, msg in enumerate(msgs[:3]):
+        assert "timed out" in msg, (rank, msg)
+        assert "not responding" in msg and "global rank 3 (last at" in msg, (rank, msg)
+        assert "global rank 2 (" not in msg and "global rank 1 (" not in msg, (rank, msg)

@@ -1,0 +1,90 @@
+"""Which rank is actually stuck: per-rank heartbeats in the job's TCPStore.
+
+A rank blocked in a collective or a receive looks, to its peers, exactly like a rank that is
+stopped (SIGSTOP, a hung kernel, swapped out): both stop answering. Timeouts therefore blame
+the nearest peer, which is often a healthy rank waiting on the real culprit. Each rank runs a
+daemon thread that bumps a counter in the store every `interval` seconds and publishes the
+instruction its executor is on. A thread keeps beating while its main thread waits in a
+collective, but not when the whole process is stopped or dead; so on a timeout a survivor
+samples every counter twice and names the ranks whose counter did not move, with their last
+instruction. Counters, not timestamps: clocks on different hosts need not agree.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Optional
+
+_PREFIX = "megatron/heartbeat"
+_active: Optional["Heartbeat"] = None
+
+
+class Heartbeat:
+    def __init__(self, store, rank: int, world_size: int, interval_s: float = 1.0):
+        self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
+        clone = getattr(store, "clone", None)
+        self._beat_store = clone() if clone is not None else store
+        self._query_store = clone() if clone is not None else store
+        self.current = None  # (iteration, instruction) the executor is on; formatted lazily
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{rank}", daemon=True)
+        self._thread.start()
+
+    def note(self, iteration: int, instruction) -> None:
+        self.current = (iteration, instruction)
+
+    def _what(self) -> str:
+        cur = self.current
+        if cur is None:
+            return "outside the pipeline executor (data loading, optimizer step, collectives or start-up)"
+        from megatron.pipeline.instructions import describe
+        return f"iteration {cur[0]}: {describe(cur[1])}"
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._beat_store.set(f"{_PREFIX}/what/{self.rank}", self._what())
+                self._beat_store.add(f"{_PREFIX}/count/{self.rank}", 1)
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+                return
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _counts(self) -> list:
+        return [self._query_store.add(f"{_PREFIX}/count/{r}", 0) for r in range(self.world_size)]
+
+    def diagnose(self) -> str:
+        """One sentence naming the ranks that stopped beating (takes ~3 heartbeat intervals)."""
+        try:
+            before = self._counts()
+            time.sleep(3 * self.interval_s)
+            after = self._counts()
+            stuck = [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]]
+            if not stuck:
+                return "every other rank is still alive (its heartbeat advances): the peer is slow or waiting itself"
+            parts = []
+            for r in stuck:
+                try:
+                    what = self._query_store.get(f"{_PREFIX}/what/{r}").decode()
+                except Exception:  # noqa: BLE001
+                    what = "never started"
+                parts.append(f"global rank {r} (last at {what})")
+            return ("not responding (heartbeat stopped: process stopped, hung or dead): " + "; ".join(parts))
+        except Exception as e:  # noqa: BLE001 - diagnosis must never hide the original error
+            return f"heartbeat diagnosis unavailable ({e})"
+
+
+def start(store, rank: int, world_size: int) -> Heartbeat:
+    """Start this process's heartbeat once (later calls return the running one)."""
+    global _active
+    if _active is None or _active.rank != rank or _active.world_size != world_size:
+        interval = float(os.environ.get("MEGATRON_HEARTBEAT_SECONDS", "1.0"))
+        _active = Heartbeat(store, rank, world_size, interval)
+    return _active
+
+
+def active() -> Optional[Heartbeat]:
+    return _active
