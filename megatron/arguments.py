@@ -149,7 +149,51 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
+    _add_legacy_args(p)
     return p
+
+
+def _add_legacy_args(p: argparse.ArgumentParser) -> None:
+    """Older Megatron-LM spellings that scripts in the wild (the DynaPipe fork's among them) still pass.
+
+    Each maps to today's meaning, is accepted where it changes nothing here, or is rejected in
+    `_apply_legacy_args` with a pointer to the current flag."""
+    g = p.add_argument_group("older Megatron spellings (accepted for compatibility)")
+    g.add_argument("--data-impl", "--dataset-impl", dest="data_impl", default=None,
+                   help="only mmap .bin/.idx exists here; 'mmap' and 'infer' are accepted, others rejected")
+    g.add_argument("--checkpoint-activations", action="store_true",
+                   help="old name of --recompute-granularity full --recompute-method uniform")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron's short form of --recompute-granularity selective")
+    g.add_argument("--DDP-impl", dest="ddp_impl", default=None, choices=["local", "torch"],
+                   help="accepted; gradients are always reduced by our own (local-style) data-parallel code")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="accepted; attention already uses SDPA, whose flash kernel runs on CUDA when it applies")
+    for name in ("masked-softmax", "bias-gelu", "bias-dropout"):
+        if not any(f"--no-{name}-fusion" in a.option_strings for a in p._actions):
+            g.add_argument(f"--no-{name}-fusion", dest=f"{name.replace('-', '_')}_fusion", action="store_false",
+                           help="turn the fused kernel off (the eager path is used where no fused kernel is built)")
+    g.add_argument("--use-mcore-models", action="store_true", help="accepted, no effect: there is one model implementation")
+    g.add_argument("--keep-sequential-samples", action="store_true",
+                   help="accepted, no effect: token-budget global batches already take samples in data order")
+
+
+def _apply_legacy_args(args: argparse.Namespace) -> None:
+    if getattr(args, "data_impl", None) not in (None, "mmap", "infer"):
+        raise ConfigError(f"--data-impl {args.data_impl}: only Megatron's mmap .bin/.idx format is supported; "
+                          "re-run tools/preprocess_data.py (it writes mmap) and drop the flag")
+    if getattr(args, "checkpoint_activations", False):
+        if args.recompute_granularity not in (None, "full"):
+            raise ConfigError("--checkpoint-activations means --recompute-granularity full; it conflicts with "
+                              f"--recompute-granularity {args.recompute_granularity}")
+        args.recompute_granularity = "full"
+        args.recompute_method = args.recompute_method or "uniform"
+        args.recompute_num_layers = args.recompute_num_layers or 1
+    if getattr(args, "recompute_activations", False):
+        if args.recompute_granularity not in (None, "selective"):
+            raise ConfigError("--recompute-activations means --recompute-granularity selective; it conflicts with "
+                              f"--recompute-granularity {args.recompute_granularity}")
+        args.recompute_granularity = "selective"
 
 
 def _required(args, names, model_type):
@@ -193,6 +237,7 @@ def _check_cost_model_matches(path: str, model: ModelConfig) -> None:
 
 def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
                      world_size: Optional[int] = None) -> MegatronConfig:
+    _apply_legacy_args(args)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if model_type == "t5":

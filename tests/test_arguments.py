@@ -148,3 +148,23 @@ def test_dynapipe_cost_model_for_another_model_is_refused(capsys):
     ok = BASE + ["--ffn-hidden-size", "256", "--data-path", "in", "--targets-data-path", "out",
                  "--tokens-per-global-batch", "512", "--dynapipe", "--dynapipe-cost-model", tiny]
     assert parse_args(ok, world_size=1).data.dynapipe_cost_model == tiny
+
+
+# -- older Megatron spellings (issue 15) ----------------------------------------------------------
+
+def test_older_spellings_map_to_todays_meaning():
+    cfg = parse_args(BASE + ["--checkpoint-activations", "--data-impl", "mmap", "--DDP-impl", "local",
+                             "--use-flash-attn", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+                             "--no-bias-dropout-fusion", "--use-mcore-models", "--keep-sequential-samples"],
+                     world_size=1)
+    t = cfg.training
+    assert (t.recompute_granularity, t.recompute_method, t.recompute_num_layers) == ("full", "uniform", 1)
+    assert parse_args(BASE + ["--recompute-activations"], world_size=1).training.recompute_granularity == "selective"
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--data-impl", "lazy"], "only Megatron's mmap"),
+    (["--checkpoint-activations", "--recompute-granularity", "selective"], "conflicts"),
+])
+def test_older_spellings_rejected_with_pointer(capsys, extra, needle):
+    assert needle in _error(capsys, BASE + extra, 1)

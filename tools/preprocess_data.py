@@ -48,6 +48,8 @@ def get_args(argv=None):
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_{document|sentence}.bin/.idx")
+    g.add_argument("--dataset-impl", "--data-impl", dest="dataset_impl", default="mmap", choices=["mmap"],
+                   help="accepted for older Megatron scripts; mmap is the only format (and the default)")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes (a multiple of --partitions)")
     g.add_argument("--partitions", type=int, default=1, help="split the input and process the parts in parallel")
