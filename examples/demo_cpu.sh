@@ -8,8 +8,15 @@ NPROC=${1:-4}
 PY=${PYTHON:-.venv/bin/python}
 bash data/build_sample_data.sh
 export OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
-RUN_DIR=${RUN_DIR:-runs/demo}
+# A fresh run directory each time, so a second `make demo` neither overwrites the first run's
+# checkpoint nor appends a second TensorBoard stream to its folder (RUN_DIR=... to choose one).
+RUN_DIR=${RUN_DIR:-runs/demo-$(date +%Y%m%d-%H%M%S)}
+if [ -e "$RUN_DIR/checkpoints/latest_checkpointed_iteration.txt" ]; then
+    echo "demo: $RUN_DIR already holds a checkpoint; resuming from it (--load)"
+    set -- "${1:-4}" "${@:2}" --load "$RUN_DIR/checkpoints"
+fi
 mkdir -p "$RUN_DIR"
+echo "demo: run directory $RUN_DIR"
 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" pretrain_gpt.py \
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
