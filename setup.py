@@ -12,6 +12,7 @@ ext_modules = [
 ]
 
 setup(
+    license="Apache-2.0",
     name="megatron-dynapipe",
     version="0.1.0",
     description="Megatron-style GPT/T5 trainer with planner-driven pipeline instruction streams",

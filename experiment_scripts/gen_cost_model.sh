@@ -11,7 +11,8 @@
 # set the model flags to the real model (the grids are env vars below).
 #
 # Environment (all optional):
-#   OUT_DIR    where the JSON files go            (default: cost_models)
+#   OUT_DIR    where the JSON files go            (default: runs/cost_models-<date-time>; the shipped,
+#              tracked cost_models/*.json are only overwritten with OVERWRITE=1 OUT_DIR=cost_models)
 #   PREFIX     file name prefix                   (default: cpu, or gpu when DEVICE=cuda)
 #   DEVICE     cpu | cuda                         (default: cuda if torch sees one)
 #   TP         tensor-parallel sizes, e.g. 1,2    (default: 1)
@@ -27,7 +28,7 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
 DEVICE=${DEVICE:-$("$PYTHON" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}
-OUT_DIR=${OUT_DIR:-cost_models}
+OUT_DIR=${OUT_DIR:-runs/cost_models-$(date +%Y%m%d-%H%M%S)}
 PREFIX=${PREFIX:-$( [ "$DEVICE" = cuda ] && echo gpu || echo cpu )}
 TP=${TP:-1}
 MODELS=${MODELS:-"gpt t5"}
@@ -40,6 +41,14 @@ WARMUP=${WARMUP:-1}; ITERS=${ITERS:-5}; LAYERS=${LAYERS:-2}
 GPT_MBS=${GPT_MBS:-1,2,4,8,16}; GPT_SEQS=${GPT_SEQS:-16,32,64,128,256,512}
 T5_MBS=${T5_MBS:-1,2,4,8}; T5_ENC_SEQS=${T5_ENC_SEQS:-16,32,64,128}; T5_DEC_SEQS=${T5_DEC_SEQS:-16,32,64}
 mkdir -p "$OUT_DIR"
+for m in $MODELS; do
+  f="$OUT_DIR/${PREFIX}_tiny_${m}.json"
+  if [ -e "$f" ] && [ "${OVERWRITE:-0}" != 1 ]; then
+    echo "gen_cost_model.sh: $f exists; set OVERWRITE=1 to replace it, or choose another OUT_DIR" >&2
+    exit 2
+  fi
+done
+echo "gen_cost_model.sh: writing to $OUT_DIR" >&2
 
 MODEL_ARGS=(--hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 256 --vocab-size 4096
             --hidden-dropout 0.1 --attention-dropout 0.1)

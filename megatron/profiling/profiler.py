@@ -112,8 +112,14 @@ def _sweep(spec, axes, run_shape, log, label) -> Dict[str, np.ndarray]:
     shape = tuple(len(a) for a in axes)
     out = {q: np.full(shape, np.nan) for q in ("forward_ms", "backward_ms", "stored_mb", "peak_mb")}
     failed = []  # index tuples that did not fit: everything dominating them is skipped
-    for idx in itertools.product(*[range(n) for n in shape]):
+    total, t0 = int(np.prod(shape)), time.monotonic()
+    for k, idx in enumerate(itertools.product(*[range(n) for n in shape]), 1):
         vals = [a[i] for a, i in zip(axes, idx)]
+        # A counter with the total and an ETA on every line (the lines come through the TP
+        # ranks' queue, so a redrawn tqdm bar would interleave badly).
+        spent = time.monotonic() - t0
+        eta = spent / max(k - 1, 1) * (total - k + 1) if k > 1 else float("nan")
+        label_k = f"[{k}/{total}{'' if eta != eta else f', ETA {eta:.0f}s'}] {label}"
         tokens = vals[0] * max(vals[1:])
         why = None
         if any(all(i >= j for i, j in zip(idx, f)) for f in failed):
@@ -127,11 +133,11 @@ def _sweep(spec, axes, run_shape, log, label) -> Dict[str, np.ndarray]:
                 why = str(e)
         if why is not None:
             failed.append(idx)
-            log(f"{label} {vals}: unmeasured ({why})")
+            log(f"{label_k} {vals}: unmeasured ({why})")
             continue
         for q, v in zip(out, (r.forward_ms, r.backward_ms, r.stored_bytes / MB, r.peak_bytes / MB)):
             out[q][idx] = v
-        log(f"{label} {vals}: fwd {r.forward_ms:.3f} ms bwd {r.backward_ms:.3f} ms "
+        log(f"{label_k} {vals}: fwd {r.forward_ms:.3f} ms bwd {r.backward_ms:.3f} ms "
             f"stored {r.stored_bytes / MB:.3f} MB peak {r.peak_bytes / MB:.3f} MB")
     return out
 
