@@ -87,6 +87,9 @@ def main(argv=None) -> int:
     except (PreprocessError, ValueError, FileNotFoundError) as exc:
         print(f"preprocess_data: error: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # e.g. an unwritable --output-prefix folder: one line, not a traceback
+        print(f"preprocess_data: error: {exc.strerror or exc}: {exc.filename or args.output_prefix}", file=sys.stderr)
+        return 1
     if stats.documents == 0:
         outs = [output_prefix_for(args.output_prefix, k, args.split_sentences) for k in args.json_keys]
         if args.fail_on_empty:

@@ -210,3 +210,12 @@ def test_chunk_parser_pinpoints_bad_lines(line, reason):
     assert len(bad) == 1 and bad[0].startswith("f.jsonl:2: ") and reason in bad[0], bad
     docs, bad = _parse_chunk([c for c in chunk if c[1] != 2], ["text"], skip_bad=False)
     assert [d["text"] for d in docs] == ["ok", "fine"] and bad == []
+
+
+def test_unwritable_output_is_one_line(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"text": "a b"}\n')
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # a file where the output folder should be: fails even as root
+    r = _run(["--input", str(tmp_path / "in.jsonl"), *GPT2, "--output-prefix", str(blocker / "o")])
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert "preprocess_data: error:" in r.stderr
