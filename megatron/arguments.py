@@ -54,6 +54,10 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (Llama-style)")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   help="no biases in the attention and MLP linears")
     g.add_argument("--position-embedding-type", default=None, choices=["learned_absolute", "relative"])
     if model_type == "t5":
         g.add_argument("--encoder-num-layers", type=int, default=None)
@@ -259,6 +263,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
             hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
             layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std,
+            normalization=args.normalization, swiglu=args.swiglu, add_bias_linear=args.add_bias_linear,
             position_embedding_type=args.position_embedding_type or "relative",
             relative_attention_num_buckets=args.relative_attention_num_buckets,
             relative_attention_max_distance=args.relative_attention_max_distance,
@@ -273,6 +278,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
             hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
             layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std,
+            normalization=args.normalization, swiglu=args.swiglu, add_bias_linear=args.add_bias_linear,
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type or "learned_absolute",
         )

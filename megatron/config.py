@@ -37,6 +37,9 @@ class ModelConfig:
     layernorm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     untie_embeddings_and_output_weights: bool = False
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    swiglu: bool = False  # gated SiLU MLP (gate and up projections, each ffn_hidden_size wide)
+    add_bias_linear: bool = True  # --disable-bias-linear sets False
     # T5 only.
     encoder_num_layers: Optional[int] = None
     decoder_num_layers: Optional[int] = None
@@ -97,6 +100,8 @@ class ModelConfig:
                  f"--attention-dropout must be in [0, 1), got {self.attention_dropout}")
         _require(self.make_vocab_size_divisible_by > 0,
                  f"--make-vocab-size-divisible-by must be positive, got {self.make_vocab_size_divisible_by}")
+        _require(self.normalization in ("LayerNorm", "RMSNorm"),
+                 f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
         _require(self.position_embedding_type in ("learned_absolute", "relative"),
                  f"--position-embedding-type must be learned_absolute or relative, got {self.position_embedding_type!r}")
 

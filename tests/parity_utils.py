@@ -14,11 +14,11 @@ VOCAB = 101  # not divisible by any TP degree or padding multiple used here
 
 def tiny_config(world=1, tp=1, pp=1, vpp_layers=None, schedule="1f1b", stage_layers=None, layers=4,
                 mbs=2, gbs=8, iters=3, dropout=0.0, recompute=None, fp16=False, bf16=False, save=None,
-                load=None, save_interval=None, seq=16, hidden=32, heads=4, lr=1e-3, untie=False):
+                load=None, save_interval=None, seq=16, hidden=32, heads=4, lr=1e-3, untie=False, arch=None):
     return MegatronConfig(
         model=ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq,
                           vocab_size=VOCAB, make_vocab_size_divisible_by=8, hidden_dropout=dropout,
-                          attention_dropout=dropout, untie_embeddings_and_output_weights=untie),
+                          attention_dropout=dropout, untie_embeddings_and_output_weights=untie, **(arch or {})),
         parallel=ParallelConfig(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 num_layers_per_virtual_pipeline_stage=vpp_layers, pipeline_schedule=schedule,
                                 pipeline_stage_layers=stage_layers, distributed_timeout_minutes=1.0),

@@ -18,7 +18,7 @@ from megatron.config import ModelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import (VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
                                            init_generator, vocab_parallel_cross_entropy)
-from megatron.models.transformer import TransformerBlock, TransformerLayer
+from megatron.models.transformer import TransformerBlock, TransformerLayer, build_norm
 
 WORD_EMBEDDING_KEY = "embedding.word_embeddings"
 
@@ -59,7 +59,7 @@ class GPTStage(nn.Module):
                                    key=f"decoder.layers.{i}") for i in range(layer_start, layer_end)]
         self.decoder = TransformerBlock(layers, recompute_method, recompute_num_layers)
         if post_process:
-            self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+            self.final_layernorm = build_norm(cfg)
             if cfg.untie_embeddings_and_output_weights:
                 self.output_layer = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, ps.tp_group,
                                                            init_std=cfg.init_method_std, seed=seed,

@@ -32,7 +32,7 @@ from megatron.core.tensor_parallel import (VocabParallelEmbedding, copy_to_tenso
                                            init_generator, mark_tensor_parallel, vocab_parallel_cross_entropy)
 from megatron.core.tensor_parallel.mappings import group_rank, group_size
 from megatron.models.gpt import WORD_EMBEDDING_KEY, GPTEmbedding
-from megatron.models.transformer import TransformerBlock, TransformerLayer
+from megatron.models.transformer import TransformerBlock, TransformerLayer, build_norm
 
 POSITION_EMBEDDING_KEY = "embedding.position_embeddings"
 
@@ -206,11 +206,11 @@ class T5Stage(nn.Module):
         self.encoder = TransformerBlock(_layers(cfg, ps, *encoder_layers, decoder=False, seed=seed,
                                                 total=cfg.encoder_num_layers), **rec)
         if encoder_end:
-            self.encoder_final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+            self.encoder_final_layernorm = build_norm(cfg)
         self.decoder = TransformerBlock(_layers(cfg, ps, *decoder_layers, decoder=True, seed=seed,
                                                 total=cfg.decoder_num_layers), **rec)
         if post_process:
-            self.decoder_final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+            self.decoder_final_layernorm = build_norm(cfg)
             if not pre_process_decoder:
                 # Same key as the embedding -> identical initial values (kept equal by the grad sum).
                 self.output_layer = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, ps.tp_group,

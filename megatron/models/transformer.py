@@ -37,6 +37,13 @@ def _sdpa(q, k, v, mask, bias, causal, dropout_p):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal)
 
 
+def build_norm(cfg: ModelConfig) -> nn.Module:
+    """The layer norm of --normalization (LayerNorm, or RMSNorm without mean subtraction and bias)."""
+    if cfg.normalization == "RMSNorm":
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+
+
 class ParallelAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group, *, seed: int, key: str, cross: bool = False,
                  causal: bool = True, out_std: float):
@@ -48,14 +55,17 @@ class ParallelAttention(nn.Module):
         self.dropout_p = cfg.attention_dropout
         proj = cfg.projection_size
         std = cfg.init_method_std
+        bias = cfg.add_bias_linear
         if cross:
-            self.query = ColumnParallelLinear(cfg.hidden_size, proj, tp_group, init_std=std, seed=seed, key=key + ".query")
+            self.query = ColumnParallelLinear(cfg.hidden_size, proj, tp_group, init_std=std, seed=seed, key=key + ".query",
+                                              bias=bias)
             self.key_value = ColumnParallelLinear(cfg.hidden_size, 2 * proj, tp_group, init_std=std, seed=seed,
-                                                  key=key + ".key_value")
+                                                  key=key + ".key_value", bias=bias)
         else:
             self.query_key_value = ColumnParallelLinear(cfg.hidden_size, 3 * proj, tp_group, init_std=std,
-                                                        seed=seed, key=key + ".query_key_value")
-        self.dense = RowParallelLinear(proj, cfg.hidden_size, tp_group, init_std=out_std, seed=seed, key=key + ".dense")
+                                                        seed=seed, key=key + ".query_key_value", bias=bias)
+        self.dense = RowParallelLinear(proj, cfg.hidden_size, tp_group, init_std=out_std, seed=seed, key=key + ".dense",
+                                       bias=bias)
 
     def _heads(self, x, n):
         s, b, _ = x.shape
@@ -87,14 +97,29 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
+    """h -> ffn -> h with GeLU (tanh), or with --swiglu: silu(gate(x)) * up(x) -> h.
+
+    The SwiGLU gate and up projections are separate column-parallel linears, so each TP rank
+    holds matching slices of both for any TP size (one fused [2*ffn, h] weight split along its
+    rows would pair different gate and up columns at different TP sizes)."""
+
     def __init__(self, cfg: ModelConfig, tp_group, *, seed: int, key: str, out_std: float):
         super().__init__()
+        bias = cfg.add_bias_linear
+        self.swiglu = cfg.swiglu
         self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp_group,
-                                                  init_std=cfg.init_method_std, seed=seed, key=key + ".dense_h_to_4h")
+                                                  init_std=cfg.init_method_std, seed=seed, key=key + ".dense_h_to_4h",
+                                                  bias=bias)
+        if self.swiglu:
+            self.dense_h_to_4h_gate = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp_group,
+                                                           init_std=cfg.init_method_std, seed=seed,
+                                                           key=key + ".dense_h_to_4h_gate", bias=bias)
         self.dense_4h_to_h = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group,
-                                               init_std=out_std, seed=seed, key=key + ".dense_4h_to_h")
+                                               init_std=out_std, seed=seed, key=key + ".dense_4h_to_h", bias=bias)
 
     def forward(self, x):
+        if self.swiglu:
+            return self.dense_4h_to_h(F.silu(self.dense_h_to_4h_gate(x)) * self.dense_h_to_4h(x))
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
 
 
@@ -105,18 +130,17 @@ class TransformerLayer(nn.Module):
                  key: str, causal: bool = True, decoder: bool = False, relative_bias: Optional[nn.Module] = None):
         super().__init__()
         out_std = cfg.init_method_std / math.sqrt(2.0 * num_layers_total)
-        eps = cfg.layernorm_epsilon
         self.layer_number = layer_number
         self.hidden_dropout = cfg.hidden_dropout
-        self.input_layernorm = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.input_layernorm = build_norm(cfg)
         self.self_attention = ParallelAttention(cfg, tp_group, seed=seed, key=key + ".self_attention",
                                                 causal=causal, out_std=out_std)
         self.decoder = decoder
         if decoder:
-            self.pre_cross_attn_layernorm = nn.LayerNorm(cfg.hidden_size, eps=eps)
+            self.pre_cross_attn_layernorm = build_norm(cfg)
             self.inter_attention = ParallelAttention(cfg, tp_group, seed=seed, key=key + ".inter_attention",
                                                      cross=True, causal=False, out_std=out_std)
-        self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.post_attention_layernorm = build_norm(cfg)
         self.mlp = ParallelMLP(cfg, tp_group, seed=seed, key=key + ".mlp", out_std=out_std)
         self.relative_bias = relative_bias
 
