@@ -58,7 +58,11 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (Llama-style)")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
                    help="no biases in the attention and MLP linears")
-    g.add_argument("--position-embedding-type", default=None, choices=["learned_absolute", "relative"])
+    g.add_argument("--position-embedding-type", default=None, choices=["learned_absolute", "relative", "rope"])
+    g.add_argument("--rotary-percent", type=float, default=1.0, help="fraction of each head's channels RoPE rotates")
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--group-query-attention", action="store_true", help="grouped-query attention (--num-query-groups)")
+    g.add_argument("--num-query-groups", type=int, default=None)
     if model_type == "t5":
         g.add_argument("--encoder-num-layers", type=int, default=None)
         g.add_argument("--decoder-num-layers", type=int, default=None)
@@ -200,6 +204,14 @@ def _apply_legacy_args(args: argparse.Namespace) -> None:
         args.recompute_granularity = "selective"
 
 
+def _query_groups(args) -> Optional[int]:
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise ConfigError("--num-query-groups needs --group-query-attention (as in Megatron-LM)")
+    if args.group_query_attention and args.num_query_groups is None:
+        raise ConfigError("--group-query-attention needs --num-query-groups G")
+    return args.num_query_groups if args.group_query_attention else None
+
+
 def _required(args, names, model_type):
     missing = [n for n in names if getattr(args, n.lstrip("-").replace("-", "_")) is None]
     if missing:
@@ -264,6 +276,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
             hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
             layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std,
             normalization=args.normalization, swiglu=args.swiglu, add_bias_linear=args.add_bias_linear,
+            rotary_percent=args.rotary_percent, rotary_base=args.rotary_base, num_query_groups=_query_groups(args),
             position_embedding_type=args.position_embedding_type or "relative",
             relative_attention_num_buckets=args.relative_attention_num_buckets,
             relative_attention_max_distance=args.relative_attention_max_distance,
@@ -279,6 +292,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
             hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
             layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std,
             normalization=args.normalization, swiglu=args.swiglu, add_bias_linear=args.add_bias_linear,
+            rotary_percent=args.rotary_percent, rotary_base=args.rotary_base, num_query_groups=_query_groups(args),
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type or "learned_absolute",
         )

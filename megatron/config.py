@@ -45,7 +45,10 @@ class ModelConfig:
     decoder_num_layers: Optional[int] = None
     encoder_seq_length: Optional[int] = None
     decoder_seq_length: Optional[int] = None
-    position_embedding_type: str = "learned_absolute"  # or "relative" (T5)
+    position_embedding_type: str = "learned_absolute"  # or "relative" (T5), "rope" (GPT)
+    rotary_percent: float = 1.0
+    rotary_base: float = 10000.0
+    num_query_groups: Optional[int] = None  # grouped-query attention; None = one group per head
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
 
@@ -102,12 +105,28 @@ class ModelConfig:
                  f"--make-vocab-size-divisible-by must be positive, got {self.make_vocab_size_divisible_by}")
         _require(self.normalization in ("LayerNorm", "RMSNorm"),
                  f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
-        _require(self.position_embedding_type in ("learned_absolute", "relative"),
-                 f"--position-embedding-type must be learned_absolute or relative, got {self.position_embedding_type!r}")
+        _require(self.position_embedding_type in ("learned_absolute", "relative", "rope"),
+                 f"--position-embedding-type must be learned_absolute, relative or rope, got {self.position_embedding_type!r}")
+        if self.position_embedding_type == "rope":
+            _require(self.model_type == "gpt", "--position-embedding-type rope is implemented for GPT; T5 uses relative")
+            _require(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+            rot = int(self.kv_channels * self.rotary_percent)
+            _require(rot >= 2 and rot % 2 == 0,
+                     f"--rotary-percent {self.rotary_percent} x head size {self.kv_channels} = {rot} rotary dimensions; "
+                     "it must be a positive even number")
+            _require(self.rotary_base > 0, f"--rotary-base must be positive, got {self.rotary_base}")
+        if self.num_query_groups is not None:
+            _require(self.num_query_groups >= 1 and self.num_attention_heads % self.num_query_groups == 0,
+                     f"--num-query-groups ({self.num_query_groups}) must divide --num-attention-heads "
+                     f"({self.num_attention_heads})")
 
     @property
     def projection_size(self) -> int:
         return self.kv_channels * self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
 
     def padded_vocab_size(self, tp_size: int) -> int:
         """Megatron's rule: pad to a multiple of make_vocab_size_divisible_by x TP."""
@@ -333,6 +352,8 @@ class MegatronConfig:
         _require(m.num_attention_heads % tp == 0,
                  f"--num-attention-heads ({m.num_attention_heads}) is not divisible by "
                  f"--tensor-model-parallel-size ({tp})")
+        _require(m.query_groups % tp == 0,
+                 f"--num-query-groups ({m.query_groups}) is not divisible by --tensor-model-parallel-size ({tp})")
         _require(m.ffn_hidden_size % tp == 0,
                  f"--ffn-hidden-size ({m.ffn_hidden_size}) is not divisible by --tensor-model-parallel-size ({tp})")
         if p.num_layers_per_virtual_pipeline_stage is not None:

@@ -35,7 +35,8 @@ def gpt_flops_per_sample(m: ModelConfig, padded_vocab: int, seq_len: Optional[in
     s = seq_len or m.seq_length
     h, p, f = m.hidden_size, m.projection_size, m.ffn_hidden_size
     mlp_gemms = 3 if getattr(m, "swiglu", False) else 2  # SwiGLU adds the gate projection
-    per_token_layer = 3 * (2 * 3 * h * p + 4 * s * p + 2 * p * h + 2 * mlp_gemms * h * f)
+    kv = 2 * getattr(m, "query_groups", m.num_attention_heads) * m.kv_channels  # GQA shrinks K and V
+    per_token_layer = 3 * (2 * h * (p + kv) + 4 * s * p + 2 * p * h + 2 * mlp_gemms * h * f)
     return s * (m.num_layers * per_token_layer + 3 * 2 * h * padded_vocab)
 
 

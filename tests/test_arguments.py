@@ -103,6 +103,9 @@ def test_planner_log_line():
     (["--hysteresis", "0"], "--hysteresis must be >= 1"),
     (["--loss-scale", "0"], "--loss-scale must be positive"),
     (["--max-consecutive-skipped-iters", "-1"], "--max-consecutive-skipped-iters must be >= 0"),
+    (["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups (3) must divide"),
+    (["--num-query-groups", "2"], "needs --group-query-attention"),
+    (["--position-embedding-type", "rope", "--rotary-percent", "0.01"], "rotary dimensions"),
 ])
 def test_bad_sizes_named(capsys, extra, needle):
     err = _error(capsys, BASE + extra, 1)

@@ -18,6 +18,7 @@ from megatron.config import ModelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import (VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
                                            init_generator, vocab_parallel_cross_entropy)
+from megatron.models.rotary import rotary_cos_sin
 from megatron.models.transformer import TransformerBlock, TransformerLayer, build_norm
 
 WORD_EMBEDDING_KEY = "embedding.word_embeddings"
@@ -29,13 +30,17 @@ class GPTEmbedding(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(padded_vocab, cfg.hidden_size, ps.tp_group,
                                                       init_std=cfg.init_method_std, seed=seed,
                                                       key=WORD_EMBEDDING_KEY, real_vocab_size=cfg.vocab_size)
-        pos = torch.empty(cfg.max_position_embeddings, cfg.hidden_size)
-        pos.normal_(0.0, cfg.init_method_std, generator=init_generator(seed, "embedding.position_embeddings"))
-        self.position_embeddings = nn.Parameter(pos)
+        self.position_embeddings = None
+        if cfg.position_embedding_type == "learned_absolute":
+            pos = torch.empty(cfg.max_position_embeddings, cfg.hidden_size)
+            pos.normal_(0.0, cfg.init_method_std, generator=init_generator(seed, "embedding.position_embeddings"))
+            self.position_embeddings = nn.Parameter(pos)
         self.dropout = cfg.hidden_dropout
 
     def forward(self, tokens, position_ids):
-        x = self.word_embeddings(tokens) + F.embedding(position_ids, self.position_embeddings)
+        x = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:  # RoPE rotates q and k inside attention instead
+            x = x + F.embedding(position_ids, self.position_embeddings)
         x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
         return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
 
@@ -85,15 +90,20 @@ class GPTStage(nn.Module):
 
     def forward(self, batch: dict, inputs: list) -> list:
         mask = self.attention_mask(batch)
+        pos = batch.get("position_ids")
         if self.pre_process:
             tokens = batch["tokens"]
-            pos = batch.get("position_ids")
             if pos is None:
                 pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
             x = self.embedding(tokens, pos)
         else:
             (x,) = inputs
-        x = self.decoder(x, mask, recompute=self.recompute)
+        rotary = None
+        if self.cfg.position_embedding_type == "rope":
+            if pos is None:  # [s, b, h] hidden states of an unpacked batch
+                pos = torch.arange(x.shape[0], device=x.device).unsqueeze(0).expand(x.shape[1], x.shape[0])
+            rotary = rotary_cos_sin(self.cfg, pos.to(x.device), torch.float32)
+        x = self.decoder(x, mask, recompute=self.recompute, rotary=rotary)
         if not self.post_process:
             return [x]
         x = self.final_layernorm(x)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.models.rotary import apply_rotary
 from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, checkpoint,
                                            get_rng_tracker)
 from megatron.core.tensor_parallel.mappings import group_size
@@ -62,7 +63,12 @@ class ParallelAttention(nn.Module):
             self.key_value = ColumnParallelLinear(cfg.hidden_size, 2 * proj, tp_group, init_std=std, seed=seed,
                                                   key=key + ".key_value", bias=bias)
         else:
-            self.query_key_value = ColumnParallelLinear(cfg.hidden_size, 3 * proj, tp_group, init_std=std,
+            # Per query group: its query heads, one key head, one value head (Megatron's layout),
+            # so contiguous TP slices hold whole groups. Without GQA every head is its own group.
+            self.groups = cfg.query_groups // tp
+            self.heads_per_group = cfg.num_attention_heads // cfg.query_groups
+            qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * self.hn
+            self.query_key_value = ColumnParallelLinear(cfg.hidden_size, qkv, tp_group, init_std=std,
                                                         seed=seed, key=key + ".query_key_value", bias=bias)
         self.dense = RowParallelLinear(proj, cfg.hidden_size, tp_group, init_std=out_std, seed=seed, key=key + ".dense",
                                        bias=bias)
@@ -83,12 +89,25 @@ class ParallelAttention(nn.Module):
         b, np_, s, hn = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
 
-    def forward(self, x, mask=None, bias=None, encoder_output=None, recompute: str = "none"):
+    def _split_qkv(self, mixed):
+        s, b, _ = mixed.shape
+        g, hpg, hn = self.groups, self.heads_per_group, self.hn
+        mixed = mixed.view(s, b, g, (hpg + 2) * hn)
+        q, k, v = mixed.split([hpg * hn, hn, hn], dim=-1)
+        q = q.reshape(s, b, g * hpg, hn)
+        if hpg > 1:  # every query head of a group attends with the group's one key/value head
+            k = k.repeat_interleave(hpg, dim=2)
+            v = v.repeat_interleave(hpg, dim=2)
+        return q, k, v
+
+    def forward(self, x, mask=None, bias=None, encoder_output=None, recompute: str = "none", rotary=None):
         if self.cross:
             q = self._heads(self.query(x), 1)
             k, v = self._heads(self.key_value(encoder_output), 2).chunk(2, dim=-1)
         else:
-            q, k, v = self._heads(self.query_key_value(x), 3).chunk(3, dim=-1)
+            q, k, v = self._split_qkv(self.query_key_value(x))
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if recompute == "selective" and torch.is_grad_enabled():
             ctx = checkpoint(self.core_attention, q, k, v, mask, bias)
         else:
@@ -147,9 +166,10 @@ class TransformerLayer(nn.Module):
     def _drop(self, x):
         return F.dropout(x, self.hidden_dropout, self.training) if self.hidden_dropout > 0 else x
 
-    def forward(self, x, mask=None, encoder_output=None, cross_mask=None, recompute: str = "none"):
+    def forward(self, x, mask=None, encoder_output=None, cross_mask=None, recompute: str = "none", rotary=None):
         bias = self.relative_bias(x.shape[0], x.shape[0]) if self.relative_bias is not None else None
-        x = x + self._drop(self.self_attention(self.input_layernorm(x), mask, bias, recompute=recompute))
+        x = x + self._drop(self.self_attention(self.input_layernorm(x), mask, bias, recompute=recompute,
+                                               rotary=rotary))
         if self.decoder:
             x = x + self._drop(self.inter_attention(self.pre_cross_attn_layernorm(x), cross_mask,
                                                     encoder_output=encoder_output, recompute=recompute))
@@ -171,10 +191,10 @@ class TransformerBlock(nn.Module):
             return i < self.recompute_num_layers
         return True
 
-    def forward(self, x, mask=None, encoder_output=None, cross_mask=None, recompute: str = "none"):
+    def forward(self, x, mask=None, encoder_output=None, cross_mask=None, recompute: str = "none", rotary=None):
         for i, layer in enumerate(self.layers):
             if recompute == "full" and self._full_recompute(i) and torch.is_grad_enabled():
-                x = checkpoint(lambda h, e, l=layer: l(h, mask, e, cross_mask), x, encoder_output)
+                x = checkpoint(lambda h, e, l=layer: l(h, mask, e, cross_mask, rotary=rotary), x, encoder_output)
             else:
-                x = layer(x, mask, encoder_output, cross_mask, recompute=recompute)
+                x = layer(x, mask, encoder_output, cross_mask, recompute=recompute, rotary=rotary)
         return x
