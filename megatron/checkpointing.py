@@ -429,12 +429,15 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
     for key, obj in getattr(trainer, "extra_checkpoint_state", {}).items():
         if key in state:
             obj.load_state_dict(state[key])
-    if not cfg.checkpoint.no_load_optim:
+    if not cfg.checkpoint.no_load_optim and state.get("optimizer") is not None:
         trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.lr_scheduler.load_state_dict(state["opt_param_scheduler"])
     else:
+        if state.get("optimizer") is None and ps.rank == 0 and not cfg.checkpoint.no_load_optim:
+            print(f"note: {path} holds no optimizer state (a converted checkpoint); the optimizer starts fresh "
+                  f"at iteration {trainer.iteration}", flush=True)
         trainer.lr_scheduler.num_steps = trainer.iteration
-    if not cfg.checkpoint.no_load_rng:
+    if not cfg.checkpoint.no_load_rng and state.get("rng_state") is not None:
         set_rng_state(state["rng_state"])
     _barrier()
     if ps.rank == 0:

@@ -1,0 +1,71 @@
+"""tools/checkpoint/convert.py: re-split GPT checkpoints between TP/PP layouts, bit for bit."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron.checkpointing import load_checkpoint, save_checkpoint
+from tests.dist_harness import run_distributed
+from tests.parity_utils import assemble, make_trainer, shards, tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOL = os.path.join(ROOT, "tools", "checkpoint", "convert.py")
+ARCHES = {"gpt2": {}, "llama": dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                                    position_embedding_type="rope", num_query_groups=2)}
+
+
+def _train_save(rank, world, ckpt, kw):
+    t = make_trainer(tiny_config(world=world, iters=2, save=ckpt, **kw))
+    t.train()
+    save_checkpoint(t)
+    return shards(t, "param"), t.history_loss if hasattr(t, "history_loss") else None
+
+
+def _load_params(rank, world, ckpt, kw):
+    t = make_trainer(tiny_config(world=world, iters=3, load=ckpt, **kw))
+    assert load_checkpoint(t)
+    out = shards(t, "param")
+    step = t.train_step()  # a converted checkpoint trains on (fresh optimizer)
+    return out, step["loss"], t.iteration
+
+
+def _convert(src, dst, tp, pp):
+    r = subprocess.run([sys.executable, TOOL, "--load", src, "--save", dst, "--target-tensor-parallel-size",
+                        str(tp), "--target-pipeline-parallel-size", str(pp)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHES))
+def test_tp2pp2_to_tp1_and_back_is_bit_identical(tmp_path, arch):
+    kw = dict(tp=2, pp=2, arch=ARCHES[arch])
+    a, b, c = (str(tmp_path / x) for x in "abc")
+    saved = run_distributed(_train_save, 4, a, kw)
+    full = assemble([p for p, _ in saved])
+    assert "TP 2 x PP 2 -> TP 1 x PP 1" in _convert(a, b, 1, 1)
+    ((single, loss1, it),) = run_distributed(_load_params, 1, b, dict(arch=ARCHES[arch]))
+    assert it == 3 and loss1 == loss1  # resumed at iteration 2, stepped once
+    got = assemble([single])
+    assert set(got) == set(full)
+    for name in full:
+        assert torch.equal(got[name], full[name]), name
+    _convert(b, c, 2, 2)
+    back = run_distributed(_load_params, 4, c, kw)
+    again = assemble([p for p, _, _ in back])
+    for name in full:
+        assert torch.equal(again[name], full[name]), name
+
+
+def test_refuses_bad_targets_and_existing_output(tmp_path):
+    a = str(tmp_path / "a")
+    run_distributed(_train_save, 1, a, {})
+    r = subprocess.run([sys.executable, TOOL, "--load", a, "--save", a, "--target-tensor-parallel-size", "1",
+                        "--target-pipeline-parallel-size", "1"], capture_output=True, text=True)
+    assert r.returncode == 2 and "already holds a checkpoint" in r.stderr
+    r = subprocess.run([sys.executable, TOOL, "--load", a, "--save", str(tmp_path / "b"),
+                        "--target-tensor-parallel-size", "3", "--target-pipeline-parallel-size", "1"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "does not divide" in r.stderr

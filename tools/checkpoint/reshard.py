@@ -1,0 +1,156 @@
+"""Re-split a GPT checkpoint of this project to another tensor / pipeline parallel layout.
+
+Library half of `tools/checkpoint/convert.py`: read every `mp_rank_*` file of one iteration,
+join the tensor-parallel shards into full tensors with global layer names, and cut them again
+for the target layout. Only the model moves: optimizer state is sharded like the model and
+is dropped (the loader starts it fresh and says so), as Megatron's converter does.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import re
+from typing import Dict, Tuple
+
+import torch
+
+from megatron.checkpointing import (CHECKPOINT_VERSION, TRACKER, _atomic_write_bytes, _write_manifest,
+                                    checkpoint_path, read_tracker)
+from megatron.config import ModelConfig
+from megatron.planner.static import stage_layer_split
+
+# Split along the output dimension (column-parallel and the vocabulary-parallel tables).
+_DIM0 = re.compile(r"(query_key_value|\.query|key_value|dense_h_to_4h|dense_h_to_4h_gate)\.(weight|bias)$"
+                   r"|(word_embeddings|output_layer)\.weight$")
+# Split along the input dimension (row-parallel weights; their biases are replicated).
+_DIM1 = re.compile(r"(self_attention\.dense|inter_attention\.dense|dense_4h_to_h)\.weight$")
+_VOCAB = re.compile(r"(word_embeddings|output_layer)\.weight$")
+_FILE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+
+class ReshardError(ValueError):
+    pass
+
+
+def partition_dim(name: str):
+    if _DIM0.search(name):
+        return 0
+    if _DIM1.search(name):
+        return 1
+    return None
+
+
+def _model_cfg(config: dict) -> ModelConfig:
+    return ModelConfig(**config["model"])
+
+
+def _stage_starts(config: dict, pp: int) -> Tuple[list, list]:
+    par = config["parallel"]
+    m = config["model"]
+    vpp = par.get("num_layers_per_virtual_pipeline_stage")
+    chunks = 1 if not vpp else m["num_layers"] // pp // vpp
+    split = stage_layer_split(m["num_layers"], pp * chunks, par.get("pipeline_stage_layers"))
+    return [sum(split[:i]) for i in range(len(split))], split
+
+
+def read_full_model(root: str, iteration: int = None) -> Tuple[dict, Dict[str, torch.Tensor], dict]:
+    """-> (config, {global name: full tensor}, metadata) for one iteration of a GPT checkpoint."""
+    iteration = read_tracker(root) if iteration is None else iteration
+    if iteration is None:
+        raise ReshardError(f"{root}: no {TRACKER}; give --iteration")
+    it_dir = os.path.join(root, f"iter_{iteration:07d}")
+    if not os.path.isdir(it_dir):
+        raise ReshardError(f"{it_dir} does not exist")
+    shards: Dict[str, dict] = {}
+    config = meta = None
+    for sub in sorted(os.listdir(it_dir)):
+        m = _FILE.match(sub)
+        if not m:
+            continue
+        tp_rank, pp_rank = int(m.group(1)), int(m.group(2) or 0)
+        state = torch.load(os.path.join(it_dir, sub, "model_optim_rng.pt"), map_location="cpu", weights_only=False)
+        config = config or state["config"]
+        if config["model"]["model_type"] != "gpt":
+            raise ReshardError("resharding supports GPT checkpoints; T5's split encoder/decoder stages are not "
+                               "handled yet")
+        meta = meta or {k: state.get(k) for k in ("iteration", "consumed_samples", "skipped_iters", "consumed_tokens")}
+        pp = config["parallel"]["pipeline_model_parallel_size"]
+        starts, _ = _stage_starts(config, pp)
+        for sid, sd in state["model"].items():
+            for name, t in sd.items():
+                lm = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+                g = f"decoder.layers.{starts[sid] + int(lm.group(1))}.{lm.group(2)}" if lm else name
+                shards.setdefault(g, {})[tp_rank] = t
+    if config is None:
+        raise ReshardError(f"{it_dir} holds no mp_rank_* checkpoint files")
+    tp = config["parallel"]["tensor_model_parallel_size"]
+    vocab = config["model"]["vocab_size"]
+    full = {}
+    for name, by_rank in shards.items():
+        if sorted(by_rank) != list(range(tp)):
+            raise ReshardError(f"{name}: found TP ranks {sorted(by_rank)}, expected 0..{tp - 1} (missing files?)")
+        d = partition_dim(name)
+        t = by_rank[0] if d is None else torch.cat([by_rank[r] for r in range(tp)], dim=d)
+        if _VOCAB.search(name):
+            t = t[:vocab]  # drop the padding of the source TP size
+        full[name] = t
+    return config, full, meta
+
+
+def write_resharded(config: dict, full: Dict[str, torch.Tensor], meta: dict, out: str, tp: int, pp: int) -> str:
+    """Write `full` as a checkpoint at (tp, pp), uniform stages; returns the iteration folder."""
+    cfg = copy.deepcopy(config)
+    par = cfg["parallel"]
+    par.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp,
+               num_layers_per_virtual_pipeline_stage=None, pipeline_stage_layers=None)
+    model = _model_cfg(cfg)
+    if model.num_attention_heads % tp or model.query_groups % tp or model.ffn_hidden_size % tp:
+        raise ReshardError(f"--target-tensor-parallel-size {tp} does not divide the heads, query groups or FFN size")
+    if model.num_layers % pp:
+        raise ReshardError(f"--target-pipeline-parallel-size {pp} does not divide --num-layers {model.num_layers}")
+    padded = model.padded_vocab_size(tp)
+    starts, split = _stage_starts(cfg, pp)
+    tied = not model.untie_embeddings_and_output_weights
+    iteration = meta["iteration"]
+    for p in range(pp):
+        lo, hi = starts[p], starts[p] + split[p]
+        for r in range(tp):
+            sd = {}
+            for name, t in full.items():
+                lm = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+                if lm:
+                    i = int(lm.group(1))
+                    if not lo <= i < hi:
+                        continue
+                    local = f"decoder.layers.{i - lo}.{lm.group(2)}"
+                elif name.startswith("embedding."):
+                    if p != 0:
+                        continue
+                    local = name
+                elif name.startswith(("final_layernorm.", "output_layer.")):
+                    if p != pp - 1:
+                        continue
+                    local = name
+                else:
+                    raise ReshardError(f"do not know which stage holds {name}")
+                if _VOCAB.search(name):
+                    t = torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])])
+                d = partition_dim(name)
+                if d is not None:
+                    per = t.shape[d] // tp
+                    t = t.narrow(d, r * per, per)
+                sd[local] = t.clone()
+            if tied and pp > 1 and p == pp - 1 and "output_layer.weight" not in sd:
+                w = full["embedding.word_embeddings.weight"]  # the last stage's tied copy of the table
+                w = torch.cat([w, w.new_zeros(padded - w.shape[0], *w.shape[1:])])
+                sd["output_layer.weight"] = w.narrow(0, r * (padded // tp), padded // tp).clone()
+            if tied and pp == 1:
+                sd.pop("output_layer.weight", None)  # one stage holds the table once
+            state = {"checkpoint_version": CHECKPOINT_VERSION, "config": cfg, **meta, "model": {p: sd},
+                     "optimizer": None, "opt_param_scheduler": None, "rng_state": None, "logger": {}}
+            path = checkpoint_path(out, iteration, r, p, pp)
+            digest = _atomic_write_bytes(path, lambda f: torch.save(state, f))
+            _atomic_write_bytes(path + ".sha256", lambda f: f.write(f"{digest}  model_optim_rng.pt\n".encode()))
+    _write_manifest(out, iteration)
+    _atomic_write_bytes(os.path.join(out, TRACKER), lambda f: f.write(f"{iteration}\n".encode()))
+    return os.path.join(out, f"iter_{iteration:07d}")
