@@ -113,6 +113,9 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard Adam state over the data-parallel group (gradients reduce-scattered, "
+                        "parameters all-gathered)")
     g.add_argument("--max-consecutive-skipped-iters", type=int, default=100,
                    help="stop with an error after this many iterations in a row are skipped for inf/nan "
                         "gradients (0 = never)")
@@ -319,6 +322,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, exit_interval=args.exit_interval,
         max_consecutive_skipped_iters=args.max_consecutive_skipped_iters,
+        use_distributed_optimizer=args.use_distributed_optimizer,
     )
     data = DataConfig(
         mock_data=args.mock_data, data_path=args.data_path, targets_data_path=args.targets_data_path,

@@ -266,6 +266,13 @@ def save_checkpoint(trainer, root: Optional[str] = None) -> str:
             os.makedirs(root, exist_ok=True)
             remove_stale_files(root)
         _barrier()
+        opt_state = trainer.optimizer.state_dict()
+        if getattr(trainer.optimizer, "reduces_data_parallel_grads", False) and ps.dp_size > 1:
+            # Distributed optimizer: gather every DP rank's shard (with its range) into the file,
+            # so a run with another DP size can take its own ranges from it.
+            shards = [None] * ps.dp_size
+            dist.all_gather_object(shards, opt_state, group=ps.dp_group)
+            opt_state = shards
         if ps.dp_rank == 0:
             state = {
                 "checkpoint_version": CHECKPOINT_VERSION,
@@ -276,7 +283,7 @@ def save_checkpoint(trainer, root: Optional[str] = None) -> str:
                 "consumed_tokens": getattr(trainer, "consumed_tokens", 0),
                 "logger": trainer.logger.state_dict() if hasattr(trainer.logger, "state_dict") else {},
                 "model": {sid: m.state_dict() for sid, m in trainer.stages.items()},
-                "optimizer": trainer.optimizer.state_dict(),
+                "optimizer": opt_state,
                 "opt_param_scheduler": trainer.lr_scheduler.state_dict(),
                 "rng_state": rng_state(),
             }

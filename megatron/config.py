@@ -207,6 +207,7 @@ class TrainingConfig:
     eval_iters: int = 10
     exit_interval: Optional[int] = None
     max_consecutive_skipped_iters: int = 100  # 0 = never stop
+    use_distributed_optimizer: bool = False  # Adam state sharded over data parallelism (ZeRO-1)
 
     def __post_init__(self):
         _require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")

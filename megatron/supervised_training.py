@@ -248,7 +248,9 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
     common = dict(cost_model_path=d.dynapipe_cost_model, hidden_size=m.hidden_size,
                   pipeline_parallel=ps.pp_size, data_parallel=ps.dp_size, tensor_parallel=ps.tp_size,
                   memory_limit_mb=d.dynapipe_memory_limit, pad_multiple=PAD_MULTIPLE,
-                  dtype=cfg.training.params_dtype_name)
+                  dtype=cfg.training.params_dtype_name,
+                  # Adam state is sharded over DP only with --use-distributed-optimizer.
+                  zero_shards=ps.dp_size if cfg.training.use_distributed_optimizer else 1)
     if m.model_type == "gpt":
         return DynaPipeConfig(model_kind="gpt", num_layers=m.num_layers, **common)
     return DynaPipeConfig(model_kind="t5", num_layers=m.num_layers, encoder_layers=m.encoder_num_layers,

@@ -134,7 +134,11 @@ class Trainer:
         self.valid_source = valid_source
         t = cfg.training
         self.lr_scheduler = LRScheduler(t)
-        self.optimizer = MegatronOptimizer(self.modules, t, ps, self.lr_scheduler, device)
+        if t.use_distributed_optimizer:
+            from megatron.core.distributed_optimizer import DistributedOptimizer
+            self.optimizer = DistributedOptimizer(self.modules, t, ps, self.lr_scheduler, device)
+        else:
+            self.optimizer = MegatronOptimizer(self.modules, t, ps, self.lr_scheduler, device)
         comm = None
         if ps.pp_size > 1:
             comm = P2PCommunicator(ps.pp_global_ranks, ps.rank, ps.pp_group, ps.timeout, device)
@@ -176,7 +180,8 @@ class Trainer:
         allreduce_embedding_grads(self.tied_params, ps.embedding_group)
         for params, group in self.extra_tied_groups:
             allreduce_embedding_grads(params, group)
-        allreduce_data_parallel_grads(self.optimizer.params, ps.dp_group, ps.dp_size)
+        if not getattr(self.optimizer, "reduces_data_parallel_grads", False):
+            allreduce_data_parallel_grads(self.optimizer.params, ps.dp_group, ps.dp_size)
         applied, grad_norm = self.optimizer.step()
         if applied:
             self.lr_scheduler.step()
