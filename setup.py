@@ -32,6 +32,8 @@ setup(
     extras_require={
         "test": ["pytest>=7", "pytest-timeout"],
         "tensorboard": ["tensorboard"],
+        # tools/checkpoint/convert.py --to-hf / --from-hf only
+        "convert": ["transformers", "safetensors"],
     },
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},

@@ -7,8 +7,15 @@
 GPT checkpoints (any TP/PP, learned or RoPE positions, tied or untied output) are re-split to
 the target layout with uniform stages. Model weights move bit for bit; optimizer state does not
 (it is sharded like the model), so training resumes with a fresh optimizer and LR schedule
-position kept, as with Megatron's converter. Exit status: 0 ok, 1 bad checkpoint, 2 bad flags.
-Hugging Face import/export is not implemented yet.
+position kept, as with Megatron's converter.
+
+Hugging Face (GPT-2 architecture: learned positions, LayerNorm, GeLU, biases, tied output):
+    python tools/checkpoint/convert.py --load runs/ckpt --save hf_out --to-hf --verify
+    python tools/checkpoint/convert.py --load hf_out --save runs/from_hf --from-hf \
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2 --verify
+`--verify` runs both models on the same random tokens and prints max_abs_logit_diff=<float>.
+Needs `pip install transformers safetensors` (only for these modes). Llama and T5 are not
+implemented yet. Exit status: 0 ok, 1 bad checkpoint, 2 bad flags.
 """
 from __future__ import annotations
 
@@ -26,11 +33,22 @@ def main(argv=None) -> int:
     p.add_argument("--load", required=True, help="checkpoint folder (with latest_checkpointed_iteration.txt)")
     p.add_argument("--save", required=True, help="output folder (must not hold a checkpoint already)")
     p.add_argument("--iteration", type=int, default=None, help="iteration to convert (default: the tracked one)")
-    p.add_argument("--target-tensor-parallel-size", type=int, required=True)
-    p.add_argument("--target-pipeline-parallel-size", type=int, required=True)
+    p.add_argument("--target-tensor-parallel-size", type=int, default=None)
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=None)
+    p.add_argument("--to-hf", action="store_true", help="write a Hugging Face GPT-2 folder (safetensors + config)")
+    p.add_argument("--from-hf", action="store_true", help="read a Hugging Face GPT-2 folder")
+    p.add_argument("--verify", action="store_true", help="compare logits of both models on random tokens")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="--from-hf: the vocabulary padding the training run will use (must match its flag)")
     args = p.parse_args(argv)
-    if args.target_tensor_parallel_size < 1 or args.target_pipeline_parallel_size < 1:
+    if args.to_hf and args.from_hf:
+        p.error("--to-hf and --from-hf are two directions; pick one")
+    if not args.to_hf and (args.target_tensor_parallel_size is None or args.target_pipeline_parallel_size is None):
+        p.error("give --target-tensor-parallel-size and --target-pipeline-parallel-size")
+    if not args.to_hf and min(args.target_tensor_parallel_size, args.target_pipeline_parallel_size) < 1:
         p.error("target sizes must be >= 1")
+    if args.to_hf or args.from_hf:
+        return _hf(args)
     if os.path.exists(os.path.join(args.save, "latest_checkpointed_iteration.txt")):
         print(f"convert: error: --save {args.save} already holds a checkpoint; choose an empty folder",
               file=sys.stderr)
@@ -46,6 +64,45 @@ def main(argv=None) -> int:
     print(f"converted iteration {meta['iteration']}: TP {src['tensor_model_parallel_size']} x PP "
           f"{src['pipeline_model_parallel_size']} -> TP {args.target_tensor_parallel_size} x PP "
           f"{args.target_pipeline_parallel_size}, {len(full)} tensors -> {out}")
+    return 0
+
+
+def _hf(args) -> int:
+    try:
+        from tools.checkpoint import hf_gpt2
+        import transformers  # noqa: F401
+        import safetensors  # noqa: F401
+    except ImportError as e:
+        print(f"convert: error: Hugging Face conversion needs `pip install transformers safetensors` ({e})",
+              file=sys.stderr)
+        return 2
+    import torch
+    try:
+        if args.to_hf:
+            config, full, meta = read_full_model(args.load, args.iteration)
+            hf_config, sd = hf_gpt2.to_hf(config, full)
+            hf_gpt2.save_hf(args.save, hf_config, sd)
+            model_fields, hf_dir = config["model"], args.save
+            print(f"wrote Hugging Face GPT2LMHeadModel ({len(sd)} tensors) to {args.save}")
+        else:
+            from megatron.config import MegatronConfig, ModelConfig
+            hf_config, sd = hf_gpt2.load_hf(args.load)
+            model_fields, full = hf_gpt2.from_hf(hf_config, sd)
+            model_fields["make_vocab_size_divisible_by"] = args.make_vocab_size_divisible_by
+            config = MegatronConfig(model=ModelConfig(**model_fields)).to_dict()
+            meta = {"iteration": 0, "consumed_samples": 0, "skipped_iters": 0, "consumed_tokens": 0}
+            out = write_resharded(config, full, meta, args.save, args.target_tensor_parallel_size,
+                                  args.target_pipeline_parallel_size)
+            model_fields, hf_dir = config["model"], args.load
+            print(f"wrote our checkpoint (iteration 0) to {out}")
+    except (ReshardError, ValueError, KeyError, OSError) as e:
+        print(f"convert: error: {e}", file=sys.stderr)
+        return 1
+    if args.verify:
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, model_fields["vocab_size"], (2, min(16, model_fields["seq_length"])), generator=g)
+        diff = (hf_gpt2.our_logits(model_fields, full, tokens) - hf_gpt2.hf_logits(hf_dir, tokens)).abs().max()
+        print(f"max_abs_logit_diff={float(diff):.3e}")
     return 0
 
 

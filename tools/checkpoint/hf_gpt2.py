@@ -1,0 +1,154 @@
+"""Our GPT (learned positions, LayerNorm, GeLU-tanh MLP, biases, tied output) <-> Hugging Face
+`GPT2LMHeadModel` (safetensors + config.json). `transformers`/`safetensors` are optional and
+only imported here.
+
+Layout differences handled: HF's Conv1D stores weights as [in, out] (ours [out, in]), and HF's
+fused c_attn is [all q | all k | all v] where ours is per head [q_h, k_h, v_h]."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Tuple
+
+import torch
+
+from megatron.config import ModelConfig
+
+
+def _check(m: ModelConfig) -> None:
+    bad = []
+    if m.position_embedding_type != "learned_absolute":
+        bad.append(f"--position-embedding-type {m.position_embedding_type}")
+    if m.normalization != "LayerNorm":
+        bad.append(f"--normalization {m.normalization}")
+    if m.swiglu:
+        bad.append("--swiglu")
+    if not m.add_bias_linear:
+        bad.append("--disable-bias-linear")
+    if m.query_groups != m.num_attention_heads:
+        bad.append("--num-query-groups")
+    if m.untie_embeddings_and_output_weights:
+        bad.append("--untie-embeddings-and-output-weights")
+    if m.kv_channels * m.num_attention_heads != m.hidden_size:
+        bad.append("--kv-channels")
+    if bad:
+        raise ValueError("the GPT-2 architecture cannot hold a model with " + ", ".join(bad)
+                         + " (Llama export is not implemented yet)")
+
+
+def _qkv_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[heads*3*hn, ...] per-head interleaved -> [3*heads*hn, ...] grouped by q/k/v."""
+    rest = t.shape[1:]
+    hn = t.shape[0] // (3 * heads)
+    return t.reshape(heads, 3, hn, *rest).transpose(0, 1).reshape(3 * heads * hn, *rest)
+
+
+def _qkv_from_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
+    rest = t.shape[1:]
+    hn = t.shape[0] // (3 * heads)
+    return t.reshape(3, heads, hn, *rest).transpose(0, 1).reshape(3 * heads * hn, *rest)
+
+
+def to_hf(config: dict, full: Dict[str, torch.Tensor]) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    m = ModelConfig(**config["model"])
+    _check(m)
+    nh = m.num_attention_heads
+    sd = {"transformer.wte.weight": full["embedding.word_embeddings.weight"],
+          "transformer.wpe.weight": full["embedding.position_embeddings"],
+          "transformer.ln_f.weight": full["final_layernorm.weight"],
+          "transformer.ln_f.bias": full["final_layernorm.bias"]}
+    for i in range(m.num_layers):
+        p, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
+        sd[h + "ln_1.weight"], sd[h + "ln_1.bias"] = full[p + "input_layernorm.weight"], full[p + "input_layernorm.bias"]
+        sd[h + "ln_2.weight"] = full[p + "post_attention_layernorm.weight"]
+        sd[h + "ln_2.bias"] = full[p + "post_attention_layernorm.bias"]
+        sd[h + "attn.c_attn.weight"] = _qkv_to_hf(full[p + "self_attention.query_key_value.weight"], nh).t()
+        sd[h + "attn.c_attn.bias"] = _qkv_to_hf(full[p + "self_attention.query_key_value.bias"], nh)
+        sd[h + "attn.c_proj.weight"] = full[p + "self_attention.dense.weight"].t()
+        sd[h + "attn.c_proj.bias"] = full[p + "self_attention.dense.bias"]
+        sd[h + "mlp.c_fc.weight"] = full[p + "mlp.dense_h_to_4h.weight"].t()
+        sd[h + "mlp.c_fc.bias"] = full[p + "mlp.dense_h_to_4h.bias"]
+        sd[h + "mlp.c_proj.weight"] = full[p + "mlp.dense_4h_to_h.weight"].t()
+        sd[h + "mlp.c_proj.bias"] = full[p + "mlp.dense_4h_to_h.bias"]
+    hf_config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m.vocab_size,
+                 "n_positions": m.max_position_embeddings, "n_embd": m.hidden_size, "n_layer": m.num_layers,
+                 "n_head": nh, "n_inner": m.ffn_hidden_size, "activation_function": "gelu_new",
+                 "layer_norm_epsilon": m.layernorm_epsilon, "resid_pdrop": m.hidden_dropout,
+                 "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
+                 "initializer_range": m.init_method_std, "tie_word_embeddings": True,
+                 "torch_dtype": "float32"}
+    return hf_config, {k: v.contiguous().clone() for k, v in sd.items()}
+
+
+def from_hf(hf_config: dict, sd: Dict[str, torch.Tensor]) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    if hf_config.get("model_type") != "gpt2":
+        raise ValueError(f"model_type {hf_config.get('model_type')!r}: only gpt2 import is implemented")
+    sd = {k[len("transformer."):] if k.startswith("transformer.") else k: v for k, v in sd.items()}
+    nh, nl, h = hf_config["n_head"], hf_config["n_layer"], hf_config["n_embd"]
+    model = dict(model_type="gpt", num_layers=nl, hidden_size=h, num_attention_heads=nh,
+                 ffn_hidden_size=hf_config.get("n_inner") or 4 * h, seq_length=hf_config["n_positions"],
+                 max_position_embeddings=hf_config["n_positions"], vocab_size=hf_config["vocab_size"],
+                 layernorm_epsilon=hf_config.get("layer_norm_epsilon", 1e-5),
+                 init_method_std=hf_config.get("initializer_range", 0.02))
+    full = {"embedding.word_embeddings.weight": sd["wte.weight"], "embedding.position_embeddings": sd["wpe.weight"],
+            "final_layernorm.weight": sd["ln_f.weight"], "final_layernorm.bias": sd["ln_f.bias"]}
+    for i in range(nl):
+        p, q = f"decoder.layers.{i}.", f"h.{i}."
+        full[p + "input_layernorm.weight"], full[p + "input_layernorm.bias"] = sd[q + "ln_1.weight"], sd[q + "ln_1.bias"]
+        full[p + "post_attention_layernorm.weight"] = sd[q + "ln_2.weight"]
+        full[p + "post_attention_layernorm.bias"] = sd[q + "ln_2.bias"]
+        full[p + "self_attention.query_key_value.weight"] = _qkv_from_hf(sd[q + "attn.c_attn.weight"].t(), nh)
+        full[p + "self_attention.query_key_value.bias"] = _qkv_from_hf(sd[q + "attn.c_attn.bias"], nh)
+        full[p + "self_attention.dense.weight"] = sd[q + "attn.c_proj.weight"].t()
+        full[p + "self_attention.dense.bias"] = sd[q + "attn.c_proj.bias"]
+        full[p + "mlp.dense_h_to_4h.weight"] = sd[q + "mlp.c_fc.weight"].t()
+        full[p + "mlp.dense_h_to_4h.bias"] = sd[q + "mlp.c_fc.bias"]
+        full[p + "mlp.dense_4h_to_h.weight"] = sd[q + "mlp.c_proj.weight"].t()
+        full[p + "mlp.dense_4h_to_h.bias"] = sd[q + "mlp.c_proj.bias"]
+    return model, {k: v.contiguous().clone() for k, v in full.items()}
+
+
+def save_hf(out: str, hf_config: dict, sd: Dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+    os.makedirs(out, exist_ok=True)
+    save_file(sd, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=1)
+
+
+def load_hf(folder: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    return cfg, load_file(os.path.join(folder, "model.safetensors"))
+
+
+def our_logits(model_fields: dict, full: Dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """Logits [b, s, vocab] of our single-process GPT holding `full` (eval mode, fp32)."""
+    import torch.nn.functional as F
+    from megatron.core.parallel_state import ParallelState
+    from megatron.models.gpt import GPTStage
+    m = ModelConfig(**{**model_fields, "hidden_dropout": 0.0, "attention_dropout": 0.0})
+    stage = GPTStage(m, ParallelState(), layer_start=0, layer_end=m.num_layers, pre_process=True,
+                     post_process=True, seed=0)
+    padded = m.padded_vocab_size(1)
+    sd = dict(full)
+    w = sd["embedding.word_embeddings.weight"]
+    sd["embedding.word_embeddings.weight"] = torch.cat([w, w.new_zeros(padded - w.shape[0], w.shape[1])])
+    sd.pop("output_layer.weight", None)
+    stage.load_state_dict(sd)
+    stage.eval()
+    with torch.no_grad():
+        pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        x = stage.decoder(stage.embedding(tokens, pos), None)
+        x = stage.final_layernorm(x)
+        logits = F.linear(x, stage.output_weight())[..., :m.vocab_size]
+    return logits.transpose(0, 1)
+
+
+def hf_logits(folder: str, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import GPT2LMHeadModel
+    model = GPT2LMHeadModel.from_pretrained(folder, local_files_only=True, torch_dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(tokens).logits
