@@ -71,11 +71,12 @@ def test_refuses_bad_targets_and_existing_output(tmp_path):
     assert r.returncode == 1 and "does not divide" in r.stderr
 
 
-def test_hugging_face_gpt2_round_trip_and_logits(tmp_path):
+@pytest.mark.parametrize("arch", sorted(ARCHES))
+def test_hugging_face_round_trip_and_logits(tmp_path, arch):
     pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
     a, hf, back = (str(tmp_path / x) for x in ("a", "hf", "back"))
-    kw = dict(tp=2, pp=2)
+    kw = dict(tp=2, pp=2, arch=ARCHES[arch])
     saved = run_distributed(_train_save, 4, a, kw)
     full = assemble([p for p, _ in saved])
     r = subprocess.run([sys.executable, TOOL, "--load", a, "--save", hf, "--to-hf", "--verify"],
@@ -83,6 +84,7 @@ def test_hugging_face_gpt2_round_trip_and_logits(tmp_path):
     assert r.returncode == 0, r.stderr
     diff = float(r.stdout.split("max_abs_logit_diff=")[1].split()[0])
     assert diff < 1e-4, r.stdout
+    assert ("LlamaForCausalLM" if arch == "llama" else "GPT2LMHeadModel") in r.stdout
     r = subprocess.run([sys.executable, TOOL, "--load", hf, "--save", back, "--from-hf", "--verify",
                         "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2",
                         "--make-vocab-size-divisible-by", "8"], capture_output=True, text=True, timeout=300)

@@ -9,13 +9,13 @@ the target layout with uniform stages. Model weights move bit for bit; optimizer
 (it is sharded like the model), so training resumes with a fresh optimizer and LR schedule
 position kept, as with Megatron's converter.
 
-Hugging Face (GPT-2 architecture: learned positions, LayerNorm, GeLU, biases, tied output):
+Hugging Face: GPT-2 (learned positions, LayerNorm, GeLU, biases, tied output) or Llama (RoPE,
+RMSNorm, SwiGLU, no biases, optional GQA; chosen from the checkpoint):
     python tools/checkpoint/convert.py --load runs/ckpt --save hf_out --to-hf --verify
     python tools/checkpoint/convert.py --load hf_out --save runs/from_hf --from-hf \
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2 --verify
 `--verify` runs both models on the same random tokens and prints max_abs_logit_diff=<float>.
-Needs `pip install transformers safetensors` (only for these modes). Llama and T5 are not
-implemented yet. Exit status: 0 ok, 1 bad checkpoint, 2 bad flags.
+Needs `pip install transformers safetensors` (only for these modes). T5 is not implemented yet. Exit status: 0 ok, 1 bad checkpoint, 2 bad flags.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
 
 def _hf(args) -> int:
     try:
-        from tools.checkpoint import hf_gpt2
+        from tools.checkpoint import hf_gpt2, hf_llama
         import transformers  # noqa: F401
         import safetensors  # noqa: F401
     except ImportError as e:
@@ -80,14 +80,16 @@ def _hf(args) -> int:
     try:
         if args.to_hf:
             config, full, meta = read_full_model(args.load, args.iteration)
-            hf_config, sd = hf_gpt2.to_hf(config, full)
+            arch = hf_llama if hf_llama.is_llama(config["model"]) else hf_gpt2
+            hf_config, sd = arch.to_hf(config, full)
             hf_gpt2.save_hf(args.save, hf_config, sd)
             model_fields, hf_dir = config["model"], args.save
-            print(f"wrote Hugging Face GPT2LMHeadModel ({len(sd)} tensors) to {args.save}")
+            print(f"wrote Hugging Face {hf_config['architectures'][0]} ({len(sd)} tensors) to {args.save}")
         else:
             from megatron.config import MegatronConfig, ModelConfig
             hf_config, sd = hf_gpt2.load_hf(args.load)
-            model_fields, full = hf_gpt2.from_hf(hf_config, sd)
+            arch = hf_llama if hf_config.get("model_type") == "llama" else hf_gpt2
+            model_fields, full = arch.from_hf(hf_config, sd)
             model_fields["make_vocab_size_divisible_by"] = args.make_vocab_size_divisible_by
             config = MegatronConfig(model=ModelConfig(**model_fields)).to_dict()
             meta = {"iteration": 0, "consumed_samples": 0, "skipped_iters": 0, "consumed_tokens": 0}
@@ -101,7 +103,7 @@ def _hf(args) -> int:
     if args.verify:
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, model_fields["vocab_size"], (2, min(16, model_fields["seq_length"])), generator=g)
-        diff = (hf_gpt2.our_logits(model_fields, full, tokens) - hf_gpt2.hf_logits(hf_dir, tokens)).abs().max()
+        diff = (hf_gpt2.our_logits(model_fields, full, tokens) - arch.hf_logits(hf_dir, tokens)).abs().max()
         print(f"max_abs_logit_diff={float(diff):.3e}")
     return 0
 

@@ -135,12 +135,20 @@ def our_logits(model_fields: dict, full: Dict[str, torch.Tensor], tokens: torch.
     sd = dict(full)
     w = sd["embedding.word_embeddings.weight"]
     sd["embedding.word_embeddings.weight"] = torch.cat([w, w.new_zeros(padded - w.shape[0], w.shape[1])])
-    sd.pop("output_layer.weight", None)
+    if m.untie_embeddings_and_output_weights:
+        o = sd["output_layer.weight"]
+        sd["output_layer.weight"] = torch.cat([o, o.new_zeros(padded - o.shape[0], o.shape[1])])
+    else:
+        sd.pop("output_layer.weight", None)
     stage.load_state_dict(sd)
     stage.eval()
     with torch.no_grad():
         pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-        x = stage.decoder(stage.embedding(tokens, pos), None)
+        rotary = None
+        if m.position_embedding_type == "rope":
+            from megatron.models.rotary import rotary_cos_sin
+            rotary = rotary_cos_sin(m, pos, torch.float32)
+        x = stage.decoder(stage.embedding(tokens, pos), None, rotary=rotary)
         x = stage.final_layernorm(x)
         logits = F.linear(x, stage.output_weight())[..., :m.vocab_size]
     return logits.transpose(0, 1)
