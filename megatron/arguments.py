@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from megatron.config import (CheckpointConfig, ConfigError, DataConfig, LoggingConfig, MegatronConfig,
+from megatron.config import (CheckpointConfig, CompressionConfig, ConfigError, DataConfig, LoggingConfig, MegatronConfig,
                              ModelConfig, ParallelConfig, TrainingConfig)
 
 
@@ -31,6 +31,32 @@ class _OneLineParser(argparse.ArgumentParser):
         if os.environ.get("RANK", "0") == "0":
             print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
         raise SystemExit(2)
+
+
+def _add_compression_args(p) -> None:
+    """Optimus-CC flags. The published underscore spellings are accepted as aliases."""
+    g = p.add_argument_group("communication compression (Optimus-CC)")
+
+    def both(name, **kw):
+        g.add_argument(name, name.replace("-", "_").replace("__", "--"), **kw)
+
+    both("--inter-grad-comp", action="store_true",
+         help="compress the activation gradients sent to the previous pipeline stage (rank-r PowerSGD step)")
+    both("--inter-grad-comp-rank", type=int, default=16)
+    both("--inter-grad-comp-epilogue-only", action="store_true",
+         help="compress only the sends of the pipeline drain (after each rank's last forward)")
+    both("--use-error-feedback", action="store_true",
+         help="keep compression residuals: lazy error propagation for pipeline gradients, error feedback for "
+              "--grad-comp")
+    both("--emb-comm-opt", action="store_true",
+         help="one tied-embedding all-reduce per TP rank over the first and last stages of all DP replicas")
+    both("--grad-comp", action="store_true", help="PowerSGD for the data-parallel gradient all-reduce")
+    both("--grad-comp-rank", type=int, default=128)
+    both("--grad-comp-warm-up", type=float, default=0.0,
+         help="fraction of --train-iters that use a plain all-reduce first")
+    both("--selective-grad-comp", action="store_true",
+         help="compress the DP all-reduce only on the first --selective-grad-comp-way pipeline stages")
+    both("--selective-grad-comp-way", type=int, default=None)
 
 
 def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
@@ -119,6 +145,8 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--max-consecutive-skipped-iters", type=int, default=100,
                    help="stop with an error after this many iterations in a row are skipped for inf/nan "
                         "gradients (0 = never)")
+
+    _add_compression_args(p)
 
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true",
@@ -342,8 +370,14 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
                                   no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
                                   finetune=args.finetune)
     logging_cfg = LoggingConfig(log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir)
+    compression = CompressionConfig(
+        inter_grad_comp=args.inter_grad_comp, inter_grad_comp_rank=args.inter_grad_comp_rank,
+        inter_grad_comp_epilogue_only=args.inter_grad_comp_epilogue_only,
+        use_error_feedback=args.use_error_feedback, emb_comm_opt=args.emb_comm_opt, grad_comp=args.grad_comp,
+        grad_comp_rank=args.grad_comp_rank, grad_comp_warm_up=args.grad_comp_warm_up,
+        selective_grad_comp=args.selective_grad_comp, selective_grad_comp_way=args.selective_grad_comp_way)
     cfg = MegatronConfig(model=model, parallel=parallel, training=training, data=data,
-                         checkpoint=checkpoint, logging=logging_cfg)
+                         checkpoint=checkpoint, logging=logging_cfg, compression=compression)
     if args.dynapipe and args.dynapipe_cost_model and not args.dynapipe_cost_model_any:
         _check_cost_model_matches(args.dynapipe_cost_model, cfg.model)
     return cfg

@@ -273,6 +273,8 @@ def save_checkpoint(trainer, root: Optional[str] = None) -> str:
             shards = [None] * ps.dp_size
             dist.all_gather_object(shards, opt_state, group=ps.dp_group)
             opt_state = shards
+        # Every rank: an extra state may gather across data parallelism (collective).
+        extras = {key: obj.state_dict() for key, obj in getattr(trainer, "extra_checkpoint_state", {}).items()}
         if ps.dp_rank == 0:
             state = {
                 "checkpoint_version": CHECKPOINT_VERSION,
@@ -287,8 +289,7 @@ def save_checkpoint(trainer, root: Optional[str] = None) -> str:
                 "opt_param_scheduler": trainer.lr_scheduler.state_dict(),
                 "rng_state": rng_state(),
             }
-            for key, obj in getattr(trainer, "extra_checkpoint_state", {}).items():
-                state[key] = obj.state_dict()
+            state.update(extras)
             digest = _atomic_write_bytes(path, lambda f: torch.save(state, f))
             _atomic_write_bytes(path + ".sha256", lambda f: f.write(f"{digest}  model_optim_rng.pt\n".encode()))
         _barrier()

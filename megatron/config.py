@@ -333,6 +333,38 @@ class LoggingConfig:
 
 
 @dataclass
+class CompressionConfig:
+    """Optimus-CC's three mechanisms (megatron/compression); all off by default."""
+    inter_grad_comp: bool = False  # compressed backpropagation between pipeline stages
+    inter_grad_comp_rank: int = 16
+    inter_grad_comp_epilogue_only: bool = False
+    use_error_feedback: bool = False  # LEP for pipeline grads; error feedback for DP PowerSGD
+    emb_comm_opt: bool = False  # fused tied-embedding sync
+    grad_comp: bool = False  # data-parallel PowerSGD
+    grad_comp_rank: int = 128
+    grad_comp_warm_up: float = 0.0  # fraction of --train-iters with a plain all-reduce
+    selective_grad_comp: bool = False
+    selective_grad_comp_way: Optional[int] = None  # pipeline stages [0, K) compress
+
+    def __post_init__(self):
+        _require(self.inter_grad_comp_rank >= 1, f"--inter-grad-comp-rank must be >= 1, got {self.inter_grad_comp_rank}")
+        _require(self.grad_comp_rank >= 1, f"--grad-comp-rank must be >= 1, got {self.grad_comp_rank}")
+        _require(0.0 <= self.grad_comp_warm_up <= 1.0,
+                 f"--grad-comp-warm-up is a fraction of --train-iters in [0, 1], got {self.grad_comp_warm_up}")
+        _require(not self.inter_grad_comp_epilogue_only or self.inter_grad_comp,
+                 "--inter-grad-comp-epilogue-only needs --inter-grad-comp")
+        _require(not self.selective_grad_comp or self.grad_comp, "--selective-grad-comp needs --grad-comp")
+        if self.selective_grad_comp:
+            _require(self.selective_grad_comp_way is not None and self.selective_grad_comp_way >= 1,
+                     "--selective-grad-comp needs --selective-grad-comp-way K >= 1 (the first K pipeline stages "
+                     "compress)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.inter_grad_comp or self.emb_comm_opt or self.grad_comp
+
+
+@dataclass
 class MegatronConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -340,9 +372,11 @@ class MegatronConfig:
     data: DataConfig = field(default_factory=lambda: DataConfig(mock_data=True))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
 
     def __post_init__(self):
         m, p, t = self.model, self.parallel, self.training
+        self._check_compression()
         dp = p.data_parallel_size
         tp = p.tensor_model_parallel_size
         if t.global_batch_size is None:
@@ -389,6 +423,31 @@ class MegatronConfig:
                 _require(p.pipeline_model_parallel_split_rank == p.pipeline_model_parallel_size // 2,
                          "--dynapipe with T5 puts the encoder on the first half of the pipeline: set "
                          f"--pipeline-model-parallel-split-rank {p.pipeline_model_parallel_size // 2}")
+
+    def _check_compression(self) -> None:
+        c, p = self.compression, self.parallel
+        pp, dp = p.pipeline_model_parallel_size, p.data_parallel_size
+        if c.inter_grad_comp:
+            _require(pp > 1, "--inter-grad-comp compresses the gradients sent between pipeline stages: it needs "
+                     "--pipeline-model-parallel-size > 1")
+        if c.emb_comm_opt:
+            _require(pp > 1, "--emb-comm-opt fuses the first/last-stage embedding sync: it needs "
+                     "--pipeline-model-parallel-size > 1")
+            _require(self.model.model_type == "gpt", "--emb-comm-opt is implemented for GPT only; drop it for T5")
+            _require(not self.model.untie_embeddings_and_output_weights,
+                     "--emb-comm-opt syncs tied embeddings: drop --untie-embeddings-and-output-weights or the flag")
+            _require(not self.training.use_distributed_optimizer,
+                     "--emb-comm-opt and --use-distributed-optimizer both own the embedding gradient reduction; pick one")
+        if c.grad_comp:
+            _require(dp > 1, "--grad-comp compresses the data-parallel all-reduce: it needs a data-parallel size > 1 "
+                     "(more ranks than tensor x pipeline parallel)")
+            _require(not self.training.use_distributed_optimizer,
+                     "--grad-comp (PowerSGD all-reduce) and --use-distributed-optimizer (reduce-scatter) are "
+                     "mutually exclusive; pick one")
+        if c.selective_grad_comp:
+            _require(c.selective_grad_comp_way <= pp,
+                     f"--selective-grad-comp-way ({c.selective_grad_comp_way}) must be <= "
+                     f"--pipeline-model-parallel-size ({pp})")
 
     @property
     def num_microbatches(self) -> int:

@@ -40,6 +40,20 @@ def gpt_flops_per_sample(m: ModelConfig, padded_vocab: int, seq_len: Optional[in
     return s * (m.num_layers * per_token_layer + 3 * 2 * h * padded_vocab)
 
 
+def comm_bytes_line(b: dict) -> str:
+    """Payload bytes of the last iteration, summed over all ranks, with what they would have
+    been uncompressed (Optimus-CC's mechanisms)."""
+    mb = 1e6
+
+    def ratio(raw, sent):
+        return f"{raw / sent:.1f}x" if sent else "-"
+
+    return (f" communication (all ranks, this iteration) | pipeline activations: {b['pp_act'] / mb:.3f} MB | "
+            f"pipeline gradients: {b['pp_grad'] / mb:.3f} MB (uncompressed {b['pp_grad_raw'] / mb:.3f} MB, "
+            f"{ratio(b['pp_grad_raw'], b['pp_grad'])}) | data-parallel: {b['dp'] / mb:.3f} MB (uncompressed "
+            f"{b['dp_raw'] / mb:.3f} MB, {ratio(b['dp_raw'], b['dp'])}) | embedding sync: {b['emb'] / mb:.3f} MB |")
+
+
 def planner_line(info: dict, measured_s: float) -> str:
     """Per-iteration planner report (last iteration of the window): micro-batches, padding,
     planning time, simulated vs measured time, predicted peak activation memory."""
@@ -134,6 +148,8 @@ class MetricsLogger:
                 f"loss scale: {loss_scale:.1f} | grad norm: {'skipped' if gn is None else f'{gn:.3f}'} | "
                 f"number of skipped iterations: {skipped:3d} | number of nan iterations: {self.nan_iters:3d} |")
         print(line, flush=True)
+        if out.get("comm_bytes"):
+            print(comm_bytes_line(out["comm_bytes"]), flush=True)
         info = out.get("planner") or {}
         if info:
             print(planner_line(info, out["time_s"]), flush=True)

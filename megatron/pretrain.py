@@ -12,6 +12,7 @@ from megatron.checkpointing import CheckpointError, load_checkpoint, save_checkp
 from megatron.config import MegatronConfig
 from megatron.initialize import initialize_megatron
 from megatron.logging_utils import gpt_flops_per_sample, print_rank_0
+from megatron.compression.pipeline import grad_compression_pass
 
 
 def tokenizer_from_config(cfg: MegatronConfig):
@@ -57,7 +58,8 @@ def build_gpt_trainer(cfg: MegatronConfig, ps, device):
     chunks = num_model_chunks(cfg)
     planner = FixedBatchPlanner(cfg.parallel.pipeline_schedule, ps.pp_size, chunks,
                                 lambda shapes: gpt_activation_shapes(cfg.model, shapes),
-                                cfg.training.recompute_level, cfg.training.params_dtype_name)
+                                cfg.training.recompute_level, cfg.training.params_dtype_name,
+                                plan_pass=grad_compression_pass(cfg))
     tied = [] if cfg.model.untie_embeddings_and_output_weights else tied_embedding_params(stages, ps.pp_size * chunks)
     flops = gpt_flops_per_sample(cfg.model, cfg.model.padded_vocab_size(ps.tp_size))
     if cfg.data.targets_data_path:

@@ -25,6 +25,7 @@ from megatron.config import MegatronConfig
 from megatron.data.packing import collate_supervised_gpt, collate_supervised_t5, concat_pair, pack_samples
 from megatron.data.samplers import TokenBudgetSampler
 from megatron.training import FixedBatchPlanner, IterationWork
+from megatron.compression.pipeline import grad_compression_pass
 
 PAD_MULTIPLE = 8
 
@@ -169,7 +170,13 @@ class DynaPipeSource(_SupervisedSource):
                 "padding_efficiency": plan.padding_efficiency, "planning_ms": plan.planning_ms,
                 "plan_wait_ms": wait_ms, "simulated_ms": plan.makespan_ms,
                 "predicted_peak_mb": group.peak_memory_mb}
-        return IterationWork(mbs, group.plans[self.ps.pp_rank], hi - lo, info)
+        plans = group.plans
+        plan_pass = grad_compression_pass(self.cfg)
+        if plan_pass is not None:
+            # Every rank has its group's plans for all pipeline ranks, so each marks the same
+            # messages without talking to the others.
+            plans = plan_pass(plans)
+        return IterationWork(mbs, plans[self.ps.pp_rank], hi - lo, info)
 
     def close(self):
         if self.service is not None:

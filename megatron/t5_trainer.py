@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from megatron.config import MegatronConfig
 from megatron.pretrain import sample_counts, tokenizer_from_config
+from megatron.compression.pipeline import grad_compression_pass
 
 
 def t5_datasets(cfg: MegatronConfig, tokenizer):
@@ -40,7 +41,8 @@ def build_t5_trainer(cfg: MegatronConfig, ps, device):
     stages = build_t5_stages(cfg, ps)
     planner = FixedBatchPlanner(cfg.parallel.pipeline_schedule, ps.pp_size, 1,
                                 lambda shapes: t5_activation_shapes(cfg, shapes),
-                                cfg.training.recompute_level, cfg.training.params_dtype_name)
+                                cfg.training.recompute_level, cfg.training.params_dtype_name,
+                                plan_pass=grad_compression_pass(cfg))
     tied, tied_pos = t5_tied_params(stages)
     flops = t5_flops_per_sample(cfg.model, cfg.model.padded_vocab_size(ps.tp_size))
     # Word embeddings are tied over {0, split, last} (ps.embedding_group); learned position

@@ -24,6 +24,7 @@ from megatron.data.samplers import MegatronPretrainingSampler
 from megatron.logging_utils import MetricsLogger, print_rank_last
 from megatron.pipeline.executor import PipelineExecutor
 from megatron.pipeline.p2p import DTYPES, P2PCommunicator
+from megatron.pipeline.validator import validate_plans
 from megatron.planner.static import build_static_plans
 
 
@@ -37,11 +38,13 @@ class FixedBatchPlanner:
     CACHE_SIZE = 64
 
     def __init__(self, schedule: str, pp_size: int, num_model_chunks: int, activation_shapes_fn: Callable,
-                 recompute: str, dtype: str):
+                 recompute: str, dtype: str, plan_pass: Optional[Callable[[list], list]] = None):
         self.schedule = "interleaved" if num_model_chunks > 1 else schedule
         self.pp_size, self.num_model_chunks = pp_size, num_model_chunks
         self.activation_shapes_fn, self.recompute, self.dtype = activation_shapes_fn, recompute, dtype
         self._cache: "collections.OrderedDict[tuple, list]" = collections.OrderedDict()
+        # Rewrites all ranks' plans after lowering, e.g. marking compressed gradient messages.
+        self.plan_pass = plan_pass
 
     def plans(self, iteration: int, microbatch_shapes: Sequence[tuple]) -> list:
         key = tuple(microbatch_shapes)
@@ -50,10 +53,14 @@ class FixedBatchPlanner:
         else:
             if len(self._cache) >= self.CACHE_SIZE:
                 self._cache.popitem(last=False)
-            self._cache[key] = build_static_plans(
+            plans = build_static_plans(
                 self.schedule, len(microbatch_shapes), self.pp_size, self.num_model_chunks,
                 list(microbatch_shapes), self.activation_shapes_fn(list(microbatch_shapes)),
                 recompute=self.recompute, dtype=self.dtype, iteration=iteration)
+            if self.plan_pass is not None:
+                plans = self.plan_pass(plans)
+                validate_plans(plans)
+            self._cache[key] = plans
         return [dataclasses.replace(p, iteration=iteration) for p in self._cache[key]]
 
 
@@ -112,6 +119,31 @@ def _all_reduce_sum(values: List[float], group, size: int) -> List[float]:
     return t.tolist()
 
 
+class PerDataParallelRank:
+    """Checkpoint adapter for state that differs between data-parallel replicas (compression
+    residuals): every DP rank's state is gathered into the one file its (TP, PP) rank writes,
+    and each rank takes its own entry back on load. A different DP size starts it afresh."""
+
+    def __init__(self, obj, ps: ParallelState):
+        self.obj, self.ps = obj, ps
+
+    def state_dict(self) -> dict:
+        mine = self.obj.state_dict()
+        if self.ps.dp_size == 1 or self.ps.dp_group is None:
+            return {"dp_size": 1, "per_rank": [mine]}
+        gathered = [None] * self.ps.dp_size
+        dist.all_gather_object(gathered, mine, group=self.ps.dp_group)
+        return {"dp_size": self.ps.dp_size, "per_rank": gathered}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("dp_size") != self.ps.dp_size:
+            if self.ps.rank == 0:
+                print(f"note: compression state was saved with data-parallel size {sd.get('dp_size')}, this run has "
+                      f"{self.ps.dp_size}: residuals and warm starts begin afresh", flush=True)
+            return
+        self.obj.load_state_dict(sd["per_rank"][self.ps.dp_rank])
+
+
 class Trainer:
     def __init__(self, cfg: MegatronConfig, ps: ParallelState, device: torch.device,
                  stages: Dict[int, nn.Module], *, train_ds=None, valid_ds=None, collate_fn: Optional[Callable] = None,
@@ -144,8 +176,10 @@ class Trainer:
             comm = P2PCommunicator(ps.pp_global_ranks, ps.rank, ps.pp_group, ps.timeout, device)
         autocast = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else None
         self.comm_dtype_name = t.params_dtype_name
+        self._setup_compression(cfg, ps)
         self.executor = PipelineExecutor(stages, comm, rank_desc=ps.describe(), autocast_dtype=autocast,
-                                         device=device, comm_dtype=DTYPES[self.comm_dtype_name])
+                                         device=device, comm_dtype=DTYPES[self.comm_dtype_name],
+                                         grad_compressor=self.grad_compressor)
         if dist.is_initialized() and ps.world_size > 1:
             from megatron.core import heartbeat
             from megatron.planner.service import default_store
@@ -156,6 +190,50 @@ class Trainer:
         self.skipped_iters = 0
         self.consecutive_skipped = 0
         self.logger = MetricsLogger(cfg, ps, flops_per_sample)
+
+    def _setup_compression(self, cfg: MegatronConfig, ps: ParallelState) -> None:
+        """Optimus-CC hooks (megatron/compression); all None when its flags are off."""
+        c = cfg.compression
+        self.grad_compressor = self.dp_reducer = self.fused_embedding_group = None
+        self.extra_checkpoint_state = {}
+        if c.inter_grad_comp:
+            from megatron.compression.pipeline import PipelineGradCompressor
+            self.grad_compressor = PipelineGradCompressor(c.use_error_feedback, seed=cfg.training.seed)
+            self.extra_checkpoint_state["pipeline_grad_compression"] = PerDataParallelRank(self.grad_compressor, ps)
+        if c.grad_comp:
+            from megatron.compression.data_parallel import PowerSGDReducer
+            self.dp_reducer = PowerSGDReducer.from_config(cfg, ps)
+            self.extra_checkpoint_state["data_parallel_grad_compression"] = PerDataParallelRank(self.dp_reducer, ps)
+        if c.emb_comm_opt:
+            from megatron.compression.embedding import build_fused_embedding_group
+            self.fused_embedding_group = build_fused_embedding_group(ps)
+
+    def _reduce_gradients(self) -> dict:
+        """Tied-embedding sync and data-parallel reduction; returns payload bytes per mechanism."""
+        ps = self.ps
+        sent = {"dp": 0, "dp_raw": 0, "emb": 0}
+        dp_params = self.optimizer.params
+        if self.fused_embedding_group is not None:
+            from megatron.compression.embedding import fused_embedding_all_reduce
+            sent["emb"] = fused_embedding_all_reduce(self.tied_params, self.fused_embedding_group)
+            tied = {id(p) for p in self.tied_params}
+            dp_params = [p for p in dp_params if id(p) not in tied]
+        else:
+            allreduce_embedding_grads(self.tied_params, ps.embedding_group)
+            if ps.embedding_group is not None:
+                sent["emb"] = sum(p.grad.numel() * p.grad.element_size() for p in self.tied_params)
+        for params, group in self.extra_tied_groups:
+            allreduce_embedding_grads(params, group)
+        if getattr(self.optimizer, "reduces_data_parallel_grads", False):
+            return sent
+        if self.dp_reducer is not None:
+            sent["dp"], sent["dp_raw"] = self.dp_reducer.reduce(dp_params, self.iteration + 1)
+        else:
+            allreduce_data_parallel_grads(dp_params, ps.dp_group, ps.dp_size)
+            if ps.dp_size > 1:
+                sent["dp"] = sent["dp_raw"] = sum(p.grad.numel() * p.grad.element_size()
+                                                  for p in dp_params if p.grad is not None)
+        return sent
 
     # -- one step ------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -177,11 +255,15 @@ class Trainer:
             # Activation peak above what was allocated before the pipeline ran (weights, grads,
             # optimizer state): comparable with the planner's predicted activation peak.
             work.info["measured_peak_mb"] = torch.cuda.max_memory_allocated(self.device) / 1e6 - base_mb
-        allreduce_embedding_grads(self.tied_params, ps.embedding_group)
-        for params, group in self.extra_tied_groups:
-            allreduce_embedding_grads(params, group)
-        if not getattr(self.optimizer, "reduces_data_parallel_grads", False):
-            allreduce_data_parallel_grads(self.optimizer.params, ps.dp_group, ps.dp_size)
+        reduced = self._reduce_gradients()
+        comm_bytes = None
+        if self.cfg.compression.enabled:
+            # Whole-job payload bytes this iteration (summed over ranks), for the log.
+            comm_bytes = dict(zip(
+                ("pp_act", "pp_grad", "pp_grad_raw", "dp", "dp_raw", "emb"),
+                _all_reduce_sum([stats.act_bytes, stats.grad_bytes, stats.grad_bytes_raw, reduced["dp"],
+                                 reduced["dp_raw"], reduced["emb"]], dist.group.WORLD if ps.world_size > 1 else None,
+                                ps.world_size)))
         applied, grad_norm = self.optimizer.step()
         if applied:
             self.lr_scheduler.step()
@@ -200,7 +282,7 @@ class Trainer:
         self.consumed_tokens += int(total_real)
         return {"consumed_tokens": self.consumed_tokens, "loss": loss_sum / loss_tokens if loss_tokens else float("nan"), "grad_norm": grad_norm,
                 "applied": applied, "tokens": total_tokens, "real_tokens": total_real, "num_microbatches": len(mbs),
-                "num_samples": work.num_samples, "planner": work.info}
+                "num_samples": work.num_samples, "planner": work.info, "comm_bytes": comm_bytes}
 
     def _check_consecutive_skips(self) -> None:
         t, n = self.cfg.training, self.consecutive_skipped

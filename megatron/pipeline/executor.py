@@ -34,6 +34,11 @@ class ExecutionStats:
     forward_passes: int = 0
     backward_passes: int = 0
     peak_live_records: int = 0
+    # Pipeline bytes this rank put on the wire; grad_bytes_raw is what the gradient messages
+    # would have been without compression.
+    act_bytes: int = 0
+    grad_bytes: int = 0
+    grad_bytes_raw: int = 0
 
 
 def _run_backward(outputs: List[torch.Tensor], grads: List[Optional[torch.Tensor]]) -> None:
@@ -56,7 +61,7 @@ class PipelineExecutor:
     def __init__(self, stages: Dict[int, nn.Module], comm: Optional[P2PCommunicator] = None, *,
                  rank_desc: str = "rank 0", autocast_dtype: Optional[torch.dtype] = None,
                  device: torch.device = torch.device("cpu"), comm_dtype: torch.dtype = torch.float32,
-                 free_sent_activations: bool = True):
+                 free_sent_activations: bool = True, grad_compressor=None):
         self.stages = stages
         self.comm = comm
         self.rank_desc = rank_desc
@@ -64,6 +69,9 @@ class PipelineExecutor:
         self.device = device
         self.comm_dtype = comm_dtype
         self.free_sent_activations = free_sent_activations
+        # Encodes/decodes gradient messages the plan marks with compress_rank (Optimus-CC);
+        # created on first use when the trainer did not configure one (no error feedback).
+        self.grad_compressor = grad_compressor
 
     # -- helpers -------------------------------------------------------------------------
     def _autocast(self):
@@ -197,7 +205,22 @@ class PipelineExecutor:
         if actual != planned:
             raise PlanExecutionError(f"{self.rank_desc}: {what}: the tensors to send have shapes {actual} but the plan "
                                f"says {planned}; the planner's shapes do not match the model")
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if kind == "grad":
+            self.stats.grad_bytes_raw += nbytes
+            if ins.compress_rank:
+                tensors = self._compressor().encode(ins.stage, tensors, ins.compress_rank)
+                nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            self.stats.grad_bytes += nbytes
+        else:
+            self.stats.act_bytes += nbytes
         self.sends[(kind, ins.microbatch, ins.stage)] = self.comm.isend(tensors, ins.peer, what)
+
+    def _compressor(self):
+        if self.grad_compressor is None:
+            from megatron.compression.pipeline import PipelineGradCompressor
+            self.grad_compressor = PipelineGradCompressor(lazy_error_propagation=False)
+        return self.grad_compressor
 
     def _send_finish(self, ins, kind: str):
         handle = self.sends.pop((kind, ins.microbatch, ins.stage))
@@ -217,12 +240,22 @@ class PipelineExecutor:
 
     def _recv_start(self, ins, kind: str):
         what = f"{type(ins).__name__}(microbatch={ins.microbatch}, stage={ins.stage}) from pipeline rank {ins.peer}"
-        handle = self.comm.irecv(ins.buffer_shapes, self.plan.dtype, ins.peer, what)
-        self.recvs[(kind, ins.microbatch, ins.stage)] = (handle, ins.buffer_ids)
+        if ins.compress_rank:
+            from megatron.compression.pipeline import wire_dtypes, wire_shapes
+            handle = self.comm.irecv(wire_shapes(ins.buffer_shapes, ins.compress_rank),
+                                     wire_dtypes(ins.buffer_shapes, ins.compress_rank, self.plan.dtype), ins.peer, what)
+        else:
+            handle = self.comm.irecv(ins.buffer_shapes, self.plan.dtype, ins.peer, what)
+        self.recvs[(kind, ins.microbatch, ins.stage)] = (handle, ins.buffer_ids, ins)
 
     def _recv_finish(self, ins, kind: str):
-        handle, buffer_ids = self.recvs.pop((kind, ins.microbatch, ins.stage))
+        handle, buffer_ids, start = self.recvs.pop((kind, ins.microbatch, ins.stage))
         tensors = self.comm.wait(handle)
+        if start.compress_rank:
+            from megatron.compression.pipeline import PipelineGradCompressor
+            from megatron.pipeline.p2p import DTYPES
+            tensors = PipelineGradCompressor.decode(start.buffer_shapes, start.compress_rank, tensors,
+                                                    DTYPES[self.plan.dtype])
         for bid, t in zip(buffer_ids, tensors):
             self.slots[bid] = [t]
 

@@ -81,6 +81,9 @@ class FreeBuffer(BufferInstruction):
 @dataclass(frozen=True)
 class CommInstruction(BufferInstruction):
     peer: int = -1
+    # > 0 on SendGrad*/RecvGrad* of a compressed gradient message (Optimus-CC): the
+    # rank of its low-rank factors. Wire shapes follow from buffer_shapes and this rank.
+    compress_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,8 @@ def describe(instr: Instruction) -> str:
     parts = [f"mb={instr.microbatch}", f"stage={instr.stage}"]
     if isinstance(instr, CommInstruction):
         parts.append(f"peer={instr.peer}")
+        if instr.compress_rank:
+            parts.append(f"compress_rank={instr.compress_rank}")
     if isinstance(instr, BufferInstruction):
         if instr.buffer_ids or not isinstance(instr, LoadInput):
             parts.append(f"buffers={tuple(instr.buffer_ids)}")
@@ -187,13 +192,15 @@ def describe(instr: Instruction) -> str:
 #     rank, num_ranks, num_stages, num_buffers, iteration, recompute index,
 #     n_assigned, assigned..., n_mb, per mb: <shape list>, n_instructions,
 #     per instruction: tag, microbatch, stage, <id list>, <shape list>,
-#                      then for Forward/Backward: <id list>, <shape list>; for Comm: peer
+#                      then for Forward/Backward: <id list>, <shape list>;
+#                      for Comm: peer, compress_rank (version 2; version 1 has peer only)
 #   <id list>    = n, ids...
 #   <shape list> = n, per shape: ndim, dims...
 # One int32 array keeps encoding/decoding to a single pass of Python-level list work, which
 # is what makes plans with thousands of instructions take a few milliseconds.
 _MAGIC = b"MPLN"
-_VERSION = 1
+_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 _HEADER = struct.Struct("<4sHHIIB")
 
 # Tags are part of the wire format: append new classes, never renumber.
@@ -215,7 +222,8 @@ def _put_shapes(out: list, shapes) -> None:
         out.extend(shape)
 
 
-def _encode_plan(plan: ExecutionPlan) -> bytes:
+def _encode_plan(plan: ExecutionPlan, version: int = _VERSION) -> bytes:
+    """`version=1` (no compress_rank) exists so tests can prove old plans still decode."""
     v: list = [plan.rank, plan.num_ranks, plan.num_stages, plan.num_buffers, plan.iteration,
                RECOMPUTE_LEVELS.index(plan.recompute), len(plan.assigned_stages)]
     v.extend(plan.assigned_stages)
@@ -243,6 +251,10 @@ def _encode_plan(plan: ExecutionPlan) -> bytes:
             _put_shapes(v, instr.output_shapes)
         elif tag in _COMM_TAGS:
             append(instr.peer)
+            if version >= 2:
+                append(instr.compress_rank)
+            elif instr.compress_rank:
+                raise ValueError("format version 1 cannot carry compressed gradient messages")
     try:
         arr = array.array("i", v)
     except (OverflowError, TypeError) as exc:
@@ -254,7 +266,7 @@ def _encode_plan(plan: ExecutionPlan) -> bytes:
     dtype = plan.dtype.encode("utf-8")
     if len(dtype) > 255:
         raise ValueError(f"dtype name too long to serialize: {plan.dtype!r}")
-    header = _HEADER.pack(_MAGIC, _VERSION, 0, len(payload), zlib.crc32(dtype + payload),
+    header = _HEADER.pack(_MAGIC, version, 0, len(payload), zlib.crc32(dtype + payload),
                          len(dtype))
     return header + dtype + payload
 
@@ -264,7 +276,7 @@ def _truncated(total: int) -> ValueError:
                       "values end in the middle of a record")
 
 
-def _decode_values(v: list):
+def _decode_values(v: list, version: int = _VERSION):
     """Decode the int32 stream. Inlined index arithmetic (no helper calls per value) because
     this loop dominates decoding time; any IndexError means the stream ended early."""
     shape_cache: dict = {}  # plans repeat a handful of shapes: share the tuples
@@ -311,8 +323,12 @@ def _decode_values(v: list):
             out_shp, i = shapes_at(i + 1 + n)
             append(cls(mb, stage, ids, shp, out_ids, out_shp))
         elif tag in comm:
-            append(cls(mb, stage, ids, shp, v[i]))
-            i += 1
+            if version >= 2:
+                append(cls(mb, stage, ids, shp, v[i], v[i + 1]))
+                i += 2
+            else:
+                append(cls(mb, stage, ids, shp, v[i]))
+                i += 1
         else:
             append(cls(mb, stage, ids, shp))
     if i != len(v):
@@ -333,9 +349,9 @@ def _decode_plan(data: bytes) -> ExecutionPlan:
         raise ValueError(f"not a serialized ExecutionPlan: magic {magic!r}, expected {_MAGIC!r}")
     if reserved != 0:
         raise ValueError(f"serialized ExecutionPlan is corrupt: reserved header field is {reserved}, must be 0")
-    if version != _VERSION:
+    if version not in _READABLE_VERSIONS:
         raise ValueError(f"serialized ExecutionPlan has format version {version}; this build "
-                         f"reads version {_VERSION} (planner and trainer are out of sync)")
+                         f"reads versions {_READABLE_VERSIONS} (planner and trainer are out of sync)")
     start = _HEADER.size + dlen
     if len(data) != start + nbytes or nbytes % 4:
         raise ValueError(f"serialized ExecutionPlan is truncated or has trailing bytes: "
@@ -349,7 +365,7 @@ def _decode_plan(data: bytes) -> ExecutionPlan:
         arr.byteswap()
     values = arr.tolist()
     try:
-        header, assigned, mb_shapes, instructions = _decode_values(values)
+        header, assigned, mb_shapes, instructions = _decode_values(values, version)
     except IndexError:
         raise _truncated(len(values)) from None
     rank, num_ranks, num_stages, num_buffers, iteration, recompute = header

@@ -51,9 +51,11 @@ class P2PCommunicator:
             raise self._error(what, peer, e, 0.0) from e
         return P2PHandle(works, tensors, what, peer)
 
-    def irecv(self, shapes, dtype: str, peer: int, what: str) -> P2PHandle:
+    def irecv(self, shapes, dtype, peer: int, what: str) -> P2PHandle:
+        """`dtype`: one dtype name for every tensor, or a list with one name per shape."""
         src = self.peers[peer]
-        tensors = [torch.empty(tuple(s), dtype=DTYPES[dtype], device=self.device) for s in shapes]
+        dtypes = [dtype] * len(shapes) if isinstance(dtype, str) else list(dtype)
+        tensors = [torch.empty(tuple(s), dtype=DTYPES[d], device=self.device) for s, d in zip(shapes, dtypes)]
         try:
             works = [dist.irecv(t, src=src, group=self.group) for t in tensors]
         except RuntimeError as e:

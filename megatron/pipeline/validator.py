@@ -266,6 +266,10 @@ class _RankChecker:
         if peer != self.stage_to_rank[theirs] or peer == self.rank:
             self.fail(index, instr, f"peer must be rank {self.stage_to_rank[theirs]}, the "
                       f"owner of stage {theirs}, and not this rank")
+        rank = getattr(instr, "compress_rank", 0)
+        if rank < 0 or (act and rank):
+            self.fail(index, instr, f"compress_rank {rank} is invalid: only gradient messages are "
+                      "compressed, at a rank >= 1 (0 = uncompressed)")
         key = (kind, is_send, mb, s)
         channel = (self.sends if is_send else self.recvs).setdefault(peer, [])
         if is_start:
@@ -275,7 +279,7 @@ class _RankChecker:
                 self.fail(index, instr, "a message needs at least one slot")
             self.open[key] = (index, instr, len(channel))
             self.done_comm.add(key)
-            channel.append(((kind, mb, s, tuple(map(tuple, instr.buffer_shapes))), index, instr))
+            channel.append(((kind, mb, s, tuple(map(tuple, instr.buffer_shapes)), rank), index, instr))
             if is_send:
                 self._read_tagged(index, instr, kind, mb, s, "the data to send is not in "
                                   "these slots")
@@ -299,6 +303,9 @@ class _RankChecker:
                       f"{[tuple(x) for x in start.buffer_shapes]} (#{start_index} {describe(start)})")
         if peer != start.peer:
             self.fail(index, instr, f"peer {peer} differs from its Start's peer {start.peer} (#{start_index})")
+        if rank != start.compress_rank:
+            self.fail(index, instr, f"compress_rank {rank} differs from its Start's {start.compress_rank} "
+                      f"(#{start_index})")
         # Blocking rule of the deadlock search: a send completes once the peer posted the
         # matching receive; a receive completes once the peer started the matching send.
         if is_send:
@@ -385,7 +392,8 @@ def _comm_sequences(plan):
     for index, instr in enumerate(plan.instructions):
         spec = _COMM.get(type(instr))
         if spec is not None and spec[2]:
-            msg = (spec[0], instr.microbatch, instr.stage, tuple(map(tuple, instr.buffer_shapes)))
+            msg = (spec[0], instr.microbatch, instr.stage, tuple(map(tuple, instr.buffer_shapes)),
+                   instr.compress_rank)
             (sends if spec[1] else recvs).setdefault(instr.peer, []).append((msg, index, instr))
     return sends, recvs
 
@@ -410,8 +418,8 @@ def _check_matching(plans, sequences) -> None:
                 if sent != got:
                     raise PlanValidationError(
                         f"{pair}: rank {a} instruction #{i} {describe(si)} does not match rank "
-                        f"{b} instruction #{j} {describe(ri)} (kind, micro-batch, stage and "
-                        "shapes must be equal; sends and receives pair up in order)")
+                        f"{b} instruction #{j} {describe(ri)} (kind, micro-batch, stage, "
+                        "shapes and compress_rank must be equal; sends and receives pair up in order)")
 
 
 def _check_deadlock(plans, ranks) -> None:

@@ -27,6 +27,7 @@ def _random_instruction(rng, cls):
         kw.update(output_buffer_ids=tuple(range(m)), output_shapes=_shapes(rng, m))
     elif issubclass(cls, I.CommInstruction):
         kw["peer"] = rng.randint(-1, 7)
+        kw["compress_rank"] = rng.choice([0, 0, 1, 16])
     return cls(**kw)
 
 
@@ -75,7 +76,7 @@ def test_round_trip_lowered_plans():
 def test_layout_is_little_endian_with_magic_and_version_header():
     data = ExecutionPlan(0, 1, 1, (0,)).serialize()
     magic, version = struct.unpack_from("<4sH", data)
-    assert magic == b"MPLN" and version == 1
+    assert magic == b"MPLN" and version == 2
 
 
 def _plan_bytes():
@@ -116,3 +117,20 @@ def test_unserializable_plans_raise_value_error():
 def test_describe_names_type_fields_and_slots():
     text = I.describe(I.SendGradStart(3, 2, (5,), ((4, 2, 8),), 1))
     assert text == "SendGradStart(mb=3, stage=2, peer=1, buffers=(5,), shapes=((4, 2, 8),))"
+
+
+def test_compress_rank_round_trips_and_version_1_plans_still_decode():
+    shapes = ((4, 2, 8),)
+    plan = ExecutionPlan(rank=0, num_ranks=2, num_stages=2, assigned_stages=(0,),
+                         instructions=[I.RecvGradStart(0, 1, (0,), shapes, 1, 4),
+                                       I.RecvGradFinish(0, 1, (0,), shapes, 1, 4)])
+    back = ExecutionPlan.deserialize(plan.serialize())
+    assert [x.compress_rank for x in back.instructions] == [4, 4]
+    assert "compress_rank=4" in I.describe(back.instructions[0])
+    with pytest.raises(ValueError, match="version 1 cannot carry"):
+        I._encode_plan(plan, version=1)
+    plain = ExecutionPlan(rank=0, num_ranks=2, num_stages=2, assigned_stages=(0,),
+                          instructions=[I.RecvGradStart(0, 1, (0,), shapes, 1)])
+    old = I._encode_plan(plain, version=1)
+    assert struct.unpack_from("<4sH", old)[1] == 1
+    assert ExecutionPlan.deserialize(old) == plain

@@ -1,0 +1,115 @@
+"""PowerSGD for the data-parallel gradient reduction (Optimus-CC's DP compression).
+
+Why not `torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`: that hook is called by
+DistributedDataParallel with a C++ `GradBucket` per flattened bucket; this trainer does not
+wrap models in DDP (the pipeline executor runs the backward passes and gradients are reduced
+once after the whole plan), and a `GradBucket` cannot be built from Python. The algorithm is
+the same: per matrix, P = M Q summed over DP, P orthonormalised, Q = M^T P summed over DP,
+gradient := P Q^T; vectors (biases, norms) are all-reduced uncompressed.
+
+Gradients in this trainer are *summed* over DP (the loss is normalised by the global token
+count), so the reduced factors are sums and no division by the DP size happens. With error
+feedback each rank keeps e_k = M_k - (P Q^T) / DP: the residuals of all ranks add up to
+exactly what the compressed sum missed.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.compression import lowrank
+from megatron.core.distributed import _bucketed_all_reduce
+
+
+def matrix_view(g: torch.Tensor) -> torch.Tensor:
+    return g.reshape(g.shape[0], -1)
+
+
+class PowerSGDReducer:
+    def __init__(self, rank: int, error_feedback: bool, warmup_iters: int, compress: bool, dp_group,
+                 dp_size: int, seed: int = 0):
+        self.rank = rank
+        self.error_feedback = error_feedback
+        self.warmup_iters = warmup_iters
+        self.compress = compress  # False on stages that --selective-grad-comp leaves uncompressed
+        self.dp_group, self.dp_size = dp_group, dp_size
+        self.state = lowrank.LowRankState(seed)
+
+    @classmethod
+    def from_config(cls, cfg, ps) -> "PowerSGDReducer":
+        c = cfg.compression
+        compress = not c.selective_grad_comp or ps.pp_rank < c.selective_grad_comp_way
+        warmup = math.ceil(cfg.training.train_iters * c.grad_comp_warm_up)
+        return cls(c.grad_comp_rank, c.use_error_feedback, warmup, compress, ps.dp_group, ps.dp_size,
+                   seed=cfg.training.seed)
+
+    def active(self, iteration: int) -> bool:
+        return self.compress and iteration > self.warmup_iters
+
+    def reduce(self, params: Sequence[nn.Parameter], iteration: int) -> Tuple[int, int]:
+        """Sum the gradients of `params` over DP in place; returns (bytes sent, bytes an
+        uncompressed all-reduce would have sent), per rank."""
+        grads = []
+        for p in params:
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        raw = sum(g.numel() * g.element_size() for g in grads)
+        if self.dp_size == 1 or self.dp_group is None:
+            return 0, 0
+        if not self.active(iteration):
+            _bucketed_all_reduce(grads, self.dp_group)
+            return raw, raw
+        vectors: List[torch.Tensor] = []
+        mats: List[Tuple[int, torch.Tensor, torch.Tensor]] = []  # (index, grad, M incl. error)
+        for i, g in enumerate(grads):
+            if g.dim() < 2 or not lowrank.worth_compressing(g.shape[0], g[0].numel(), self.rank):
+                vectors.append(g)
+                continue
+            m = matrix_view(g).float()
+            if self.error_feedback:
+                e = self.state.take_error((i,), m.shape)
+                if e is not None:
+                    m = m + e.to(m.device)
+            mats.append((i, g, m))
+        sent = sum(v.numel() * v.element_size() for v in vectors)
+        if vectors:
+            _bucketed_all_reduce(vectors, self.dp_group)
+        if not mats:
+            return sent, raw
+        ranks = [lowrank.effective_rank(m.shape[0], m.shape[1], self.rank) for _, _, m in mats]
+        qs = [self.state.q_for((i,), m.shape[1], r, m.device) for (i, _, m), r in zip(mats, ranks)]
+        ps_ = [m @ q for (_, _, m), q in zip(mats, qs)]
+        flat_p = _flat_all_reduce(ps_, self.dp_group)
+        ps_ = [lowrank.orthonormalize(p) for p in flat_p]
+        qs = _flat_all_reduce([m.t() @ p for (_, _, m), p in zip(mats, ps_)], self.dp_group)
+        for (i, g, m), p, q in zip(mats, ps_, qs):
+            approx = lowrank.decompress(p, q)
+            self.state.q[(i,)] = q.detach().cpu()
+            if self.error_feedback:
+                self.state.error[(i,)] = (m - approx / self.dp_size).detach().cpu()
+            g.copy_(approx.reshape(g.shape).to(g.dtype))
+        sent += 4 * sum(p.numel() + q.numel() for p, q in zip(ps_, qs))
+        return sent, raw
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.state.load_state_dict(sd)
+
+
+def _flat_all_reduce(tensors: List[torch.Tensor], group) -> List[torch.Tensor]:
+    """One all-reduce for all factors of a step (they are small; latency dominates)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    out, off = [], 0
+    for t in tensors:
+        out.append(flat[off:off + t.numel()].view_as(t))
+        off += t.numel()
+    return out

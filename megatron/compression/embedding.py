@@ -1,0 +1,63 @@
+"""Fused embedding synchronisation (Optimus-CC's `--emb-comm-opt`).
+
+Without it the tied word-embedding gradient is reduced twice: summed over data parallelism
+with every other gradient, then summed between the first and the last pipeline stage. Both
+are sums, so one all-reduce over the first- and last-stage ranks of *all* DP replicas gives
+the same result with one collective on the critical path instead of two.
+
+The group is built per tensor-parallel rank: with a vocabulary-parallel embedding each TP
+rank holds a different vocabulary shard, and summing across TP ranks (one group spanning
+them, as the published code does) would add unrelated rows together.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.core.parallel_state import ParallelState, global_rank
+
+
+def fused_embedding_group_ranks(tp: int, dp: int, pp: int) -> List[List[int]]:
+    """One rank list per TP rank: the first and last pipeline stage of every DP replica."""
+    groups = []
+    for t in range(tp):
+        ranks = set()
+        for d in range(dp):
+            ranks.add(global_rank(t, d, 0, tp, dp))
+            ranks.add(global_rank(t, d, pp - 1, tp, dp))
+        groups.append(sorted(ranks))
+    return groups
+
+
+def build_fused_embedding_group(ps: ParallelState) -> Optional[object]:
+    """Collective: every rank calls it (torch creates groups in the same order everywhere)."""
+    mine = None
+    if not dist.is_initialized() or ps.world_size == 1:
+        return None
+    for ranks in fused_embedding_group_ranks(ps.tp_size, ps.dp_size, ps.pp_size):
+        g = dist.new_group(ranks, timeout=ps.timeout)
+        if ps.rank in ranks:
+            mine = g
+    return mine
+
+
+def fused_embedding_all_reduce(tied_params: List[nn.Parameter], group) -> int:
+    """Sum the tied embedding gradients over first/last stages x DP; returns payload bytes."""
+    if group is None or not tied_params:
+        return 0
+    grads = []
+    for p in tied_params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0]
+    dist.all_reduce(flat, group=group)
+    if len(grads) > 1:
+        off = 0
+        for g in grads:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+    return flat.numel() * flat.element_size()

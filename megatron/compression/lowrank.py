@@ -1,0 +1,97 @@
+"""Rank-r compression by one warm-started power-iteration step (PowerSGD).
+
+For a matrix M (n x m) and the previous right factor Q (m x r):
+    P = M Q;  P <- orthonormal basis of P;  Q = M^T P;  M ~ P Q^T.
+P and Q are what crosses the wire; (n + m) r values instead of n m. Q is kept and reused as
+the next call's starting point, which is what makes one iteration per step enough: over
+successive steps it converges towards M's leading right singular vectors.
+
+If rank(M) <= r the result is exact: P spans M's column space, so P P^T M = M.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Dict, Optional, Tuple
+
+import torch
+
+
+def orthonormalize(p: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning at least p's column space (reduced QR).
+
+    Householder QR keeps the columns orthonormal even when p is rank-deficient, which Gram-
+    Schmidt (the published code) does not; the extra columns then span unused directions and
+    cancel in P P^T M because M has no component along them."""
+    q, _ = torch.linalg.qr(p, mode="reduced")
+    return q
+
+
+def effective_rank(rows: int, cols: int, rank: int) -> int:
+    return max(0, min(rank, rows, cols))
+
+
+def worth_compressing(rows: int, cols: int, rank: int) -> bool:
+    """Only compress when the two factors are smaller than the matrix itself."""
+    r = effective_rank(rows, cols, rank)
+    return r >= 1 and (rows + cols) * r < rows * cols
+
+
+def as_matrix(t: torch.Tensor) -> torch.Tensor:
+    """View an activation gradient [..., h] as (tokens, h): the hidden dimension is where
+    the low-rank structure lives; tokens vary from micro-batch to micro-batch."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def initial_q(cols: int, rank: int, seed: int, key) -> torch.Tensor:
+    """A deterministic random start for Q, the same on every rank and after a restart."""
+    # crc32 of the key's text, not hash(): string hashing is salted per process.
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(repr(key).encode())) & 0x7FFFFFFFFFFF)
+    return torch.randn(cols, rank, generator=g, dtype=torch.float32)
+
+
+def compress(m: torch.Tensor, q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One power step from `q`: returns (P orthonormal, Q = M^T P), both float32."""
+    m = m.float()
+    p = orthonormalize(m @ q.to(m.device))
+    return p, m.t() @ p
+
+
+def decompress(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return p @ q.t()
+
+
+class LowRankState:
+    """Warm-start Q matrices and error-feedback residuals, keyed by the caller.
+
+    Kept on the CPU between uses (they are small next to the activations) and saved in
+    checkpoints, so a resumed run continues with exactly the same compressor state."""
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self.q: Dict[tuple, torch.Tensor] = {}
+        self.error: Dict[tuple, torch.Tensor] = {}
+
+    def q_for(self, key: tuple, cols: int, rank: int, device) -> torch.Tensor:
+        q = self.q.get(key)
+        if q is None or tuple(q.shape) != (cols, rank):
+            q = initial_q(cols, rank, self.seed, key)
+        return q.to(device)
+
+    def take_error(self, key: tuple, shape) -> Optional[torch.Tensor]:
+        """The residual left by an earlier message with this key and shape, removed from the
+        store (the caller folds it in and stores the new one)."""
+        e = self.error.get(key)
+        if e is not None and tuple(e.shape) == tuple(shape):
+            del self.error[key]
+            return e
+        return None
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed,
+                "q": {k: v.cpu() for k, v in self.q.items()},
+                "error": {k: v.cpu() for k, v in self.error.items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.seed = sd.get("seed", self.seed)
+        self.q = {tuple(k) if isinstance(k, list) else k: v.clone() for k, v in sd.get("q", {}).items()}
+        self.error = {tuple(k) if isinstance(k, list) else k: v.clone() for k, v in sd.get("error", {}).items()}

@@ -1,0 +1,160 @@
+"""Compressed backpropagation (CB) between pipeline stages, with lazy error propagation (LEP).
+
+Only the activation *gradient* sent to the previous stage is compressed (activations stay
+exact: an error there changes the loss, not just one gradient estimate). Which messages are
+compressed, and at which rank, is part of the instruction stream: `grad_compression_pass`
+sets `compress_rank` on matching `SendGrad*`/`RecvGrad*` instructions of all ranks' plans, the
+validator checks both sides agree, and the wire shapes follow from the plan's shapes alone
+(`wire_shapes`), so nothing about compression is negotiated at run time.
+
+Epilogue-only: only the gradients a rank sends after its last forward (the last steady-state
+backward and the cool-down) are compressed; that drain is on the critical path of 1F1B,
+the steady-state sends overlap with compute.
+
+LEP: the residual M - P Q^T of one micro-batch is kept by the sender and added to the next
+gradient it sends from the same stage with the same shape, instead of being resent. Weight
+gradients accumulate over micro-batches, so the residual still reaches the weights, one
+micro-batch later.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron.compression import lowrank
+from megatron.pipeline import instructions as I
+
+Shape = Tuple[int, ...]
+
+
+def tensor_wire_shapes(shape: Sequence[int], rank: int) -> List[Shape]:
+    """What one gradient tensor of `shape` becomes on the wire at compression rank `rank`:
+    [P (tokens, r), Q (hidden, r)], or [shape] itself when compressing would not save bytes."""
+    shape = tuple(shape)
+    if rank <= 0 or len(shape) < 2:
+        return [shape]
+    cols = shape[-1]
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    if not lowrank.worth_compressing(rows, cols, rank):
+        return [shape]
+    r = lowrank.effective_rank(rows, cols, rank)
+    return [(rows, r), (cols, r)]
+
+
+def wire_shapes(shapes: Sequence[Sequence[int]], rank: int) -> List[Shape]:
+    out: List[Shape] = []
+    for s in shapes:
+        out.extend(tensor_wire_shapes(s, rank))
+    return out
+
+
+def wire_numel(shapes: Sequence[Sequence[int]], rank: int) -> int:
+    total = 0
+    for s in wire_shapes(shapes, rank):
+        n = 1
+        for d in s:
+            n *= d
+        total += n
+    return total
+
+
+class PipelineGradCompressor:
+    """Sender and receiver side of compressed gradient messages on one rank."""
+
+    def __init__(self, lazy_error_propagation: bool, seed: int = 0):
+        self.lep = lazy_error_propagation
+        self.state = lowrank.LowRankState(seed)
+
+    def encode(self, stage: int, tensors: List[torch.Tensor], rank: int) -> List[torch.Tensor]:
+        out: List[torch.Tensor] = []
+        for idx, t in enumerate(tensors):
+            layout = tensor_wire_shapes(t.shape, rank)
+            if len(layout) == 1:
+                out.append(t)
+                continue
+            r = layout[0][1]
+            key = (stage, idx)
+            m = lowrank.as_matrix(t).float()
+            if self.lep:
+                e = self.state.take_error(key, m.shape)
+                if e is not None:
+                    m = m + e.to(m.device)
+            q = self.state.q_for(key + (r,), m.shape[1], r, m.device)
+            p, q = lowrank.compress(m, q)
+            self.state.q[key + (r,)] = q.detach().cpu()
+            if self.lep:
+                self.state.error[key] = (m - lowrank.decompress(p, q)).detach().cpu()
+            out.extend([p.contiguous(), q.contiguous()])
+        return out
+
+    @staticmethod
+    def decode(shapes: Sequence[Sequence[int]], rank: int, wire: List[torch.Tensor],
+               dtype: torch.dtype) -> List[torch.Tensor]:
+        out: List[torch.Tensor] = []
+        i = 0
+        for s in shapes:
+            layout = tensor_wire_shapes(s, rank)
+            if len(layout) == 1:
+                out.append(wire[i])
+                i += 1
+            else:
+                out.append(lowrank.decompress(wire[i], wire[i + 1]).reshape(tuple(s)).to(dtype))
+                i += 2
+        return out
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.state.load_state_dict(sd)
+
+
+def wire_dtypes(shapes: Sequence[Sequence[int]], rank: int, plan_dtype: str) -> List[str]:
+    """Factors travel in float32 (a rank-r factor in bf16 loses most of what it carries)."""
+    out: List[str] = []
+    for s in shapes:
+        layout = tensor_wire_shapes(s, rank)
+        out.extend([plan_dtype] if len(layout) == 1 else ["float32", "float32"])
+    return out
+
+
+def mark_compressed_grads(plans: List[I.ExecutionPlan], rank: int,
+                          epilogue_only: bool = False) -> List[I.ExecutionPlan]:
+    """Set `compress_rank` on the gradient messages to compress, on both ends.
+
+    `plans` are all pipeline ranks' plans of one iteration (one data-parallel group). A
+    message is named by (micro-batch, sending stage); the sender's Start/Finish and the
+    receiver's Start/Finish of that message all get the same rank."""
+    if rank <= 0:
+        return plans
+    chosen = set()
+    for plan in plans:
+        last_forward = -1
+        if epilogue_only:
+            for i, ins in enumerate(plan.instructions):
+                if isinstance(ins, I.ForwardPass):
+                    last_forward = i
+        for i, ins in enumerate(plan.instructions):
+            if isinstance(ins, I.SendGradStart) and i > last_forward:
+                chosen.add((ins.microbatch, ins.stage))
+    grad_comm = (I.SendGradStart, I.SendGradFinish, I.RecvGradStart, I.RecvGradFinish)
+    out = []
+    for plan in plans:
+        instrs = [dataclasses.replace(ins, compress_rank=rank)
+                  if isinstance(ins, grad_comm) and (ins.microbatch, ins.stage) in chosen else ins
+                  for ins in plan.instructions]
+        out.append(dataclasses.replace(plan, instructions=instrs))
+    return out
+
+
+def grad_compression_pass(cfg) -> Optional[Callable[[list], list]]:
+    """The plan pass for this run's flags, or None when compressed backpropagation is off."""
+    c = getattr(cfg, "compression", None)
+    if c is None or not c.inter_grad_comp:
+        return None
+    rank, epilogue = c.inter_grad_comp_rank, c.inter_grad_comp_epilogue_only
+    return lambda plans: mark_compressed_grads(plans, rank, epilogue)
