@@ -34,6 +34,8 @@ setup(
         "tensorboard": ["tensorboard"],
         # tools/checkpoint/convert.py --to-hf / --from-hf only
         "convert": ["transformers", "safetensors"],
+        # PNG figures of the experiment scripts (they write JSON without it)
+        "plots": ["matplotlib"],
     },
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},

@@ -63,6 +63,10 @@ class DynaPipeConfig:
     decoder_extra_tokens: int = 2  # bos/eos added to T5 targets
     bandwidth_gbps: float = 4800.0  # per pipeline link (NVSwitch intra-node)
     link_latency_ms: float = 0.01
+    # Optimus-CC compressed backpropagation: rank of the factors (0 = off); sizes follow
+    # megatron.compression.pipeline (float32 P and Q, only where smaller than the gradient).
+    grad_compress_rank: int = 0
+    grad_compress_epilogue_only: bool = False
     activation_bytes: int = 2  # element size of cross-stage tensors in the cost model's runs
     schedules: Tuple[str, ...] = ("1f1b", "adaptive")
     max_orders: int = 2
@@ -192,6 +196,14 @@ class DynaPipePlanner:
         tokens = mbs * (enc if dec is None else enc + dec)  # T5 decoder stages also pass the encoder output
         comm = tokens * self.cfg.hidden_size / tp * self.cfg.activation_bytes * 8 / (self.cfg.bandwidth_gbps * 1e6)
         out["comm"] = np.broadcast_to(comm + self.cfg.link_latency_ms, out["fwd"].shape)
+        r = self.cfg.grad_compress_rank
+        if r:
+            h = self.cfg.hidden_size
+            n_tensors = 1 if dec is None else 2  # T5 decoder stages send two gradients (approximation)
+            raw = tokens * h / tp * self.cfg.activation_bytes
+            low = (tokens + n_tensors * h) * np.minimum(r, h) * 4.0
+            grad = np.minimum(raw, low) * 8 / (self.cfg.bandwidth_gbps * 1e6)
+            out["grad_comm"] = np.broadcast_to(grad + self.cfg.link_latency_ms, out["fwd"].shape)
         return out
 
     def _feasible(self, sc: dict, fit: str) -> np.ndarray:
@@ -338,7 +350,9 @@ class DynaPipePlanner:
         enc = np.array([enc_all[s].max() for s in samples], float)
         dec = None if dec_all is None else np.array([dec_all[s].max() for s in samples], float)
         sc = self.stage_costs(rc, mbs, enc, dec)
-        costs = PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]))
+        costs = PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]),
+                              grad_comm=np.array(sc["grad_comm"]) if "grad_comm" in sc else None,
+                              grad_comm_epilogue_only=self.cfg.grad_compress_epilogue_only)
         return costs, samples
 
     def _schedule_groups(self, rc, order, p, enc_all, dec_all, bound):

@@ -53,6 +53,9 @@ def _adaptive(costs, order, mem_limit):
     S, K = costs.num_stages, len(order)
     fwd, bwd, stored, trans, comm = (a.tolist() for a in
                                      (costs.fwd, costs.bwd, costs.stored, costs.transient, costs.comm))
+    # Epilogue-only compression depends on where each rank's last forward lands, which this
+    # greedy search only learns at the end: plan with uncompressed gradients then.
+    gcomm = comm if costs.grad_comm is None or costs.grad_comm_epilogue_only else costs.grad_comm.tolist()
     fptr = [0] * S
     f_arrival = [dict() for _ in range(S)]  # mb -> time its activation is here
     f_arrival[0] = {mb: 0.0 for mb in order}
@@ -125,8 +128,8 @@ def _adaptive(costs, order, mem_limit):
             orders[s].append(Op("B", mb, s))
             if s > 0:
                 t0 = max(t1, glink_free[s])
-                glink_free[s] = t0 + comm[s - 1][mb]
-                b_queue[s - 1].append((t0 + comm[s - 1][mb], mb))
+                glink_free[s] = t0 + gcomm[s - 1][mb]
+                b_queue[s - 1].append((t0 + gcomm[s - 1][mb], mb))
                 touched.add(s - 1)
         free_at[s] = t1
         makespan = max(makespan, t1)

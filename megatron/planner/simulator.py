@@ -36,6 +36,9 @@ class PipelineCosts:
 
     `comm[s, mb]` is the transfer time of stage s's output activation to stage s+1 (the
     gradient that comes back has the same size, so the same time); the last row is unused.
+    `grad_comm[s, mb]`, when given, is the time of that gradient instead (compressed
+    backpropagation makes it smaller); with `grad_comm_epilogue_only` it applies only to the
+    gradients a rank sends after its last forward, the messages the plan pass compresses.
     """
 
     fwd: np.ndarray
@@ -43,6 +46,8 @@ class PipelineCosts:
     stored: np.ndarray
     transient: np.ndarray
     comm: np.ndarray
+    grad_comm: Optional[np.ndarray] = None
+    grad_comm_epilogue_only: bool = False
 
     def __post_init__(self):
         shapes = {np.shape(a) for a in (self.fwd, self.bwd, self.stored, self.transient, self.comm)}
@@ -59,7 +64,9 @@ class PipelineCosts:
 
     def subset(self, mbs: Sequence[int]) -> "PipelineCosts":
         idx = np.asarray(mbs, dtype=np.int64)
-        return PipelineCosts(*(a[:, idx] for a in (self.fwd, self.bwd, self.stored, self.transient, self.comm)))
+        return PipelineCosts(*(a[:, idx] for a in (self.fwd, self.bwd, self.stored, self.transient, self.comm)),
+                             grad_comm=None if self.grad_comm is None else self.grad_comm[:, idx],
+                             grad_comm_epilogue_only=self.grad_comm_epilogue_only)
 
 
 @dataclass
@@ -103,6 +110,10 @@ def simulate(costs: PipelineCosts, orders: Sequence[Sequence[Op]],
     R = len(orders)
     fwd, bwd, stored, trans, comm = (a.tolist() for a in
                                      (costs.fwd, costs.bwd, costs.stored, costs.transient, costs.comm))
+    gcomm = comm if costs.grad_comm is None else costs.grad_comm.tolist()
+    # Index in each rank's order after which its gradient sends count as the epilogue.
+    last_f = [max((i for i, o in enumerate(order) if o[0] == "F"), default=-1)
+              if costs.grad_comm_epilogue_only else -1 for order in orders]
     arrival: Dict[Op, float] = {}  # when an op's input from another stage is available here
     start: Dict[Op, float] = {}
     end: Dict[Op, float] = {}
@@ -115,13 +126,14 @@ def simulate(costs: PipelineCosts, orders: Sequence[Sequence[Op]],
     ptr = [0] * R
     remaining = sum(len(o) for o in orders)
 
-    def send(kind, mb, s_from, s_to, t_ready):
+    def send(kind, mb, s_from, s_to, t_ready, position=0):
         src, dst = stage_to_rank[s_from], stage_to_rank[s_to]
         consumer = Op(kind, mb, s_to)
         if src == dst:
             arrival[consumer] = t_ready
             return
-        dur = comm[min(s_from, s_to)][mb]
+        table = gcomm if kind == "B" and position > last_f[src] else comm
+        dur = table[min(s_from, s_to)][mb]
         t0 = max(t_ready, link_free.get((src, dst), 0.0))
         link_free[(src, dst)] = t0 + dur
         arrival[consumer] = t0 + dur
@@ -160,7 +172,7 @@ def simulate(costs: PipelineCosts, orders: Sequence[Sequence[Op]],
                 if kind == "F" and s < S - 1:
                     send("F", mb, s, s + 1, t1)
                 elif kind == "B" and s > 0:
-                    send("B", mb, s, s - 1, t1)
+                    send("B", mb, s, s - 1, t1, ptr[r])
                 ptr[r] += 1
                 remaining -= 1
                 progressed = True
