@@ -85,3 +85,16 @@ def test_state_round_trips_through_state_dict():
     a, b = comp.encode(1, [m2], 2), other.encode(1, [m2], 2)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+def test_multi_tensor_message_compresses_each_tensor_on_its_own():
+    # A T5 decoder stage sends two gradients; the small one travels raw.
+    g = torch.Generator().manual_seed(4)
+    big = torch.randn(8, 2, 1, generator=g) @ torch.randn(1, 32, generator=g)  # rank 1: exact at r=2
+    small = torch.randn(2, 1, 4, generator=g)
+    comp = PipelineGradCompressor(lazy_error_propagation=False)
+    wire = comp.encode(3, [big, small], 2)
+    assert [tuple(w.shape) for w in wire] == [(16, 2), (32, 2), (2, 1, 4)]
+    back = PipelineGradCompressor.decode([big.shape, small.shape], 2, wire, torch.float32)
+    torch.testing.assert_close(back[0], big, atol=1e-5, rtol=1e-5)
+    assert torch.equal(back[1], small)
