@@ -139,6 +139,9 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split norms, dropout and residuals along the sequence inside tensor-parallel regions "
+                        "(activation memory / TP); needs --tensor-model-parallel-size > 1 to have an effect")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard Adam state over the data-parallel group (gradients reduce-scattered, "
                         "parameters all-gathered)")
@@ -309,6 +312,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
             normalization=args.normalization, swiglu=args.swiglu, add_bias_linear=args.add_bias_linear,
             rotary_percent=args.rotary_percent, rotary_base=args.rotary_base, num_query_groups=_query_groups(args),
             position_embedding_type=args.position_embedding_type or "relative",
+            sequence_parallel=args.sequence_parallel,
             relative_attention_num_buckets=args.relative_attention_num_buckets,
             relative_attention_max_distance=args.relative_attention_max_distance,
         )
@@ -326,6 +330,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
             rotary_percent=args.rotary_percent, rotary_base=args.rotary_base, num_query_groups=_query_groups(args),
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type or "learned_absolute",
+            sequence_parallel=args.sequence_parallel,
         )
     parallel = ParallelConfig(
         world_size=world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,

@@ -40,6 +40,9 @@ class ModelConfig:
     normalization: str = "LayerNorm"  # or "RMSNorm"
     swiglu: bool = False  # gated SiLU MLP (gate and up projections, each ffn_hidden_size wide)
     add_bias_linear: bool = True  # --disable-bias-linear sets False
+    # --sequence-parallel: norms, dropout and residuals split along the sequence inside TP
+    # regions (Megatron's); a no-op at TP=1. Lives here because the layers read it.
+    sequence_parallel: bool = False
     # T5 only.
     encoder_num_layers: Optional[int] = None
     decoder_num_layers: Optional[int] = None
@@ -377,6 +380,7 @@ class MegatronConfig:
     def __post_init__(self):
         m, p, t = self.model, self.parallel, self.training
         self._check_compression()
+        self._check_sequence_parallel()
         dp = p.data_parallel_size
         tp = p.tensor_model_parallel_size
         if t.global_batch_size is None:
@@ -423,6 +427,16 @@ class MegatronConfig:
                 _require(p.pipeline_model_parallel_split_rank == p.pipeline_model_parallel_size // 2,
                          "--dynapipe with T5 puts the encoder on the first half of the pipeline: set "
                          f"--pipeline-model-parallel-split-rank {p.pipeline_model_parallel_size // 2}")
+
+    def _check_sequence_parallel(self) -> None:
+        m, p = self.model, self.parallel
+        if not m.sequence_parallel:
+            return
+        tp = p.tensor_model_parallel_size
+        _require(m.model_type == "gpt", "--sequence-parallel is implemented for GPT; drop it for T5")
+        if tp > 1 and m.seq_length is not None:
+            _require(m.seq_length % tp == 0, f"--sequence-parallel splits the sequence over TP ranks: --seq-length "
+                     f"({m.seq_length}) must be a multiple of --tensor-model-parallel-size ({tp})")
 
     def _check_compression(self) -> None:
         c, p = self.compression, self.parallel

@@ -57,7 +57,7 @@ def build_gpt_trainer(cfg: MegatronConfig, ps, device):
     stages = build_gpt_stages(cfg, ps)
     chunks = num_model_chunks(cfg)
     planner = FixedBatchPlanner(cfg.parallel.pipeline_schedule, ps.pp_size, chunks,
-                                lambda shapes: gpt_activation_shapes(cfg.model, shapes),
+                                lambda shapes: gpt_activation_shapes(cfg.model, shapes, ps.tp_size),
                                 cfg.training.recompute_level, cfg.training.params_dtype_name,
                                 plan_pass=grad_compression_pass(cfg))
     tied = [] if cfg.model.untie_embeddings_and_output_weights else tied_embedding_params(stages, ps.pp_size * chunks)

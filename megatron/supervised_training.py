@@ -260,7 +260,8 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   zero_shards=ps.dp_size if cfg.training.use_distributed_optimizer else 1,
                   # The simulator then times compressed gradient messages at their real size.
                   grad_compress_rank=cfg.compression.inter_grad_comp_rank if cfg.compression.inter_grad_comp else 0,
-                  grad_compress_epilogue_only=cfg.compression.inter_grad_comp_epilogue_only)
+                  grad_compress_epilogue_only=cfg.compression.inter_grad_comp_epilogue_only,
+                  sequence_parallel=m.sequence_parallel, num_attention_heads=m.num_attention_heads)
     if m.model_type == "gpt":
         return DynaPipeConfig(model_kind="gpt", num_layers=m.num_layers, **common)
     return DynaPipeConfig(model_kind="t5", num_layers=m.num_layers, encoder_layers=m.encoder_num_layers,

@@ -177,6 +177,8 @@ class Trainer:
         autocast = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else None
         self.comm_dtype_name = t.params_dtype_name
         self._setup_compression(cfg, ps)
+        self.sequence_parallel_params = [p for m in self.modules for p in m.parameters()
+                                         if getattr(p, "sequence_parallel", False)]
         self.executor = PipelineExecutor(stages, comm, rank_desc=ps.describe(), autocast_dtype=autocast,
                                          device=device, comm_dtype=DTYPES[self.comm_dtype_name],
                                          grad_compressor=self.grad_compressor)
@@ -212,6 +214,9 @@ class Trainer:
         """Tied-embedding sync and data-parallel reduction; returns payload bytes per mechanism."""
         ps = self.ps
         sent = {"dp": 0, "dp_raw": 0, "emb": 0}
+        if self.sequence_parallel_params:
+            # Norm weights and row-parallel biases saw only this rank's sequence chunk.
+            allreduce_data_parallel_grads(self.sequence_parallel_params, ps.tp_group, ps.tp_size)
         dp_params = self.optimizer.params
         if self.fused_embedding_group is not None:
             from megatron.compression.embedding import fused_embedding_all_reduce

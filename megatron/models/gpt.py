@@ -17,7 +17,8 @@ from torch import nn
 from megatron.config import ModelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import (VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
-                                           init_generator, vocab_parallel_cross_entropy)
+                                           gather_from_sequence_parallel_region, get_rng_tracker, init_generator,
+                                           scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
 from megatron.models.rotary import rotary_cos_sin
 from megatron.models.transformer import TransformerBlock, TransformerLayer, build_norm
 
@@ -36,12 +37,22 @@ class GPTEmbedding(nn.Module):
             pos.normal_(0.0, cfg.init_method_std, generator=init_generator(seed, "embedding.position_embeddings"))
             self.position_embeddings = nn.Parameter(pos)
         self.dropout = cfg.hidden_dropout
+        self.tp_group = ps.tp_group
+        self.sequence_parallel = cfg.sequence_parallel and ps.tp_size > 1
 
     def forward(self, tokens, position_ids):
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:  # RoPE rotates q and k inside attention instead
             x = x + F.embedding(position_ids, self.position_embeddings)
         x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+        if self.sequence_parallel:
+            # Megatron fuses this into the embedding's reduce-scatter; an all-reduce then a split
+            # moves more bytes but gives the same values and gradients.
+            x = scatter_to_sequence_parallel_region(x, self.tp_group)
+            if self.dropout > 0 and self.training:
+                with get_rng_tracker().fork():
+                    return F.dropout(x, self.dropout, True)
+            return x
         return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
 
 
@@ -62,9 +73,11 @@ class GPTStage(nn.Module):
             self.embedding = GPTEmbedding(cfg, ps, self.padded_vocab, seed)
         layers = [TransformerLayer(cfg, ps.tp_group, layer_number=i, num_layers_total=cfg.num_layers, seed=seed,
                                    key=f"decoder.layers.{i}") for i in range(layer_start, layer_end)]
-        self.decoder = TransformerBlock(layers, recompute_method, recompute_num_layers)
+        self.sequence_parallel = cfg.sequence_parallel and ps.tp_size > 1
+        self.decoder = TransformerBlock(layers, recompute_method, recompute_num_layers,
+                                        sequence_parallel=self.sequence_parallel)
         if post_process:
-            self.final_layernorm = build_norm(cfg)
+            self.final_layernorm = build_norm(cfg, ps.tp_group)
             if cfg.untie_embeddings_and_output_weights:
                 self.output_layer = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, ps.tp_group,
                                                            init_std=cfg.init_method_std, seed=seed,
@@ -100,25 +113,35 @@ class GPTStage(nn.Module):
             (x,) = inputs
         rotary = None
         if self.cfg.position_embedding_type == "rope":
-            if pos is None:  # [s, b, h] hidden states of an unpacked batch
-                pos = torch.arange(x.shape[0], device=x.device).unsqueeze(0).expand(x.shape[1], x.shape[0])
+            if pos is None:  # [s, b, h] hidden states of an unpacked batch (s/tp of them under SP)
+                s = x.shape[0] * (self.ps.tp_size if self.sequence_parallel else 1)
+                pos = torch.arange(s, device=x.device).unsqueeze(0).expand(x.shape[1], s)
             rotary = rotary_cos_sin(self.cfg, pos.to(x.device), torch.float32)
         x = self.decoder(x, mask, recompute=self.recompute, rotary=rotary)
         if not self.post_process:
             return [x]
         x = self.final_layernorm(x)
-        x = copy_to_tensor_model_parallel_region(x, self.ps.tp_group)
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.ps.tp_group)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.ps.tp_group)
         logits = F.linear(x, self.output_weight())  # [s, b, v/tp]
         labels = batch["labels"].transpose(0, 1)
         losses = vocab_parallel_cross_entropy(logits, labels, self.ps.tp_group, self.cfg.vocab_size)
         return [losses.transpose(0, 1)]  # [b, s]
 
 
-def gpt_activation_shapes(cfg: ModelConfig, microbatch_shapes):
-    """(mb, stage) -> shapes of the stage's output: [s, b, h] for every GPT stage boundary."""
+def gpt_activation_shapes(cfg: ModelConfig, microbatch_shapes, tp_size: int = 1):
+    """(mb, stage) -> shapes of the stage's output: [s, b, h] for every GPT stage boundary
+    ([s / tp, b, h] with sequence parallelism: stages exchange their sequence chunks)."""
+    tp = tp_size if cfg.sequence_parallel else 1
+
     def shapes(mb, stage):
         b, s = microbatch_shapes[mb][0]
-        return ((s, b, cfg.hidden_size),)
+        if s % tp:
+            raise ValueError(f"--sequence-parallel: micro-batch {mb} has {s} tokens per sample, not a multiple of "
+                             f"--tensor-model-parallel-size {tp}")
+        return ((s // tp, b, cfg.hidden_size),)
     return shapes
 
 

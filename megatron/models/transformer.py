@@ -38,11 +38,19 @@ def _sdpa(q, k, v, mask, bias, causal, dropout_p):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal)
 
 
-def build_norm(cfg: ModelConfig) -> nn.Module:
-    """The layer norm of --normalization (LayerNorm, or RMSNorm without mean subtraction and bias)."""
+def build_norm(cfg: ModelConfig, tp_group=None) -> nn.Module:
+    """The layer norm of --normalization (LayerNorm, or RMSNorm without mean subtraction and bias).
+
+    Under sequence parallelism each TP rank normalises only its sequence chunk, so the norm's
+    parameter gradients are partial sums: they are tagged for an all-reduce over TP."""
     if cfg.normalization == "RMSNorm":
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+    else:
+        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+    if cfg.sequence_parallel and group_size(tp_group) > 1:
+        for p in norm.parameters():
+            p.sequence_parallel = True
+    return norm
 
 
 class ParallelAttention(nn.Module):
@@ -69,9 +77,10 @@ class ParallelAttention(nn.Module):
             self.heads_per_group = cfg.num_attention_heads // cfg.query_groups
             qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * self.hn
             self.query_key_value = ColumnParallelLinear(cfg.hidden_size, qkv, tp_group, init_std=std,
-                                                        seed=seed, key=key + ".query_key_value", bias=bias)
+                                                        seed=seed, key=key + ".query_key_value", bias=bias,
+                                                        sequence_parallel=cfg.sequence_parallel)
         self.dense = RowParallelLinear(proj, cfg.hidden_size, tp_group, init_std=out_std, seed=seed, key=key + ".dense",
-                                       bias=bias)
+                                       bias=bias, sequence_parallel=cfg.sequence_parallel)
 
     def _heads(self, x, n):
         s, b, _ = x.shape
@@ -126,18 +135,28 @@ class ParallelMLP(nn.Module):
         super().__init__()
         bias = cfg.add_bias_linear
         self.swiglu = cfg.swiglu
+        sp = cfg.sequence_parallel
         self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp_group,
                                                   init_std=cfg.init_method_std, seed=seed, key=key + ".dense_h_to_4h",
-                                                  bias=bias)
+                                                  bias=bias, sequence_parallel=sp)
         if self.swiglu:
             self.dense_h_to_4h_gate = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp_group,
                                                            init_std=cfg.init_method_std, seed=seed,
-                                                           key=key + ".dense_h_to_4h_gate", bias=bias)
+                                                           key=key + ".dense_h_to_4h_gate", bias=bias,
+                                                           sequence_parallel=sp)
         self.dense_4h_to_h = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group,
-                                               init_std=out_std, seed=seed, key=key + ".dense_4h_to_h", bias=bias)
+                                               init_std=out_std, seed=seed, key=key + ".dense_4h_to_h", bias=bias,
+                                               sequence_parallel=sp)
 
     def forward(self, x):
         if self.swiglu:
+            if self.dense_h_to_4h.sequence_parallel:
+                # Gather the sequence once for both column-parallel inputs.
+                from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+                x = gather_from_sequence_parallel_region(x, self.dense_h_to_4h.tp_group)
+                return self.dense_4h_to_h(F.silu(F.linear(x, self.dense_h_to_4h_gate.weight,
+                                                          self.dense_h_to_4h_gate.bias))
+                                          * F.linear(x, self.dense_h_to_4h.weight, self.dense_h_to_4h.bias))
             return self.dense_4h_to_h(F.silu(self.dense_h_to_4h_gate(x)) * self.dense_h_to_4h(x))
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
 
@@ -151,15 +170,15 @@ class TransformerLayer(nn.Module):
         out_std = cfg.init_method_std / math.sqrt(2.0 * num_layers_total)
         self.layer_number = layer_number
         self.hidden_dropout = cfg.hidden_dropout
-        self.input_layernorm = build_norm(cfg)
+        self.input_layernorm = build_norm(cfg, tp_group)
         self.self_attention = ParallelAttention(cfg, tp_group, seed=seed, key=key + ".self_attention",
                                                 causal=causal, out_std=out_std)
         self.decoder = decoder
         if decoder:
-            self.pre_cross_attn_layernorm = build_norm(cfg)
+            self.pre_cross_attn_layernorm = build_norm(cfg, tp_group)
             self.inter_attention = ParallelAttention(cfg, tp_group, seed=seed, key=key + ".inter_attention",
                                                      cross=True, causal=False, out_std=out_std)
-        self.post_attention_layernorm = build_norm(cfg)
+        self.post_attention_layernorm = build_norm(cfg, tp_group)
         self.mlp = ParallelMLP(cfg, tp_group, seed=seed, key=key + ".mlp", out_std=out_std)
         self.relative_bias = relative_bias
 
@@ -180,9 +199,12 @@ class TransformerBlock(nn.Module):
     """A contiguous run of layers owned by one pipeline stage."""
 
     def __init__(self, layers: list[TransformerLayer], recompute_method: Optional[str] = None,
-                 recompute_num_layers: Optional[int] = None):
+                 recompute_num_layers: Optional[int] = None, sequence_parallel: bool = False):
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        # Sequence-parallel dropout masks must differ between TP ranks (they hold different
+        # tokens): the whole block draws from the tracker's model-parallel stream.
+        self.sequence_parallel = sequence_parallel
         self.recompute_method = recompute_method or "uniform"
         self.recompute_num_layers = recompute_num_layers
 
@@ -192,6 +214,12 @@ class TransformerBlock(nn.Module):
         return True
 
     def forward(self, x, mask=None, encoder_output=None, cross_mask=None, recompute: str = "none", rotary=None):
+        if self.sequence_parallel:
+            with get_rng_tracker().fork():
+                return self._forward(x, mask, encoder_output, cross_mask, recompute, rotary)
+        return self._forward(x, mask, encoder_output, cross_mask, recompute, rotary)
+
+    def _forward(self, x, mask, encoder_output, cross_mask, recompute, rotary):
         for i, layer in enumerate(self.layers):
             if recompute == "full" and self._full_recompute(i) and torch.is_grad_enabled():
                 x = checkpoint(lambda h, e, l=layer: l(h, mask, e, cross_mask, rotary=rotary), x, encoder_output)

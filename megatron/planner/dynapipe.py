@@ -67,6 +67,10 @@ class DynaPipeConfig:
     # megatron.compression.pipeline (float32 P and Q, only where smaller than the gradient).
     grad_compress_rank: int = 0
     grad_compress_epilogue_only: bool = False
+    # --sequence-parallel: stage boundaries carry [s/tp, b, h]; activation memory scaled from
+    # the (non-SP) profile by Megatron's per-layer activation formula (see `sp_memory_factor`).
+    sequence_parallel: bool = False
+    num_attention_heads: Optional[int] = None
     activation_bytes: int = 2  # element size of cross-stage tensors in the cost model's runs
     schedules: Tuple[str, ...] = ("1f1b", "adaptive")
     max_orders: int = 2
@@ -188,6 +192,10 @@ class DynaPipePlanner:
             if s == self.S - 1:
                 p = self.cm.postprocess(tp, rc, mbs, enc if dec is None else dec)
                 f, b = f + p["forward_ms"], b + p["backward_ms"]
+            if self.cfg.sequence_parallel and tp > 1:
+                factor = sp_memory_factor(rc, tp, enc if dec is None else np.maximum(enc, dec),
+                                          self.cfg.hidden_size, self.cfg.num_attention_heads)
+                st, pk = st * factor, pk * factor
             for k, v in zip(("fwd", "bwd", "stored", "peak"), (f, b, st, pk)):
                 out[k].append(np.broadcast_to(v, mbs.shape))
         out = {k: np.stack(v) for k, v in out.items()}
@@ -408,8 +416,11 @@ class DynaPipePlanner:
             from megatron.pipeline.lowering import ComputeOp, lower_to_plans
             half = self.S // 2
 
+            sp = self.cfg.tensor_parallel if self.cfg.sequence_parallel else 1
+
             def activation_shapes(mb, stage):
                 b, se, sd = act[mb]
+                se, sd = se // sp, sd // sp
                 if not t5:
                     return ((se, b, h),)
                 if self.S > 1 and stage < half:
@@ -421,6 +432,22 @@ class DynaPipePlanner:
                                    iteration=iteration, validate=validate)
         return GroupPlan([[int(i) for i in s] for s in mbs], shapes, ch.name, float(ch.result.makespan),
                          [float(x) for x in ch.result.peak_memory], plans, orders, ch.result)
+
+
+def sp_memory_factor(rc: str, tp: int, seq, hidden: int, heads: Optional[int]):
+    """Activation memory with sequence parallelism / without, per transformer layer.
+
+    Megatron's accounting (Korthikanti et al., 2022), bytes per layer for s tokens, batch b,
+    hidden h, a heads: without SP  s*b*h*(10 + 24/t + 5*a*s/(h*t)); with SP
+    s*b*h*(34/t + 5*a*s/(h*t)). Selective recompute drops the a*s term; full recompute keeps
+    only the layer input (2*s*b*h, split by t under SP). `heads` unknown -> h/64 heads."""
+    if rc == "full":
+        return 1.0 / tp
+    if rc == "selective":
+        return (34.0 / tp) / (10.0 + 24.0 / tp)
+    a = heads or max(1, hidden // 64)
+    attn = 5.0 * a * np.asarray(seq, float) / (hidden * tp)
+    return (34.0 / tp + attn) / (10.0 + 24.0 / tp + attn)
 
 
 def plan_batch(lengths, config: DynaPipeConfig, iteration: int = 0,

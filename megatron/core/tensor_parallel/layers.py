@@ -14,7 +14,9 @@ from torch import nn
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     gather_from_tensor_model_parallel_region,
                                                     group_rank, group_size,
+                                                    gather_from_sequence_parallel_region,
                                                     reduce_from_tensor_model_parallel_region,
+                                                    reduce_scatter_to_sequence_parallel_region,
                                                     scatter_to_tensor_model_parallel_region)
 from megatron.core.tensor_parallel.random import init_generator
 
@@ -36,9 +38,10 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp_group, *, bias: bool = True,
                  gather_output: bool = False, init_std: float = 0.02, seed: int = 0, key: str = "",
-                 skip_bias_add: bool = False):
+                 skip_bias_add: bool = False, sequence_parallel: bool = False):
         super().__init__()
         tp, r = group_size(tp_group), group_rank(tp_group)
+        self.sequence_parallel = sequence_parallel and tp > 1
         if out_features % tp != 0:
             raise ValueError(f"{key}: output size {out_features} is not divisible by tensor-parallel size {tp}")
         self.tp_group, self.gather_output, self.skip_bias_add = tp_group, gather_output, skip_bias_add
@@ -53,7 +56,10 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x):
-        x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         y = F.linear(x, self.weight, bias)
         if self.gather_output:
@@ -66,9 +72,10 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp_group, *, bias: bool = True,
                  input_is_parallel: bool = True, init_std: float = 0.02, seed: int = 0, key: str = "",
-                 skip_bias_add: bool = False):
+                 skip_bias_add: bool = False, sequence_parallel: bool = False):
         super().__init__()
         tp, r = group_size(tp_group), group_rank(tp_group)
+        self.sequence_parallel = sequence_parallel and tp > 1
         if in_features % tp != 0:
             raise ValueError(f"{key}: input size {in_features} is not divisible by tensor-parallel size {tp}")
         self.tp_group, self.input_is_parallel, self.skip_bias_add = tp_group, input_is_parallel, skip_bias_add
@@ -78,13 +85,19 @@ class RowParallelLinear(nn.Module):
         mark_tensor_parallel(self.weight, 1)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features))
+            # Added after the reduce-scatter: each rank sees only its sequence chunk.
+            self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.tp_group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
+        else:
+            y = reduce_from_tensor_model_parallel_region(y, self.tp_group)
         if self.skip_bias_add:
             return y, self.bias
         return y if self.bias is None else y + self.bias

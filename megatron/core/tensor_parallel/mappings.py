@@ -99,3 +99,83 @@ def scatter_to_tensor_model_parallel_region(x, group):
 
 def gather_from_tensor_model_parallel_region(x, group):
     return x if group_size(group) == 1 else _GatherFromRegion.apply(x, group)
+
+
+# ---------------------------------------------------------------------------------------
+# Sequence parallelism: outside the TP regions (norms, dropout, residuals) activations are
+# split along the sequence (dim 0 of [s, b, h]); entering a column-parallel linear gathers
+# them (backward: reduce-scatter the partial gradients), leaving a row-parallel linear
+# reduce-scatters the partial sums (backward: all-gather).
+
+def _split_first(x: torch.Tensor, group) -> torch.Tensor:
+    n = group_size(group)
+    if x.shape[0] % n:
+        raise ValueError(f"sequence parallelism splits the sequence ({x.shape[0]} tokens) over {n} tensor-parallel "
+                         f"ranks: make the sequence length a multiple of --tensor-model-parallel-size")
+    return x.chunk(n, dim=0)[group_rank(group)].contiguous()
+
+
+def _gather_first(x: torch.Tensor, group) -> torch.Tensor:
+    n = group_size(group)
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] * n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
+    n = group_size(group)
+    if x.shape[0] % n:
+        raise ValueError(f"sequence parallelism: {x.shape[0]} tokens do not split over {n} tensor-parallel ranks")
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_first(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_first(g, ctx.group), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_first(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_first(g, ctx.group), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_first(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_first(g, ctx.group), None
+
+
+def scatter_to_sequence_parallel_region(x, group):
+    """Full sequence, identical on every TP rank -> this rank's sequence chunk."""
+    return x if group_size(group) == 1 else _ScatterToSequence.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x, group):
+    """Sequence chunks -> the full sequence on every rank, entering a TP region."""
+    return x if group_size(group) == 1 else _GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group):
+    """Partial sums over the full sequence -> this rank's chunk of the sum."""
+    return x if group_size(group) == 1 else _ReduceScatterToSequence.apply(x, group)

@@ -34,6 +34,7 @@ class RNGStatesTracker:
     def __init__(self, device_type: str = "cpu"):
         self.device_type = device_type
         self.states: dict[str, torch.Tensor] = {}
+        self.active: set = set()  # streams forked right now (the global RNG *is* that stream)
 
     def reset(self):
         self.states = {}
@@ -59,6 +60,13 @@ class RNGStatesTracker:
     def fork(self, name: str = MODEL_PARALLEL_RNG):
         if name not in self.states:
             raise KeyError(f"RNG state {name!r} was never added; call model_parallel_seed() first")
+        active = self.active
+        if name in active:
+            # Already drawing from this stream (sequence parallelism forks around a whole block
+            # and attention forks again): re-entering would restart from the stale saved state.
+            yield
+            return
+        active.add(name)
         saved = _get_state(self.device_type)
         _set_state(self.states[name], self.device_type)
         try:
@@ -66,6 +74,7 @@ class RNGStatesTracker:
         finally:
             self.states[name] = _get_state(self.device_type)
             _set_state(saved, self.device_type)
+            active.discard(name)
 
 
 _TRACKER = RNGStatesTracker()
@@ -96,17 +105,23 @@ def checkpoint(fn, *args):
     """Activation checkpointing that also replays the tracked TP RNG streams."""
     tracker = _TRACKER
     snapshot = tracker.get_states()
+    # A stream forked around this call (sequence parallelism forks around whole blocks) lives
+    # in the global RNG, which torch's checkpoint restores for the recompute: mark it forked
+    # again then, so nested forks draw from it exactly as the first forward did.
+    active = set(tracker.active)
     calls = [0]
 
     def run(*a):
         calls[0] += 1
         if calls[0] == 1:
             return fn(*a)
-        current = tracker.get_states()
+        current, current_active = tracker.get_states(), tracker.active
         tracker.set_states(snapshot)
+        tracker.active = set(active)
         try:
             return fn(*a)
         finally:
             tracker.set_states(current)
+            tracker.active = current_active
 
     return _torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
