@@ -277,7 +277,9 @@ def _check_cost_model_matches(path: str, model: ModelConfig) -> None:
         raise ConfigError(f"--dynapipe-cost-model: {e}") from None
     run = {"kind": model.model_type, "hidden_size": model.hidden_size,
            "num_attention_heads": model.num_attention_heads, "ffn_hidden_size": model.ffn_hidden_size,
-           "kv_channels": model.kv_channels}
+           "kv_channels": model.kv_channels, "normalization": model.normalization, "swiglu": model.swiglu,
+           "add_bias_linear": model.add_bias_linear, "position_embedding_type": model.position_embedding_type,
+           "num_query_groups": model.query_groups}
     diffs = [f"{k} {saved[k]} vs {run[k]}" for k in run if k in saved and saved[k] != run[k]]
     if diffs:
         raise ConfigError(f"--dynapipe-cost-model {path} was profiled for another model ({', '.join(diffs)}: "

@@ -41,6 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default: the longest profiled length")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
+    # The training flags of the same names: profile the architecture you will train.
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    g.add_argument("--position-embedding-type", default=None, choices=["learned_absolute", "relative", "rope"])
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
     g = p.add_argument_group("grid")
     g.add_argument("--tp", type=_ints("--tp"), default=[1], help="tensor-parallel sizes, e.g. 1,2")
     g.add_argument("--micro-batch-sizes", type=_ints("--micro-batch-sizes"), required=True)
@@ -86,7 +95,12 @@ def spec_from_args(args):
                   make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                   max_position_embeddings=args.max_position_embeddings or longest,
                   hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-                  seq_length=max(args.seq_lengths))
+                  seq_length=max(args.seq_lengths), normalization=args.normalization, swiglu=args.swiglu,
+                  add_bias_linear=args.add_bias_linear, rotary_percent=args.rotary_percent,
+                  rotary_base=args.rotary_base,
+                  num_query_groups=args.num_query_groups if args.group_query_attention else None,
+                  position_embedding_type=args.position_embedding_type
+                  or ("relative" if args.model_type == "t5" else "learned_absolute"))
         if args.model_type == "t5":
             kw.update(encoder_num_layers=args.num_layers_profiled, decoder_num_layers=args.num_layers_profiled,
                       encoder_seq_length=max(args.seq_lengths),

@@ -206,7 +206,11 @@ def to_cost_model(spec: ProfileSpec, results: List[dict], meta: dict) -> CostMod
     model = {"kind": m.model_type, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
              "ffn_hidden_size": m.ffn_hidden_size, "kv_channels": m.kv_channels, "vocab_size": m.vocab_size,
              "max_position_embeddings": m.max_position_embeddings,
-             "hidden_dropout": m.hidden_dropout, "attention_dropout": m.attention_dropout}
+             "hidden_dropout": m.hidden_dropout, "attention_dropout": m.attention_dropout,
+             # The architecture changes per-layer time and memory: planning another with this
+             # file is refused (arguments._check_cost_model_matches).
+             "normalization": m.normalization, "swiglu": m.swiglu, "add_bias_linear": m.add_bias_linear,
+             "position_embedding_type": m.position_embedding_type, "num_query_groups": m.query_groups}
     meta = dict(meta, units={"time": "ms", "memory": "MB (1e6 bytes)"}, parameters=params,
                 dtype=spec.dtype, profiler={"cpu_threads_per_rank": spec.cpu_threads,"layers_per_measurement": spec.layers, "warmup": spec.warmup,
                                              "iters": spec.iters, "statistic": spec.statistic,

@@ -122,3 +122,25 @@ def test_cli_end_to_end(tmp_path):
     bad = subprocess.run(base + ["--tp", "3", "--output", str(tmp_path / "x.json")], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--tp" in bad.stderr and not (tmp_path / "x.json").exists()
+
+
+def test_cli_profiles_the_architecture_and_training_refuses_another(tmp_path):
+    from megatron.arguments import _check_cost_model_matches
+    from megatron.config import ConfigError
+    out = tmp_path / "llama.json"
+    cmd = [sys.executable, "-m", "megatron.profiling.profile_model", "--hidden-size", "32",
+           "--num-attention-heads", "4", "--vocab-size", "100", "--micro-batch-sizes", "1",
+           "--seq-lengths", "16", "--recompute", "none", "--num-layers-profiled", "1", "--warmup", "0",
+           "--iters", "1", "--device", "cpu", "--quiet", "--swiglu", "--normalization", "RMSNorm",
+           "--disable-bias-linear", "--position-embedding-type", "rope", "--group-query-attention",
+           "--num-query-groups", "2", "--output", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    saved = CostModel.load(out).model
+    assert saved["swiglu"] and saved["normalization"] == "RMSNorm" and saved["num_query_groups"] == 2
+    llama = dict(hidden_size=32, num_attention_heads=4, vocab_size=100, num_layers=2, seq_length=16,
+                 ffn_hidden_size=128, swiglu=True, normalization="RMSNorm", add_bias_linear=False,
+                 position_embedding_type="rope", num_query_groups=2)
+    _check_cost_model_matches(str(out), ModelConfig(**llama))  # the same architecture: accepted
+    with pytest.raises(ConfigError, match="swiglu True vs False"):
+        _check_cost_model_matches(str(out), ModelConfig(**dict(llama, swiglu=False)))
