@@ -182,3 +182,34 @@ def test_t5_pipeline_trains_with_compressed_two_tensor_gradients():
     assert got[0] == ref[0]  # the first forward runs before any compressed gradient is used
     assert got[1:] != ref[1:]  # later steps took compressed updates
     assert abs(got[-1] - ref[-1]) < 0.05 * ref[-1]
+
+
+def _dynapipe(rank, world, data, compressed):
+    import tests.test_dynapipe_training as T
+    orig = T._cfg
+
+    def cfg(*a, **k):
+        c = orig(*a, **k)
+        if compressed:
+            c.compression = CompressionConfig(inter_grad_comp=True, inter_grad_comp_rank=2, use_error_feedback=True)
+        return c
+
+    T._cfg = cfg
+    try:
+        return T._train(rank, world, "gpt", data, "dynapipe", 2)
+    finally:
+        T._cfg = orig
+
+
+def test_dynapipe_plans_carry_compressed_gradients(tmp_path):
+    import numpy as np
+    from tests.test_dynapipe_training import VOCAB, _write
+    rng = np.random.RandomState(0)
+    lin = np.clip(rng.lognormal(2.6, 0.8, 200).astype(int), 2, 60)
+    lout = np.clip(rng.lognormal(1.8, 0.7, 200).astype(int), 1, 30)
+    _write(str(tmp_path / "in"), [rng.randint(0, VOCAB, k) for k in lin])
+    _write(str(tmp_path / "out"), [rng.randint(0, VOCAB, k) for k in lout])
+    data = (str(tmp_path / "in"), str(tmp_path / "out"))
+    plain = [o for o in run_distributed(_dynapipe, 2, data, False) if o["last"]][0]["loss"]
+    comp = [o for o in run_distributed(_dynapipe, 2, data, True) if o["last"]][0]["loss"]
+    assert comp[0] == plain[0] and comp[1] != plain[1]
