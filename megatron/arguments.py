@@ -142,6 +142,11 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true",
                    help="split norms, dropout and residuals along the sequence inside tensor-parallel regions "
                         "(activation memory / TP); needs --tensor-model-parallel-size > 1 to have an effect")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="start each bucket's data-parallel all-reduce during the backward passes, as soon as its "
+                        "gradients are final (from the plan)")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per data-parallel communication bucket (default 40M)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard Adam state over the data-parallel group (gradients reduce-scattered, "
                         "parameters all-gathered)")
@@ -358,6 +363,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, exit_interval=args.exit_interval,
         max_consecutive_skipped_iters=args.max_consecutive_skipped_iters,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_grad_reduce=args.overlap_grad_reduce, ddp_bucket_size=args.ddp_bucket_size,
     )
     data = DataConfig(
         mock_data=args.mock_data, data_path=args.data_path, targets_data_path=args.targets_data_path,

@@ -211,6 +211,8 @@ class TrainingConfig:
     exit_interval: Optional[int] = None
     max_consecutive_skipped_iters: int = 100  # 0 = never stop
     use_distributed_optimizer: bool = False  # Adam state sharded over data parallelism (ZeRO-1)
+    overlap_grad_reduce: bool = False  # DP all-reduce of a bucket starts during the backward passes
+    ddp_bucket_size: Optional[int] = None  # elements per DP communication bucket (None: 40M)
 
     def __post_init__(self):
         _require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
@@ -255,6 +257,11 @@ class TrainingConfig:
         _require(self.hysteresis >= 1, f"--hysteresis must be >= 1, got {self.hysteresis}")
         _require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
         _require(self.adam_eps > 0, f"--adam-eps must be positive, got {self.adam_eps}")
+        _require(self.ddp_bucket_size is None or self.ddp_bucket_size >= 1,
+                 f"--ddp-bucket-size must be >= 1 elements, got {self.ddp_bucket_size}")
+        _require(not (self.overlap_grad_reduce and self.use_distributed_optimizer),
+                 "--overlap-grad-reduce is implemented for the all-reduce path; with --use-distributed-optimizer "
+                 "the reduce-scatter runs after the backward passes (drop one of the two flags)")
         if self.recompute_num_layers is not None:
             _require(self.recompute_num_layers >= 1,
                      f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")
@@ -452,6 +459,10 @@ class MegatronConfig:
                      "--emb-comm-opt syncs tied embeddings: drop --untie-embeddings-and-output-weights or the flag")
             _require(not self.training.use_distributed_optimizer,
                      "--emb-comm-opt and --use-distributed-optimizer both own the embedding gradient reduction; pick one")
+        if self.training.overlap_grad_reduce:
+            _require(not c.grad_comp and not c.emb_comm_opt,
+                     "--overlap-grad-reduce overlaps the plain data-parallel all-reduce; --grad-comp and "
+                     "--emb-comm-opt replace it: drop one of them")
         if c.grad_comp:
             _require(dp > 1, "--grad-comp compresses the data-parallel all-reduce: it needs a data-parallel size > 1 "
                      "(more ranks than tensor x pipeline parallel)")

@@ -179,6 +179,12 @@ class Trainer:
         self._setup_compression(cfg, ps)
         self.sequence_parallel_params = [p for m in self.modules for p in m.parameters()
                                          if getattr(p, "sequence_parallel", False)]
+        from megatron.core.distributed import BUCKET_NUMEL, OverlappedGradReducer
+        self.bucket_numel = t.ddp_bucket_size or BUCKET_NUMEL
+        self.overlap_reducer = None
+        if t.overlap_grad_reduce and ps.dp_size > 1:
+            self.overlap_reducer = OverlappedGradReducer(self.optimizer.params, ps.dp_group, ps.dp_size,
+                                                         self.bucket_numel)
         self.executor = PipelineExecutor(stages, comm, rank_desc=ps.describe(), autocast_dtype=autocast,
                                          device=device, comm_dtype=DTYPES[self.comm_dtype_name],
                                          grad_compressor=self.grad_compressor)
@@ -210,10 +216,28 @@ class Trainer:
             from megatron.compression.embedding import build_fused_embedding_group
             self.fused_embedding_group = build_fused_embedding_group(ps)
 
+    def _expected_accumulations(self, plan) -> dict:
+        """id(param) -> how many backward passes of this plan accumulate into it."""
+        from megatron.pipeline.instructions import BackwardPass
+        per_stage: dict = {}
+        for ins in plan.instructions:
+            if isinstance(ins, BackwardPass):
+                per_stage[ins.stage] = per_stage.get(ins.stage, 0) + 1
+        out: dict = {}
+        for sid, n in per_stage.items():
+            for p in self.stages[sid].parameters():
+                out[id(p)] = out.get(id(p), 0) + n
+        return out
+
     def _reduce_gradients(self) -> dict:
         """Tied-embedding sync and data-parallel reduction; returns payload bytes per mechanism."""
         ps = self.ps
         sent = {"dp": 0, "dp_raw": 0, "emb": 0}
+        if self.overlap_reducer is not None:
+            # Sums commute: reducing over DP first, then over tied stages / TP, is the same.
+            self.overlap_reducer.finish()
+            sent["dp"] = sent["dp_raw"] = sum(p.grad.numel() * p.grad.element_size() for p in self.optimizer.params
+                                              if p.grad is not None)
         if self.sequence_parallel_params:
             # Norm weights and row-parallel biases saw only this rank's sequence chunk.
             allreduce_data_parallel_grads(self.sequence_parallel_params, ps.tp_group, ps.tp_size)
@@ -233,8 +257,8 @@ class Trainer:
             return sent
         if self.dp_reducer is not None:
             sent["dp"], sent["dp_raw"] = self.dp_reducer.reduce(dp_params, self.iteration + 1)
-        else:
-            allreduce_data_parallel_grads(dp_params, ps.dp_group, ps.dp_size)
+        elif self.overlap_reducer is None:
+            allreduce_data_parallel_grads(dp_params, ps.dp_group, ps.dp_size, self.bucket_numel)
             if ps.dp_size > 1:
                 sent["dp"] = sent["dp_raw"] = sum(p.grad.numel() * p.grad.element_size()
                                                   for p in dp_params if p.grad is not None)
@@ -255,6 +279,8 @@ class Trainer:
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             base_mb = torch.cuda.memory_allocated(self.device) / 1e6
+        if self.overlap_reducer is not None:
+            self.overlap_reducer.start_iteration(self._expected_accumulations(work.plan))
         stats = self.executor.run(work.plan, mbs, self.optimizer.loss_scale / total_tokens)
         if on_cuda and work.info:
             # Activation peak above what was allocated before the pipeline ran (weights, grads,

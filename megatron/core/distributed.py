@@ -42,7 +42,8 @@ def _reduce_bucket(bucket: List[torch.Tensor], group) -> None:
         offset += n
 
 
-def allreduce_data_parallel_grads(params: Iterable[nn.Parameter], dp_group, dp_size: int) -> None:
+def allreduce_data_parallel_grads(params: Iterable[nn.Parameter], dp_group, dp_size: int,
+                                  bucket_numel: int = BUCKET_NUMEL) -> None:
     if dp_size == 1 or dp_group is None:
         return
     grads = []
@@ -51,7 +52,7 @@ def allreduce_data_parallel_grads(params: Iterable[nn.Parameter], dp_group, dp_s
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-    _bucketed_all_reduce(grads, dp_group)
+    _bucketed_all_reduce(grads, dp_group, bucket_numel)
 
 
 def allreduce_embedding_grads(tied_params: List[nn.Parameter], embedding_group) -> None:
@@ -62,3 +63,92 @@ def allreduce_embedding_grads(tied_params: List[nn.Parameter], embedding_group) 
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, group=embedding_group)
+
+
+class OverlappedGradReducer:
+    """`--overlap-grad-reduce`: the data-parallel all-reduce of a bucket starts while the
+    backward passes still run, as soon as every gradient in it is final.
+
+    "Final" comes from the plan: a stage's parameters accumulate once per BackwardPass of that
+    stage, so the trainer hands over the expected counts before the executor runs
+    (`start_iteration`). Buckets hold parameters in reverse order (the last layers' gradients
+    are final first) and are launched strictly in bucket order, so every DP rank issues the
+    same collectives in the same order even when their plans differ (DynaPipe); a bucket
+    whose gradients never became final (a parameter unused in some backward) is reduced by
+    `finish`. All reductions are sums, so running this before the tied-embedding and
+    sequence-parallel sums gives the same result as after them.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], dp_group, dp_size: int, bucket_numel: int = BUCKET_NUMEL):
+        self.params = [p for p in params if p.requires_grad]
+        self.dp_group, self.dp_size = dp_group, dp_size
+        self.buckets: List[List[nn.Parameter]] = []
+        cur, size = [], 0
+        for p in reversed(self.params):
+            if cur and (size + p.numel() > bucket_numel or p.dtype != cur[0].dtype):
+                self.buckets.append(cur)
+                cur, size = [], 0
+            cur.append(p)
+            size += p.numel()
+        if cur:
+            self.buckets.append(cur)
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.expected: dict = {}
+        self.seen: dict = {}
+        self.pending = [0] * len(self.buckets)
+        self.works: list = [None] * len(self.buckets)
+        self.next_bucket = 0
+        self.active = False
+        self.overlapped = 0  # buckets launched during the backward passes (for the log/benchmark)
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def start_iteration(self, expected_per_param: dict) -> None:
+        """`expected_per_param`: id(param) -> number of gradient accumulations this iteration."""
+        self.expected = expected_per_param
+        self.seen = {}
+        self.pending = [sum(1 for p in b if expected_per_param.get(id(p), 0) > 0) for b in self.buckets]
+        self.works = [None] * len(self.buckets)
+        self.next_bucket = 0
+        self.overlapped = 0
+        self.active = self.dp_size > 1 and self.dp_group is not None
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.active:
+            return
+        k = id(p)
+        n = self.seen.get(k, 0) + 1
+        self.seen[k] = n
+        if n == self.expected.get(k, -1):
+            b = self.bucket_of[k]
+            self.pending[b] -= 1
+            while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0 \
+                    and all(q.grad is not None for q in self.buckets[self.next_bucket]):
+                self._launch(self.next_bucket)
+                self.overlapped += 1
+                self.next_bucket += 1
+
+    def _launch(self, i: int) -> None:
+        grads = [p.grad for p in self.buckets[i]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.works[i] = (dist.all_reduce(flat, group=self.dp_group, async_op=True), flat)
+
+    def finish(self) -> None:
+        """Wait for launched buckets, reduce the rest (in order), write the sums back."""
+        if not (self.dp_size > 1 and self.dp_group is not None):
+            return
+        self.active = False
+        for i, bucket in enumerate(self.buckets):
+            for p in bucket:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if self.works[i] is None:
+                self._launch(i)
+        for i, bucket in enumerate(self.buckets):
+            work, flat = self.works[i]
+            work.wait()
+            off = 0
+            for p in bucket:
+                n = p.numel()
+                p.grad.copy_(flat[off:off + n].view_as(p.grad))
+                off += n
+        self.works = [None] * len(self.buckets)
