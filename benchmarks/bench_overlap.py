@@ -1,0 +1,96 @@
+"""Data-parallel gradient reduction overlapped with the backward passes, or not.
+
+  python benchmarks/bench_overlap.py [--hidden 512] [--layers 4] [--iters 8] [--dp 2] [--pp 1]
+
+Trains the same GPT for --iters steps with the plain all-reduce after the pipeline and with
+`--overlap-grad-reduce` (buckets of --bucket elements), on gloo over loopback with one CPU
+thread per rank, and prints one JSON line: median step time of each and their ratio, plus how
+many buckets were launched during the backward passes. On a GPU cluster the same flag hides
+the all-reduce behind backward compute on other streams; on CPU both compete for cores, so
+the ratio here is a lower bound of what a GPU run gains.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _config(args, overlap):
+    from megatron.config import (DataConfig, LoggingConfig, MegatronConfig, ModelConfig, ParallelConfig,
+                                 TrainingConfig)
+    world = args.dp * args.pp
+    return MegatronConfig(
+        model=ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
+                          seq_length=args.seq, vocab_size=8192, hidden_dropout=0.0, attention_dropout=0.0),
+        parallel=ParallelConfig(world_size=world, pipeline_model_parallel_size=args.pp, distributed_timeout_minutes=5),
+        training=TrainingConfig(micro_batch_size=args.mbs, global_batch_size=args.mbs * args.dp * args.microbatches,
+                                train_iters=args.iters, lr=1e-4, overlap_grad_reduce=overlap,
+                                ddp_bucket_size=args.bucket, eval_interval=10 ** 6),
+        data=DataConfig(mock_data=True), logging=LoggingConfig(log_interval=10 ** 6))
+
+
+def _worker(rank, world, args, init, out):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    from datetime import timedelta
+
+    from megatron.core.parallel_state import initialize_model_parallel
+    from megatron.initialize import set_seeds
+    from megatron.pretrain import build_gpt_trainer
+    result = {}
+    for overlap in (False, True):
+        cfg = _config(args, overlap)
+        ps = initialize_model_parallel(1, args.pp, timedelta(minutes=5))
+        set_seeds(cfg.training.seed, ps, torch.device("cpu"))
+        trainer = build_gpt_trainer(cfg, ps, torch.device("cpu"))
+        times = []
+        for _ in range(args.iters):
+            dist.barrier()
+            t0 = time.perf_counter()
+            trainer.train_step()
+            trainer.optimizer.zero_grad()
+            times.append(time.perf_counter() - t0)
+        red = trainer.overlap_reducer
+        result["overlap" if overlap else "plain"] = {
+            "median_step_ms": statistics.median(times[1:]) * 1e3,
+            "buckets": len(red.buckets) if red else None,
+            "launched_during_backward": red.overlapped if red else None}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--mbs", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=2)
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--bucket", type=int, default=2_000_000)
+    args = ap.parse_args(argv)
+    world = args.dp * args.pp
+    with tempfile.TemporaryDirectory() as d:
+        init, out = os.path.join(d, "init"), os.path.join(d, "out.json")
+        mp.spawn(_worker, args=(world, args, init, out), nprocs=world, join=True)
+        with open(out) as f:
+            res = json.load(f)
+    res.update(config=vars(args), overlap_over_plain=res["overlap"]["median_step_ms"] / res["plain"]["median_step_ms"])
+    print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
