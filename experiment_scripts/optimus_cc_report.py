@@ -13,7 +13,7 @@ ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.Ee+-]+|nan)")
 VALID = re.compile(r"validation loss .*?: ([0-9.Ee+-]+)")
 COMM = re.compile(r"pipeline gradients: ([0-9.]+) MB \(uncompressed ([0-9.]+) MB.*?data-parallel: ([0-9.]+) MB "
                   r"\(uncompressed ([0-9.]+) MB")
-ORDER = ("baseline", "cb", "cb_lep", "cb_lep_dp")
+ORDER = ("baseline", "cb", "cb_lep", "cb_lep_dp", "cb_lep_epilogue", "dp")
 
 
 def parse(path: pathlib.Path) -> dict:

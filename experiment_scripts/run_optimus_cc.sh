@@ -2,7 +2,8 @@
 # Optimus-CC convergence on CPU: GPT on the shipped King James text, PP=2 x DP=2 (4 processes),
 # four runs with the same data, seed and schedule:
 #   baseline | cb (compressed backpropagation, rank 16) | cb_lep (+ lazy error propagation)
-#   | cb_lep_dp (+ data-parallel PowerSGD, rank 16)
+#   | cb_lep_dp (+ data-parallel PowerSGD, rank 16); also available: cb_lep_epilogue
+#   (--inter-grad-comp-epilogue-only) and dp (PowerSGD with error feedback alone)
 # Each run's log goes to $OUT_DIR/<run>.log; then experiment_scripts/optimus_cc_report.py
 # writes $OUT_DIR/summary.json (final losses, gap to the baseline, bytes per iteration) and,
 # with matplotlib, $OUT_DIR/loss_curves.png.
@@ -28,7 +29,9 @@ flags_for() {
         cb)        echo "--inter-grad-comp --inter-grad-comp-rank $CB_RANK" ;;
         cb_lep)    echo "--inter-grad-comp --inter-grad-comp-rank $CB_RANK --use-error-feedback" ;;
         cb_lep_dp) echo "--inter-grad-comp --inter-grad-comp-rank $CB_RANK --use-error-feedback --grad-comp --grad-comp-rank $DP_RANK" ;;
-        *) echo "run_optimus_cc.sh: unknown run '$1' (choose from baseline cb cb_lep cb_lep_dp)" >&2; exit 2 ;;
+        cb_lep_epilogue) echo "--inter-grad-comp --inter-grad-comp-rank $CB_RANK --use-error-feedback --inter-grad-comp-epilogue-only" ;;
+        dp)        echo "--grad-comp --grad-comp-rank $DP_RANK --use-error-feedback" ;;
+        *) echo "run_optimus_cc.sh: unknown run '$1' (choose from baseline cb cb_lep cb_lep_dp cb_lep_epilogue dp)" >&2; exit 2 ;;
     esac
 }
 
