@@ -163,20 +163,20 @@ def bias_dropout_add(x, bias, residual, p: float, training: bool, rng: Optional[
 # ------------------------------------------------------------------------ variable-length attention
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, scale, causal):
-        out, lse = _ops().varlen_attention_forward(q, k, v, cu_q, cu_k, scale, causal)
+    def forward(ctx, q, k, v, cu_q, cu_k, scale, causal, dropout_p, seed):
+        out, lse = _ops().varlen_attention_forward(q, k, v, cu_q, cu_k, scale, causal, dropout_p, seed)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.scale, ctx.causal = scale, causal
+        ctx.args = (scale, causal, dropout_p, seed)
         return out
 
     @staticmethod
     def backward(ctx, g):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        dq, dk, dv = _ops().varlen_attention_backward(g, q, k, v, out, lse, cu_q, cu_k, ctx.scale, ctx.causal)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = _ops().varlen_attention_backward(g, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def varlen_attention_reference(q, k, v, cu_q, cu_k, causal: bool, scale: float):
+def varlen_attention_reference(q, k, v, cu_q, cu_k, causal: bool, scale: float, dropout_p: float = 0.0):
     """One segment at a time through SDPA (the 'samples one by one' baseline)."""
     out = torch.zeros_like(q)
     cq, ck = cu_q.tolist(), cu_k.tolist()
@@ -194,7 +194,7 @@ def varlen_attention_reference(q, k, v, cu_q, cu_k, causal: bool, scale: float):
         mask = None
         if causal:
             mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril_(lk - lq)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, dropout_p=dropout_p)
         if causal and lq > lk:  # queries that see no key: zeros (SDPA gives NaN)
             o = o.masked_fill(~mask.any(-1)[None, :, None], 0.0)
         pieces.append(o.transpose(0, 1))
@@ -204,12 +204,19 @@ def varlen_attention_reference(q, k, v, cu_q, cu_k, causal: bool, scale: float):
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, causal: bool = True,
-                     scale: Optional[float] = None, fused: Optional[bool] = None):
+                     scale: Optional[float] = None, dropout_p: float = 0.0, seed: Optional[int] = None,
+                     fused: Optional[bool] = None):
+    """With dropout_p > 0 the fused kernel derives its mask from `seed` (drawn from the current
+    default generator when None: inside `get_rng_tracker().fork()` that is the TP stream, which
+    `tensor_parallel.checkpoint` replays)."""
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if use_fused(q, fused):
-        return _VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, bool(causal))
-    return varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+        if dropout_p > 0 and seed is None:
+            seed = int(torch.randint(0, 2 ** 62, (1,)).item())
+        return _VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, bool(causal), float(dropout_p),
+                                      int(seed or 0))
+    return varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, dropout_p)
 
 
 def cu_seqlens_from_segment_ids(segment_ids: torch.Tensor) -> torch.Tensor:

@@ -316,6 +316,22 @@ at::Tensor dropout_backward(const at::Tensor& grad, const at::Tensor& keep, doub
 // aligned, as flash-attention; lq == lk is the usual causal mask). Queries that see no key give
 // zeros and lse = -inf. Work per (segment, head) is O(lq * lk * d) through BLAS matmuls.
 
+// Attention dropout: keep(h, i, j) from a counter-based hash of (seed, head, global query index,
+// global key index), so the backward pass (and a recomputation) regenerates the same mask
+// without storing it, whatever the thread partition.
+inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+inline bool dropout_keep(uint64_t seed, int64_t h, int64_t qi, int64_t kj, uint32_t threshold) {
+  const uint64_t z = mix64(seed + 0x9e3779b97f4a7c15ULL * (static_cast<uint64_t>(h) + 1) +
+                           0xd1b54a32d192ed03ULL * static_cast<uint64_t>(qi) +
+                           0x8cb92ba72f3d8dd7ULL * static_cast<uint64_t>(kj));
+  return static_cast<uint32_t>(z >> 40) >= threshold;  // 24 uniform bits
+}
+inline uint32_t dropout_threshold(double p) { return static_cast<uint32_t>(p * double(1 << 24)); }
+
 struct Segments {
   std::vector<int64_t> q, k;
 };
@@ -358,7 +374,10 @@ inline void mask_scale_block(acc_t* s, int64_t lq, int64_t lk, acc_t scale, bool
 }
 
 std::vector<at::Tensor> varlen_forward(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                                       const at::Tensor& cu_q, const at::Tensor& cu_k, double scale, bool causal) {
+                                       const at::Tensor& cu_q, const at::Tensor& cu_k, double scale, bool causal,
+                                       double dropout_p, int64_t seed) {
+  TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "varlen_attention: dropout_p must be in [0, 1), got ", dropout_p);
+  const uint32_t thr = dropout_threshold(dropout_p);
   check_qkv(q_, k_, v_);
   auto q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   const int64_t H = q.size(1), D = q.size(2);
@@ -400,6 +419,11 @@ std::vector<at::Tensor> varlen_forward(const at::Tensor& q_, const at::Tensor& k
           const acc_t inv = acc_t(1) / sum;
           for (int64_t j = 0; j < lk; ++j) row[j] *= inv;
           lp[i] = m + std::log(sum);
+          if (thr > 0) {
+            const acc_t z = acc_t(1) / static_cast<acc_t>(1.0 - dropout_p);
+            for (int64_t j = 0; j < lk; ++j)
+              row[j] = dropout_keep(static_cast<uint64_t>(seed), h, q0 + i, k0 + j, thr) ? row[j] * z : acc_t(0);
+          }
         }
       });
       out.narrow(0, q0, lq).select(1, h).copy_(at::mm(s, vs));
@@ -410,7 +434,9 @@ std::vector<at::Tensor> varlen_forward(const at::Tensor& q_, const at::Tensor& k
 
 std::vector<at::Tensor> varlen_backward(const at::Tensor& grad_out, const at::Tensor& q_, const at::Tensor& k_,
                                         const at::Tensor& v_, const at::Tensor& out_, const at::Tensor& lse,
-                                        const at::Tensor& cu_q, const at::Tensor& cu_k, double scale, bool causal) {
+                                        const at::Tensor& cu_q, const at::Tensor& cu_k, double scale, bool causal,
+                                        double dropout_p, int64_t seed) {
+  const uint32_t thr = dropout_threshold(dropout_p);
   check_qkv(q_, k_, v_);
   auto q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   auto o = out_.contiguous(), go = grad_out.to(q.scalar_type()).contiguous();
@@ -449,10 +475,20 @@ std::vector<at::Tensor> varlen_backward(const at::Tensor& grad_out, const at::Te
             for (int64_t j = 0; j < lk; ++j) row[j] = drw[j] = 0;
             continue;
           }
-          for (int64_t j = 0; j < lk; ++j) {
-            const acc_t pv = exp_or_zero(row[j] - li);
-            row[j] = pv;
-            drw[j] = pv * (drw[j] - dd[i]) * static_cast<acc_t>(scale);  // dS (already scaled)
+          if (thr == 0) {
+            for (int64_t j = 0; j < lk; ++j) {
+              const acc_t pv = exp_or_zero(row[j] - li);
+              row[j] = pv;
+              drw[j] = pv * (drw[j] - dd[i]) * static_cast<acc_t>(scale);  // dS (already scaled)
+            }
+          } else {  // O = (P * Z) V: dV uses P * Z, dP = (dO V^T) * Z, D = rowsum(dO * O) still holds
+            const acc_t zk = acc_t(1) / static_cast<acc_t>(1.0 - dropout_p);
+            for (int64_t j = 0; j < lk; ++j) {
+              const acc_t pv = exp_or_zero(row[j] - li);
+              const acc_t z = dropout_keep(static_cast<uint64_t>(seed), h, q0 + i, k0 + j, thr) ? zk : acc_t(0);
+              row[j] = pv * z;
+              drw[j] = pv * (drw[j] * z - dd[i]) * static_cast<acc_t>(scale);
+            }
           }
         }
       });
@@ -475,9 +511,9 @@ TORCH_LIBRARY(megatron_fused, m) {
   m.def("bias_dropout_add_forward(Tensor input, Tensor? bias, Tensor residual, Tensor? keep, float p) -> Tensor");
   m.def("dropout_backward(Tensor grad, Tensor keep, float p) -> Tensor");
   m.def("varlen_attention_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-        "float scale, bool causal) -> Tensor[]");
+        "float scale, bool causal, float dropout_p, int seed) -> Tensor[]");
   m.def("varlen_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-        "Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, bool causal) -> Tensor[]");
+        "Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, bool causal, float dropout_p, int seed) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(megatron_fused, CPU, m) {
