@@ -8,8 +8,9 @@
 //   non-causal and cross-attention, forward (returns the log-sum-exp) and backward.
 //
 // Rows / (segment, head) pairs are spread over threads with at::parallel_for. Inner loops are
-// branch-free float loops the compiler vectorises; exp() for float uses a polynomial that
-// vectorises (double keeps std::exp so float64 gradcheck sees exact derivatives).
+// branch-free float loops vectorised with `omp simd` (which also lets reductions reassociate);
+// exp() for float is a polynomial that vectorises (double keeps std::exp so float64 gradcheck
+// sees exact derivatives).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
@@ -28,7 +29,8 @@ namespace {
 inline float fast_exp(float x) {
   // exp(x) = 2^n * exp(r), r in [-ln2/2, ln2/2]; degree-6 polynomial (rel. error ~2e-7).
   x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
-  const float n = __builtin_roundf(x * 1.44269504088896341f);
+  // round to nearest with the 1.5 * 2^23 trick (roundf() would be a library call and stop vectorisation)
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
   float p = 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -65,6 +67,7 @@ template <typename scalar_t, typename acc_t, typename Keep>
 inline void softmax_row(const scalar_t* x, scalar_t* y, int64_t n, acc_t scale, acc_t* buf, Keep keep) {
   const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
   acc_t m = ninf;
+#pragma omp simd reduction(max : m)
   for (int64_t j = 0; j < n; ++j) {
     acc_t v = keep(j) ? static_cast<acc_t>(x[j]) * scale : ninf;
     buf[j] = v;
@@ -75,12 +78,14 @@ inline void softmax_row(const scalar_t* x, scalar_t* y, int64_t n, acc_t scale, 
     return;
   }
   acc_t s = 0;
+#pragma omp simd reduction(+ : s)
   for (int64_t j = 0; j < n; ++j) {
     acc_t e = exp_or_zero(buf[j] - m);
     buf[j] = e;
     s += e;
   }
   const acc_t inv = acc_t(1) / s;
+#pragma omp simd
   for (int64_t j = 0; j < n; ++j) y[j] = static_cast<scalar_t>(buf[j] * inv);
 }
 
@@ -88,7 +93,9 @@ inline void softmax_row(const scalar_t* x, scalar_t* y, int64_t n, acc_t scale, 
 template <typename scalar_t, typename acc_t>
 inline void softmax_backward_row(const scalar_t* g, const scalar_t* y, scalar_t* gx, int64_t n, acc_t scale) {
   acc_t dot = 0;
+#pragma omp simd reduction(+ : dot)
   for (int64_t j = 0; j < n; ++j) dot += static_cast<acc_t>(g[j]) * static_cast<acc_t>(y[j]);
+#pragma omp simd
   for (int64_t j = 0; j < n; ++j)
     gx[j] = static_cast<scalar_t>(scale * static_cast<acc_t>(y[j]) * (static_cast<acc_t>(g[j]) - dot));
 }
@@ -189,6 +196,54 @@ inline acc_t gelu_grad(acc_t u) {
   return acc_t(0.5) * (acc_t(1) + t) + acc_t(0.5) * u * (acc_t(1) - t * t) * c * (acc_t(1) + acc_t(3) * a * u * u);
 }
 
+// Row loops as functions: `#pragma omp simd` may not appear inside the AT_DISPATCH macros.
+template <typename scalar_t, typename acc_t>
+inline void gelu_row(const scalar_t* x, const scalar_t* b, scalar_t* y, int64_t h) {
+#pragma omp simd
+  for (int64_t j = 0; j < h; ++j)
+    y[j] = static_cast<scalar_t>(gelu_fwd<acc_t>(static_cast<acc_t>(x[j]) + static_cast<acc_t>(b[j])));
+}
+template <typename scalar_t, typename acc_t>
+inline void gelu_grad_row(const scalar_t* g, const scalar_t* x, const scalar_t* b, scalar_t* gx, int64_t h) {
+#pragma omp simd
+  for (int64_t j = 0; j < h; ++j)
+    gx[j] = static_cast<scalar_t>(static_cast<acc_t>(g[j]) *
+                                  gelu_grad<acc_t>(static_cast<acc_t>(x[j]) + static_cast<acc_t>(b[j])));
+}
+template <typename acc_t>
+inline acc_t row_max(const acc_t* row, int64_t n) {
+  acc_t m = -std::numeric_limits<acc_t>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < n; ++j) m = row[j] > m ? row[j] : m;
+  return m;
+}
+template <typename acc_t>
+inline acc_t exp_sub_sum(acc_t* row, int64_t n, acc_t m) {  // row <- exp(row - m); returns the sum
+  acc_t s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < n; ++j) {
+    const acc_t e = exp_or_zero(row[j] - m);
+    row[j] = e;
+    s += e;
+  }
+  return s;
+}
+template <typename acc_t>
+inline void scale_row(acc_t* row, int64_t n, acc_t c) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) row[j] *= c;
+}
+// Backward of one attention row without dropout: p <- exp(s - lse), ds <- p * (dp - D) * scale.
+template <typename acc_t>
+inline void attn_grad_row(acc_t* row, acc_t* drow, int64_t n, acc_t lse, acc_t d, acc_t scale) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const acc_t pv = exp_or_zero(row[j] - lse);
+    row[j] = pv;
+    drow[j] = pv * (drow[j] - d) * scale;
+  }
+}
+
 void check_bias(const at::Tensor& x, const at::Tensor& bias, const char* what) {
   check_float(x, what);
   TORCH_CHECK(bias.dim() == 1 && x.dim() >= 1 && bias.size(0) == x.size(-1), what, ": bias must be [",
@@ -210,8 +265,7 @@ at::Tensor bias_gelu_forward(const at::Tensor& input, const at::Tensor& bias) {
       for (int64_t r = b; r < e; ++r) {
         const scalar_t* xr = xp + r * h;
         scalar_t* yr = yp + r * h;
-        for (int64_t j = 0; j < h; ++j)
-          yr[j] = static_cast<scalar_t>(gelu_fwd<acc_t>(static_cast<acc_t>(xr[j]) + static_cast<acc_t>(bp[j])));
+        gelu_row<scalar_t, acc_t>(xr, bp, yr, h);
       }
     });
   });
@@ -234,10 +288,7 @@ at::Tensor bias_gelu_backward(const at::Tensor& grad, const at::Tensor& input, c
     scalar_t* op = gx.data_ptr<scalar_t>();
     at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(h, 1)), [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
-        for (int64_t j = 0; j < h; ++j) {
-          const acc_t u = static_cast<acc_t>(xp[r * h + j]) + static_cast<acc_t>(bp[j]);
-          op[r * h + j] = static_cast<scalar_t>(static_cast<acc_t>(gp[r * h + j]) * gelu_grad<acc_t>(u));
-        }
+        gelu_grad_row<scalar_t, acc_t>(gp + r * h, xp + r * h, bp, op + r * h, h);
       }
     });
   });
@@ -404,20 +455,13 @@ std::vector<at::Tensor> varlen_forward(const at::Tensor& q_, const at::Tensor& k
         const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
         for (int64_t i = 0; i < lq; ++i) {
           acc_t* row = sp + i * lk;
-          acc_t m = ninf;
-          for (int64_t j = 0; j < lk; ++j) m = row[j] > m ? row[j] : m;
+          const acc_t m = row_max(row, lk);
           if (m == ninf) {  // no visible key
             for (int64_t j = 0; j < lk; ++j) row[j] = 0;
             continue;
           }
-          acc_t sum = 0;
-          for (int64_t j = 0; j < lk; ++j) {
-            const acc_t ev = exp_or_zero(row[j] - m);
-            row[j] = ev;
-            sum += ev;
-          }
-          const acc_t inv = acc_t(1) / sum;
-          for (int64_t j = 0; j < lk; ++j) row[j] *= inv;
+          const acc_t sum = exp_sub_sum(row, lk, m);
+          scale_row(row, lk, acc_t(1) / sum);
           lp[i] = m + std::log(sum);
           if (thr > 0) {
             const acc_t z = acc_t(1) / static_cast<acc_t>(1.0 - dropout_p);
@@ -476,11 +520,7 @@ std::vector<at::Tensor> varlen_backward(const at::Tensor& grad_out, const at::Te
             continue;
           }
           if (thr == 0) {
-            for (int64_t j = 0; j < lk; ++j) {
-              const acc_t pv = exp_or_zero(row[j] - li);
-              row[j] = pv;
-              drw[j] = pv * (drw[j] - dd[i]) * static_cast<acc_t>(scale);  // dS (already scaled)
-            }
+            attn_grad_row(row, drw, lk, li, dd[i], static_cast<acc_t>(scale));  // dS (already scaled)
           } else {  // O = (P * Z) V: dV uses P * Z, dP = (dO V^T) * Z, D = rowsum(dO * O) still holds
             const acc_t zk = acc_t(1) / static_cast<acc_t>(1.0 - dropout_p);
             for (int64_t j = 0; j < lk; ++j) {
