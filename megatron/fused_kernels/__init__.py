@@ -151,7 +151,8 @@ def _load(verbose: bool) -> bool:
         return True
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        _warn(f"build or load failed: {type(e).__name__}: {first}")
+        _warn(f"build or load failed: {type(e).__name__}: {first[:200]} -- "
+              "`python -m megatron.fused_kernels -v` shows the compiler output")
         return False
 
 

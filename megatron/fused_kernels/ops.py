@@ -137,7 +137,7 @@ class _BiasDropoutAdd(torch.autograd.Function):
 def dropout_keep_mask(x, p: float, rng: Optional[str] = None):
     """The keep-mask F.dropout(x, p) would draw (same generator call), as bool."""
     def draw():
-        return torch.empty_like(x).bernoulli_(1 - p).bool()
+        return torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)  # same draws as a float mask
     if rng is None:
         return draw()
     from megatron.core.tensor_parallel import get_rng_tracker
