@@ -3,7 +3,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ PROBE = r"""
 import torch, torch.nn.functional as F
 from megatron import fused_kernels
 from megatron.fused_kernels import ops
+print("WAITING", flush=True)  # the first op below loads (or waits for) the extension
 x, b = torch.randn(3, 8), torch.randn(8)
 y = ops.bias_gelu(b, x)
 torch.testing.assert_close(y, F.gelu(x + b, approximate="tanh"))
@@ -29,41 +29,57 @@ print("LOADED", fused_kernels.load())
 """
 
 
-def _run(env_extra, timeout=120):
+def _start(env_extra):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env_extra)
-    return subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.Popen([sys.executable, "-c", PROBE], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
-def test_missing_compiler_warns_once_and_falls_back(tmp_path):
-    r = _run({"CXX": "/nonexistent/c++", "MEGATRON_FUSED_KERNELS_DIR": str(tmp_path)})
-    assert r.returncode == 0, r.stderr
-    assert "LOADED False" in r.stdout
-    warnings = [line for line in r.stderr.splitlines() if "fused kernels unavailable" in line]
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    """Both loader scenarios run as concurrent subprocesses (each pays a torch import):
+    'missing': no compiler, empty cache -> fallback; 'rank1': LOCAL_RANK=1, no compiler, rank 0's
+    build appears in its cache after 1.5 s -> it waits, then loads the library."""
+    missing_dir, rank1_dir = tmp_path_factory.mktemp("missing"), tmp_path_factory.mktemp("rank1")
+    start = None
+    procs = {"missing": _start({"CXX": "/nonexistent/c++", "MEGATRON_FUSED_KERNELS_DIR": str(missing_dir)})}
+    built = None
+    if fused_kernels.load():
+        name = fused_kernels.build_key(fused_kernels._with_cuda())
+        built = fused_kernels.cache_dir() / name / f"{name}.so"
+        procs["rank1"] = _start({"CXX": "/nonexistent/c++", "MEGATRON_FUSED_KERNELS_DIR": str(rank1_dir),
+                                 "LOCAL_RANK": "1"})
+        # "rank 0" finishes its build only once rank 1 is already inside load()
+        line = procs["rank1"].stdout.readline()
+        assert line.startswith("WAITING"), line
+        start = time.time()
+        time.sleep(1.0)
+        (rank1_dir / name).mkdir()
+        shutil.copy(built, rank1_dir / name / built.name)
+        (rank1_dir / f"{name}.ok").write_text("ok\n")
+    out = {}
+    for k, p in procs.items():
+        stdout, stderr = p.communicate(timeout=180)
+        out[k] = (p.returncode, stdout, stderr, time.time() - start if k == "rank1" else None)
+    return out
+
+
+def test_missing_compiler_warns_once_and_falls_back(probes):
+    rc, stdout, stderr, _ = probes["missing"]
+    assert rc == 0, stderr
+    assert "LOADED False" in stdout
+    warnings = [line for line in stderr.splitlines() if "fused kernels unavailable" in line]
     assert len(warnings) == 1 and "/nonexistent/c++" in warnings[0] and "PyTorch fallback" in warnings[0]
 
 
-def test_other_local_ranks_wait_for_rank0_build_without_a_compiler(tmp_path):
+def test_other_local_ranks_wait_for_rank0_build_without_a_compiler(probes):
     """LOCAL_RANK=1 never compiles: it waits for rank 0's stamp, then loads the shared library."""
-    if not fused_kernels.load():
+    if "rank1" not in probes:
         pytest.skip("extension not built here")
-    name = fused_kernels.build_key(fused_kernels._with_cuda())
-    built = fused_kernels.cache_dir() / name / f"{name}.so"
-
-    def rank0():
-        time.sleep(1.5)
-        (tmp_path / name).mkdir()
-        shutil.copy(built, tmp_path / name / built.name)
-        (tmp_path / f"{name}.ok").write_text("ok\n")
-
-    t = threading.Thread(target=rank0)
-    t.start()
-    start = time.time()
-    r = _run({"CXX": "/nonexistent/c++", "MEGATRON_FUSED_KERNELS_DIR": str(tmp_path), "LOCAL_RANK": "1"})
-    t.join()
-    assert r.returncode == 0, r.stderr
-    assert "LOADED True" in r.stdout and "unavailable" not in r.stderr
-    assert time.time() - start >= 1.5
+    rc, stdout, stderr, elapsed = probes["rank1"]
+    assert rc == 0, stderr
+    assert "LOADED True" in stdout and "unavailable" not in stderr
+    assert elapsed >= 1.0
 
 
 def test_wait_reports_rank0_failure_and_timeout(tmp_path, monkeypatch):
