@@ -98,3 +98,20 @@ def test_cuda_kernels_match_cpu_kernels():
         for p in (0.0, 0.2):  # the dropout hash is shared, so CPU and CUDA drop the same entries
             both(lambda a, b, c: ops.varlen_attention(a, b, c, cu_q, cu_k, causal=causal, dropout_p=p, seed=3,
                                                       fused=True), q, k, v)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _nvcc(), reason="nvcc not found")
+def test_aten_cuda_launchers_compile_with_nvcc(tmp_path):
+    """The thin ATen launcher file, compiled by nvcc against this torch's headers (~1 min CPU, so
+    slow-marked). A CPU wheel lacks the CMake-generated c10/cuda config header; a one-line stand-in
+    supplies it. Nothing is linked or run."""
+    from torch.utils import cpp_extension
+    stub = tmp_path / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    src = CUH.parent / "fused_kernels_cuda.cu"
+    includes = [f"-I{tmp_path}"] + [f"-I{p}" for p in cpp_extension.include_paths()]
+    r = subprocess.run([_nvcc(), "-std=c++17", "-arch=compute_80", "-code=compute_80", *includes, "-c", str(src),
+                        "-o", str(tmp_path / "launchers.o")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]

@@ -2,7 +2,8 @@
 // dispatch key of the ops declared in ../cpu/fused_kernels_cpu.cpp. Built only when torch
 // has CUDA (megatron.fused_kernels.load adds this file then).
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -36,7 +37,7 @@ at::Tensor causal_softmax_forward(const at::Tensor& input, double scale) {
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
   DISPATCH(x.scalar_type(), "causal_softmax_fwd_cuda", [&] {
     check(megatron_fused::launch_softmax_forward(ptr<scalar_t>(x), nullptr, ptr<scalar_t>(y), rows, n, n, 1, 1,
-                                                 scale, true, at::cuda::getCurrentCUDAStream()), "causal softmax");
+                                                 scale, true, c10::cuda::getCurrentCUDAStream()), "causal softmax");
   });
   return y;
 }
@@ -53,7 +54,7 @@ at::Tensor masked_softmax_forward(const at::Tensor& input, const at::Tensor& mas
   DISPATCH(x.scalar_type(), "masked_softmax_fwd_cuda", [&] {
     check(megatron_fused::launch_softmax_forward(ptr<scalar_t>(x), mk.data_ptr<bool>(), ptr<scalar_t>(y),
                                                  x.numel() / std::max<int64_t>(x.size(3), 1), x.size(2), x.size(3),
-                                                 x.size(1), mk.size(0), scale, false, at::cuda::getCurrentCUDAStream()),
+                                                 x.size(1), mk.size(0), scale, false, c10::cuda::getCurrentCUDAStream()),
           "masked softmax");
   });
   return y;
@@ -67,7 +68,7 @@ at::Tensor softmax_backward(const at::Tensor& grad, const at::Tensor& output, do
   const int64_t n = y.size(-1), rows = n ? y.numel() / n : 0;
   DISPATCH(y.scalar_type(), "softmax_bwd_cuda", [&] {
     check(megatron_fused::launch_softmax_backward(ptr<scalar_t>(g), ptr<scalar_t>(y), ptr<scalar_t>(gx), rows, n, scale,
-                                                  at::cuda::getCurrentCUDAStream()), "softmax backward");
+                                                  c10::cuda::getCurrentCUDAStream()), "softmax backward");
   });
   return gx;
 }
@@ -82,7 +83,7 @@ at::Tensor bias_gelu(const at::Tensor* grad, const at::Tensor& input, const at::
   DISPATCH(x.scalar_type(), "bias_gelu_cuda", [&] {
     check(megatron_fused::launch_bias_gelu(grad ? ptr<scalar_t>(g) : nullptr, ptr<scalar_t>(x), ptr<scalar_t>(b),
                                            ptr<scalar_t>(y), x.numel(), x.size(-1), grad != nullptr,
-                                           at::cuda::getCurrentCUDAStream()), "bias_gelu");
+                                           c10::cuda::getCurrentCUDAStream()), "bias_gelu");
   });
   return y;
 }
@@ -105,7 +106,7 @@ at::Tensor bias_dropout_add_forward(const at::Tensor& input, const c10::optional
   DISPATCH(x.scalar_type(), "bias_dropout_add_cuda", [&] {
     check(megatron_fused::launch_bias_dropout_add(ptr<scalar_t>(x), hb ? ptr<scalar_t>(b) : nullptr, ptr<scalar_t>(r),
                                                   hk ? k.data_ptr<bool>() : nullptr, ptr<scalar_t>(y), x.numel(),
-                                                  x.dim() ? x.size(-1) : 1, p, at::cuda::getCurrentCUDAStream()),
+                                                  x.dim() ? x.size(-1) : 1, p, c10::cuda::getCurrentCUDAStream()),
           "bias_dropout_add");
   });
   return y;
@@ -118,7 +119,7 @@ at::Tensor dropout_backward(const at::Tensor& grad, const at::Tensor& keep, doub
   auto gx = at::empty_like(g);
   DISPATCH(g.scalar_type(), "dropout_bwd_cuda", [&] {
     check(megatron_fused::launch_dropout_backward(ptr<scalar_t>(g), k.data_ptr<bool>(), ptr<scalar_t>(gx), g.numel(), p,
-                                                  at::cuda::getCurrentCUDAStream()), "dropout backward");
+                                                  c10::cuda::getCurrentCUDAStream()), "dropout backward");
   });
   return gx;
 }
@@ -160,7 +161,7 @@ std::vector<at::Tensor> varlen_forward(const at::Tensor& q_, const at::Tensor& k
     using A = typename megatron_fused::Acc<typename CudaType<scalar_t>::type>::type;
     check(megatron_fused::launch_varlen_forward(ptr<scalar_t>(q), ptr<scalar_t>(k), ptr<scalar_t>(v),
                                                 ptr<scalar_t>(out), reinterpret_cast<A*>(lse.data_ptr()), p,
-                                                at::cuda::getCurrentCUDAStream()), "varlen forward");
+                                                c10::cuda::getCurrentCUDAStream()), "varlen forward");
   });
   return {out, lse};
 }
@@ -184,7 +185,7 @@ std::vector<at::Tensor> varlen_backward(const at::Tensor& grad_out, const at::Te
                                                  ptr<scalar_t>(v), ptr<scalar_t>(o),
                                                  reinterpret_cast<const A*>(lse.data_ptr()), ptr<scalar_t>(dq),
                                                  reinterpret_cast<A*>(dk.data_ptr()), reinterpret_cast<A*>(dv.data_ptr()),
-                                                 p, at::cuda::getCurrentCUDAStream()), "varlen backward");
+                                                 p, c10::cuda::getCurrentCUDAStream()), "varlen backward");
   });
   return {dq, dk.to(k.scalar_type()), dv.to(v.scalar_type())};
 }
