@@ -22,7 +22,8 @@ demo: venv
 	bash examples/demo_cpu.sh $(NPROC)
 
 test: venv
+	$(PY) -m megatron.fused_kernels --allow-fallback
 	$(PY) -m pytest -q tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info megatron/data/*.so
+	rm -rf $(VENV) build *.egg-info megatron/data/*.so megatron/fused_kernels/build

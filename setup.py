@@ -17,6 +17,7 @@ setup(
     version="0.1.0",
     description="Megatron-style GPT/T5 trainer with planner-driven pipeline instruction streams",
     packages=find_packages(include=["megatron", "megatron.*"]),
+    package_data={"megatron.fused_kernels": ["csrc/cpu/*.cpp", "csrc/cuda/*.cu", "csrc/cuda/*.cuh"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.1",

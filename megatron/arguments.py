@@ -196,8 +196,26 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
+    _add_fused_kernel_args(p)
     _add_legacy_args(p)
     return p
+
+
+def _add_fused_kernel_args(p: argparse.ArgumentParser) -> None:
+    """Megatron's switches for the fused kernels (megatron/fused_kernels); all on by default."""
+    g = p.add_argument_group("fused kernels (built on first use; PyTorch fallback when no compiler)")
+    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
+                   help="packed rows (--pack-dataset, DynaPipe) use SDPA with a dense block-diagonal mask instead "
+                        "of the variable-length attention kernel")
+    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false",
+                   help="MLP bias + GeLU as two eager ops instead of the fused kernel")
+    g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false",
+                   help="bias + dropout + residual add as eager ops instead of the fused kernel")
+
+
+def _apply_fused_kernel_args(args: argparse.Namespace, model) -> None:
+    for name in ("masked_softmax_fusion", "bias_gelu_fusion", "bias_dropout_fusion"):
+        setattr(model, name, getattr(args, name, True))
 
 
 def _add_legacy_args(p: argparse.ArgumentParser) -> None:
@@ -339,6 +357,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
             position_embedding_type=args.position_embedding_type or "learned_absolute",
             sequence_parallel=args.sequence_parallel,
         )
+    _apply_fused_kernel_args(args, model)
     parallel = ParallelConfig(
         world_size=world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

@@ -54,6 +54,10 @@ class ModelConfig:
     num_query_groups: Optional[int] = None  # grouped-query attention; None = one group per head
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
+    # Fused kernels (megatron/fused_kernels), used where built; the --no-*-fusion flags turn them off.
+    masked_softmax_fusion: bool = True  # packed rows: variable-length attention instead of a dense mask
+    bias_gelu_fusion: bool = True
+    bias_dropout_fusion: bool = True
 
     def __post_init__(self):
         _require(self.model_type in ("gpt", "t5"), f"model type must be gpt or t5, got {self.model_type!r}")

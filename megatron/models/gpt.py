@@ -19,6 +19,7 @@ from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import (VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
                                            gather_from_sequence_parallel_region, get_rng_tracker, init_generator,
                                            scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
+from megatron.models.packed_attention import packed_segments
 from megatron.models.rotary import rotary_cos_sin
 from megatron.models.transformer import TransformerBlock, TransformerLayer, build_norm
 
@@ -102,7 +103,6 @@ class GPTStage(nn.Module):
         return packed_attention_mask(seg)
 
     def forward(self, batch: dict, inputs: list) -> list:
-        mask = self.attention_mask(batch)
         pos = batch.get("position_ids")
         if self.pre_process:
             tokens = batch["tokens"]
@@ -111,6 +111,8 @@ class GPTStage(nn.Module):
             x = self.embedding(tokens, pos)
         else:
             (x,) = inputs
+        # packed rows: the variable-length kernel's segments, else the dense block-diagonal mask
+        mask = packed_segments(self.cfg, batch.get("segment_ids"), x, self.training) or self.attention_mask(batch)
         rotary = None
         if self.cfg.position_embedding_type == "rope":
             if pos is None:  # [s, b, h] hidden states of an unpacked batch (s/tp of them under SP)

@@ -20,6 +20,8 @@ from megatron.models.rotary import apply_rotary
 from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, checkpoint,
                                            get_rng_tracker)
 from megatron.core.tensor_parallel.mappings import group_size
+from megatron.fused_kernels import ops as fused_ops
+from megatron.models.packed_attention import PackedSegments, varlen_core_attention
 
 
 def _sdpa(q, k, v, mask, bias, causal, dropout_p):
@@ -87,9 +89,16 @@ class ParallelAttention(nn.Module):
         return x.view(s, b, self.np, n * self.hn)
 
     def core_attention(self, q, k, v, mask, bias):
+        p = self.dropout_p if self.training else 0.0
+        if isinstance(mask, PackedSegments):  # packed rows: variable-length kernel, cost Σ lᵢ²
+            if bias is not None:
+                raise ValueError("variable-length attention takes no additive bias; pass --no-masked-softmax-fusion")
+            if p > 0:
+                with get_rng_tracker().fork():
+                    return varlen_core_attention(q, k, v, mask, self.causal, p)
+            return varlen_core_attention(q, k, v, mask, self.causal, 0.0)
         # [s, b, np, hn] -> [b, np, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        p = self.dropout_p if self.training else 0.0
         if p > 0:
             with get_rng_tracker().fork():
                 out = _sdpa(q, k, v, mask, bias, self.causal, p)
@@ -147,6 +156,9 @@ class ParallelMLP(nn.Module):
         self.dense_4h_to_h = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group,
                                                init_std=out_std, seed=seed, key=key + ".dense_4h_to_h", bias=bias,
                                                sequence_parallel=sp)
+        # --no-bias-gelu-fusion: bias added by the linear, then GeLU; otherwise one fused kernel
+        self.bias_gelu_fusion = cfg.bias_gelu_fusion and bias and not self.swiglu
+        self.dense_h_to_4h.skip_bias_add = self.bias_gelu_fusion
 
     def forward(self, x):
         if self.swiglu:
@@ -158,6 +170,9 @@ class ParallelMLP(nn.Module):
                                                           self.dense_h_to_4h_gate.bias))
                                           * F.linear(x, self.dense_h_to_4h.weight, self.dense_h_to_4h.bias))
             return self.dense_4h_to_h(F.silu(self.dense_h_to_4h_gate(x)) * self.dense_h_to_4h(x))
+        if self.bias_gelu_fusion:
+            h, b = self.dense_h_to_4h(x)
+            return self.dense_4h_to_h(fused_ops.bias_gelu(b, h))
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
 
 
@@ -181,18 +196,32 @@ class TransformerLayer(nn.Module):
         self.post_attention_layernorm = build_norm(cfg, tp_group)
         self.mlp = ParallelMLP(cfg, tp_group, seed=seed, key=key + ".mlp", out_std=out_std)
         self.relative_bias = relative_bias
+        # Bias + dropout + residual in one kernel: the output linears return (y, bias) unadded.
+        self.bias_dropout_fusion = cfg.bias_dropout_fusion
+        for attn in (self.self_attention, getattr(self, "inter_attention", None)):
+            if attn is not None:
+                attn.dense.skip_bias_add = self.bias_dropout_fusion
+        self.mlp.dense_4h_to_h.skip_bias_add = self.bias_dropout_fusion
 
     def _drop(self, x):
         return F.dropout(x, self.hidden_dropout, self.training) if self.hidden_dropout > 0 else x
 
+    def _residual(self, x, out):
+        """x + dropout(out); `out` is (y, bias) with --bias-dropout-fusion (dropout mask drawn as
+        F.dropout draws it, so fused and unfused runs see the same mask)."""
+        if isinstance(out, tuple):
+            y, b = out
+            return fused_ops.bias_dropout_add(y, b, x, self.hidden_dropout, self.training)
+        return x + self._drop(out)
+
     def forward(self, x, mask=None, encoder_output=None, cross_mask=None, recompute: str = "none", rotary=None):
         bias = self.relative_bias(x.shape[0], x.shape[0]) if self.relative_bias is not None else None
-        x = x + self._drop(self.self_attention(self.input_layernorm(x), mask, bias, recompute=recompute,
-                                               rotary=rotary))
+        x = self._residual(x, self.self_attention(self.input_layernorm(x), mask, bias, recompute=recompute,
+                                                  rotary=rotary))
         if self.decoder:
-            x = x + self._drop(self.inter_attention(self.pre_cross_attn_layernorm(x), cross_mask,
-                                                    encoder_output=encoder_output, recompute=recompute))
-        return x + self._drop(self.mlp(self.post_attention_layernorm(x)))
+            x = self._residual(x, self.inter_attention(self.pre_cross_attn_layernorm(x), cross_mask,
+                                                       encoder_output=encoder_output, recompute=recompute))
+        return self._residual(x, self.mlp(self.post_attention_layernorm(x)))
 
 
 class TransformerBlock(nn.Module):
