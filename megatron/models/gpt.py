@@ -88,7 +88,9 @@ class GPTStage(nn.Module):
         from megatron.data.packing import packed_attention_mask
         return packed_attention_mask(seg)
 
-    def forward(self, batch: dict, inputs: list) -> list:
+    def forward(self, batch: dict, inputs: list, kv_cache=None) -> list:
+        """`kv_cache` (a `SequenceKVCache` positioned on one token slice) runs the batch as that
+        slice of its sequence; the batch then holds the slice's tokens and position ids."""
         mask = self.attention_mask(batch)
         pos = batch.get("position_ids")
         if self.pre_process:
@@ -103,7 +105,10 @@ class GPTStage(nn.Module):
             if pos is None:  # [s, b, h] hidden states of an unpacked batch
                 pos = torch.arange(x.shape[0], device=x.device).unsqueeze(0).expand(x.shape[1], x.shape[0])
             rotary = rotary_cos_sin(self.cfg, pos.to(x.device), torch.float32)
-        x = self.decoder(x, mask, recompute=self.recompute, rotary=rotary)
+        if kv_cache is not None:
+            x = self.decoder(x, mask, recompute=self.recompute, rotary=rotary, kv_cache=kv_cache)
+        else:
+            x = self.decoder(x, mask, recompute=self.recompute, rotary=rotary)
         if not self.post_process:
             return [x]
         x = self.final_layernorm(x)

@@ -100,7 +100,10 @@ class ParallelAttention(nn.Module):
             v = v.repeat_interleave(hpg, dim=2)
         return q, k, v
 
-    def forward(self, x, mask=None, bias=None, encoder_output=None, recompute: str = "none", rotary=None):
+    def forward(self, x, mask=None, bias=None, encoder_output=None, recompute: str = "none", rotary=None,
+                kv_extend=None):
+        """`kv_extend(k, v, mask) -> (k, v, mask)` (token slicing, see models/sliced_attention.py)
+        prepends the cached keys/values of earlier slices of the sequence."""
         if self.cross:
             q = self._heads(self.query(x), 1)
             k, v = self._heads(self.key_value(encoder_output), 2).chunk(2, dim=-1)
@@ -108,6 +111,8 @@ class ParallelAttention(nn.Module):
             q, k, v = self._split_qkv(self.query_key_value(x))
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if kv_extend is not None:
+            k, v, mask = kv_extend(k, v, mask)
         if recompute == "selective" and torch.is_grad_enabled():
             ctx = checkpoint(self.core_attention, q, k, v, mask, bias)
         else:
@@ -166,10 +171,15 @@ class TransformerLayer(nn.Module):
     def _drop(self, x):
         return F.dropout(x, self.hidden_dropout, self.training) if self.hidden_dropout > 0 else x
 
-    def forward(self, x, mask=None, encoder_output=None, cross_mask=None, recompute: str = "none", rotary=None):
+    def forward(self, x, mask=None, encoder_output=None, cross_mask=None, recompute: str = "none", rotary=None,
+                kv_cache=None):
         bias = self.relative_bias(x.shape[0], x.shape[0]) if self.relative_bias is not None else None
+        kv_extend = None
+        if kv_cache is not None:
+            layer = self.layer_number
+            kv_extend = lambda k, v, m: kv_cache.extend(layer, k, v, m)  # noqa: E731
         x = x + self._drop(self.self_attention(self.input_layernorm(x), mask, bias, recompute=recompute,
-                                               rotary=rotary))
+                                               rotary=rotary, kv_extend=kv_extend))
         if self.decoder:
             x = x + self._drop(self.inter_attention(self.pre_cross_attn_layernorm(x), cross_mask,
                                                     encoder_output=encoder_output, recompute=recompute))
@@ -191,9 +201,12 @@ class TransformerBlock(nn.Module):
             return i < self.recompute_num_layers
         return True
 
-    def forward(self, x, mask=None, encoder_output=None, cross_mask=None, recompute: str = "none", rotary=None):
+    def forward(self, x, mask=None, encoder_output=None, cross_mask=None, recompute: str = "none", rotary=None,
+                kv_cache=None):
         for i, layer in enumerate(self.layers):
-            if recompute == "full" and self._full_recompute(i) and torch.is_grad_enabled():
+            if kv_cache is not None:  # token slices: the cache is written once per slice, no replay
+                x = layer(x, mask, encoder_output, cross_mask, recompute=recompute, rotary=rotary, kv_cache=kv_cache)
+            elif recompute == "full" and self._full_recompute(i) and torch.is_grad_enabled():
                 x = checkpoint(lambda h, e, l=layer: l(h, mask, e, cross_mask, rotary=rotary), x, encoder_output)
             else:
                 x = layer(x, mask, encoder_output, cross_mask, recompute=recompute, rotary=rotary)

@@ -29,6 +29,14 @@ Conventions every planner and the executor share:
   operation; the matching `*Finish` waits for it. Sends and receives between a pair of ranks
   are matched by order, so both sides must list them in the same order.
 * `FreeBuffer` releases slots so they can be reused.
+* Token slices (TeraPipe): `LoadInput`, `ForwardPass`, `BackwardPass` and the communication
+  instructions may carry `token_slice = (sequence, offset, length)`. The instruction's
+  `microbatch` is then a *unit* id (one slice of one sequence micro-batch);
+  `microbatch_shapes[unit]` is the slice's token shape ``((b, length),)``; the data is
+  micro-batch `sequence` of the iteration, tokens ``[offset, offset + length)``. Units of one
+  sequence tile its tokens; a stage forwards them in ascending offset (each attends to the
+  cached keys/values of the earlier ones) and runs their backwards in descending offset.
+  An empty `token_slice` (the default) means an unsliced micro-batch, as before.
 """
 from __future__ import annotations
 
@@ -58,19 +66,21 @@ class BufferInstruction(Instruction):
 
 @dataclass(frozen=True)
 class LoadInput(BufferInstruction):
-    pass
+    token_slice: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class ForwardPass(BufferInstruction):
     output_buffer_ids: Tuple[int, ...] = ()
     output_shapes: Tuple[Shape, ...] = ()
+    token_slice: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class BackwardPass(BufferInstruction):
     output_buffer_ids: Tuple[int, ...] = ()
     output_shapes: Tuple[Shape, ...] = ()
+    token_slice: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,7 @@ class FreeBuffer(BufferInstruction):
 @dataclass(frozen=True)
 class CommInstruction(BufferInstruction):
     peer: int = -1
+    token_slice: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -176,6 +187,8 @@ def describe(instr: Instruction) -> str:
     if isinstance(instr, (ForwardPass, BackwardPass)):
         parts.append(f"out={tuple(instr.output_buffer_ids)}")
         parts.append(f"out_shapes={tuple(tuple(s) for s in instr.output_shapes)}")
+    if getattr(instr, "token_slice", ()):
+        parts.append(f"slice={tuple(instr.token_slice)}")
     return f"{type(instr).__name__}({', '.join(parts)})"
 
 
@@ -190,10 +203,15 @@ def describe(instr: Instruction) -> str:
 #                      then for Forward/Backward: <id list>, <shape list>; for Comm: peer
 #   <id list>    = n, ids...
 #   <shape list> = n, per shape: ndim, dims...
+#   Version 2 (written only when some instruction has a token slice, so unsliced plans stay
+#   byte-identical to version 1) appends to every LoadInput/compute/comm record an <id list>
+#   with its token_slice (n = 0 for none, else sequence, offset, length).
 # One int32 array keeps encoding/decoding to a single pass of Python-level list work, which
 # is what makes plans with thousands of instructions take a few milliseconds.
 _MAGIC = b"MPLN"
 _VERSION = 1
+_VERSION_SLICED = 2
+_READABLE_VERSIONS = (_VERSION, _VERSION_SLICED)
 _HEADER = struct.Struct("<4sHHIIB")
 
 # Tags are part of the wire format: append new classes, never renumber.
@@ -206,6 +224,7 @@ _TAG_OF = {
 _CLASS_OF = {tag: cls for cls, tag in _TAG_OF.items()}
 _COMPUTE_TAGS = frozenset((2, 3))
 _COMM_TAGS = frozenset(range(5, 13))
+_SLICE_TAGS = frozenset((1,)) | _COMPUTE_TAGS | _COMM_TAGS
 
 
 def _put_shapes(out: list, shapes) -> None:
@@ -224,6 +243,7 @@ def _encode_plan(plan: ExecutionPlan) -> bytes:
         _put_shapes(v, shapes)
     v.append(len(plan.instructions))
     append, extend = v.append, v.extend
+    sliced = any(getattr(instr, "token_slice", ()) for instr in plan.instructions)
     for instr in plan.instructions:
         tag = _TAG_OF.get(type(instr))
         if tag is None:
@@ -243,6 +263,10 @@ def _encode_plan(plan: ExecutionPlan) -> bytes:
             _put_shapes(v, instr.output_shapes)
         elif tag in _COMM_TAGS:
             append(instr.peer)
+        if sliced and tag in _SLICE_TAGS:
+            sl = instr.token_slice
+            append(len(sl))
+            extend(sl)
     try:
         arr = array.array("i", v)
     except (OverflowError, TypeError) as exc:
@@ -254,7 +278,7 @@ def _encode_plan(plan: ExecutionPlan) -> bytes:
     dtype = plan.dtype.encode("utf-8")
     if len(dtype) > 255:
         raise ValueError(f"dtype name too long to serialize: {plan.dtype!r}")
-    header = _HEADER.pack(_MAGIC, _VERSION, 0, len(payload), zlib.crc32(dtype + payload),
+    header = _HEADER.pack(_MAGIC, _VERSION_SLICED if sliced else _VERSION, 0, len(payload), zlib.crc32(dtype + payload),
                          len(dtype))
     return header + dtype + payload
 
@@ -264,7 +288,7 @@ def _truncated(total: int) -> ValueError:
                       "values end in the middle of a record")
 
 
-def _decode_values(v: list):
+def _decode_values(v: list, sliced: bool = False):
     """Decode the int32 stream. Inlined index arithmetic (no helper calls per value) because
     this loop dominates decoding time; any IndexError means the stream ended early."""
     shape_cache: dict = {}  # plans repeat a handful of shapes: share the tuples
@@ -296,7 +320,7 @@ def _decode_values(v: list):
     i += 1
     instructions = []
     append = instructions.append
-    compute, comm, class_of = _COMPUTE_TAGS, _COMM_TAGS, _CLASS_OF
+    compute, comm, class_of, slice_tags = _COMPUTE_TAGS, _COMM_TAGS, _CLASS_OF, _SLICE_TAGS
     for _ in range(n_instr):
         tag, mb, stage, n = v[i], v[i + 1], v[i + 2], v[i + 3]
         cls = class_of.get(tag)
@@ -309,12 +333,22 @@ def _decode_values(v: list):
             n = v[i]
             out_ids = tuple(v[i + 1:i + 1 + n])
             out_shp, i = shapes_at(i + 1 + n)
-            append(cls(mb, stage, ids, shp, out_ids, out_shp))
+            args = (mb, stage, ids, shp, out_ids, out_shp)
         elif tag in comm:
-            append(cls(mb, stage, ids, shp, v[i]))
+            args = (mb, stage, ids, shp, v[i])
             i += 1
         else:
-            append(cls(mb, stage, ids, shp))
+            args = (mb, stage, ids, shp)
+        if sliced and tag in slice_tags:
+            n = v[i]
+            sl = tuple(v[i + 1:i + 1 + n])
+            if len(sl) != n:
+                raise IndexError
+            i += 1 + n
+            if sl:
+                append(cls(*args, token_slice=sl))
+                continue
+        append(cls(*args))
     if i != len(v):
         # Also catches a short final slice: slicing never raises, so check the length here.
         raise IndexError if i > len(v) else ValueError(
@@ -333,9 +367,9 @@ def _decode_plan(data: bytes) -> ExecutionPlan:
         raise ValueError(f"not a serialized ExecutionPlan: magic {magic!r}, expected {_MAGIC!r}")
     if reserved != 0:
         raise ValueError(f"serialized ExecutionPlan is corrupt: reserved header field is {reserved}, must be 0")
-    if version != _VERSION:
+    if version not in _READABLE_VERSIONS:
         raise ValueError(f"serialized ExecutionPlan has format version {version}; this build "
-                         f"reads version {_VERSION} (planner and trainer are out of sync)")
+                         f"reads versions {_READABLE_VERSIONS} (planner and trainer are out of sync)")
     start = _HEADER.size + dlen
     if len(data) != start + nbytes or nbytes % 4:
         raise ValueError(f"serialized ExecutionPlan is truncated or has trailing bytes: "
@@ -349,7 +383,7 @@ def _decode_plan(data: bytes) -> ExecutionPlan:
         arr.byteswap()
     values = arr.tolist()
     try:
-        header, assigned, mb_shapes, instructions = _decode_values(values)
+        header, assigned, mb_shapes, instructions = _decode_values(values, version == _VERSION_SLICED)
     except IndexError:
         raise _truncated(len(values)) from None
     rank, num_ranks, num_stages, num_buffers, iteration, recompute = header

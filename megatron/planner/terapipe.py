@@ -1,0 +1,251 @@
+"""TeraPipe (ICML'21): pipelining along the token dimension of a causal LM.
+
+Stage k may run tokens [c, c+l) of a sequence while stage k+1 runs the slice before it,
+because causal attention only looks back (the keys/values of earlier slices are cached,
+megatron/models/sliced_attention.py). This module is the planner side:
+
+* `build_terapipe_plans`: one *unit* per (sequence micro-batch, slice), run GPipe-style (all
+  forwards in order, then all backwards in reverse, so the slices of a sequence go backward
+  in reverse, as the key/value gradients require); lowered by the shared lowering, then every
+  instruction of a unit is tagged with its `token_slice = (sequence, offset, length)`.
+* `plan_slices`: TeraPipe's dynamic program over slicings (positions on a grid of 8 tokens):
+  for every cap t_max on a slice's time, the slicing of the sequence that minimises
+  ``sum t_i`` with every ``t_i <= t_max``, scored ``sum t_i + (K-1) * max t_i`` for K stages;
+  t_max is enumerated ascending and the search stops once ``K * t_max`` (a lower bound of any
+  later score) exceeds the best score. Micro-batch splits of the batch are the DP's outer
+  dimension (`plan_batch`).
+* `uniform_slices`, `parse_slices`: the `--terapipe-slices N|l1,l2,...` options.
+* `slice_memory_mb`: the activation + cached key/value memory of a slicing, checked against
+  a limit.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+from megatron.pipeline.lowering import ComputeOp, lower_to_plans
+
+GRID = 8
+
+
+# ---------------------------------------------------------------------------- plan building
+def slice_units(slicings: Sequence[Sequence[int]]) -> List[tuple]:
+    """[(sequence, offset, length)] in forward order: the sequences one after another, each
+    slice by slice."""
+    units = []
+    for seq, lengths in enumerate(slicings):
+        off = 0
+        for ln in lengths:
+            if ln <= 0:
+                raise ValueError(f"slice lengths must be positive, got {list(lengths)} for sequence {seq}")
+            units.append((seq, off, ln))
+            off += ln
+    return units
+
+
+def build_terapipe_plans(slicings: Sequence[Sequence[int]], microbatch_shapes: Sequence[tuple], pp_size: int,
+                         hidden_size: int, dtype: str = "float32", iteration: int = 0,
+                         recompute: str = "none", validate: bool = True) -> list:
+    """Per-rank plans running every sequence micro-batch (`microbatch_shapes[i] = ((b, s),)`)
+    in the slices `slicings[i]` (lengths summing to s). The units are the plan's micro-batches."""
+    if len(slicings) != len(microbatch_shapes):
+        raise ValueError(f"{len(slicings)} slicings for {len(microbatch_shapes)} micro-batches")
+    units = slice_units(slicings)
+    for seq, lengths in enumerate(slicings):
+        b, s = microbatch_shapes[seq][0]
+        if sum(lengths) != s:
+            raise ValueError(f"slices {list(lengths)} of micro-batch {seq} cover {sum(lengths)} tokens, "
+                             f"its sequence has {s}")
+    unit_shapes = [((microbatch_shapes[seq][0][0], ln),) for seq, _, ln in units]
+    n = len(units)
+    orders = [[ComputeOp("F", u, r) for u in range(n)] + [ComputeOp("B", u, r) for u in reversed(range(n))]
+              for r in range(pp_size)]
+
+    def shapes(u, stage):
+        b, ln = unit_shapes[u][0]
+        return ((ln, b, hidden_size),)
+
+    plans = lower_to_plans(orders, list(range(pp_size)), unit_shapes, shapes, recompute=recompute,
+                           dtype=dtype, iteration=iteration, validate=False)
+    for plan in plans:
+        plan.instructions = [dataclasses.replace(ins, token_slice=units[ins.microbatch])
+                             if hasattr(ins, "token_slice") else ins for ins in plan.instructions]
+    if validate:
+        from megatron.pipeline.validator import validate_plans
+        validate_plans(plans)
+    return plans
+
+
+# ---------------------------------------------------------------------------- slicing options
+def uniform_slices(seq_len: int, n: int) -> List[int]:
+    """n slices as equal as the grid of 8 tokens allows (the remainder goes to the first)."""
+    if n < 1 or n > seq_len:
+        raise ValueError(f"--terapipe-slices {n}: need 1 <= N <= sequence length {seq_len}")
+    if seq_len % GRID == 0 and n <= seq_len // GRID:
+        cells = seq_len // GRID
+        sizes = [cells // n * GRID] * n
+        for i in range(cells % n):
+            sizes[i] += GRID
+        return sizes
+    sizes = [seq_len // n] * n
+    sizes[0] += seq_len - sum(sizes)
+    return sizes
+
+
+def parse_slices(spec: str, seq_len: int) -> Optional[List[int]]:
+    """'auto' -> None (plan with the DP); 'N' -> N uniform slices; 'l1,l2,...' -> those."""
+    spec = spec.strip()
+    if spec == "auto":
+        return None
+    try:
+        parts = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"--terapipe-slices {spec!r}: expected 'auto', a count N or lengths l1,l2,...") from None
+    if len(parts) == 1 and "," not in spec:
+        return uniform_slices(seq_len, parts[0])
+    if any(p <= 0 for p in parts) or sum(parts) != seq_len:
+        raise ValueError(f"--terapipe-slices {spec}: lengths must be positive and sum to --seq-length {seq_len} "
+                         f"(they sum to {sum(parts)})")
+    return parts
+
+
+# ---------------------------------------------------------------------------- the DP
+@dataclass
+class SlicePlan:
+    slices: List[int]         # token lengths, in order
+    times: List[float]        # predicted per-slice stage time (forward + backward)
+    score: float              # sum t_i + (K - 1) * max t_i
+    t_max_tried: int = 0
+    planning_s: float = 0.0
+
+
+def pipeline_score(times: Sequence[float], num_stages: int) -> float:
+    return sum(times) + (num_stages - 1) * max(times)
+
+
+def plan_slices(seq_len: int, num_stages: int, t: Callable[[int, int], float], grid: int = GRID,
+                mem_ok: Optional[Callable[[List[int]], bool]] = None) -> SlicePlan:
+    """TeraPipe's DP for one sequence (batch fixed inside `t`).
+
+    `t(l, c)` is the stage time of a slice of l tokens after c context tokens. Lengths are
+    multiples of `grid` except a shorter last cell when seq_len is not a multiple. For each
+    candidate cap (every distinct t(l, c) value, ascending) f[n] = min over the last slice
+    [m, n) of f[m] + t(n - m, m) with t <= cap; the slicing of f[N] is scored; the loop stops
+    once K * cap >= best score. `mem_ok(slices)` rejects slicings over the memory limit."""
+    t0 = time.perf_counter()
+    if seq_len <= 0:
+        raise ValueError(f"sequence length must be positive, got {seq_len}")
+    points = list(range(0, seq_len, grid)) + [seq_len]
+    P = len(points)
+    cost = [[0.0] * P for _ in range(P)]  # cost[m][n] = t(points[n]-points[m], points[m]) for m < n
+    caps = set()
+    for m in range(P - 1):
+        for n in range(m + 1, P):
+            cost[m][n] = float(t(points[n] - points[m], points[m]))
+            caps.add(cost[m][n])
+    caps = sorted(caps)
+    best: Optional[SlicePlan] = None
+    tried = 0
+    inf = float("inf")
+    for cap in caps:
+        if best is not None and num_stages * cap >= best.score:
+            break
+        tried += 1
+        f = [inf] * P
+        arg = [-1] * P
+        f[0] = 0.0
+        for n in range(1, P):
+            fn, an = inf, -1
+            for m in range(n):
+                c = cost[m][n]
+                if c <= cap and f[m] + c < fn:
+                    fn, an = f[m] + c, m
+            f[n], arg[n] = fn, an
+        if f[-1] == inf:
+            continue
+        cuts, n = [], P - 1
+        while n > 0:
+            cuts.append(n)
+            n = arg[n]
+        cuts.append(0)
+        cuts.reverse()
+        slices = [points[b] - points[a] for a, b in zip(cuts, cuts[1:])]
+        times = [cost[a][b] for a, b in zip(cuts, cuts[1:])]
+        if mem_ok is not None and not mem_ok(slices):
+            continue
+        score = pipeline_score(times, num_stages)
+        if best is None or score < best.score - 1e-12:
+            best = SlicePlan(slices, times, score)
+    if best is None:
+        raise ValueError(f"no slicing of {seq_len} tokens fits the memory limit; lower --micro-batch-size or "
+                         f"raise the memory limit")
+    best.t_max_tried = tried
+    best.planning_s = time.perf_counter() - t0
+    return best
+
+
+def brute_force_slices(seq_len: int, num_stages: int, t: Callable[[int, int], float], grid: int = GRID,
+                       mem_ok=None) -> SlicePlan:
+    """Every slicing on the grid, scored exactly (tests only: 2^(N/grid) slicings)."""
+    points = list(range(0, seq_len, grid)) + [seq_len]
+    inner = points[1:-1]
+    best = None
+    for mask in range(1 << len(inner)):
+        cuts = [0] + [p for i, p in enumerate(inner) if mask >> i & 1] + [seq_len]
+        slices = [b - a for a, b in zip(cuts, cuts[1:])]
+        if mem_ok is not None and not mem_ok(slices):
+            continue
+        times = [t(b - a, a) for a, b in zip(cuts, cuts[1:])]
+        score = pipeline_score(times, num_stages)
+        if best is None or score < best.score - 1e-12:
+            best = SlicePlan(slices, times, score)
+    return best
+
+
+def plan_batch(batch: int, seq_len: int, num_stages: int, t: Callable[[int, int, int], float],
+               grid: int = GRID, mem_ok=None):
+    """TeraPipe's outer dimension: split `batch` sequences into micro-batches b_1 + ... = batch,
+    each sliced by `plan_slices`. As in the paper, the split minimises the sum of the
+    per-micro-batch scores g[B] = min_b g[B - b] + f_b. Returns [(b, SlicePlan)]."""
+    per_b = {}
+    for b in range(1, batch + 1):
+        try:
+            per_b[b] = plan_slices(seq_len, num_stages, lambda l, c, b=b: t(b, l, c), grid,
+                                   None if mem_ok is None else (lambda s, b=b: mem_ok(b, s)))
+        except ValueError:
+            continue
+    g = [0.0] + [float("inf")] * batch
+    choice = [0] * (batch + 1)
+    for B in range(1, batch + 1):
+        for b, sp in per_b.items():
+            if b <= B and g[B - b] + sp.score < g[B]:
+                g[B], choice[B] = g[B - b] + sp.score, b
+    if g[batch] == float("inf"):
+        raise ValueError(f"no micro-batch split of {batch} sequences fits the memory limit")
+    out, B = [], batch
+    while B > 0:
+        out.append((choice[B], per_b[choice[B]]))
+        B -= choice[B]
+    return out
+
+
+# ---------------------------------------------------------------------------- memory
+def slice_memory_mb(slices: Sequence[int], b: int, layers: int, hidden: int, kv_hidden: int,
+                    bytes_per: int = 4, act_per_token_mb: Optional[float] = None) -> float:
+    """Peak activation memory of one stage running one sequence of `slices` (GPipe: every
+    slice is in flight at the end of the forwards). Per layer: the cached K/V of the whole
+    sequence (2 * kv_hidden per token), each slice's saved concatenated K/V of c + l rows, and
+    the per-token activations (`act_per_token_mb` per token per layer, default 16 * hidden
+    bytes as Megatron's estimate without attention scores) plus its l x (c + l) scores."""
+    mb = 1.0 / 2 ** 20
+    per_tok = act_per_token_mb if act_per_token_mb is not None else 16 * hidden * bytes_per * mb
+    total, c = 0.0, 0
+    for ln in slices:
+        ctx = c + ln
+        total += layers * b * (ln * per_tok + 2 * kv_hidden * (ctx + ln) * bytes_per * mb
+                               + ln * ctx * bytes_per * mb)
+        c = ctx
+    return total
