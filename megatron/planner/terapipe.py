@@ -134,7 +134,8 @@ def plan_slices(seq_len: int, num_stages: int, t: Callable[[int, int], float], g
     multiples of `grid` except a shorter last cell when seq_len is not a multiple. For each
     candidate cap (every distinct t(l, c) value, ascending) f[n] = min over the last slice
     [m, n) of f[m] + t(n - m, m) with t <= cap; the slicing of f[N] is scored; the loop stops
-    once K * cap >= best score. `mem_ok(slices)` rejects slicings over the memory limit."""
+    once K * cap >= best score. `mem_ok(slices)` rejects slicings over the memory limit; the DP
+    itself is not memory-aware, so uniform slicings that fit are scored as well."""
     t0 = time.perf_counter()
     if seq_len <= 0:
         raise ValueError(f"sequence length must be positive, got {seq_len}")
@@ -179,6 +180,18 @@ def plan_slices(seq_len: int, num_stages: int, t: Callable[[int, int], float], g
         score = pipeline_score(times, num_stages)
         if best is None or score < best.score - 1e-12:
             best = SlicePlan(slices, times, score)
+    if mem_ok is not None:
+        # The DP minimises time only; when its slicings overflow memory, uniform slicings
+        # (down to the unsliced sequence) are the fallback candidates.
+        for n in range(1, P):
+            slices = uniform_slices(seq_len, n)
+            if not mem_ok(slices):
+                continue
+            offs = [sum(slices[:i]) for i in range(n)]
+            times = [float(t(ln, c)) for ln, c in zip(slices, offs)]
+            score = pipeline_score(times, num_stages)
+            if best is None or score < best.score - 1e-12:
+                best = SlicePlan(slices, times, score)
     if best is None:
         raise ValueError(f"no slicing of {seq_len} tokens fits the memory limit; lower --micro-batch-size or "
                          f"raise the memory limit")
@@ -233,19 +246,19 @@ def plan_batch(batch: int, seq_len: int, num_stages: int, t: Callable[[int, int,
 
 
 # ---------------------------------------------------------------------------- memory
-def slice_memory_mb(slices: Sequence[int], b: int, layers: int, hidden: int, kv_hidden: int,
+def slice_memory_mb(slices: Sequence[int], b: int, layers: int, hidden: int, kv_hidden: int, heads: int,
                     bytes_per: int = 4, act_per_token_mb: Optional[float] = None) -> float:
     """Peak activation memory of one stage running one sequence of `slices` (GPipe: every
     slice is in flight at the end of the forwards). Per layer: the cached K/V of the whole
     sequence (2 * kv_hidden per token), each slice's saved concatenated K/V of c + l rows, and
     the per-token activations (`act_per_token_mb` per token per layer, default 16 * hidden
-    bytes as Megatron's estimate without attention scores) plus its l x (c + l) scores."""
+    bytes as Megatron's estimate without attention scores) plus its heads x l x (c + l) attention probabilities."""
     mb = 1.0 / 2 ** 20
     per_tok = act_per_token_mb if act_per_token_mb is not None else 16 * hidden * bytes_per * mb
     total, c = 0.0, 0
     for ln in slices:
         ctx = c + ln
         total += layers * b * (ln * per_tok + 2 * kv_hidden * (ctx + ln) * bytes_per * mb
-                               + ln * ctx * bytes_per * mb)
+                               + heads * ln * ctx * bytes_per * mb)
         c = ctx
     return total
