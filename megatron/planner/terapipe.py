@@ -262,3 +262,36 @@ def slice_memory_mb(slices: Sequence[int], b: int, layers: int, hidden: int, kv_
                                + heads * ln * ctx * bytes_per * mb)
         c = ctx
     return total
+
+
+# ---------------------------------------------------------------------------- flags
+def check_terapipe_config(cfg) -> None:
+    """Flag combinations --terapipe cannot run; each error names the flag and the way out."""
+    from megatron.config import ConfigError
+    m, p, t, d = cfg.model, cfg.parallel, cfg.training, cfg.data
+
+    def need(ok, msg):
+        if not ok:
+            raise ConfigError(msg)
+
+    need(m.model_type == "gpt",
+         "--terapipe slices the tokens of a causal decoder (GPT): each slice attends only to earlier tokens. "
+         "T5's encoder attends in both directions and its decoder cross-attends to the whole encoder output, "
+         "so a T5 slice would need tokens that run later; use pretrain_gpt.py or drop --terapipe")
+    need(not d.dynapipe, "--terapipe and --dynapipe are two planners for one run; pick one")
+    need(not d.targets_data_path and not d.pack_dataset,
+         "--terapipe trains on pretraining data (--data-path or --mock-data); multi-task data "
+         "(--targets-data-path / --pack-dataset) is not supported with it")
+    need(p.num_layers_per_virtual_pipeline_stage is None,
+         "--terapipe runs one stage per pipeline rank: drop --num-layers-per-virtual-pipeline-stage")
+    need(t.recompute_granularity != "full",
+         "--terapipe with --recompute-granularity full would replay a layer and write its slice's keys/values "
+         "twice: use --recompute-granularity selective or none")
+    need(m.hidden_dropout == 0.0 and m.attention_dropout == 0.0,
+         "--terapipe needs --hidden-dropout 0 --attention-dropout 0: dropout masks are drawn per micro-batch "
+         "tensor, so a sliced run would draw different masks than the unsliced one (slice-keyed dropout is "
+         "not implemented yet)")
+    try:
+        parse_slices(cfg.terapipe.slices, m.seq_length)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
