@@ -12,8 +12,8 @@ megatron/models/sliced_attention.py). This module is the planner side:
   for every cap t_max on a slice's time, the slicing of the sequence that minimises
   ``sum t_i`` with every ``t_i <= t_max``, scored ``sum t_i + (K-1) * max t_i`` for K stages;
   t_max is enumerated ascending and the search stops once ``K * t_max`` (a lower bound of any
-  later score) exceeds the best score. Micro-batch splits of the batch are the DP's outer
-  dimension (`plan_batch`).
+  later score) exceeds the best score. `plan_batch` adds the batch dimension (how many
+  sequences per micro-batch), with uniform micro-batches as the trainer runs them.
 * `uniform_slices`, `parse_slices`: the `--terapipe-slices N|l1,l2,...` options.
 * `slice_memory_mb`: the activation + cached key/value memory of a slicing, checked against
   a limit.
@@ -25,6 +25,8 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
+
+import numpy as np
 
 from megatron.pipeline.lowering import ComputeOp, lower_to_plans
 
@@ -126,60 +128,98 @@ def pipeline_score(times: Sequence[float], num_stages: int) -> float:
     return sum(times) + (num_stages - 1) * max(times)
 
 
-def plan_slices(seq_len: int, num_stages: int, t: Callable[[int, int], float], grid: int = GRID,
-                mem_ok: Optional[Callable[[List[int]], bool]] = None) -> SlicePlan:
+def _cost_matrix(points, t, vectorized: bool) -> np.ndarray:
+    P = len(points)
+    pts = np.asarray(points, dtype=np.float64)
+    M, N = np.meshgrid(np.arange(P), np.arange(P), indexing="ij")
+    upper = M < N
+    cost = np.full((P, P), np.inf)
+    L, C = (pts[N] - pts[M])[upper], pts[M][upper]
+    if vectorized:
+        cost[upper] = np.broadcast_to(np.asarray(t(L.astype(np.int64), C.astype(np.int64)), dtype=np.float64),
+                                      L.shape)
+    else:
+        cost[upper] = [float(t(int(l), int(c))) for l, c in zip(L, C)]
+    return cost
+
+
+def _dp_for_caps(cost: np.ndarray, caps: np.ndarray):
+    """f[k, n] = min over m < n with cost[m, n] <= caps[k] of f[k, m] + cost[m, n], for all caps
+    at once (one vector operation per end point n). Returns (f, arg)."""
+    P, K = cost.shape[0], len(caps)
+    f = np.full((K, P), np.inf)
+    arg = np.full((K, P), -1, dtype=np.int64)
+    f[:, 0] = 0.0
+    rows = np.arange(K)
+    for n in range(1, P):
+        col = cost[:n, n]
+        cand = np.where(col[None, :] <= caps[:, None], f[:, :n] + col[None, :], np.inf)
+        m = np.argmin(cand, axis=1)
+        f[:, n] = cand[rows, m]
+        arg[:, n] = m
+    return f, arg
+
+
+def plan_slices(seq_len: int, num_stages: int, t: Callable, grid: int = GRID,
+                mem_ok: Optional[Callable[[List[int]], bool]] = None, cap_tolerance: float = 0.0,
+                vectorized: bool = False, chunk: int = 64) -> SlicePlan:
     """TeraPipe's DP for one sequence (batch fixed inside `t`).
 
-    `t(l, c)` is the stage time of a slice of l tokens after c context tokens. Lengths are
-    multiples of `grid` except a shorter last cell when seq_len is not a multiple. For each
-    candidate cap (every distinct t(l, c) value, ascending) f[n] = min over the last slice
-    [m, n) of f[m] + t(n - m, m) with t <= cap; the slicing of f[N] is scored; the loop stops
-    once K * cap >= best score. `mem_ok(slices)` rejects slicings over the memory limit; the DP
-    itself is not memory-aware, so uniform slicings that fit are scored as well."""
+    `t(l, c)` is the stage time of a slice of l tokens after c context tokens (with
+    `vectorized`, it takes numpy arrays). Slice boundaries lie on a grid of `grid` tokens
+    (the last cell is shorter when seq_len is not a multiple). For each cap t_max taken from
+    the distinct t values, ascending, f[n] = min over the last slice [m, n) of
+    f[m] + t(n - m, m) with t <= t_max; the slicing of f[N] is scored
+    ``sum t_i + (K - 1) max t_i``; enumeration stops once K * t_max >= the best score (no
+    later cap can win). Caps below the smallest feasible one (every grid cell must fit) are
+    skipped; the remaining ones run `chunk` at a time through one vectorised DP.
+    `cap_tolerance` > 0 thins the caps so that consecutive ones differ by at least that
+    factor (long sequences; 0 = exact). `mem_ok(slices)` rejects slicings over the memory
+    limit; the DP itself is not memory-aware, so uniform slicings that fit are scored too."""
     t0 = time.perf_counter()
     if seq_len <= 0:
         raise ValueError(f"sequence length must be positive, got {seq_len}")
     points = list(range(0, seq_len, grid)) + [seq_len]
     P = len(points)
-    cost = [[0.0] * P for _ in range(P)]  # cost[m][n] = t(points[n]-points[m], points[m]) for m < n
-    caps = set()
-    for m in range(P - 1):
-        for n in range(m + 1, P):
-            cost[m][n] = float(t(points[n] - points[m], points[m]))
-            caps.add(cost[m][n])
-    caps = sorted(caps)
+    cost = _cost_matrix(points, t, vectorized)
+    finite = cost[np.isfinite(cost)]
+    lowest = max(float(cost[n - 1, n]) for n in range(1, P))  # every cell alone must fit
+    caps = np.unique(finite[finite >= lowest])
+    if cap_tolerance > 0 and len(caps) > 1:
+        keep, last = [], -np.inf
+        for c in caps:
+            if c >= last * (1.0 + cap_tolerance):
+                keep.append(c)
+                last = c
+        if keep[-1] != caps[-1]:
+            keep.append(caps[-1])
+        caps = np.asarray(keep)
     best: Optional[SlicePlan] = None
     tried = 0
-    inf = float("inf")
-    for cap in caps:
-        if best is not None and num_stages * cap >= best.score:
-            break
-        tried += 1
-        f = [inf] * P
-        arg = [-1] * P
-        f[0] = 0.0
-        for n in range(1, P):
-            fn, an = inf, -1
-            for m in range(n):
-                c = cost[m][n]
-                if c <= cap and f[m] + c < fn:
-                    fn, an = f[m] + c, m
-            f[n], arg[n] = fn, an
-        if f[-1] == inf:
-            continue
-        cuts, n = [], P - 1
-        while n > 0:
-            cuts.append(n)
-            n = arg[n]
-        cuts.append(0)
-        cuts.reverse()
-        slices = [points[b] - points[a] for a, b in zip(cuts, cuts[1:])]
-        times = [cost[a][b] for a, b in zip(cuts, cuts[1:])]
-        if mem_ok is not None and not mem_ok(slices):
-            continue
-        score = pipeline_score(times, num_stages)
-        if best is None or score < best.score - 1e-12:
-            best = SlicePlan(slices, times, score)
+    for lo in range(0, len(caps), chunk):
+        batch = caps[lo:lo + chunk]
+        if best is not None:
+            batch = batch[num_stages * batch < best.score]
+            if not len(batch):
+                break
+        f, arg = _dp_for_caps(cost, batch)
+        tried += len(batch)
+        for k in range(len(batch)):
+            if not np.isfinite(f[k, -1]):
+                continue
+            cuts, n = [], P - 1
+            while n > 0:
+                cuts.append(n)
+                n = int(arg[k, n])
+            cuts.append(0)
+            cuts.reverse()
+            slices = [points[b] - points[a] for a, b in zip(cuts, cuts[1:])]
+            times = [float(cost[a, b]) for a, b in zip(cuts, cuts[1:])]
+            if mem_ok is not None and not mem_ok(slices):
+                continue
+            score = pipeline_score(times, num_stages)
+            if best is None or score < best.score - 1e-12:
+                best = SlicePlan(slices, times, score)
     if mem_ok is not None:
         # The DP minimises time only; when its slicings overflow memory, uniform slicings
         # (down to the unsliced sequence) are the fallback candidates.
@@ -188,7 +228,8 @@ def plan_slices(seq_len: int, num_stages: int, t: Callable[[int, int], float], g
             if not mem_ok(slices):
                 continue
             offs = [sum(slices[:i]) for i in range(n)]
-            times = [float(t(ln, c)) for ln, c in zip(slices, offs)]
+            times = [float(cost[points.index(c), points.index(c + ln)]) if c + ln in points and c in points
+                     else float(t(ln, c)) for ln, c in zip(slices, offs)]
             score = pipeline_score(times, num_stages)
             if best is None or score < best.score - 1e-12:
                 best = SlicePlan(slices, times, score)
@@ -218,31 +259,30 @@ def brute_force_slices(seq_len: int, num_stages: int, t: Callable[[int, int], fl
     return best
 
 
-def plan_batch(batch: int, seq_len: int, num_stages: int, t: Callable[[int, int, int], float],
-               grid: int = GRID, mem_ok=None):
-    """TeraPipe's outer dimension: split `batch` sequences into micro-batches b_1 + ... = batch,
-    each sliced by `plan_slices`. As in the paper, the split minimises the sum of the
-    per-micro-batch scores g[B] = min_b g[B - b] + f_b. Returns [(b, SlicePlan)]."""
-    per_b = {}
+def plan_batch(batch: int, seq_len: int, num_stages: int, t: Callable, grid: int = GRID, mem_ok=None,
+               **kw):
+    """TeraPipe's batch dimension: run `batch` sequences as m = batch / b micro-batches of b
+    sequences, each cut into the same slices. All m * n units run back to back, so the
+    iteration takes ``m * sum t_i + (K - 1) * max t_i = m * (sum t_i + (1 + (K-1)/m - 1) * max t_i)``:
+    the slice DP with an effective stage count 1 + (K-1)/m. Every divisor b of `batch` is
+    tried (the trainer's micro-batches are uniform). `t(b, l, c)`; returns
+    (b, SlicePlan with `score` = the whole iteration's predicted time)."""
+    best = None
     for b in range(1, batch + 1):
+        if batch % b:
+            continue
+        m = batch // b
         try:
-            per_b[b] = plan_slices(seq_len, num_stages, lambda l, c, b=b: t(b, l, c), grid,
-                                   None if mem_ok is None else (lambda s, b=b: mem_ok(b, s)))
+            sp = plan_slices(seq_len, 1 + (num_stages - 1) / m, lambda l, c, b=b: t(b, l, c), grid,
+                             None if mem_ok is None else (lambda s, b=b: mem_ok(b, s)), **kw)
         except ValueError:
             continue
-    g = [0.0] + [float("inf")] * batch
-    choice = [0] * (batch + 1)
-    for B in range(1, batch + 1):
-        for b, sp in per_b.items():
-            if b <= B and g[B - b] + sp.score < g[B]:
-                g[B], choice[B] = g[B - b] + sp.score, b
-    if g[batch] == float("inf"):
-        raise ValueError(f"no micro-batch split of {batch} sequences fits the memory limit")
-    out, B = [], batch
-    while B > 0:
-        out.append((choice[B], per_b[choice[B]]))
-        B -= choice[B]
-    return out
+        sp.score *= m
+        if best is None or sp.score < best[1].score:
+            best = (b, sp)
+    if best is None:
+        raise ValueError(f"no micro-batch size dividing {batch} sequences fits the memory limit")
+    return best
 
 
 # ---------------------------------------------------------------------------- memory

@@ -58,14 +58,16 @@ class SliceLatencyModel:
         self.hidden_size = int(hidden_size)
         self.meta = dict(meta or {})
 
-    def layer_ms(self, b: int, l: int, c: int) -> float:
+    def layer_ms(self, b, l, c):
+        """Scalars or numpy-broadcastable arrays (the planner's DP asks for all slices at once)."""
         a1, a2, a3 = self.coef
-        t0 = float(self.grid(b, l)["ms"])
-        return t0 + a1 * b * l + a2 * b * c + a3 * b * l * c
+        t0 = self.grid(b, l)["ms"]
+        out = t0 + a1 * np.multiply(b, l) + a2 * np.multiply(b, c) + a3 * np.multiply(np.multiply(b, l), c)
+        return float(out) if np.ndim(out) == 0 else out
 
-    def p2p_ms(self, b: int, l: int, bytes_per: int = 2) -> float:
+    def p2p_ms(self, b, l, bytes_per: int = 2):
         if not self.hidden_size:
-            return 0.0
+            return 0.0 * np.multiply(b, l)
         return self.p2p_latency_ms + self.p2p_ms_per_mb * b * l * self.hidden_size * bytes_per / 2 ** 20
 
     def stage_ms(self, b: int, l: int, c: int, layers: int) -> float:

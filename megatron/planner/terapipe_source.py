@@ -43,7 +43,11 @@ class TeraPipePlanner:
                 def mem_ok(sl):
                     return slice_memory_mb(sl, b, self.layers_per_stage, m.hidden_size, kv,
                                            m.num_attention_heads // self.tp) <= self.cfg.terapipe.memory_limit_mb
-                slices = plan_slices(s, self.pp, lambda l, c: self.stage_ms(b, l, c), mem_ok=mem_ok).slices
+                # m micro-batches run back to back: sum over all units + (K-1) max = m * score
+                # of one sequence with the effective stage count 1 + (K-1)/m (see plan_batch).
+                k_eff = 1 + (self.pp - 1) / max(1, self.cfg.num_microbatches)
+                slices = plan_slices(s, k_eff, lambda l, c: self.stage_ms(b, l, c), mem_ok=mem_ok,
+                                     cap_tolerance=0.01, vectorized=True).slices
             self._slicings[key] = (slices, (time.perf_counter() - t0) * 1e3)
         return self._slicings[key]
 

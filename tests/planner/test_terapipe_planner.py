@@ -58,13 +58,18 @@ def test_dp_early_exit_and_prefers_shorter_late_slices():
     assert sp.score < pipeline_score([t(256, 0)], 8)
 
 
-def test_batch_split_dp():
+def test_batch_dimension_matches_brute_force():
     t = lambda b, l, c: 1.0 + b * l * 0.1 + b * l * c * 0.001  # noqa: E731
-    split = plan_batch(4, 32, 4, t)
-    assert sum(b for b, _ in split) == 4
-    best = min(sum(plan_slices(32, 4, lambda l, c, b=b: t(b, l, c)).score for b in parts)
-               for n in range(1, 5) for parts in itertools.product(range(1, 5), repeat=n) if sum(parts) == 4)
-    assert sum(sp.score for _, sp in split) == pytest.approx(best)
+    for K in (2, 4):
+        b, sp = plan_batch(4, 32, K, t)
+        # brute force: every micro-batch size and every slicing, scored over the whole iteration
+        best = min(pipeline_score(
+            [t(bb, l, c) for _ in range(4 // bb) for l, c in zip(s.slices, np.cumsum([0] + s.slices[:-1]))], K)
+            for bb in (1, 2, 4)
+            for s in [brute_force_slices(32, 1 + (K - 1) / (4 // bb), lambda l, c, bb=bb: t(bb, l, c))])
+        assert sp.score == pytest.approx(best)
+        units = [t(b, l, c) for _ in range(4 // b) for l, c in zip(sp.slices, np.cumsum([0] + sp.slices[:-1]))]
+        assert sp.score == pytest.approx(pipeline_score(units, K))
 
 
 def test_uniform_and_parse():
@@ -176,3 +181,13 @@ def test_validator_rejects_wrong_slice_order():
     swapped[fwd[0]], swapped[fwd[1]] = ins[fwd[1]], ins[fwd[0]]
     with pytest.raises(PlanValidationError):
         validate_plans([dataclasses.replace(plans[0], instructions=swapped)])
+
+
+def test_vectorised_and_thinned_caps_agree_with_exact():
+    t = lambda l, c: 8 + l + 0.004 * l * (l + c)  # noqa: E731
+    exact = plan_slices(512, 8, t)
+    vec = plan_slices(512, 8, t, vectorized=True)
+    assert vec.slices == exact.slices
+    thin = plan_slices(512, 8, t, vectorized=True, cap_tolerance=0.01)
+    assert thin.t_max_tried < exact.t_max_tried
+    assert thin.score <= exact.score * 1.01
