@@ -160,42 +160,19 @@ def _dp_for_caps(cost: np.ndarray, caps: np.ndarray):
     return f, arg
 
 
-def plan_slices(seq_len: int, num_stages: int, t: Callable, grid: int = GRID,
-                mem_ok: Optional[Callable[[List[int]], bool]] = None, cap_tolerance: float = 0.0,
-                vectorized: bool = False, chunk: int = 64) -> SlicePlan:
-    """TeraPipe's DP for one sequence (batch fixed inside `t`).
+def _thin(caps: np.ndarray, tol: float) -> np.ndarray:
+    """One cap per geometric bin of ratio (1 + tol) (the smallest of the bin; the largest cap
+    always kept). `caps` is sorted and positive."""
+    if len(caps) < 2 or caps[0] <= 0:
+        return caps
+    bins = np.floor(np.log(caps / caps[0]) / np.log1p(tol)).astype(np.int64)
+    _, first = np.unique(bins, return_index=True)
+    keep = caps[first]
+    return keep if keep[-1] == caps[-1] else np.append(keep, caps[-1])
 
-    `t(l, c)` is the stage time of a slice of l tokens after c context tokens (with
-    `vectorized`, it takes numpy arrays). Slice boundaries lie on a grid of `grid` tokens
-    (the last cell is shorter when seq_len is not a multiple). For each cap t_max taken from
-    the distinct t values, ascending, f[n] = min over the last slice [m, n) of
-    f[m] + t(n - m, m) with t <= t_max; the slicing of f[N] is scored
-    ``sum t_i + (K - 1) max t_i``; enumeration stops once K * t_max >= the best score (no
-    later cap can win). Caps below the smallest feasible one (every grid cell must fit) are
-    skipped; the remaining ones run `chunk` at a time through one vectorised DP.
-    `cap_tolerance` > 0 thins the caps so that consecutive ones differ by at least that
-    factor (long sequences; 0 = exact). `mem_ok(slices)` rejects slicings over the memory
-    limit; the DP itself is not memory-aware, so uniform slicings that fit are scored too."""
-    t0 = time.perf_counter()
-    if seq_len <= 0:
-        raise ValueError(f"sequence length must be positive, got {seq_len}")
-    points = list(range(0, seq_len, grid)) + [seq_len]
+
+def _scan_caps(cost, caps, points, num_stages, mem_ok, chunk, best, tried):
     P = len(points)
-    cost = _cost_matrix(points, t, vectorized)
-    finite = cost[np.isfinite(cost)]
-    lowest = max(float(cost[n - 1, n]) for n in range(1, P))  # every cell alone must fit
-    caps = np.unique(finite[finite >= lowest])
-    if cap_tolerance > 0 and len(caps) > 1:
-        keep, last = [], -np.inf
-        for c in caps:
-            if c >= last * (1.0 + cap_tolerance):
-                keep.append(c)
-                last = c
-        if keep[-1] != caps[-1]:
-            keep.append(caps[-1])
-        caps = np.asarray(keep)
-    best: Optional[SlicePlan] = None
-    tried = 0
     for lo in range(0, len(caps), chunk):
         batch = caps[lo:lo + chunk]
         if best is not None:
@@ -220,6 +197,49 @@ def plan_slices(seq_len: int, num_stages: int, t: Callable, grid: int = GRID,
             score = pipeline_score(times, num_stages)
             if best is None or score < best.score - 1e-12:
                 best = SlicePlan(slices, times, score)
+    return best, tried
+
+
+def plan_slices(seq_len: int, num_stages: int, t: Callable, grid: int = GRID,
+                mem_ok: Optional[Callable[[List[int]], bool]] = None, cap_tolerance: float = 0.0,
+                vectorized: bool = False, chunk: int = 64) -> SlicePlan:
+    """TeraPipe's DP for one sequence (batch fixed inside `t`).
+
+    `t(l, c)` is the stage time of a slice of l tokens after c context tokens (with
+    `vectorized`, it takes numpy arrays). Slice boundaries lie on a grid of `grid` tokens
+    (the last cell is shorter when seq_len is not a multiple). For each cap t_max taken from
+    the distinct t values, ascending, f[n] = min over the last slice [m, n) of
+    f[m] + t(n - m, m) with t <= t_max; the slicing of f[N] is scored
+    ``sum t_i + (K - 1) max t_i``; enumeration stops once K * t_max >= the best score (no
+    later cap can win). Caps below the smallest feasible one (every grid cell must fit) are
+    skipped; the remaining ones run `chunk` at a time through one vectorised DP.
+    `cap_tolerance` > 0 is the fast mode for long sequences: a coarse pass over caps a factor
+    1 + 8 * tol apart, then the caps within that factor of the coarse winner's max t_i,
+    1 + tol apart (an approximation; 0 = exact). `mem_ok(slices)` rejects slicings over the memory
+    limit; the DP itself is not memory-aware, so uniform slicings that fit are scored too."""
+    t0 = time.perf_counter()
+    if seq_len <= 0:
+        raise ValueError(f"sequence length must be positive, got {seq_len}")
+    points = list(range(0, seq_len, grid)) + [seq_len]
+    P = len(points)
+    cost = _cost_matrix(points, t, vectorized)
+    finite = cost[np.isfinite(cost)]
+    lowest = max(float(cost[n - 1, n]) for n in range(1, P))  # every cell alone must fit
+    all_caps = np.unique(finite[finite >= lowest])
+    best: Optional[SlicePlan] = None
+    tried = 0
+    if cap_tolerance > 0 and len(all_caps) > 1:
+        # Coarse pass (caps 8x further apart), then the caps near the coarse winner at the
+        # requested spacing.
+        coarse = _thin(all_caps, 8 * cap_tolerance)
+        best, tried = _scan_caps(cost, coarse, points, num_stages, mem_ok, chunk, None, 0)
+        if best is not None:
+            c = max(best.times)
+            near = all_caps[(all_caps >= c / (1 + 8 * cap_tolerance)) & (all_caps <= c * (1 + 8 * cap_tolerance))]
+            best, tried = _scan_caps(cost, _thin(near, cap_tolerance), points, num_stages, mem_ok, chunk, best,
+                                     tried)
+    else:
+        best, tried = _scan_caps(cost, all_caps, points, num_stages, mem_ok, chunk, None, 0)
     if mem_ok is not None:
         # The DP minimises time only; when its slicings overflow memory, uniform slicings
         # (down to the unsliced sequence) are the fallback candidates.
