@@ -37,11 +37,13 @@ class GPTEmbedding(nn.Module):
             self.position_embeddings = nn.Parameter(pos)
         self.dropout = cfg.hidden_dropout
 
-    def forward(self, tokens, position_ids):
+    def forward(self, tokens, position_ids, kv_cache=None):
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:  # RoPE rotates q and k inside attention instead
             x = x + F.embedding(position_ids, self.position_embeddings)
         x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+        if kv_cache is not None and kv_cache.dropout is not None and self.training and self.dropout > 0:
+            return kv_cache.dropout.hidden(x, self.dropout, 0, kv_cache.offset)  # token slices: keyed masks
         return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
 
 
@@ -97,7 +99,7 @@ class GPTStage(nn.Module):
             tokens = batch["tokens"]
             if pos is None:
                 pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-            x = self.embedding(tokens, pos)
+            x = self.embedding(tokens, pos, kv_cache) if kv_cache is not None else self.embedding(tokens, pos)
         else:
             (x,) = inputs
         rotary = None

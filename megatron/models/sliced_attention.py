@@ -40,14 +40,20 @@ class SliceRecord:
 
 
 class SequenceKVCache:
-    def __init__(self, sequence: int, stage: int):
+    def __init__(self, sequence: int, stage: int, dropout_salt: Optional[int] = None):
         self.sequence, self.stage = sequence, stage
+        # slice-keyed dropout (None: the model's ordinary dropout, used only with rate 0)
+        self.dropout = KeyedDropout(dropout_salt) if dropout_salt is not None else None
         self.offsets: List[int] = []
         self.lengths: List[int] = []
         self.kv: Dict[int, List[tuple]] = {}        # layer -> per slice (k, v) detached
         self.grads: Dict[int, List[list]] = {}      # layer -> per slice [dk, dv] (or None)
         self.current: Optional[SliceRecord] = None
         self.backward_next: Optional[int] = None    # index of the slice whose backward is due
+
+    @property
+    def offset(self) -> int:
+        return self.current.offset
 
     @property
     def filled(self) -> int:
@@ -125,3 +131,68 @@ class SequenceKVCache:
     @property
     def finished(self) -> bool:
         return self.backward_next == -1
+
+
+# ------------------------------------------------------------------------ slice-keyed dropout
+# With token slices, dropout masks must not depend on how the sequence was cut. Each mask
+# element is a hash of (salt, site, absolute token position, batch row, channel or
+# global head and key position), so every slicing - including a single slice, the unsliced
+# computation - draws the same masks. Values stay below 2**31 so int64 products never overflow.
+_M31 = (1 << 31) - 1
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    x = (x * 1103515245 + 12345) & _M31
+    x = x ^ (x >> 13)
+    x = (x * 69069 + 907633385) & _M31
+    x = x ^ (x >> 16)
+    x = (x * 1103515245 + 12345) & _M31
+    return x ^ (x >> 15)
+
+
+def _combine(h: torch.Tensor, v) -> torch.Tensor:
+    return _mix(h ^ (torch.as_tensor(v, dtype=torch.int64, device=h.device) & _M31))
+
+
+def keep_mask(salt: int, site: int, dims: list, p: float, device) -> torch.Tensor:
+    """Boolean keep-mask of shape [len(d) for d in dims]; dims[i] are the int64 coordinates
+    (absolute positions, rows, channels) along axis i."""
+    h = _mix(torch.tensor((salt * 7919 + site) & _M31, dtype=torch.int64, device=device))
+    n = len(dims)
+    for i, d in enumerate(dims):
+        shape = [1] * n
+        shape[i] = -1
+        h = _combine(h, torch.as_tensor(d, dtype=torch.int64, device=device).view(shape))
+    return h.to(torch.float64) / float(1 << 31) >= p
+
+
+class KeyedDropout:
+    """Dropout for one slice of one sequence: `salt` identifies (seed, iteration, sequence)."""
+
+    def __init__(self, salt: int):
+        self.salt = int(salt) & _M31
+
+    def hidden(self, x: torch.Tensor, p: float, site: int, offset: int) -> torch.Tensor:
+        """x [l, b, h] holding tokens [offset, offset + l)."""
+        l, b, h = x.shape
+        dev = x.device
+        keep = keep_mask(self.salt, site, [torch.arange(offset, offset + l, device=dev), torch.arange(b, device=dev),
+                                           torch.arange(h, device=dev)], p, dev)
+        return x * keep.to(x.dtype) / (1.0 - p)
+
+    def attention(self, q, k, v, mask, p: float, site: int, offset: int, head0: int) -> torch.Tensor:
+        """q [b, np, l, hn] (queries at tokens offset..), k/v [b, np, c+l, hn] (tokens 0..),
+        bool mask [.., l, c+l] or None (plain causal). Softmax attention with keyed dropout of
+        the probabilities; heads are numbered globally (head0 = first local head)."""
+        b, np_, l, hn = q.shape
+        sk = k.shape[-2]
+        dev = q.device
+        scores = (q @ k.transpose(-1, -2)) / (hn ** 0.5)
+        if mask is None:
+            mask = torch.ones(l, sk, dtype=torch.bool, device=dev).tril(sk - l)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
+        keep = keep_mask(self.salt, site, [torch.arange(b, device=dev), torch.arange(head0, head0 + np_, device=dev),
+                                           torch.arange(offset, offset + l, device=dev),
+                                           torch.arange(sk, device=dev)], p, dev)
+        return (probs * keep.to(probs.dtype) / (1.0 - p)) @ v

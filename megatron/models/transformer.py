@@ -19,7 +19,7 @@ from megatron.config import ModelConfig
 from megatron.models.rotary import apply_rotary
 from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, checkpoint,
                                            get_rng_tracker)
-from megatron.core.tensor_parallel.mappings import group_size
+from megatron.core.tensor_parallel.mappings import group_rank, group_size
 
 
 def _sdpa(q, k, v, mask, bias, causal, dropout_p):
@@ -51,6 +51,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         tp = group_size(tp_group)
         self.np = cfg.num_attention_heads // tp
+        self.head0 = group_rank(tp_group) * self.np  # global index of the first local head
         self.hn = cfg.kv_channels
         self.cross, self.causal = cross, causal
         self.dropout_p = cfg.attention_dropout
@@ -113,6 +114,12 @@ class ParallelAttention(nn.Module):
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if kv_extend is not None:
             k, v, mask = kv_extend(k, v, mask)
+            keyed = getattr(kv_extend, "dropout", None)
+            if keyed is not None and self.training and self.dropout_p > 0:
+                qq, kk, vv = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+                ctx = keyed.attention(qq, kk, vv, mask, self.dropout_p, kv_extend.site, kv_extend.offset, self.head0)
+                b, np_, s, hn = ctx.shape
+                return self.dense(ctx.permute(2, 0, 1, 3).reshape(s, b, np_ * hn))
         if recompute == "selective" and torch.is_grad_enabled():
             ctx = checkpoint(self.core_attention, q, k, v, mask, bias)
         else:
@@ -168,7 +175,9 @@ class TransformerLayer(nn.Module):
         self.mlp = ParallelMLP(cfg, tp_group, seed=seed, key=key + ".mlp", out_std=out_std)
         self.relative_bias = relative_bias
 
-    def _drop(self, x):
+    def _drop(self, x, kv_cache=None, site: int = 0):
+        if kv_cache is not None and kv_cache.dropout is not None and self.training and self.hidden_dropout > 0:
+            return kv_cache.dropout.hidden(x, self.hidden_dropout, 3 * self.layer_number + site + 1, kv_cache.offset)
         return F.dropout(x, self.hidden_dropout, self.training) if self.hidden_dropout > 0 else x
 
     def forward(self, x, mask=None, encoder_output=None, cross_mask=None, recompute: str = "none", rotary=None,
@@ -177,7 +186,14 @@ class TransformerLayer(nn.Module):
         kv_extend = None
         if kv_cache is not None:
             layer = self.layer_number
-            kv_extend = lambda k, v, m: kv_cache.extend(layer, k, v, m)  # noqa: E731
+
+            def kv_extend(k, v, m):
+                return kv_cache.extend(layer, k, v, m)
+            kv_extend.dropout, kv_extend.offset = kv_cache.dropout, kv_cache.offset
+            kv_extend.site = 1_000_003 + 3 * layer  # attention-probability dropout of this layer
+            x = x + self._drop(self.self_attention(self.input_layernorm(x), mask, bias, recompute=recompute,
+                                                   rotary=rotary, kv_extend=kv_extend), kv_cache, 0)
+            return x + self._drop(self.mlp(self.post_attention_layernorm(x)), kv_cache, 1)
         x = x + self._drop(self.self_attention(self.input_layernorm(x), mask, bias, recompute=recompute,
                                                rotary=rotary, kv_extend=kv_extend))
         if self.decoder:

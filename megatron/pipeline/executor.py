@@ -92,6 +92,9 @@ class PipelineExecutor:
         self.device = device
         self.comm_dtype = comm_dtype
         self.free_sent_activations = free_sent_activations
+        # Token slices: seed of the slice-keyed dropout masks (None = no keyed dropout; the
+        # TeraPipe trainer sets it, distinct per data-parallel rank).
+        self.dropout_seed: Optional[int] = None
 
     # -- helpers -------------------------------------------------------------------------
     def _autocast(self):
@@ -177,7 +180,10 @@ class PipelineExecutor:
             seq, offset, length = ins.token_slice
             cache = self.kv_caches.get((seq, ins.stage))
             if cache is None:
-                cache = self.kv_caches[(seq, ins.stage)] = SequenceKVCache(seq, ins.stage)
+                salt = None
+                if self.dropout_seed is not None:
+                    salt = (self.dropout_seed * 1_000_003 + self.plan.iteration * 10_007 + seq) % (1 << 31)
+                cache = self.kv_caches[(seq, ins.stage)] = SequenceKVCache(seq, ins.stage, salt)
             cache.begin(offset, length)
         with grad_ctx, self._autocast():
             outputs = stage(batch, inputs, kv_cache=cache) if cache is not None else stage(batch, inputs)

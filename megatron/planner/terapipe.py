@@ -347,10 +347,6 @@ def check_terapipe_config(cfg) -> None:
     need(t.recompute_granularity != "full",
          "--terapipe with --recompute-granularity full would replay a layer and write its slice's keys/values "
          "twice: use --recompute-granularity selective or none")
-    need(m.hidden_dropout == 0.0 and m.attention_dropout == 0.0,
-         "--terapipe needs --hidden-dropout 0 --attention-dropout 0: dropout masks are drawn per micro-batch "
-         "tensor, so a sliced run would draw different masks than the unsliced one (slice-keyed dropout is "
-         "not implemented yet)")
     try:
         parse_slices(cfg.terapipe.slices, m.seq_length)
     except ValueError as e:

@@ -100,5 +100,9 @@ def terapipe_trainer(cfg, ps, device, stages, train_ds, valid_ds, tied, flops):
     source = TeraPipeBatchSource(cfg, ps, train_ds, gpt_microbatch, planner, gpt_microbatch_shapes)
     valid = TeraPipeBatchSource(cfg, ps, valid_ds, gpt_microbatch, planner, gpt_microbatch_shapes) \
         if valid_ds is not None else None
-    return Trainer(cfg, ps, device, stages, tied_params=tied, flops_per_sample=flops, batch_source=source,
-                   valid_source=valid)
+    trainer = Trainer(cfg, ps, device, stages, tied_params=tied, flops_per_sample=flops, batch_source=source,
+                      valid_source=valid)
+    # Dropout masks keyed by (seed, iteration, sequence, site, token position, ...): equal for every
+    # slicing; distinct per data-parallel rank (equal across TP ranks, as hidden states are).
+    trainer.executor.dropout_seed = cfg.training.seed * 1009 + ps.dp_rank
+    return trainer

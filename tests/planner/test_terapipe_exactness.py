@@ -24,8 +24,8 @@ def _grads(trainer):
             for sid, st in trainer.stages.items() for n, p in st.named_parameters()}
 
 
-def _sliced_vs_unsliced(rank, world, tp, pp, dtype, arch, seed):
-    trainer = make_trainer(tiny_config(world=world, tp=tp, pp=pp, arch=arch, gbs=4, mbs=2, seq=16))
+def _sliced_vs_unsliced(rank, world, tp, pp, dtype, arch, seed, dropout=0.0):
+    trainer = make_trainer(tiny_config(world=world, tp=tp, pp=pp, arch=arch, gbs=4, mbs=2, seq=16, dropout=dropout))
     if dtype == torch.float64:
         for st in trainer.stages.values():
             st.double()
@@ -34,12 +34,19 @@ def _sliced_vs_unsliced(rank, world, tp, pp, dtype, arch, seed):
     mbs = work.microbatches
     for st in trainer.stages.values():
         st.train()
-    stats_ref = ex.run(work.plan, mbs, 1e-2)
+    shapes = [(tuple(mb["tokens"].shape),) for mb in mbs]
+    if dropout:
+        # Slice-keyed dropout: the reference is the whole sequence as one slice (the unsliced
+        # computation with the same keyed masks); the global-RNG path cannot be compared.
+        ex.dropout_seed = 11
+        ref_plans = build_terapipe_plans([[s[0][1]] for s in shapes], shapes, pp, trainer.cfg.model.hidden_size)
+        stats_ref = ex.run(ref_plans[trainer.ps.pp_rank], mbs, 1e-2)
+    else:
+        stats_ref = ex.run(work.plan, mbs, 1e-2)
     ref = _grads(trainer)
     trainer.optimizer.zero_grad()
     rng = random.Random(seed)
     slicings = [random_slicing(rng, mb["tokens"].shape[1]) for mb in mbs]
-    shapes = [(tuple(mb["tokens"].shape),) for mb in mbs]
     plans = build_terapipe_plans(slicings, shapes, pp, trainer.cfg.model.hidden_size)
     stats = ex.run(plans[trainer.ps.pp_rank], mbs, 1e-2)
     got = _grads(trainer)
@@ -68,6 +75,22 @@ def test_sliced_equals_unsliced_fp64_rope_gqa():
 
 def test_sliced_equals_unsliced_pp2():
     _check(run_distributed(_sliced_vs_unsliced, 2, 1, 2, torch.float32, None, 4), 1e-6, 1e-5)
+
+
+def test_sliced_equals_one_slice_with_keyed_dropout():
+    outs = run_distributed(_sliced_vs_unsliced, 1, 1, 1, torch.float64, None, 6, dropout=0.3)
+    _check(outs, 1e-12, 1e-10)
+    plain = run_distributed(_sliced_vs_unsliced, 1, 1, 1, torch.float64, None, 6)
+    assert abs(outs[0]["loss"] - plain[0]["loss"]) > 1e-3  # the masks really drop something
+
+
+def test_keyed_masks_do_not_depend_on_slicing():
+    from megatron.models.sliced_attention import keep_mask
+    full = keep_mask(5, 2, [torch.arange(0, 40), torch.arange(3), torch.arange(8)], 0.25, "cpu")
+    part = keep_mask(5, 2, [torch.arange(13, 29), torch.arange(3), torch.arange(8)], 0.25, "cpu")
+    assert torch.equal(full[13:29], part)
+    assert 0.2 < 1 - full.float().mean() < 0.3
+    assert not torch.equal(full, keep_mask(6, 2, [torch.arange(0, 40), torch.arange(3), torch.arange(8)], 0.25, "cpu"))
 
 
 @pytest.mark.slow  # test_terapipe_training.py covers TP=2 against the single-process run
