@@ -151,12 +151,18 @@ def _dp_for_caps(cost: np.ndarray, caps: np.ndarray):
     arg = np.full((K, P), -1, dtype=np.int64)
     f[:, 0] = 0.0
     rows = np.arange(K)
+    cap_max = caps.max()
     for n in range(1, P):
         col = cost[:n, n]
-        cand = np.where(col[None, :] <= caps[:, None], f[:, :n] + col[None, :], np.inf)
+        ok = np.flatnonzero(col <= cap_max)  # starts whose slice fits under some cap
+        if not len(ok):
+            continue
+        lo = int(ok[0])
+        col = col[lo:]
+        cand = np.where(col[None, :] <= caps[:, None], f[:, lo:n] + col[None, :], np.inf)
         m = np.argmin(cand, axis=1)
         f[:, n] = cand[rows, m]
-        arg[:, n] = m
+        arg[:, n] = m + lo
     return f, arg
 
 
@@ -232,7 +238,7 @@ def plan_slices(seq_len: int, num_stages: int, t: Callable, grid: int = GRID,
         # Coarse pass (caps 8x further apart), then the caps near the coarse winner at the
         # requested spacing.
         coarse = _thin(all_caps, 8 * cap_tolerance)
-        best, tried = _scan_caps(cost, coarse, points, num_stages, mem_ok, chunk, None, 0)
+        best, tried = _scan_caps(cost, coarse, points, num_stages, mem_ok, max(1, chunk // 4), None, 0)
         if best is not None:
             c = max(best.times)
             near = all_caps[(all_caps >= c / (1 + 8 * cap_tolerance)) & (all_caps <= c * (1 + 8 * cap_tolerance))]
