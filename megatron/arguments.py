@@ -185,6 +185,8 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
                    help="use --dynapipe-cost-model even though it was profiled for another model shape "
                         "(for experiments: the planner's times and memory will not describe this model)")
 
+    _add_terapipe_args(p)
+
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
@@ -409,10 +411,29 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         grad_comp_rank=args.grad_comp_rank, grad_comp_warm_up=args.grad_comp_warm_up,
         selective_grad_comp=args.selective_grad_comp, selective_grad_comp_way=args.selective_grad_comp_way)
     cfg = MegatronConfig(model=model, parallel=parallel, training=training, data=data,
-                         checkpoint=checkpoint, logging=logging_cfg, compression=compression)
+                         checkpoint=checkpoint, logging=logging_cfg, compression=compression,
+                         terapipe=_terapipe_config(args))
     if args.dynapipe and args.dynapipe_cost_model and not args.dynapipe_cost_model_any:
         _check_cost_model_matches(args.dynapipe_cost_model, cfg.model)
     return cfg
+
+
+def _add_terapipe_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("terapipe")
+    g.add_argument("--terapipe", action="store_true",
+                   help="GPT only: pipeline token slices of each sequence (TeraPipe), attention over cached K/V")
+    g.add_argument("--terapipe-slices", default="auto",
+                   help="auto (DP over slicings, needs --terapipe-cost-model), N uniform slices, or lengths l1,l2,...")
+    g.add_argument("--terapipe-cost-model", default=None,
+                   help="latency model t(b,l,c) (python -m megatron.planner.terapipe_latency --output FILE)")
+    g.add_argument("--terapipe-memory-limit", type=float, default=36000.0,
+                   help="per-stage activation + K/V cache limit the slice planner respects, MB")
+
+
+def _terapipe_config(args):
+    from megatron.config import TeraPipeConfig
+    return TeraPipeConfig(enabled=args.terapipe, slices=args.terapipe_slices, cost_model=args.terapipe_cost_model,
+                          memory_limit_mb=args.terapipe_memory_limit)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, model_type: str = "gpt",

@@ -379,6 +379,22 @@ class CompressionConfig:
 
 
 @dataclass
+class TeraPipeConfig:
+    """--terapipe: token-level pipelining of GPT (megatron/planner/terapipe.py)."""
+    enabled: bool = False
+    slices: str = "auto"              # auto | N | l1,l2,...
+    cost_model: Optional[str] = None  # megatron-terapipe-latency JSON (needed by 'auto')
+    memory_limit_mb: float = 36000.0
+
+    def __post_init__(self):
+        if self.enabled:
+            _require(self.slices != "auto" or self.cost_model is not None,
+                     "--terapipe-slices auto plans slices from a latency model: give --terapipe-cost-model FILE "
+                     "(python -m megatron.planner.terapipe_latency --output FILE), or fixed --terapipe-slices N|l1,l2,...")
+            _require(self.memory_limit_mb > 0, f"--terapipe-memory-limit must be positive, got {self.memory_limit_mb}")
+
+
+@dataclass
 class MegatronConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -387,6 +403,7 @@ class MegatronConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    terapipe: TeraPipeConfig = field(default_factory=TeraPipeConfig)
 
     def __post_init__(self):
         m, p, t = self.model, self.parallel, self.training
@@ -438,6 +455,10 @@ class MegatronConfig:
                 _require(p.pipeline_model_parallel_split_rank == p.pipeline_model_parallel_size // 2,
                          "--dynapipe with T5 puts the encoder on the first half of the pipeline: set "
                          f"--pipeline-model-parallel-split-rank {p.pipeline_model_parallel_size // 2}")
+
+        if self.terapipe.enabled:
+            from megatron.planner.terapipe import check_terapipe_config
+            check_terapipe_config(self)
 
     def _check_sequence_parallel(self) -> None:
         m, p = self.model, self.parallel

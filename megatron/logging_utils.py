@@ -62,6 +62,8 @@ def planner_line(info: dict, measured_s: float) -> str:
                       for s in shapes[:8]) + (" ..." if len(shapes) > 8 else "")
     parts = [f" planner: {info.get('planner')}", f"micro-batches per DP group: {info.get('num_microbatches')}",
              f"shapes (b x s): {shown}"]
+    if "slices" in info:
+        parts.append(f"token slices: {info['slices']}")
     if "padding_efficiency" in info:
         parts.append(f"padding efficiency: {info['padding_efficiency']:.3f}")
     if "recompute" in info:

@@ -41,11 +41,13 @@ class GPTEmbedding(nn.Module):
         self.tp_group = ps.tp_group
         self.sequence_parallel = cfg.sequence_parallel and ps.tp_size > 1
 
-    def forward(self, tokens, position_ids):
+    def forward(self, tokens, position_ids, kv_cache=None):
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:  # RoPE rotates q and k inside attention instead
             x = x + F.embedding(position_ids, self.position_embeddings)
         x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+        if kv_cache is not None and kv_cache.dropout is not None and self.training and self.dropout > 0:
+            return kv_cache.dropout.hidden(x, self.dropout, 0, kv_cache.offset)  # token slices: keyed masks
         if self.sequence_parallel:
             # Megatron fuses this into the embedding's reduce-scatter; an all-reduce then a split
             # moves more bytes but gives the same values and gradients.
@@ -102,13 +104,15 @@ class GPTStage(nn.Module):
         from megatron.data.packing import packed_attention_mask
         return packed_attention_mask(seg)
 
-    def forward(self, batch: dict, inputs: list) -> list:
+    def forward(self, batch: dict, inputs: list, kv_cache=None) -> list:
+        """`kv_cache` (a `SequenceKVCache` positioned on one token slice) runs the batch as that
+        slice of its sequence; the batch then holds the slice's tokens and position ids."""
         pos = batch.get("position_ids")
         if self.pre_process:
             tokens = batch["tokens"]
             if pos is None:
                 pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-            x = self.embedding(tokens, pos)
+            x = self.embedding(tokens, pos, kv_cache) if kv_cache is not None else self.embedding(tokens, pos)
         else:
             (x,) = inputs
         # packed rows: the variable-length kernel's segments, else the dense block-diagonal mask
@@ -119,7 +123,10 @@ class GPTStage(nn.Module):
                 s = x.shape[0] * (self.ps.tp_size if self.sequence_parallel else 1)
                 pos = torch.arange(s, device=x.device).unsqueeze(0).expand(x.shape[1], s)
             rotary = rotary_cos_sin(self.cfg, pos.to(x.device), torch.float32)
-        x = self.decoder(x, mask, recompute=self.recompute, rotary=rotary)
+        if kv_cache is not None:
+            x = self.decoder(x, mask, recompute=self.recompute, rotary=rotary, kv_cache=kv_cache)
+        else:
+            x = self.decoder(x, mask, recompute=self.recompute, rotary=rotary)
         if not self.post_process:
             return [x]
         x = self.final_layernorm(x)

@@ -19,7 +19,7 @@ from megatron.config import ModelConfig
 from megatron.models.rotary import apply_rotary
 from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, checkpoint,
                                            get_rng_tracker)
-from megatron.core.tensor_parallel.mappings import group_size
+from megatron.core.tensor_parallel.mappings import group_rank, group_size
 from megatron.fused_kernels import ops as fused_ops
 from megatron.models.packed_attention import PackedSegments, varlen_core_attention
 
@@ -61,6 +61,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         tp = group_size(tp_group)
         self.np = cfg.num_attention_heads // tp
+        self.head0 = group_rank(tp_group) * self.np  # global index of the first local head
         self.hn = cfg.kv_channels
         self.cross, self.causal = cross, causal
         self.dropout_p = cfg.attention_dropout
@@ -118,7 +119,10 @@ class ParallelAttention(nn.Module):
             v = v.repeat_interleave(hpg, dim=2)
         return q, k, v
 
-    def forward(self, x, mask=None, bias=None, encoder_output=None, recompute: str = "none", rotary=None):
+    def forward(self, x, mask=None, bias=None, encoder_output=None, recompute: str = "none", rotary=None,
+                kv_extend=None):
+        """`kv_extend(k, v, mask) -> (k, v, mask)` (token slicing, see models/sliced_attention.py)
+        prepends the cached keys/values of earlier slices of the sequence."""
         if self.cross:
             q = self._heads(self.query(x), 1)
             k, v = self._heads(self.key_value(encoder_output), 2).chunk(2, dim=-1)
@@ -126,6 +130,14 @@ class ParallelAttention(nn.Module):
             q, k, v = self._split_qkv(self.query_key_value(x))
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if kv_extend is not None:
+            k, v, mask = kv_extend(k, v, mask)
+            keyed = getattr(kv_extend, "dropout", None)
+            if keyed is not None and self.training and self.dropout_p > 0:
+                qq, kk, vv = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+                ctx = keyed.attention(qq, kk, vv, mask, self.dropout_p, kv_extend.site, kv_extend.offset, self.head0)
+                b, np_, s, hn = ctx.shape
+                return self.dense(ctx.permute(2, 0, 1, 3).reshape(s, b, np_ * hn))
         if recompute == "selective" and torch.is_grad_enabled():
             ctx = checkpoint(self.core_attention, q, k, v, mask, bias)
         else:
@@ -203,19 +215,36 @@ class TransformerLayer(nn.Module):
                 attn.dense.skip_bias_add = self.bias_dropout_fusion
         self.mlp.dense_4h_to_h.skip_bias_add = self.bias_dropout_fusion
 
-    def _drop(self, x):
+    def _drop(self, x, kv_cache=None, site: int = 0):
+        if kv_cache is not None and kv_cache.dropout is not None and self.training and self.hidden_dropout > 0:
+            return kv_cache.dropout.hidden(x, self.hidden_dropout, 3 * self.layer_number + site + 1, kv_cache.offset)
         return F.dropout(x, self.hidden_dropout, self.training) if self.hidden_dropout > 0 else x
 
-    def _residual(self, x, out):
+    def _residual(self, x, out, kv_cache=None, site: int = 0):
         """x + dropout(out); `out` is (y, bias) with --bias-dropout-fusion (dropout mask drawn as
-        F.dropout draws it, so fused and unfused runs see the same mask)."""
+        F.dropout draws it, so fused and unfused runs see the same mask). Token slices draw
+        keyed masks instead, so they add the bias first and take the unfused path."""
         if isinstance(out, tuple):
             y, b = out
-            return fused_ops.bias_dropout_add(y, b, x, self.hidden_dropout, self.training)
-        return x + self._drop(out)
+            if kv_cache is None or kv_cache.dropout is None:
+                return fused_ops.bias_dropout_add(y, b, x, self.hidden_dropout, self.training)
+            out = y + b
+        return x + self._drop(out, kv_cache, site)
 
-    def forward(self, x, mask=None, encoder_output=None, cross_mask=None, recompute: str = "none", rotary=None):
+    def forward(self, x, mask=None, encoder_output=None, cross_mask=None, recompute: str = "none", rotary=None,
+                kv_cache=None):
         bias = self.relative_bias(x.shape[0], x.shape[0]) if self.relative_bias is not None else None
+        kv_extend = None
+        if kv_cache is not None:
+            layer = self.layer_number
+
+            def kv_extend(k, v, m):
+                return kv_cache.extend(layer, k, v, m)
+            kv_extend.dropout, kv_extend.offset = kv_cache.dropout, kv_cache.offset
+            kv_extend.site = 1_000_003 + 3 * layer  # attention-probability dropout of this layer
+            x = self._residual(x, self.self_attention(self.input_layernorm(x), mask, bias, recompute=recompute,
+                                                      rotary=rotary, kv_extend=kv_extend), kv_cache, 0)
+            return self._residual(x, self.mlp(self.post_attention_layernorm(x)), kv_cache, 1)
         x = self._residual(x, self.self_attention(self.input_layernorm(x), mask, bias, recompute=recompute,
                                                   rotary=rotary))
         if self.decoder:
@@ -242,15 +271,18 @@ class TransformerBlock(nn.Module):
             return i < self.recompute_num_layers
         return True
 
-    def forward(self, x, mask=None, encoder_output=None, cross_mask=None, recompute: str = "none", rotary=None):
+    def forward(self, x, mask=None, encoder_output=None, cross_mask=None, recompute: str = "none", rotary=None,
+                kv_cache=None):
         if self.sequence_parallel:
             with get_rng_tracker().fork():
-                return self._forward(x, mask, encoder_output, cross_mask, recompute, rotary)
-        return self._forward(x, mask, encoder_output, cross_mask, recompute, rotary)
+                return self._forward(x, mask, encoder_output, cross_mask, recompute, rotary, kv_cache)
+        return self._forward(x, mask, encoder_output, cross_mask, recompute, rotary, kv_cache)
 
-    def _forward(self, x, mask, encoder_output, cross_mask, recompute, rotary):
+    def _forward(self, x, mask, encoder_output, cross_mask, recompute, rotary, kv_cache=None):
         for i, layer in enumerate(self.layers):
-            if recompute == "full" and self._full_recompute(i) and torch.is_grad_enabled():
+            if kv_cache is not None:  # token slices: the cache is written once per slice, no replay
+                x = layer(x, mask, encoder_output, cross_mask, recompute=recompute, rotary=rotary, kv_cache=kv_cache)
+            elif recompute == "full" and self._full_recompute(i) and torch.is_grad_enabled():
                 x = checkpoint(lambda h, e, l=layer: l(h, mask, e, cross_mask, rotary=rotary), x, encoder_output)
             else:
                 x = layer(x, mask, encoder_output, cross_mask, recompute=recompute, rotary=rotary)

@@ -8,6 +8,12 @@ The executor does not know which planner wrote the plan. It keeps:
 The last stage turns per-token losses into `sum(loss * loss_mask) * loss_multiplier`, where the
 trainer sets the multiplier to loss_scale / (loss tokens in the whole global batch): whatever
 micro-batches the planner made, gradients equal those of one big batch.
+
+Token slices (TeraPipe): an instruction with `token_slice = (sequence, offset, length)` runs
+tokens [offset, offset+length) of micro-batch `sequence`. The executor keeps one
+`SequenceKVCache` per (sequence, stage) from the first slice's forward to the first slice's
+backward; a slice's backward also receives the gradients of its keys/values that later slices
+sent back (see megatron/models/sliced_attention.py).
 """
 from __future__ import annotations
 
@@ -21,6 +27,28 @@ from torch import nn
 from megatron.core import heartbeat
 from megatron.pipeline import instructions as I
 from megatron.pipeline.p2p import P2PCommunicator
+from megatron.models.sliced_attention import SequenceKVCache
+
+SLICED_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def slice_batch(batch: dict, offset: int, length: int) -> dict:
+    """Tokens [offset, offset+length) of a GPT micro-batch, with explicit position ids."""
+    if batch.get("segment_ids") is not None:
+        raise ValueError("token slicing (--terapipe) does not support packed sequences (segment ids): "
+                         "drop --pack-dataset / --reset-attention-mask or --terapipe")
+    out = {}
+    for key, v in batch.items():
+        if key in SLICED_KEYS and torch.is_tensor(v):
+            out[key] = v[:, offset:offset + length]
+        elif key == "num_real_tokens":
+            continue
+        else:
+            out[key] = v
+    if "position_ids" not in out:
+        b = batch["tokens"].shape[0]
+        out["position_ids"] = torch.arange(offset, offset + length, device=batch["tokens"].device).expand(b, length)
+    return out
 
 
 class PlanExecutionError(RuntimeError):
@@ -72,6 +100,9 @@ class PipelineExecutor:
         # Encodes/decodes gradient messages the plan marks with compress_rank (Optimus-CC);
         # created on first use when the trainer did not configure one (no error feedback).
         self.grad_compressor = grad_compressor
+        # Token slices: seed of the slice-keyed dropout masks (None = no keyed dropout; the
+        # TeraPipe trainer sets it, distinct per data-parallel rank).
+        self.dropout_seed: Optional[int] = None
 
     # -- helpers -------------------------------------------------------------------------
     def _autocast(self):
@@ -86,6 +117,8 @@ class PipelineExecutor:
         self.data: Dict[int, dict] = {}
         self.sends: Dict[tuple, object] = {}
         self.recvs: Dict[tuple, object] = {}
+        self.kv_caches: Dict[tuple, SequenceKVCache] = {}
+        self.slice_records: Dict[tuple, object] = {}
         self.plan = plan
         self.microbatches = microbatches
         self.loss_multiplier = loss_multiplier
@@ -121,13 +154,21 @@ class PipelineExecutor:
         if not forward_only and self.records:
             raise PlanExecutionError(
                 f"{self.rank_desc}, iteration {plan.iteration}: forwards without backward: {sorted(self.records)}")
-        self.slots = self.records = self.data = {}
+        if not forward_only and self.kv_caches:
+            raise PlanExecutionError(
+                f"{self.rank_desc}, iteration {plan.iteration}: token slices of (sequence, stage) "
+                f"{sorted(self.kv_caches)} never ran the backward of their first slice")
+        self.slots = self.records = self.data = self.kv_caches = self.slice_records = {}
         return self.stats
 
     # -- instruction handlers ------------------------------------------------------------
     def _load_input(self, ins: I.LoadInput):
         if ins.microbatch not in self.data:
-            batch = self.microbatches[ins.microbatch]
+            if ins.token_slice:
+                seq, offset, length = ins.token_slice
+                batch = slice_batch(self.microbatches[seq], offset, length)
+            else:
+                batch = self.microbatches[ins.microbatch]
             self.data[ins.microbatch] = {k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v)
                                          for k, v in batch.items()}
 
@@ -142,8 +183,22 @@ class PipelineExecutor:
                     t.requires_grad_(True)
                 inputs.append(t)
         grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
+        cache = None
+        if ins.token_slice:
+            seq, offset, length = ins.token_slice
+            cache = self.kv_caches.get((seq, ins.stage))
+            if cache is None:
+                salt = None
+                if self.dropout_seed is not None:
+                    salt = (self.dropout_seed * 1_000_003 + self.plan.iteration * 10_007 + seq) % (1 << 31)
+                cache = self.kv_caches[(seq, ins.stage)] = SequenceKVCache(seq, ins.stage, salt)
+            cache.begin(offset, length)
         with grad_ctx, self._autocast():
-            outputs = stage(batch, inputs)
+            outputs = stage(batch, inputs, kv_cache=cache) if cache is not None else stage(batch, inputs)
+        if cache is not None:
+            record = cache.end()
+            if not self.forward_only:
+                self.slice_records[(ins.microbatch, ins.stage)] = (cache, record)
         self.stats.forward_passes += 1
         if getattr(stage, "post_process", False) and not ins.output_buffer_ids:
             losses = outputs[0]
@@ -181,7 +236,16 @@ class PipelineExecutor:
         if len(grads) != len(outputs):
             raise PlanExecutionError(f"{self.rank_desc}: stage {ins.stage} has {len(outputs)} outputs but "
                                      f"{len(grads)} gradients arrived")
-        _run_backward(outputs, grads)
+        sliced = self.slice_records.pop(key, None)
+        if sliced is not None:
+            cache, record = sliced
+            kv, kv_grads = cache.output_grads(record)
+            _run_backward(list(outputs) + kv, list(grads) + kv_grads)
+            cache.accumulate(record)
+            if cache.finished:
+                del self.kv_caches[(cache.sequence, cache.stage)]
+        else:
+            _run_backward(outputs, grads)
         self.stats.backward_passes += 1
         if ins.output_buffer_ids:
             in_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]

@@ -29,6 +29,14 @@ Conventions every planner and the executor share:
   operation; the matching `*Finish` waits for it. Sends and receives between a pair of ranks
   are matched by order, so both sides must list them in the same order.
 * `FreeBuffer` releases slots so they can be reused.
+* Token slices (TeraPipe): `LoadInput`, `ForwardPass`, `BackwardPass` and the communication
+  instructions may carry `token_slice = (sequence, offset, length)`. The instruction's
+  `microbatch` is then a *unit* id (one slice of one sequence micro-batch);
+  `microbatch_shapes[unit]` is the slice's token shape ``((b, length),)``; the data is
+  micro-batch `sequence` of the iteration, tokens ``[offset, offset + length)``. Units of one
+  sequence tile its tokens; a stage forwards them in ascending offset (each attends to the
+  cached keys/values of the earlier ones) and runs their backwards in descending offset.
+  An empty `token_slice` (the default) means an unsliced micro-batch, as before.
 """
 from __future__ import annotations
 
@@ -37,7 +45,7 @@ import struct
 import sys
 import zlib
 from dataclasses import dataclass, field
-from typing import Tuple
+from typing import Optional, Tuple
 
 Shape = Tuple[int, ...]
 
@@ -58,19 +66,21 @@ class BufferInstruction(Instruction):
 
 @dataclass(frozen=True)
 class LoadInput(BufferInstruction):
-    pass
+    token_slice: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class ForwardPass(BufferInstruction):
     output_buffer_ids: Tuple[int, ...] = ()
     output_shapes: Tuple[Shape, ...] = ()
+    token_slice: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class BackwardPass(BufferInstruction):
     output_buffer_ids: Tuple[int, ...] = ()
     output_shapes: Tuple[Shape, ...] = ()
+    token_slice: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,7 @@ class CommInstruction(BufferInstruction):
     # > 0 on SendGrad*/RecvGrad* of a compressed gradient message (Optimus-CC): the
     # rank of its low-rank factors. Wire shapes follow from buffer_shapes and this rank.
     compress_rank: int = 0
+    token_slice: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -181,6 +192,8 @@ def describe(instr: Instruction) -> str:
     if isinstance(instr, (ForwardPass, BackwardPass)):
         parts.append(f"out={tuple(instr.output_buffer_ids)}")
         parts.append(f"out_shapes={tuple(tuple(s) for s in instr.output_shapes)}")
+    if getattr(instr, "token_slice", ()):
+        parts.append(f"slice={tuple(instr.token_slice)}")
     return f"{type(instr).__name__}({', '.join(parts)})"
 
 
@@ -193,14 +206,18 @@ def describe(instr: Instruction) -> str:
 #     n_assigned, assigned..., n_mb, per mb: <shape list>, n_instructions,
 #     per instruction: tag, microbatch, stage, <id list>, <shape list>,
 #                      then for Forward/Backward: <id list>, <shape list>;
-#                      for Comm: peer, compress_rank (version 2; version 1 has peer only)
+#                      for Comm: peer, compress_rank (version >= 2; version 1 has peer only)
 #   <id list>    = n, ids...
 #   <shape list> = n, per shape: ndim, dims...
+#   Version 3 (written only when some instruction has a token slice, so unsliced plans stay
+#   byte-identical to version 2) appends to every LoadInput/compute/comm record an <id list>
+#   with its token_slice (n = 0 for none, else sequence, offset, length).
 # One int32 array keeps encoding/decoding to a single pass of Python-level list work, which
 # is what makes plans with thousands of instructions take a few milliseconds.
 _MAGIC = b"MPLN"
 _VERSION = 2
-_READABLE_VERSIONS = (1, 2)
+_VERSION_SLICED = 3
+_READABLE_VERSIONS = (1, _VERSION, _VERSION_SLICED)
 _HEADER = struct.Struct("<4sHHIIB")
 
 # Tags are part of the wire format: append new classes, never renumber.
@@ -213,6 +230,7 @@ _TAG_OF = {
 _CLASS_OF = {tag: cls for cls, tag in _TAG_OF.items()}
 _COMPUTE_TAGS = frozenset((2, 3))
 _COMM_TAGS = frozenset(range(5, 13))
+_SLICE_TAGS = frozenset((1,)) | _COMPUTE_TAGS | _COMM_TAGS
 
 
 def _put_shapes(out: list, shapes) -> None:
@@ -222,8 +240,9 @@ def _put_shapes(out: list, shapes) -> None:
         out.extend(shape)
 
 
-def _encode_plan(plan: ExecutionPlan, version: int = _VERSION) -> bytes:
-    """`version=1` (no compress_rank) exists so tests can prove old plans still decode."""
+def _encode_plan(plan: ExecutionPlan, version: Optional[int] = None) -> bytes:
+    """The version is the oldest one that can carry the plan (2, or 3 with token slices);
+    `version=1` (no compress_rank) exists so tests can prove old plans still decode."""
     v: list = [plan.rank, plan.num_ranks, plan.num_stages, plan.num_buffers, plan.iteration,
                RECOMPUTE_LEVELS.index(plan.recompute), len(plan.assigned_stages)]
     v.extend(plan.assigned_stages)
@@ -232,6 +251,11 @@ def _encode_plan(plan: ExecutionPlan, version: int = _VERSION) -> bytes:
         _put_shapes(v, shapes)
     v.append(len(plan.instructions))
     append, extend = v.append, v.extend
+    sliced = any(getattr(instr, "token_slice", ()) for instr in plan.instructions)
+    if version is None:
+        version = _VERSION_SLICED if sliced else _VERSION
+    elif sliced and version < _VERSION_SLICED:
+        raise ValueError(f"format version {version} cannot carry token slices")
     for instr in plan.instructions:
         tag = _TAG_OF.get(type(instr))
         if tag is None:
@@ -255,6 +279,10 @@ def _encode_plan(plan: ExecutionPlan, version: int = _VERSION) -> bytes:
                 append(instr.compress_rank)
             elif instr.compress_rank:
                 raise ValueError("format version 1 cannot carry compressed gradient messages")
+        if version >= _VERSION_SLICED and tag in _SLICE_TAGS:
+            sl = instr.token_slice
+            append(len(sl))
+            extend(sl)
     try:
         arr = array.array("i", v)
     except (OverflowError, TypeError) as exc:
@@ -308,7 +336,7 @@ def _decode_values(v: list, version: int = _VERSION):
     i += 1
     instructions = []
     append = instructions.append
-    compute, comm, class_of = _COMPUTE_TAGS, _COMM_TAGS, _CLASS_OF
+    compute, comm, class_of, slice_tags = _COMPUTE_TAGS, _COMM_TAGS, _CLASS_OF, _SLICE_TAGS
     for _ in range(n_instr):
         tag, mb, stage, n = v[i], v[i + 1], v[i + 2], v[i + 3]
         cls = class_of.get(tag)
@@ -321,16 +349,26 @@ def _decode_values(v: list, version: int = _VERSION):
             n = v[i]
             out_ids = tuple(v[i + 1:i + 1 + n])
             out_shp, i = shapes_at(i + 1 + n)
-            append(cls(mb, stage, ids, shp, out_ids, out_shp))
+            args = (mb, stage, ids, shp, out_ids, out_shp)
         elif tag in comm:
             if version >= 2:
-                append(cls(mb, stage, ids, shp, v[i], v[i + 1]))
+                args = (mb, stage, ids, shp, v[i], v[i + 1])
                 i += 2
             else:
-                append(cls(mb, stage, ids, shp, v[i]))
+                args = (mb, stage, ids, shp, v[i])
                 i += 1
         else:
-            append(cls(mb, stage, ids, shp))
+            args = (mb, stage, ids, shp)
+        if version >= _VERSION_SLICED and tag in slice_tags:
+            n = v[i]
+            sl = tuple(v[i + 1:i + 1 + n])
+            if len(sl) != n:
+                raise IndexError
+            i += 1 + n
+            if sl:
+                append(cls(*args, token_slice=sl))
+                continue
+        append(cls(*args))
     if i != len(v):
         # Also catches a short final slice: slicing never raises, so check the length here.
         raise IndexError if i > len(v) else ValueError(

@@ -24,6 +24,13 @@ Rules (see the module docstring of `megatron.pipeline.instructions` for the sema
 * matching: per ordered rank pair (a -> b), the k-th send of a to b (activations and
   gradients share one ordered channel, as NCCL matches point-to-point ops by issue order
   only) is the k-th receive of b from a: same kind, micro-batch, stage and shapes.
+* token slices (TeraPipe): either no instruction has a `token_slice` or every LoadInput,
+  compute and communication instruction has one; all instructions of a unit (micro-batch id)
+  on all ranks carry the same (sequence, offset, length); `microbatch_shapes[unit]` is
+  ((b, length),); the units of a sequence tile its tokens [0, S) without gap or overlap with
+  one b; on each stage the forwards of a sequence run in ascending offset, all before its
+  first backward, and the backwards in descending offset (the key/value cache and its
+  gradients flow that way).
 * deadlock: all ranks are simulated together with "Start never blocks; RecvFinish waits
   until the peer executed the matching SendStart; SendFinish waits until the peer executed
   the matching RecvStart; compute never blocks". If every unfinished rank is waiting, the
@@ -64,6 +71,7 @@ def validate_plans(plans: list[ExecutionPlan]) -> None:
     # Pairing first: a missing or mis-ordered message is best reported as a rank-pair error,
     # before it surfaces on the receiver as "input not received".
     _check_matching(plans, [_comm_sequences(plan) for plan in plans])
+    _check_slices(plans)
     ranks = [_RankChecker(plan, stage_to_rank).run() for plan in plans]
     _check_deadlock(plans, ranks)
 
@@ -456,3 +464,66 @@ def _check_deadlock(plans, ranks) -> None:
                      f"{describe(plans[r].instructions[i])}, waiting for rank {peer} to {verb} "
                      f"(message #{need - 1} of rank {a} -> rank {b})")
     raise PlanValidationError("deadlock: no rank can progress:\n  " + "\n  ".join(lines))
+
+
+def _check_slices(plans) -> None:
+    """The token-slice rules of the module docstring (a no-op for unsliced plans)."""
+    units: dict = {}   # unit -> (token_slice, rank, index, instr) of its first instruction
+    any_sliced = any(getattr(i, "token_slice", ()) for p in plans for i in p.instructions)
+    if not any_sliced:
+        return
+    mb_shapes = plans[0].microbatch_shapes
+    for plan in plans:
+        per_stage: dict = {}  # (sequence, stage) -> [last forward offset, last backward offset]
+        for index, instr in enumerate(plan.instructions):
+            if not hasattr(instr, "token_slice"):
+                continue
+            where = f"rank {plan.rank}, instruction #{index} {describe(instr)}"
+            sl = tuple(instr.token_slice)
+            if not sl:
+                raise PlanValidationError(f"{where}: the plan slices tokens, but this instruction has no "
+                                          f"token_slice")
+            if len(sl) != 3 or sl[0] < 0 or sl[1] < 0 or sl[2] < 1:
+                raise PlanValidationError(f"{where}: token_slice must be (sequence >= 0, offset >= 0, "
+                                          f"length >= 1), got {sl}")
+            first = units.setdefault(instr.microbatch, (sl, plan.rank, index))
+            if first[0] != sl:
+                raise PlanValidationError(f"{where}: unit {instr.microbatch} has token_slice {sl} here but "
+                                          f"{first[0]} at rank {first[1]}, instruction #{first[2]}")
+            seq, off, _ = sl
+            if type(instr) is ForwardPass:
+                state = per_stage.setdefault((seq, instr.stage), [-1, None])
+                if state[1] is not None:
+                    raise PlanValidationError(f"{where}: forward of a slice of sequence {seq} after a backward "
+                                              f"of that sequence on stage {instr.stage}")
+                if off <= state[0]:
+                    raise PlanValidationError(f"{where}: slices of sequence {seq} must be forwarded in "
+                                              f"ascending offset on stage {instr.stage} (after offset {state[0]})")
+                state[0] = off
+            elif type(instr) is BackwardPass:
+                state = per_stage.setdefault((seq, instr.stage), [-1, None])
+                if state[1] is not None and off >= state[1]:
+                    raise PlanValidationError(f"{where}: slices of sequence {seq} must run backward in "
+                                              f"descending offset on stage {instr.stage} (after offset {state[1]})")
+                if state[1] is None and off != state[0]:
+                    raise PlanValidationError(f"{where}: the first backward of sequence {seq} on stage "
+                                              f"{instr.stage} must be its last forwarded slice (offset {state[0]})")
+                state[1] = off
+    tiles: dict = {}
+    for unit, (sl, rank, index) in units.items():
+        seq, off, ln = sl
+        shape = tuple(map(tuple, mb_shapes[unit])) if 0 <= unit < len(mb_shapes) else None
+        if not shape or len(shape[0]) != 2 or shape[0][1] != ln:
+            raise PlanValidationError(f"unit {unit} (rank {rank}, instruction #{index}) has token_slice {sl} but "
+                                      f"microbatch_shapes[{unit}] = {shape}: expected ((b, {ln}),)")
+        tiles.setdefault(seq, []).append((off, ln, shape[0][0], unit))
+    for seq, parts in tiles.items():
+        parts.sort()
+        end, b0 = 0, parts[0][2]
+        for off, ln, b, unit in parts:
+            if off != end:
+                raise PlanValidationError(f"sequence {seq}: unit {unit} starts at token {off}, but the slices "
+                                          f"before it end at {end} ({'overlap' if off < end else 'gap'})")
+            if b != b0:
+                raise PlanValidationError(f"sequence {seq}: unit {unit} has {b} rows, the others {b0}")
+            end = off + ln

@@ -60,8 +60,17 @@ def _stopped_last_rank(rank, world):
     try:
         t.train_step()
     except PlanExecutionError as e:
-        return str(e)
-    raise AssertionError("finished a step while the last stage was stopped")
+        msg = str(e)
+    else:
+        raise AssertionError("finished a step while the last stage was stopped")
+    # Rank 0 hosts the TCPStore: survivors that time out later still need it for their own
+    # diagnosis, so nobody leaves until every survivor has reported.
+    store = dist.distributed_c10d._get_default_store()
+    store.add("test/diagnosed", 1)
+    deadline = time.monotonic() + 20
+    while store.add("test/diagnosed", 0) < world - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return msg
 
 
 def test_stopped_rank_is_blamed_by_every_survivor():

@@ -1,0 +1,110 @@
+"""--terapipe in the trainer: the fixed global batches of the Megatron baseline, run as token
+slices by plans from `megatron.planner.terapipe`. Nothing else in the training loop changes:
+the executor slices each micro-batch as the plan's `token_slice`s say."""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from megatron.planner.terapipe import build_terapipe_plans, parse_slices, plan_slices, slice_memory_mb
+from megatron.training import FixedBatchSource, Trainer
+
+
+class TeraPipePlanner:
+    """`plans(iteration, microbatch_shapes)` like `FixedBatchPlanner`; slicings from
+    --terapipe-slices (fixed) or the DP over the latency model (auto), cached per shape."""
+
+    def __init__(self, cfg, pp_size: int, latency=None):
+        self.cfg, self.pp = cfg, pp_size
+        self.latency = latency
+        self.fixed = parse_slices(cfg.terapipe.slices, cfg.model.seq_length)
+        m = cfg.model
+        self.layers_per_stage = -(-m.num_layers // pp_size)
+        self.tp = cfg.parallel.tensor_model_parallel_size
+        self._slicings: dict = {}
+        self._plans: dict = {}
+        self.info: dict = {}
+
+    def stage_ms(self, b, l, c) -> float:
+        return self.latency.stage_ms(b, l, c, self.layers_per_stage)
+
+    def slicing(self, b: int, s: int) -> tuple:
+        key = (b, s)
+        if key not in self._slicings:
+            t0 = time.perf_counter()
+            if self.fixed is not None and s == self.cfg.model.seq_length:
+                slices = list(self.fixed)
+            elif self.latency is None:
+                slices = [s]
+            else:
+                m = self.cfg.model
+                kv = m.query_groups * m.kv_channels // self.tp
+
+                def mem_ok(sl):
+                    return slice_memory_mb(sl, b, self.layers_per_stage, m.hidden_size, kv,
+                                           m.num_attention_heads // self.tp) <= self.cfg.terapipe.memory_limit_mb
+                # m micro-batches run back to back: sum over all units + (K-1) max = m * score
+                # of one sequence with the effective stage count 1 + (K-1)/m (see plan_batch).
+                k_eff = 1 + (self.pp - 1) / max(1, self.cfg.num_microbatches)
+                slices = plan_slices(s, k_eff, lambda l, c: self.stage_ms(b, l, c), mem_ok=mem_ok,
+                                     cap_tolerance=0.01, vectorized=True).slices
+            self._slicings[key] = (slices, (time.perf_counter() - t0) * 1e3)
+        return self._slicings[key]
+
+    def predicted_ms(self, microbatch_shapes) -> Optional[float]:
+        """sum t_i + (K - 1) max t_i over all units (they run back to back, GPipe order)."""
+        if self.latency is None:
+            return None
+        times = []
+        for (b, s), in microbatch_shapes:
+            c = 0
+            for ln in self.slicing(b, s)[0]:
+                times.append(self.stage_ms(b, ln, c))
+                c += ln
+        return sum(times) + (self.pp - 1) * max(times)
+
+    def plans(self, iteration: int, microbatch_shapes) -> list:
+        shapes = tuple(tuple(tuple(x) for x in s) for s in microbatch_shapes)
+        t0 = time.perf_counter()
+        new = [key for key in {s[0] for s in shapes} if key not in self._slicings]
+        slicings = [self.slicing(b, s)[0] for (b, s), in shapes]
+        if shapes not in self._plans:
+            self._plans = {shapes: build_terapipe_plans(slicings, shapes, self.pp, self.cfg.model.hidden_size,
+                                                        dtype=self.cfg.training.params_dtype_name,
+                                                        recompute=self.cfg.training.recompute_level)}
+        self.info = {"planner": "terapipe", "num_microbatches": len(shapes), "microbatch_shapes": [s[0] for s in shapes],
+                     "slices": slicings[0] if all(s == slicings[0] for s in slicings) else slicings,
+                     # wall time of this call: the DP and plan building run once per new shape
+                     "planning_ms": (time.perf_counter() - t0) * 1e3,
+                     "dp_ms_new_shapes": sum(self._slicings[key][1] for key in new)}
+        pred = self.predicted_ms(shapes)
+        if pred is not None:
+            self.info["simulated_ms"] = pred
+        import dataclasses
+        return [dataclasses.replace(p, iteration=iteration) for p in self._plans[shapes]]
+
+
+class TeraPipeBatchSource(FixedBatchSource):
+    def next(self, iteration: int, consumed_samples: int):
+        work = super().next(iteration, consumed_samples)
+        work.info = dict(self.planner.info)
+        return work
+
+
+def terapipe_trainer(cfg, ps, device, stages, train_ds, valid_ds, tied, flops):
+    from megatron.batching import gpt_microbatch
+    from megatron.training import gpt_microbatch_shapes
+    latency = None
+    if cfg.terapipe.cost_model:
+        from megatron.planner.terapipe_latency import SliceLatencyModel
+        latency = SliceLatencyModel.load(cfg.terapipe.cost_model)
+    planner = TeraPipePlanner(cfg, ps.pp_size, latency)
+    source = TeraPipeBatchSource(cfg, ps, train_ds, gpt_microbatch, planner, gpt_microbatch_shapes)
+    valid = TeraPipeBatchSource(cfg, ps, valid_ds, gpt_microbatch, planner, gpt_microbatch_shapes) \
+        if valid_ds is not None else None
+    trainer = Trainer(cfg, ps, device, stages, tied_params=tied, flops_per_sample=flops, batch_source=source,
+                      valid_source=valid)
+    # Dropout masks keyed by (seed, iteration, sequence, site, token position, ...): equal for every
+    # slicing; distinct per data-parallel rank (equal across TP ranks, as hidden states are).
+    trainer.executor.dropout_seed = cfg.training.seed * 1009 + ps.dp_rank
+    return trainer
