@@ -83,8 +83,10 @@ def plan_from_dict(d: Dict[str, Any], num_ops: int = None) -> Plan:
 
 
 def save_plan(path: str, plan: Plan, spec: ModelSpec) -> None:
-    with open(path, "w") as f:
-        json.dump(plan_to_dict(plan, spec), f, indent=1)
+    d = plan_to_dict(plan, spec)
+    with open(path, "w") as f:  # one field per line, lists kept on their line
+        f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in d.items())
+                + "\n}\n")
 
 
 def load_plan(path: str, num_ops: int = None) -> Plan:

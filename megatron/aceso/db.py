@@ -123,6 +123,25 @@ class OpDatabase:
                     rows = [r for r in csv.reader(f)][1:]
                 self._collectives[(m["coll"], int(m["n"]))] = _Curve(
                     [(float(a), float(b)) for a, b in rows if a])
+        # Collective time depends on the message and the devices, not on the model: a model
+        # without an all_reduce table (the published T5 sets) borrows the first other model's
+        # tables from the same directory; ``borrowed_collectives`` names it.
+        self.borrowed_collectives: Optional[str] = None
+        if not any(k[0] == "all_reduce" for k in self._collectives):
+            donors: Dict[str, Dict[Tuple[str, int], _Curve]] = {}
+            for fn in sorted(os.listdir(root)):
+                m = _PRIM_FILE.match(fn)
+                if m and (m["model"], m["size"]) != (model, size):
+                    with open(os.path.join(root, fn), newline="") as f:
+                        rows = [r for r in csv.reader(f)][1:]
+                    donors.setdefault(f"{m['model']}_{m['size']}", {})[(m["coll"], int(m["n"]))] = \
+                        _Curve([(float(a), float(b)) for a, b in rows if a])
+            for name, curves in sorted(donors.items()):
+                if any(k[0] == "all_reduce" for k in curves):
+                    self.borrowed_collectives = name
+                    for k, c in curves.items():
+                        self._collectives.setdefault(k, c)
+                    break
         if not self.tables:
             raise FileNotFoundError(
                 f"--db {root}: no {model}_{size}_mbs*_tp*_algo*.csv files; "
@@ -158,8 +177,8 @@ class OpDatabase:
     def collective_ms(self, kind: str, n: int, size_mb: float, gpus_per_node: int = 8) -> float:
         """Time of one collective over ``n`` devices on a message of ``size_mb``.
 
-        Missing tables: all_reduce = reduce_scatter + all_gather if those exist, else
-        2 x all_gather (T5's published set has only all_gather/all_to_all). Groups larger than
+        Missing tables (after borrowing, see ``__init__``): all_reduce = reduce_scatter +
+        all_gather if those exist, else 2 x all_gather. Groups larger than
         the largest table scale the ring factor (n-1)/n and, when they span nodes, the
         intra/inter-node p2p bandwidth ratio.
         """
