@@ -62,7 +62,28 @@ def main(argv=None):
     pr = sub.add_parser("predict", help="per-stage breakdown of an Aceso JSON config")
     _common(pr)
     pr.add_argument("config")
+    pf = sub.add_parser("profile", help="profile our GPT layer on this device (TP 1) into op tables")
+    pf.add_argument("--out", required=True, help="directory for gpt_<size>_mbs<M>_tp1_algo0.csv")
+    pf.add_argument("--size", required=True, help="name in the file names, e.g. tiny")
+    pf.add_argument("--num-layers", type=int, default=2)
+    pf.add_argument("--hidden-size", type=int, required=True)
+    pf.add_argument("--num-attention-heads", type=int, required=True)
+    pf.add_argument("--seq-length", type=int, required=True)
+    pf.add_argument("--vocab-size", type=int, required=True)
+    pf.add_argument("--mbs", type=int, nargs="+", default=[1, 2, 4])
+    pf.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
+
+    if args.cmd == "profile":
+        from megatron.aceso.profiler import profile_gpt
+        from megatron.config import ModelConfig
+        cfg = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                          num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                          vocab_size=args.vocab_size)
+        for path in profile_gpt(cfg, args.out, size=args.size, mbs_values=args.mbs,
+                                repeats=args.repeats):
+            print(f"wrote {path}")
+        return 0
 
     if args.cmd == "predict":
         with open(args.config) as f:

@@ -45,7 +45,8 @@ class OpRow:
     bwd_reserved_mb: float
 
     def as_csv_row(self) -> List[str]:
-        return [self.name] + [f"{v:.3f}" for v in (
+        # 3 decimals as in the published tables; 6 for the sub-kB sizes of tiny CPU models
+        return [self.name] + [f"{v:.3f}" if abs(v) >= 1 or v == 0 else f"{v:.6f}" for v in (
             self.fwd_us, self.bwd_us, self.input_mb, self.output_mb, self.weight_mb,
             self.act_mb, self.fwd_reserved_mb, self.bwd_reserved_mb)]
 
