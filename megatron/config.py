@@ -208,6 +208,7 @@ class TrainingConfig:
     exit_interval: Optional[int] = None
     max_consecutive_skipped_iters: int = 100  # 0 = never stop
     use_distributed_optimizer: bool = False  # Adam state sharded over data parallelism (ZeRO-1)
+    recompute_layers: Optional[List[str]] = None  # per layer none|selective|full (--aceso-config)
 
     def __post_init__(self):
         _require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
@@ -252,6 +253,11 @@ class TrainingConfig:
         _require(self.hysteresis >= 1, f"--hysteresis must be >= 1, got {self.hysteresis}")
         _require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
         _require(self.adam_eps > 0, f"--adam-eps must be positive, got {self.adam_eps}")
+        if self.recompute_layers is not None:
+            _require(self.recompute_granularity is None and
+                     all(m in ("none", "selective", "full") for m in self.recompute_layers),
+                     f"per-layer recompute (--aceso-config) must be none/selective/full per layer and "
+                     f"excludes --recompute-granularity, got {self.recompute_layers}")
         if self.recompute_num_layers is not None:
             _require(self.recompute_num_layers >= 1,
                      f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")

@@ -185,6 +185,7 @@ class TransformerBlock(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.recompute_method = recompute_method or "uniform"
         self.recompute_num_layers = recompute_num_layers
+        self.layer_recompute: Optional[list[str]] = None  # per layer, overrides `recompute` (Aceso)
 
     def _full_recompute(self, i: int) -> bool:
         if self.recompute_method == "block" and self.recompute_num_layers is not None:
@@ -193,7 +194,13 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x, mask=None, encoder_output=None, cross_mask=None, recompute: str = "none", rotary=None):
         for i, layer in enumerate(self.layers):
-            if recompute == "full" and self._full_recompute(i) and torch.is_grad_enabled():
+            if self.layer_recompute is not None:
+                mode = self.layer_recompute[i]
+                if mode == "full" and torch.is_grad_enabled():
+                    x = checkpoint(lambda h, e, l=layer: l(h, mask, e, cross_mask, rotary=rotary), x, encoder_output)
+                else:
+                    x = layer(x, mask, encoder_output, cross_mask, recompute=mode, rotary=rotary)
+            elif recompute == "full" and self._full_recompute(i) and torch.is_grad_enabled():
                 x = checkpoint(lambda h, e, l=layer: l(h, mask, e, cross_mask, rotary=rotary), x, encoder_output)
             else:
                 x = layer(x, mask, encoder_output, cross_mask, recompute=recompute, rotary=rotary)
