@@ -17,12 +17,16 @@ import time
 
 from megatron.aceso.config import load_plan, save_plan
 from megatron.aceso.db import SHIPPED_DIR, OpDatabase
-from megatron.aceso.model import PerfModel, format_prediction, get_model_spec
+from megatron.aceso.model import MODELS, ModelSpec, PerfModel, format_prediction, get_model_spec
 from megatron.aceso.search import best_grid, search_all
 
 
 def _perf_model(args, model_name):
-    spec = get_model_spec(model_name)
+    if getattr(args, "num_layers", None):  # a model of our own tables, e.g. gpt-tiny from `profile`
+        family, size = model_name.split("-", 1)
+        spec = ModelSpec(family, size, tuple(args.num_layers), 0, 0, args.global_batch or 1024)
+    else:
+        spec = get_model_spec(model_name)
     db = OpDatabase(args.db, spec.family, spec.size)
     return spec, PerfModel(db, spec, args.memory_gb * 1024, gpus_per_node=args.gpus_per_node,
                            include_allreduce=not args.no_allreduce)
@@ -42,7 +46,10 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("search", help="bottleneck-alleviation search, one per stage count")
     _common(s)
-    s.add_argument("--model", required=True, help="e.g. gpt-1.3b, t5-770m")
+    s.add_argument("--model", required=True, help="e.g. gpt-1.3b, t5-770m; or <family>-<size> of "
+                   "tables written by `profile`, with --num-layers")
+    s.add_argument("--num-layers", type=int, nargs="+", default=None,
+                   help="layers per layer kind for a model not in the built-in list (T5: enc dec)")
     s.add_argument("--gpus", type=int, required=True)
     s.add_argument("--global-batch", type=int, default=None,
                    help="samples per iteration (default: the model's published 1024)")
@@ -53,6 +60,9 @@ def main(argv=None):
     s.add_argument("--max-hops", type=int, default=7)
     s.add_argument("--jobs", type=int, default=1, help="stage counts searched in parallel processes")
     s.add_argument("--top", type=int, default=3, help="configs written to --out-dir")
+    s.add_argument("--runnable", action="store_true",
+                   help="only configurations --aceso-config can run today: all stages share one TP "
+                        "and DP size, only layer operators are recomputed")
     s.add_argument("--out-dir", default=None)
     g = sub.add_parser("grid", help="best Megatron uniform configuration under the same model")
     _common(g)
@@ -88,7 +98,11 @@ def main(argv=None):
     if args.cmd == "predict":
         with open(args.config) as f:
             d = json.load(f)
-        spec, pm = _perf_model(args, f"{d['model_name']}-{str(d['model_size']).replace('_', '.')}")
+        name = f"{d['model_name']}-{str(d['model_size']).replace('_', '.')}"
+        if name.lower() not in MODELS:  # tables of our own profiler: layer counts from the file
+            n = d["num_layers"]
+            args.num_layers, args.global_batch = (n if isinstance(n, list) else [n]), None
+        spec, pm = _perf_model(args, name)
         plan = load_plan(args.config, pm.num_ops)
         print(format_prediction(plan, pm.predict(plan)))
         return 0
@@ -117,7 +131,8 @@ def main(argv=None):
 
     results = search_all(pm, args.gpus, gbs, budget_trials=args.budget_trials,
                          budget_seconds=args.budget_seconds, max_stages=args.max_stages,
-                         jobs=args.jobs, progress=progress, max_hops=args.max_hops)
+                         jobs=args.jobs, progress=progress, max_hops=args.max_hops,
+                         runnable=args.runnable)
     fits = [r for r in results if r.best.key[0] == 0]
     if not fits:
         print(f"no configuration fits {args.memory_gb} GB", file=sys.stderr)

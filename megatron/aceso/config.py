@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List
 
-from megatron.aceso.model import ModelSpec, Plan, Stage, get_model_spec
+from megatron.aceso.model import ModelSpec, Plan, Stage
 
 
 def plan_to_dict(plan: Plan, spec: ModelSpec) -> Dict[str, Any]:
@@ -48,7 +48,7 @@ def plan_to_dict(plan: Plan, spec: ModelSpec) -> Dict[str, Any]:
 
 
 def plan_from_dict(d: Dict[str, Any], num_ops: int = None) -> Plan:
-    spec = get_model_spec(f"{d['model_name']}-{str(d['model_size']).replace('_', '.')}")
+    model = f"{d['model_name']}-{str(d['model_size']).replace('_', '.').lower()}"
     n = d["num_stages"]
     for k in ("num_gpus", "num_ops_in_each_stage", "model_parallel_size_of_each_op",
               "data_parallel_size_of_each_op", "recompute_ops"):
@@ -79,7 +79,7 @@ def plan_from_dict(d: Dict[str, Any], num_ops: int = None) -> Plan:
         start += cnt
     if num_ops is not None and start != num_ops:
         raise ValueError(f"aceso config: stages cover {start} ops, the model has {num_ops}")
-    return Plan(spec.key, int(d["micro_batch_size"]), int(d["global_batch_size"]), stages)
+    return Plan(model, int(d["micro_batch_size"]), int(d["global_batch_size"]), stages)
 
 
 def save_plan(path: str, plan: Plan, spec: ModelSpec) -> None:

@@ -85,7 +85,8 @@ class SearchResult:
 class Searcher:
     def __init__(self, pm: PerfModel, num_gpus: int, global_batch: int, *,
                  max_hops: int = 7, width: int = 2, restart_ratio: float = 1.2,
-                 budget_trials: Optional[int] = None, budget_seconds: Optional[float] = None):
+                 budget_trials: Optional[int] = None, budget_seconds: Optional[float] = None,
+                 runnable: bool = False):
         self.pm = pm
         self.G = num_gpus
         self.gbs = global_batch
@@ -96,6 +97,8 @@ class Searcher:
         self.mbs_local = pm.db.mbs_values
         self.max_hops, self.width, self.restart_ratio = max_hops, width, restart_ratio
         self.budget_trials, self.budget_seconds = budget_trials, budget_seconds
+        # what --aceso-config runs today: one (TP, DP) for all stages, recompute of layer ops only
+        self.runnable = runnable
         self.cache: Dict[State, Evaluated] = {}
         self._fit_cache: Dict[tuple, Tuple[Tuple[int, ...], float]] = {}
         self.trials = 0
@@ -121,6 +124,8 @@ class Searcher:
             r += g
         if r != self.G:
             return False
+        if self.runnable and (len(set(tps)) > 1 or len(set(dps)) > 1):
+            return False
         return all(bounds[i] < bounds[i + 1] for i in range(len(bounds) - 1))
 
     # ------------------------------------------------------------------ recompute fit
@@ -129,7 +134,8 @@ class Searcher:
         order = self._order_cache.get(key)
         if order is None:
             a = self.pm.arrays(mbs_local, tp)
-            idx = [i for i in range(self.pm.num_ops) if a.act[i] > a.inp[i] * 0.5 and a.fwd[i] > 0]
+            idx = [i for i in range(self.pm.num_ops) if a.act[i] > a.inp[i] * 0.5 and a.fwd[i] > 0
+                   and (not self.runnable or self.pm.ops[i].layer >= 0)]
             order = sorted(idx, key=lambda i: (-(a.act[i] / a.fwd[i]), i))
             self._order_cache[key] = order
         return order
@@ -220,6 +226,8 @@ class Searcher:
             gpus[i] *= 2
             i += 1
         gpus.sort(reverse=True)
+        if self.runnable and len(set(gpus)) > 1:
+            return None
         bounds = tuple(round(k * self.U / S) for k in range(S + 1))
         tps = tuple(max(t for t in self.tps if t <= g) for g in gpus)
         dps = tuple(g // t for g, t in zip(gpus, tps))

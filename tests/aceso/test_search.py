@@ -80,3 +80,43 @@ def test_cli_search_writes_configs_and_predict_reads_them(tmp_path, capsys):
     assert plan.num_gpus == 4
     assert main(["predict", os.path.join(out, "best.json"), "--db", MINI, "--memory-gb", "12"]) == 0
     assert "fits" in capsys.readouterr().out
+
+
+def test_profiled_tiny_gpt_search_to_runnable_config(tmp_path):
+    """Profile our GPT on CPU, search with one TP/DP size for all stages, and load the result
+    with --aceso-config's translation (stage layers and recompute modes agree with the plan)."""
+    import shutil
+
+    from megatron.aceso.config import save_plan
+    from megatron.aceso.model import ModelSpec
+    from megatron.aceso.profiler import profile_gpt
+    from megatron.aceso.runtime import load_gpt_layout
+    from megatron.config import ModelConfig
+
+    cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+                      vocab_size=101, make_vocab_size_divisible_by=8)
+    root = str(tmp_path / "db")
+    profile_gpt(cfg, root, size="tiny", mbs_values=(1, 2), repeats=1)
+    for fn in os.listdir(MINI):  # p2p and collectives from the shipped set (borrowed by name)
+        if fn.startswith(("p2p_", "prim_gpt_1_3B_all_reduce")):
+            shutil.copy(os.path.join(MINI, fn), root)
+    spec = ModelSpec("gpt", "tiny", (4,), 32, 16, 8)
+    db = OpDatabase(root, "gpt", "tiny")
+    assert db.borrowed_collectives == "gpt_1_3B"
+    base = PerfModel(db, spec, memory_limit_mb=1e6)
+    full_stage = base.stage_memory_mb(2, __import__("megatron.aceso.model", fromlist=["Stage"]).Stage(
+        0, base.num_ops, 1, 1), 0, 1, 4)
+    pm = PerfModel(db, spec, memory_limit_mb=full_stage * 0.9)  # one GPU cannot hold it all
+    res = search_all(pm, 2, 8, budget_trials=40, runnable=True)
+    best = next(r for r in res if r.best.key[0] == 0).best
+    plan = best.plan
+    assert len({(s.tp, s.dp) for s in plan.stages}) == 1
+    path = str(tmp_path / "best.json")
+    save_plan(path, plan, spec)
+    lay = load_gpt_layout(path, 4, plan.num_gpus)
+    per_stage = [len({pm.ops[i].layer for i in range(s.start, s.end) if pm.ops[i].layer >= 0})
+                 for s in plan.stages]
+    assert lay.stage_layers == per_stage and lay.pp == len(plan.stages)
+    rec = [i for s in plan.stages for i, f in zip(range(s.start, s.end), s.flags()) if f]
+    recomputed_layers = {pm.ops[i].layer for i in rec}
+    assert {j for j, m in enumerate(lay.recompute_layers) if m != "none"} == recomputed_layers
