@@ -48,20 +48,20 @@ SETUPS = [
 ]
 
 
-def run(dbset, model, gpus, mem_gb, gbs, published, budget, include_allreduce):
+def run(dbset, model, gpus, mem_gb, gbs, published, budget, include_allreduce, granularity="layer"):
     spec = get_model_spec(model)
     pm = PerfModel(OpDatabase(os.path.join(SHIPPED_DIR, dbset), spec.family, spec.size), spec,
                    mem_gb * 1024, include_allreduce=include_allreduce)
     c0, w0 = time.process_time(), time.perf_counter()
     grid, _ = best_grid(pm, gpus, gbs)
-    res = search_all(pm, gpus, gbs, budget_trials=budget)
+    res = search_all(pm, gpus, gbs, budget_trials=budget, granularity=granularity)
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
     best = next(r for r in res if r.best.key[0] == 0).best
     layers = []
     for st in best.plan.stages:
         layers.append(len({pm.ops[i].layer for i in range(st.start, st.end) if pm.ops[i].layer >= 0}))
     out = {
-        "set": dbset, "model": model, "gpus": gpus, "memory_gb": mem_gb, "global_batch": gbs,
+        "set": dbset, "model": model, "granularity": granularity, "gpus": gpus, "memory_gb": mem_gb, "global_batch": gbs,
         "grid_s": round(grid.key[1] / 1000, 3) if grid else None,
         "aceso_s": round(best.key[1] / 1000, 3),
         "speedup": round(grid.key[1] / best.key[1], 3) if grid else None,
@@ -72,7 +72,8 @@ def run(dbset, model, gpus, mem_gb, gbs, published, budget, include_allreduce):
             "micro_batch": best.plan.micro_batch,
             "gpus": [st.gpus for st in best.plan.stages],
             "tp": [st.tp for st in best.plan.stages], "dp": [st.dp for st in best.plan.stages],
-            "layers": layers, "recompute_ops": [sum(st.flags()) for st in best.plan.stages],
+            "layers": layers, "ops": [st.end - st.start for st in best.plan.stages],
+            "recompute_ops": [sum(st.flags()) for st in best.plan.stages],
         },
         "grid_config": None if grid is None else {
             "pp": len(grid.plan.stages), "tp": grid.plan.stages[0].tp, "dp": grid.plan.stages[0].dp,
@@ -87,13 +88,15 @@ def main():
     ap.add_argument("--budget-trials", type=int, default=1000, help="per stage count")
     ap.add_argument("--only", default=None, help="comma-separated set:model filters, e.g. eurosys:gpt-1.3b")
     ap.add_argument("--no-allreduce", action="store_true")
+    ap.add_argument("--granularity", choices=["layer", "op"], default="layer",
+                    help="stage cuts on layer boundaries (what --aceso-config runs) or anywhere")
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else None
     for dbset, model, gpus, mem, gbs, pub in SETUPS:
         if only and f"{dbset}:{model}" not in only:
             continue
         print(json.dumps(run(dbset, model, gpus, mem, gbs, pub, args.budget_trials,
-                             not args.no_allreduce)), flush=True)
+                             not args.no_allreduce, args.granularity)), flush=True)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,8 @@ def main(argv=None):
     s.add_argument("--max-hops", type=int, default=7)
     s.add_argument("--jobs", type=int, default=1, help="stage counts searched in parallel processes")
     s.add_argument("--top", type=int, default=3, help="configs written to --out-dir")
+    s.add_argument("--granularity", choices=["layer", "op"], default="layer",
+                   help="where stages may be cut: layer boundaries (runnable) or any operator (Aceso)")
     s.add_argument("--runnable", action="store_true",
                    help="only configurations --aceso-config can run today: all stages share one TP "
                         "and DP size, only layer operators are recomputed")
@@ -132,7 +134,7 @@ def main(argv=None):
     results = search_all(pm, args.gpus, gbs, budget_trials=args.budget_trials,
                          budget_seconds=args.budget_seconds, max_stages=args.max_stages,
                          jobs=args.jobs, progress=progress, max_hops=args.max_hops,
-                         runnable=args.runnable)
+                         runnable=args.runnable, granularity=args.granularity)
     fits = [r for r in results if r.best.key[0] == 0]
     if not fits:
         print(f"no configuration fits {args.memory_gb} GB", file=sys.stderr)

@@ -86,11 +86,19 @@ class Searcher:
     def __init__(self, pm: PerfModel, num_gpus: int, global_batch: int, *,
                  max_hops: int = 7, width: int = 2, restart_ratio: float = 1.2,
                  budget_trials: Optional[int] = None, budget_seconds: Optional[float] = None,
-                 runnable: bool = False):
+                 runnable: bool = False, granularity: str = "layer"):
         self.pm = pm
         self.G = num_gpus
         self.gbs = global_batch
-        self.units = unit_starts(pm)
+        if granularity not in ("layer", "op"):
+            raise ValueError(f"granularity must be 'layer' or 'op', got {granularity!r}")
+        if granularity == "op" and runnable:
+            raise ValueError("stage cuts inside layers (granularity 'op') cannot run: drop --runnable "
+                             "or search by layer")
+        # 'op': stage cuts anywhere, as Aceso; priced by the model, but --aceso-config runs
+        # layer cuts only
+        self.granularity = granularity
+        self.units = unit_starts(pm) if granularity == "layer" else list(range(pm.num_ops + 1))
         self.U = len(self.units) - 1
         self.gpn = min(pm.gpus_per_node, num_gpus)
         self.tps = [t for t in pm.db.tp_values if t <= self.gpn]
@@ -298,7 +306,8 @@ class Searcher:
         S = len(tps)
         out = []
         size = bounds[b + 1] - bounds[b]
-        for k in (1, 2, max(1, size // 4)):
+        steps = (1, 2, size // 4) if self.granularity == "layer" else (1, 3, size // 8, size // 4)
+        for k in sorted({max(1, k) for k in steps}):
             if size - k < 1:
                 continue
             if b > 0:  # give the first k units to the previous stage
@@ -491,7 +500,7 @@ def search_all(pm: PerfModel, num_gpus: int, global_batch: int, *,
                max_stages: int = 16, jobs: int = 1, progress=None, **kw) -> List[SearchResult]:
     """One search per stage count (in ``jobs`` processes), each seeded with the best grid point
     of that stage count. Returns the results sorted best first."""
-    probe = Searcher(pm, num_gpus, global_batch)
+    probe = Searcher(pm, num_gpus, global_batch)  # the grid cuts by layer
     counts = list(range(1, min(num_gpus, probe.U, max_stages) + 1))
     tasks = []
     for S in counts:
@@ -503,6 +512,10 @@ def search_all(pm: PerfModel, num_gpus: int, global_batch: int, *,
                 if ev is not None and (gbest is None or ev.key < gbest.key):
                     gbest = ev
         if gbest is not None:
+            if kw.get("granularity", "layer") == "op":  # the same plan, cuts as op indices
+                mbs, bounds, tps, dps = gbest.state
+                gbest = Evaluated((mbs, tuple(probe.units[b] for b in bounds), tps, dps),
+                                  gbest.key, gbest.plan, gbest.pred)
             seeds.append(gbest)
         tasks.append((pm, num_gpus, global_batch, S,
                       dict(budget_trials=budget_trials, budget_seconds=budget_seconds, **kw), seeds))

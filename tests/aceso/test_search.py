@@ -120,3 +120,13 @@ def test_profiled_tiny_gpt_search_to_runnable_config(tmp_path):
     rec = [i for s in plan.stages for i, f in zip(range(s.start, s.end), s.flags()) if f]
     recomputed_layers = {pm.ops[i].layer for i in rec}
     assert {j for j, m in enumerate(lay.recompute_layers) if m != "none"} == recomputed_layers
+
+
+def test_op_granularity_cuts_anywhere_and_is_never_worse_than_grid(pm):
+    grid, _ = best_grid(pm, 4, 512)
+    res = search_all(pm, 4, 512, budget_trials=60, max_stages=4, granularity="op")
+    best = res[0].best
+    assert best.pred.fits and best.key[1] <= grid.key[1]
+    _legal(best.plan, 4, 8, pm)
+    with pytest.raises(ValueError, match="cannot run"):
+        Searcher(pm, 4, 512, runnable=True, granularity="op")
