@@ -17,7 +17,10 @@ setup(
     version="0.1.0",
     description="Megatron-style GPT/T5 trainer with planner-driven pipeline instruction streams",
     packages=find_packages(include=["megatron", "megatron.*"]),
-    package_data={"megatron.fused_kernels": ["csrc/cpu/*.cpp", "csrc/cuda/*.cu", "csrc/cuda/*.cuh"]},
+    # fused-kernel sources (JIT-built from the installed package); Aceso's published V100
+    # operator databases (MIT, see megatron/aceso/data/README.md)
+    package_data={"megatron.fused_kernels": ["csrc/cpu/*.cpp", "csrc/cuda/*.cu", "csrc/cuda/*.cuh"],
+                  "megatron.aceso": ["data/README.md", "data/*/*.csv"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.1",

@@ -200,6 +200,7 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None)
     _add_fused_kernel_args(p)
     _add_legacy_args(p)
+    _add_aceso_args(p)
     return p
 
 
@@ -218,6 +219,14 @@ def _add_fused_kernel_args(p: argparse.ArgumentParser) -> None:
 def _apply_fused_kernel_args(args: argparse.Namespace, model) -> None:
     for name in ("masked_softmax_fusion", "bias_gelu_fusion", "bias_dropout_fusion"):
         setattr(model, name, getattr(args, name, True))
+
+
+def _add_aceso_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("aceso")
+    g.add_argument("--aceso-config", default=None,
+                   help="run an Aceso JSON configuration (python -m megatron.aceso search): per-stage "
+                        "layer counts and recompute, TP, PP, micro/global batch; GPT only, one TP/DP "
+                        "size for all stages")
 
 
 def _add_legacy_args(p: argparse.ArgumentParser) -> None:
@@ -317,6 +326,15 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
     _apply_legacy_args(args)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if getattr(args, "aceso_config", None):
+        from megatron.aceso.runtime import AcesoConfigError, apply_to_args
+        parser = build_parser(model_type)
+        defaults = {k: parser.get_default(k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                       "micro_batch_size", "global_batch_size")}
+        try:
+            apply_to_args(args, model_type, world_size, defaults)
+        except (AcesoConfigError, OSError, KeyError) as e:
+            raise ConfigError(str(e)) from None
     if model_type == "t5":
         _required(args, ["--hidden-size", "--num-attention-heads"], model_type)
         if args.encoder_num_layers is None and args.num_layers is None:
@@ -385,6 +403,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         max_consecutive_skipped_iters=args.max_consecutive_skipped_iters,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_grad_reduce=args.overlap_grad_reduce, ddp_bucket_size=args.ddp_bucket_size,
+        recompute_layers=getattr(args, "recompute_layers", None),
     )
     data = DataConfig(
         mock_data=args.mock_data, data_path=args.data_path, targets_data_path=args.targets_data_path,

@@ -217,6 +217,7 @@ class TrainingConfig:
     use_distributed_optimizer: bool = False  # Adam state sharded over data parallelism (ZeRO-1)
     overlap_grad_reduce: bool = False  # DP all-reduce of a bucket starts during the backward passes
     ddp_bucket_size: Optional[int] = None  # elements per DP communication bucket (None: 40M)
+    recompute_layers: Optional[List[str]] = None  # per layer none|selective|full (--aceso-config)
 
     def __post_init__(self):
         _require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
@@ -266,6 +267,11 @@ class TrainingConfig:
         _require(not (self.overlap_grad_reduce and self.use_distributed_optimizer),
                  "--overlap-grad-reduce is implemented for the all-reduce path; with --use-distributed-optimizer "
                  "the reduce-scatter runs after the backward passes (drop one of the two flags)")
+        if self.recompute_layers is not None:
+            _require(self.recompute_granularity is None and
+                     all(m in ("none", "selective", "full") for m in self.recompute_layers),
+                     f"per-layer recompute (--aceso-config) must be none/selective/full per layer and "
+                     f"excludes --recompute-granularity, got {self.recompute_layers}")
         if self.recompute_num_layers is not None:
             _require(self.recompute_num_layers >= 1,
                      f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")

@@ -177,6 +177,8 @@ def build_gpt_stages(cfg, ps: ParallelState) -> dict:
                                pre_process=sid == 0, post_process=sid == num_stages - 1,
                                seed=cfg.training.seed, recompute_method=cfg.training.recompute_method,
                                recompute_num_layers=cfg.training.recompute_num_layers)
+        if cfg.training.recompute_layers is not None:  # --aceso-config: per-layer recompute
+            stages[sid].decoder.layer_recompute = cfg.training.recompute_layers[starts[sid]:starts[sid] + split[sid]]
     return stages
 
 

@@ -265,6 +265,7 @@ class TransformerBlock(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.recompute_method = recompute_method or "uniform"
         self.recompute_num_layers = recompute_num_layers
+        self.layer_recompute: Optional[list[str]] = None  # per layer, overrides `recompute` (Aceso)
 
     def _full_recompute(self, i: int) -> bool:
         if self.recompute_method == "block" and self.recompute_num_layers is not None:
@@ -282,6 +283,12 @@ class TransformerBlock(nn.Module):
         for i, layer in enumerate(self.layers):
             if kv_cache is not None:  # token slices: the cache is written once per slice, no replay
                 x = layer(x, mask, encoder_output, cross_mask, recompute=recompute, rotary=rotary, kv_cache=kv_cache)
+            elif self.layer_recompute is not None:
+                mode = self.layer_recompute[i]
+                if mode == "full" and torch.is_grad_enabled():
+                    x = checkpoint(lambda h, e, l=layer: l(h, mask, e, cross_mask, rotary=rotary), x, encoder_output)
+                else:
+                    x = layer(x, mask, encoder_output, cross_mask, recompute=mode, rotary=rotary)
             elif recompute == "full" and self._full_recompute(i) and torch.is_grad_enabled():
                 x = checkpoint(lambda h, e, l=layer: l(h, mask, e, cross_mask, rotary=rotary), x, encoder_output)
             else:

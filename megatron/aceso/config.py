@@ -1,0 +1,94 @@
+"""Aceso's JSON configuration format, read and written.
+
+Fields (one entry per stage in the lists, one per op of that stage in the nested lists):
+
+- ``model_name`` (``gpt``/``t5``), ``model_size`` (DB spelling, e.g. ``1_3B``), ``num_layers``
+  (per layer kind: GPT one number, T5 ``[encoder, decoder]``), ``hidden_size``, ``seq_length``;
+- ``global_batch_size``, ``micro_batch_size`` (samples per micro-batch of the whole pipeline;
+  a stage with DP size d gives each DP rank ``micro_batch_size / d``), ``num_stages``;
+- ``num_gpus``: GPUs of each stage (= TP x DP; stages take contiguous rank ranges in order);
+- ``checkpoint_activations``: whether the stage recomputes anything;
+- ``resharding_stages``: whether TP/DP changes between ops inside the stage;
+- ``num_ops_in_each_stage``: op counts; stage s owns ops ``[sum(previous), sum(previous)+n)``
+  of the flat op list (embedding, the per-layer ops once per layer, final norm, post-process);
+- ``model_parallel_size_of_each_op`` / ``data_parallel_size_of_each_op``: TP / DP per op;
+- ``recompute_ops``: 0/1 per op; ``algo_of_each_op``: 0 Megatron column/row split, 1 swapped.
+
+This implementation prices one (TP, DP, algo) per stage; a file whose ops change TP, DP or
+algo inside a stage is rejected with a message saying so.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List
+
+from megatron.aceso.model import ModelSpec, Plan, Stage
+
+
+def plan_to_dict(plan: Plan, spec: ModelSpec) -> Dict[str, Any]:
+    stages = plan.stages
+    return {
+        "model_name": spec.family,
+        "model_size": spec.size,
+        "num_layers": spec.layers[0] if len(spec.layers) == 1 else list(spec.layers),
+        "hidden_size": spec.hidden,
+        "seq_length": spec.seq_length,
+        "global_batch_size": plan.global_batch,
+        "micro_batch_size": plan.micro_batch,
+        "num_stages": len(stages),
+        "num_gpus": [s.gpus for s in stages],
+        "checkpoint_activations": [bool(any(s.flags())) for s in stages],
+        "resharding_stages": [False for _ in stages],
+        "num_ops_in_each_stage": [s.end - s.start for s in stages],
+        "model_parallel_size_of_each_op": [[s.tp] * (s.end - s.start) for s in stages],
+        "data_parallel_size_of_each_op": [[s.dp] * (s.end - s.start) for s in stages],
+        "recompute_ops": [list(s.flags()) for s in stages],
+        "algo_of_each_op": [[s.algo] * (s.end - s.start) for s in stages],
+    }
+
+
+def plan_from_dict(d: Dict[str, Any], num_ops: int = None) -> Plan:
+    model = f"{d['model_name']}-{str(d['model_size']).replace('_', '.').lower()}"
+    n = d["num_stages"]
+    for k in ("num_gpus", "num_ops_in_each_stage", "model_parallel_size_of_each_op",
+              "data_parallel_size_of_each_op", "recompute_ops"):
+        if len(d[k]) != n:
+            raise ValueError(f"aceso config: '{k}' has {len(d[k])} entries for {n} stages")
+    algos = d.get("algo_of_each_op") or [[0] * c for c in d["num_ops_in_each_stage"]]
+    stages: List[Stage] = []
+    start = 0
+    for s in range(n):
+        cnt = d["num_ops_in_each_stage"][s]
+        tps, dps = d["model_parallel_size_of_each_op"][s], d["data_parallel_size_of_each_op"][s]
+        rec, alg = d["recompute_ops"][s], algos[s]
+        for name, lst in (("model_parallel_size_of_each_op", tps), ("data_parallel_size_of_each_op", dps),
+                          ("recompute_ops", rec), ("algo_of_each_op", alg)):
+            if len(lst) != cnt:
+                raise ValueError(f"aceso config: stage {s} '{name}' has {len(lst)} ops, "
+                                 f"num_ops_in_each_stage says {cnt}")
+        if len(set(tps)) != 1 or len(set(dps)) != 1 or len(set(alg)) != 1:
+            raise ValueError(
+                f"aceso config: stage {s} changes TP/DP/algo between its ops (op-level "
+                f"resharding); this model and runtime take one TP, DP and algo per stage — split "
+                f"the stage where the sizes change")
+        if tps[0] * dps[0] != d["num_gpus"][s]:
+            raise ValueError(f"aceso config: stage {s} has num_gpus {d['num_gpus'][s]} but "
+                             f"TP {tps[0]} x DP {dps[0]}")
+        stages.append(Stage(start, start + cnt, tps[0], dps[0],
+                            tuple(int(x) for x in rec) if any(rec) else (), alg[0]))
+        start += cnt
+    if num_ops is not None and start != num_ops:
+        raise ValueError(f"aceso config: stages cover {start} ops, the model has {num_ops}")
+    return Plan(model, int(d["micro_batch_size"]), int(d["global_batch_size"]), stages)
+
+
+def save_plan(path: str, plan: Plan, spec: ModelSpec) -> None:
+    d = plan_to_dict(plan, spec)
+    with open(path, "w") as f:  # one field per line, lists kept on their line
+        f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in d.items())
+                + "\n}\n")
+
+
+def load_plan(path: str, num_ops: int = None) -> Plan:
+    with open(path) as f:
+        return plan_from_dict(json.load(f), num_ops)

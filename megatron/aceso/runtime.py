@@ -1,0 +1,158 @@
+"""Run an Aceso JSON configuration on the existing executor (``--aceso-config FILE``, GPT).
+
+What is supported: per-stage layer counts (stage cuts on layer boundaries) and per-layer
+recompute taken from the per-op ``recompute_ops`` flags; the micro-batch (Aceso's pipeline
+micro-batch divided by the DP size), the global batch, TP and PP sizes. The stages then
+run through the normal planner (``--pipeline-stage-layers``) and executor.
+
+Not supported yet (rejected with a message): stages with different TP or DP sizes (the
+multi-peer resharding sends), op-level TP/DP changes inside a stage, stage cuts inside a
+layer, recompute of the embedding / head operators, and T5.
+
+Per-layer recompute mode from the layer's op flags: ``none`` when no op is recomputed,
+``selective`` when only core-attention ops are (score, softmax, dropout, context; or our
+fused ``enc-attention-core``), otherwise ``full`` (the whole layer is checkpointed). The
+numerics are identical in every mode; only memory and time differ.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, List
+
+# Layer operator names by ops per layer: Aceso's CUDA tables (13) and our profiler's (10).
+ACESO_GPT_LAYER_OPS = [
+    "enc-1st-layernorm", "enc-attention-qkv", "enc-attention-score", "enc-attention-softmax",
+    "enc-attention-dropout", "enc-attention-context", "enc-attention-dense",
+    "enc-post-attention-dropout", "enc-2nd-layernorm", "enc-MLP-GEMM-1", "enc-MLP-gelu",
+    "enc-MLP-GEMM-2", "enc-post-MLP-dropout",
+]
+OUR_GPT_LAYER_OPS = [
+    "enc-1st-layernorm", "enc-attention-qkv", "enc-attention-core", "enc-attention-dense",
+    "enc-post-attention-dropout", "enc-2nd-layernorm", "enc-MLP-GEMM-1", "enc-MLP-gelu",
+    "enc-MLP-GEMM-2", "enc-post-MLP-dropout",
+]
+CORE_ATTENTION_OPS = {"enc-attention-score", "enc-attention-softmax", "enc-attention-dropout",
+                      "enc-attention-context", "enc-attention-core"}
+HEAD_OPS, TAIL_OPS = 1, 2  # embedding; final layernorm + post-process
+
+
+class AcesoConfigError(ValueError):
+    pass
+
+
+@dataclass
+class AcesoLayout:
+    tp: int
+    pp: int
+    dp: int
+    stage_layers: List[int]
+    recompute_layers: List[str]   # per global layer: none | selective | full
+    micro_batch_size: int         # per DP rank
+    global_batch_size: int
+
+
+def layer_mode(names: List[str], flags: List[int]) -> str:
+    rec = {n for n, f in zip(names, flags) if f}
+    if not rec:
+        return "none"
+    return "selective" if rec <= CORE_ATTENTION_OPS else "full"
+
+
+def gpt_layout(d: Dict[str, Any], num_layers: int, world_size: int) -> AcesoLayout:
+    """Translate an Aceso config dict into our GPT run layout, or explain why it cannot run."""
+    flag = "--aceso-config"
+    if d.get("model_name", "gpt") != "gpt":
+        raise AcesoConfigError(f"{flag}: model_name {d.get('model_name')!r}; only GPT configs run "
+                               f"(pretrain_gpt.py)")
+    cfg_layers = d.get("num_layers")
+    if cfg_layers is not None and cfg_layers != num_layers:
+        raise AcesoConfigError(f"{flag}: the config is for {cfg_layers} layers but --num-layers is "
+                               f"{num_layers}")
+    S = d["num_stages"]
+    counts = d["num_ops_in_each_stage"]
+    total = sum(counts)
+    per_layer, rem = divmod(total - HEAD_OPS - TAIL_OPS, num_layers)
+    if rem or per_layer not in (len(ACESO_GPT_LAYER_OPS), len(OUR_GPT_LAYER_OPS)):
+        raise AcesoConfigError(f"{flag}: {total} ops do not make {num_layers} GPT layers of "
+                               f"{len(ACESO_GPT_LAYER_OPS)} (Aceso) or {len(OUR_GPT_LAYER_OPS)} "
+                               f"(our profiler) ops plus {HEAD_OPS + TAIL_OPS} head/tail ops")
+    names = ACESO_GPT_LAYER_OPS if per_layer == len(ACESO_GPT_LAYER_OPS) else OUR_GPT_LAYER_OPS
+    tps = [set(x) for x in d["model_parallel_size_of_each_op"]]
+    dps = [set(x) for x in d["data_parallel_size_of_each_op"]]
+    for s in range(S):
+        if len(tps[s]) != 1 or len(dps[s]) != 1:
+            raise AcesoConfigError(f"{flag}: stage {s} changes TP/DP between its ops; the runtime "
+                                   f"runs one TP and DP size per stage")
+    shapes = [(next(iter(t)), next(iter(p))) for t, p in zip(tps, dps)]
+    if len(set(shapes)) != 1:
+        desc = ", ".join(f"stage {s}: TP {t} x DP {p}" for s, (t, p) in enumerate(shapes))
+        raise AcesoConfigError(
+            f"{flag}: stages with different TP/DP sizes ({desc}) are not supported by the runtime "
+            f"yet (the performance model and search handle them); use a config whose stages share "
+            f"one TP and DP size")
+    tp, dp = shapes[0]
+    if tp * dp * S != world_size:
+        raise AcesoConfigError(f"{flag}: {S} stages x TP {tp} x DP {dp} = {tp * dp * S} ranks, but "
+                               f"the job has {world_size}")
+    # stage cuts must fall on layer boundaries
+    stage_layers, start = [], 0
+    for s, c in enumerate(counts):
+        end = start + c
+        body_start = max(start - HEAD_OPS, 0)
+        body_end = min(end - HEAD_OPS, num_layers * per_layer)
+        if (s > 0 and (start - HEAD_OPS) % per_layer) or (s < S - 1 and (end - HEAD_OPS) % per_layer):
+            raise AcesoConfigError(f"{flag}: stage {s} (ops {start}-{end}) is cut inside a layer; the "
+                                   f"runtime needs stage cuts on layer boundaries")
+        n = (body_end - body_start) // per_layer
+        if n < 1:
+            raise AcesoConfigError(f"{flag}: stage {s} holds no whole layer")
+        stage_layers.append(n)
+        start = end
+    flags = [int(f) for st in d["recompute_ops"] for f in st]
+    if any(flags[:HEAD_OPS]) or any(flags[total - TAIL_OPS:]):
+        raise AcesoConfigError(f"{flag}: recomputing the embedding or the head operators is not "
+                               f"supported; clear their recompute_ops flags")
+    rec = []
+    for j in range(num_layers):
+        a = HEAD_OPS + j * per_layer
+        rec.append(layer_mode(names, flags[a:a + per_layer]))
+    mbs = int(d["micro_batch_size"])
+    if mbs % dp:
+        raise AcesoConfigError(f"{flag}: micro_batch_size {mbs} is not divisible by DP {dp}")
+    return AcesoLayout(tp, S, dp, stage_layers, rec, mbs // dp, int(d["global_batch_size"]))
+
+
+def load_gpt_layout(path: str, num_layers: int, world_size: int) -> AcesoLayout:
+    with open(path) as f:
+        return gpt_layout(json.load(f), num_layers, world_size)
+
+
+def apply_to_args(args, model_type: str, world_size: int, defaults: Dict[str, Any]) -> None:
+    """Fill the parsed flags from ``args.aceso_config``; flags the user set to something else
+    are an error naming both."""
+    if model_type != "gpt":
+        raise AcesoConfigError("--aceso-config runs GPT configs only (pretrain_gpt.py); T5's "
+                               "encoder/decoder stage split is not mapped yet")
+    if args.num_layers is None:
+        raise AcesoConfigError("--aceso-config needs --num-layers")
+    for planner in ("dynapipe", "terapipe"):
+        if getattr(args, planner, False):
+            raise AcesoConfigError(f"--aceso-config and --{planner} are two planners for one run (Aceso fixes the "
+                                   f"stage layout, {planner} plans its own); pick one")
+    for other in ("recompute_granularity", "pipeline_stage_layers", "num_layers_per_virtual_pipeline_stage"):
+        if getattr(args, other, None) is not None:
+            raise AcesoConfigError(f"--aceso-config sets the stage layout and recompute itself; drop "
+                                   f"--{other.replace('_', '-')}")
+    lay = load_gpt_layout(args.aceso_config, args.num_layers, world_size)
+    for dest, value in (("tensor_model_parallel_size", lay.tp), ("pipeline_model_parallel_size", lay.pp),
+                        ("micro_batch_size", lay.micro_batch_size),
+                        ("global_batch_size", lay.global_batch_size)):
+        cur = getattr(args, dest)
+        if cur != defaults.get(dest) and cur != value:
+            raise AcesoConfigError(f"--{dest.replace('_', '-')} {cur} conflicts with --aceso-config "
+                                   f"({value}); drop the flag")
+        setattr(args, dest, value)
+    args.pipeline_stage_layers = lay.stage_layers if lay.pp > 1 else None
+    args.recompute_layers = lay.recompute_layers
+

@@ -1,0 +1,538 @@
+"""Aceso's iterative bottleneck alleviation, and the Megatron uniform grid, under one PerfModel.
+
+A search state is (global micro-batch, stage boundaries in layer units, TP and DP per stage).
+Recompute is not a move: after every change each stage gets the cheapest recompute set that
+fits its memory (ops ordered by activation MB saved per ms of recompute, a binary search on
+how many of them), as Aceso's ``check_recompute`` does.
+
+One trial = one state evaluated by the model; a budget in trials makes the search
+deterministic. Per stage count:
+
+1. seeds: the "balance" start (equal layers, GPUs doubled round-robin, TP first, smallest
+   micro-batch) and the best uniform grid point with that many stages;
+2. a multi-hop step: find the bottleneck (largest per-micro-batch time, or the stage furthest
+   over the memory limit), split its time into compute / recompute / p2p, order the
+   primitives by which share dominates, apply them in that order and take the first that
+   lowers the iteration time; if none does, recurse from the best few results up to
+   ``max_hops`` moves deep;
+3. when a step finds nothing, restart from the best not-yet-started state within
+   ``restart_ratio`` of the best one; stop when none is left or the budget is spent.
+
+Legality: every stage has a power-of-two GPU count, the counts sum to the cluster, a stage
+never straddles a node (larger ones start on a node boundary), TP is within a node and
+profiled, and micro-batch / DP is a profiled micro-batch size.
+"""
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron.aceso.model import PerfModel, Plan, Prediction, Stage
+
+State = Tuple[int, Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]  # mbs, bounds, tps, dps
+INF = float("inf")
+
+
+class BudgetExhausted(Exception):
+    pass
+
+
+def unit_starts(pm: PerfModel) -> List[int]:
+    """Op indices where a stage may start: each layer's first op (moved back over an embedding
+    that feeds it), plus 0 and the end. The first layer stays with the model's head ops."""
+    names = pm.db.op_names
+    starts = [0]
+    seen = set()
+    for i, o in enumerate(pm.ops):
+        if o.layer < 0 or o.layer in seen:
+            continue
+        seen.add(o.layer)
+        if i == 0 or pm.ops[i - 1].layer == o.layer:
+            continue
+        j = i
+        while j > 0 and pm.ops[j - 1].layer < 0 and "embedding" in names[pm.ops[j - 1].row]:
+            j -= 1
+        if j > 0:
+            starts.append(j)
+    starts = sorted(set(starts))
+    # the first layer's start is a legal cut only if something other than head ops precedes it
+    first_layer = next(i for i, o in enumerate(pm.ops) if o.layer >= 0)
+    starts = [s for s in starts if s == 0 or s > first_layer]
+    return starts + [pm.num_ops]
+
+
+@dataclass
+class Evaluated:
+    state: State
+    key: Tuple[int, float]          # (0, iteration ms) if it fits, else (1, MB over the limit)
+    plan: Optional[Plan] = None
+    pred: Optional[Prediction] = None
+
+
+@dataclass
+class SearchResult:
+    num_stages: int
+    best: Optional[Evaluated]
+    trials: int
+    seconds: float
+    hops_accepted: int = 0
+    restarts: int = 0
+
+
+class Searcher:
+    def __init__(self, pm: PerfModel, num_gpus: int, global_batch: int, *,
+                 max_hops: int = 7, width: int = 2, restart_ratio: float = 1.2,
+                 budget_trials: Optional[int] = None, budget_seconds: Optional[float] = None,
+                 runnable: bool = False, granularity: str = "layer"):
+        self.pm = pm
+        self.G = num_gpus
+        self.gbs = global_batch
+        if granularity not in ("layer", "op"):
+            raise ValueError(f"granularity must be 'layer' or 'op', got {granularity!r}")
+        if granularity == "op" and runnable:
+            raise ValueError("stage cuts inside layers (granularity 'op') cannot run: drop --runnable "
+                             "or search by layer")
+        # 'op': stage cuts anywhere, as Aceso; priced by the model, but --aceso-config runs
+        # layer cuts only
+        self.granularity = granularity
+        self.units = unit_starts(pm) if granularity == "layer" else list(range(pm.num_ops + 1))
+        self.U = len(self.units) - 1
+        self.gpn = min(pm.gpus_per_node, num_gpus)
+        self.tps = [t for t in pm.db.tp_values if t <= self.gpn]
+        self.mbs_local = pm.db.mbs_values
+        self.max_hops, self.width, self.restart_ratio = max_hops, width, restart_ratio
+        self.budget_trials, self.budget_seconds = budget_trials, budget_seconds
+        # what --aceso-config runs today: one (TP, DP) for all stages, recompute of layer ops only
+        self.runnable = runnable
+        self.cache: Dict[State, Evaluated] = {}
+        self._fit_cache: Dict[tuple, Tuple[Tuple[int, ...], float]] = {}
+        self.trials = 0
+        self.t0 = time.perf_counter()
+        # recompute candidates, ranked once per (local mbs, tp): MB saved per ms recomputed
+        self._order_cache: Dict[Tuple[int, int], List[int]] = {}
+
+    # ------------------------------------------------------------------ legality
+    def legal(self, st: State) -> bool:
+        mbs, bounds, tps, dps = st
+        if self.gbs % mbs:
+            return False
+        r = 0
+        for tp, dp in zip(tps, dps):
+            g = tp * dp
+            if g & (g - 1) or tp not in self.tps or mbs % dp or (mbs // dp) not in self.mbs_local:
+                return False
+            if g <= self.gpn:
+                if r // self.gpn != (r + g - 1) // self.gpn:
+                    return False
+            elif r % self.gpn:
+                return False
+            r += g
+        if r != self.G:
+            return False
+        if self.runnable and (len(set(tps)) > 1 or len(set(dps)) > 1):
+            return False
+        return all(bounds[i] < bounds[i + 1] for i in range(len(bounds) - 1))
+
+    # ------------------------------------------------------------------ recompute fit
+    def _rank_ops(self, mbs_local: int, tp: int) -> List[int]:
+        key = (mbs_local, tp)
+        order = self._order_cache.get(key)
+        if order is None:
+            a = self.pm.arrays(mbs_local, tp)
+            idx = [i for i in range(self.pm.num_ops) if a.act[i] > a.inp[i] * 0.5 and a.fwd[i] > 0
+                   and (not self.runnable or self.pm.ops[i].layer >= 0)]
+            order = sorted(idx, key=lambda i: (-(a.act[i] / a.fwd[i]), i))
+            self._order_cache[key] = order
+        return order
+
+    def fit_recompute(self, mbs: int, start: int, end: int, tp: int, dp: int, s: int, S: int,
+                      M: int) -> Tuple[Tuple[int, ...], float]:
+        """Cheapest recompute flags that fit; returns (flags, memory MB) — the least memory
+        reachable when nothing fits."""
+        key = (mbs, start, end, tp, dp, min(S - s, M))
+        hit = self._fit_cache.get(key)
+        if hit is not None:
+            return hit
+        pm = self.pm
+        limit = pm.memory_limit_mb
+        base = Stage(start, end, tp, dp)
+        mem0 = pm.stage_memory_mb(mbs, base, s, S, M)
+        if mem0 <= limit:
+            res = ((), mem0)
+        else:
+            cand = [i for i in self._rank_ops(mbs // dp, tp) if start <= i < end]
+
+            def mem_of(k):
+                fl = [0] * (end - start)
+                for i in cand[:k]:
+                    fl[i - start] = 1
+                t = tuple(fl)
+                return t, pm.stage_memory_mb(mbs, Stage(start, end, tp, dp, t), s, S, M)
+
+            lo, hi = 1, len(cand)
+            flags_hi, mem_hi = mem_of(hi)
+            if mem_hi > limit:
+                # not monotone in general: take the least memory among a few prefixes
+                best = (flags_hi, mem_hi)
+                for k in (hi // 4, hi // 2, 3 * hi // 4):
+                    f, m_ = mem_of(k)
+                    if m_ < best[1]:
+                        best = (f, m_)
+                res = best
+            else:
+                best = (flags_hi, mem_hi)
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    f, m_ = mem_of(mid)
+                    if m_ <= limit:
+                        hi, best = mid, (f, m_)
+                    else:
+                        lo = mid + 1
+                res = best
+        self._fit_cache[key] = res
+        return res
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, st: State) -> Evaluated:
+        ev = self.cache.get(st)
+        if ev is not None:
+            return ev
+        if self.budget_trials is not None and self.trials >= self.budget_trials:
+            raise BudgetExhausted
+        if self.budget_seconds is not None and time.perf_counter() - self.t0 > self.budget_seconds:
+            raise BudgetExhausted
+        self.trials += 1
+        mbs, bounds, tps, dps = st
+        S = len(tps)
+        M = self.gbs // mbs
+        stages, excess = [], 0.0
+        for s in range(S):
+            a, b = self.units[bounds[s]], self.units[bounds[s + 1]]
+            flags, mem = self.fit_recompute(mbs, a, b, tps[s], dps[s], s, S, M)
+            excess = max(excess, mem - self.pm.memory_limit_mb)
+            stages.append(Stage(a, b, tps[s], dps[s], flags))
+        plan = Plan(self.pm.spec.key, mbs, self.gbs, stages)
+        pred = self.pm.predict(plan)
+        key = (0, pred.iteration_ms) if excess <= 0 else (1, excess)
+        ev = Evaluated(st, key, plan, pred)
+        self.cache[st] = ev
+        return ev
+
+    # ------------------------------------------------------------------ starts
+    def balance_state(self, S: int) -> Optional[State]:
+        if S > self.G or S > self.U:
+            return None
+        base = 1 << int(math.floor(math.log2(self.G / S)))
+        gpus = [base] * S
+        rem = self.G - base * S
+        i = 0
+        while rem > 0:
+            rem -= gpus[i]
+            gpus[i] *= 2
+            i += 1
+        gpus.sort(reverse=True)
+        if self.runnable and len(set(gpus)) > 1:
+            return None
+        bounds = tuple(round(k * self.U / S) for k in range(S + 1))
+        tps = tuple(max(t for t in self.tps if t <= g) for g in gpus)
+        dps = tuple(g // t for g, t in zip(gpus, tps))
+        for m in self.mbs_local:
+            st = (m * max(dps), bounds, tps, dps)
+            if self.legal(st):
+                return st
+        return None
+
+    def grid_states(self, S: int) -> List[State]:
+        """Megatron's uniform grid with S stages: equal layers, one (tp, dp) everywhere."""
+        out = []
+        if self.G % S or self.U % S:
+            return out
+        g = self.G // S
+        bounds = tuple(k * (self.U // S) for k in range(S + 1))
+        for tp in self.tps:
+            if g % tp:
+                continue
+            dp = g // tp
+            for m in self.mbs_local:
+                st = (m * dp, bounds, (tp,) * S, (dp,) * S)
+                if self.legal(st):
+                    out.append(st)
+        return out
+
+    # ------------------------------------------------------------------ primitives
+    def neighbours(self, ev: Evaluated) -> List[State]:
+        mbs, bounds, tps, dps = ev.state
+        S = len(tps)
+        pred = ev.pred
+        if ev.key[0]:  # out of memory: the stage furthest over the limit
+            b = max(range(S), key=lambda i: pred.stages[i].memory_mb)
+            dominant = "memory"
+        else:
+            b = pred.bottleneck
+            c = pred.stages[b]
+            shares = {"compute": c.fwd_ms + c.bwd_ms, "recompute": c.recompute_ms,
+                      "comm": c.p2p_fwd_ms + c.p2p_bwd_ms}
+            dominant = "recompute" if shares["recompute"] > 0.15 * c.time_ms else (
+                "comm" if shares["comm"] > 0.25 * c.time_ms else "compute")
+        moves = {
+            "move": self._move(ev.state, b),
+            "inc_dp": self._grow(ev.state, b, "dp"),
+            "inc_tp": self._grow(ev.state, b, "tp"),
+            "dec_dp": self._shrink(ev.state, b, "dp"),
+            "dec_tp": self._shrink(ev.state, b, "tp"),
+            "swap": self._swap(ev.state, b),
+            "inc_mbs": self._mbs(ev.state, 2),
+            "dec_mbs": self._mbs(ev.state, 0.5),
+        }
+        order = {
+            "memory": ["move", "inc_dp", "inc_tp", "dec_mbs", "swap", "dec_dp", "dec_tp", "inc_mbs"],
+            "recompute": ["inc_dp", "inc_tp", "move", "dec_mbs", "swap", "inc_mbs", "dec_dp", "dec_tp"],
+            "comm": ["swap", "dec_tp", "inc_mbs", "move", "inc_dp", "dec_dp", "inc_tp", "dec_mbs"],
+            "compute": ["move", "inc_dp", "inc_tp", "inc_mbs", "swap", "dec_mbs", "dec_dp", "dec_tp"],
+        }[dominant]
+        out, seen = [], set()
+        for name in order:
+            for st in moves[name]:
+                if st not in seen and st != ev.state and self.legal(st):
+                    seen.add(st)
+                    out.append(st)
+        return out
+
+    def _move(self, st: State, b: int) -> List[State]:
+        mbs, bounds, tps, dps = st
+        S = len(tps)
+        out = []
+        size = bounds[b + 1] - bounds[b]
+        steps = (1, 2, size // 4) if self.granularity == "layer" else (1, 3, size // 8, size // 4)
+        for k in sorted({max(1, k) for k in steps}):
+            if size - k < 1:
+                continue
+            if b > 0:  # give the first k units to the previous stage
+                nb = list(bounds)
+                nb[b] += k
+                out.append((mbs, tuple(nb), tps, dps))
+            if b < S - 1:  # give the last k units to the next stage
+                nb = list(bounds)
+                nb[b + 1] -= k
+                out.append((mbs, tuple(nb), tps, dps))
+        return out
+
+    def _grow(self, st: State, b: int, dim: str) -> List[State]:
+        mbs, bounds, tps, dps = st
+        gb = tps[b] * dps[b]
+        out = []
+        # the donor gives half of its GPUs; donors ordered by how idle they are
+        donors = [d for d in range(len(tps)) if d != b and tps[d] * dps[d] == 2 * gb]
+        for d in donors:
+            for ddim in ("dp", "tp"):
+                nt, nd = list(tps), list(dps)
+                if dim == "dp":
+                    nd[b] *= 2
+                else:
+                    nt[b] *= 2
+                if ddim == "dp":
+                    if nd[d] % 2:
+                        continue
+                    nd[d] //= 2
+                else:
+                    if nt[d] % 2:
+                        continue
+                    nt[d] //= 2
+                out.append((mbs, bounds, tuple(nt), tuple(nd)))
+                # a stage that doubles its DP may need a larger micro-batch
+                if dim == "dp" and mbs % nd[b]:
+                    out.append((mbs * 2, bounds, tuple(nt), tuple(nd)))
+        return out
+
+    def _shrink(self, st: State, b: int, dim: str) -> List[State]:
+        mbs, bounds, tps, dps = st
+        gb = tps[b] * dps[b]
+        if gb < 2:
+            return []
+        out = []
+        for c in range(len(tps)):
+            if c == b or 2 * tps[c] * dps[c] != gb:
+                continue
+            for cdim in ("dp", "tp"):
+                nt, nd = list(tps), list(dps)
+                if dim == "dp":
+                    if nd[b] % 2:
+                        continue
+                    nd[b] //= 2
+                else:
+                    if nt[b] % 2:
+                        continue
+                    nt[b] //= 2
+                if cdim == "dp":
+                    nd[c] *= 2
+                else:
+                    nt[c] *= 2
+                out.append((mbs, bounds, tuple(nt), tuple(nd)))
+        return out
+
+    def _swap(self, st: State, b: int) -> List[State]:
+        mbs, bounds, tps, dps = st
+        out = []
+        if dps[b] % 2 == 0:
+            nt, nd = list(tps), list(dps)
+            nt[b] *= 2
+            nd[b] //= 2
+            out.append((mbs, bounds, tuple(nt), tuple(nd)))
+        if tps[b] % 2 == 0:
+            nt, nd = list(tps), list(dps)
+            nt[b] //= 2
+            nd[b] *= 2
+            out.append((mbs, bounds, tuple(nt), tuple(nd)))
+        return out
+
+    def _mbs(self, st: State, factor: float) -> List[State]:
+        mbs, bounds, tps, dps = st
+        m = int(mbs * factor)
+        return [(m, bounds, tps, dps)] if m >= 1 and m * 1.0 == mbs * factor else []
+
+    # ------------------------------------------------------------------ driver
+    def _hop(self, ev: Evaluated, target: Tuple[int, float], depth: int,
+             path: set) -> Optional[Evaluated]:
+        """Depth-first multi-hop: first neighbour better than ``target`` wins."""
+        cands = []
+        for st in self.neighbours(ev):
+            if st in path:
+                continue
+            n = self.evaluate(st)
+            if n.key < target:
+                return n
+            cands.append(n)
+        if depth >= self.max_hops:
+            return None
+        cands.sort(key=lambda e: e.key)
+        for n in cands[: self.width]:
+            path.add(n.state)
+            r = self._hop(n, target, depth + 1, path)
+            if r is not None:
+                return r
+        return None
+
+    def run(self, S: int, seeds: Sequence[Evaluated] = ()) -> SearchResult:
+        """Search with S stages. ``seeds`` are already-evaluated plans (the grid point): the
+        search starts from them too, and keeps their recompute choice where it is better
+        than the greedy fit, so the result is never worse than a seed."""
+        self.t0 = time.perf_counter()
+        best: Optional[Evaluated] = None
+        started: set = set()
+        hops = restarts = 0
+        try:
+            starts = [e for e in seeds if e is not None and self.legal(e.state)]
+            for seed in starts:
+                own = self.evaluate(seed.state)
+                if seed.key < own.key:
+                    self.cache[seed.state] = seed
+            bal = self.balance_state(S)
+            for st in [e.state for e in starts] + ([bal] if bal is not None else []):
+                ev = self.evaluate(st)
+                if best is None or ev.key < best.key:
+                    best = ev
+            cur = best
+            while cur is not None:
+                started.add(cur.state)
+                nxt = self._hop(cur, cur.key, 1, {cur.state})
+                if nxt is not None:
+                    hops += 1
+                    cur = nxt
+                    if cur.key < best.key:
+                        best = cur
+                    continue
+                # restart from the best unexplored state near the best
+                pool = [e for e in self.cache.values()
+                        if e.state not in started and len(e.state[2]) == S and e.key[0] == best.key[0]
+                        and e.key[1] <= best.key[1] * self.restart_ratio]
+                if not pool:
+                    break
+                cur = min(pool, key=lambda e: (e.key, e.state))
+                restarts += 1
+        except BudgetExhausted:
+            pass
+        return SearchResult(S, best, self.trials, time.perf_counter() - self.t0, hops, restarts)
+
+
+def best_grid(pm: PerfModel, num_gpus: int, global_batch: int,
+              recompute_modes: Sequence[str] = ("none", "full")) -> Tuple[Optional[Evaluated], int]:
+    """Best Megatron uniform configuration (pp, tp, dp, micro-batch, full recompute on/off)."""
+    srch = Searcher(pm, num_gpus, global_batch)
+    best, n = None, 0
+    for S in range(1, min(num_gpus, srch.U) + 1):
+        for st in srch.grid_states(S):
+            for mode in recompute_modes:
+                ev = _grid_eval(srch, st, mode)
+                n += 1
+                if ev is not None and (best is None or ev.key < best.key):
+                    best = ev
+    return best, n
+
+
+def _grid_eval(srch: Searcher, st: State, mode: str) -> Optional[Evaluated]:
+    mbs, bounds, tps, dps = st
+    pm = srch.pm
+    S = len(tps)
+    stages = []
+    for s in range(S):
+        a, b = srch.units[bounds[s]], srch.units[bounds[s + 1]]
+        flags = ()
+        if mode == "full":  # Megatron checkpoints every transformer layer
+            flags = tuple(1 if pm.ops[i].layer >= 0 else 0 for i in range(a, b))
+        stages.append(Stage(a, b, tps[s], dps[s], flags))
+    plan = Plan(pm.spec.key, mbs, srch.gbs, stages)
+    pred = pm.predict(plan)
+    if not pred.fits:
+        return None
+    return Evaluated(st, (0, pred.iteration_ms), plan, pred)
+
+
+def _search_one(args):
+    pm, G, gbs, S, kw, seeds = args
+    return Searcher(pm, G, gbs, **kw).run(S, seeds)
+
+
+def search_all(pm: PerfModel, num_gpus: int, global_batch: int, *,
+               budget_trials: Optional[int] = None, budget_seconds: Optional[float] = None,
+               max_stages: int = 16, jobs: int = 1, progress=None, **kw) -> List[SearchResult]:
+    """One search per stage count (in ``jobs`` processes), each seeded with the best grid point
+    of that stage count. Returns the results sorted best first."""
+    probe = Searcher(pm, num_gpus, global_batch)  # the grid cuts by layer
+    counts = list(range(1, min(num_gpus, probe.U, max_stages) + 1))
+    tasks = []
+    for S in counts:
+        seeds = []
+        gbest = None
+        for st in probe.grid_states(S):
+            for mode in ("none", "full"):
+                ev = _grid_eval(probe, st, mode)
+                if ev is not None and (gbest is None or ev.key < gbest.key):
+                    gbest = ev
+        if gbest is not None:
+            if kw.get("granularity", "layer") == "op":  # the same plan, cuts as op indices
+                mbs, bounds, tps, dps = gbest.state
+                gbest = Evaluated((mbs, tuple(probe.units[b] for b in bounds), tps, dps),
+                                  gbest.key, gbest.plan, gbest.pred)
+            seeds.append(gbest)
+        tasks.append((pm, num_gpus, global_batch, S,
+                      dict(budget_trials=budget_trials, budget_seconds=budget_seconds, **kw), seeds))
+    if jobs > 1:
+        with mp.get_context("fork").Pool(jobs) as pool:
+            results = []
+            for r in pool.imap(_search_one, tasks):
+                results.append(r)
+                if progress:
+                    progress(r)
+    else:
+        results = []
+        for t in tasks:
+            r = _search_one(t)
+            results.append(r)
+            if progress:
+                progress(r)
+    results = [r for r in results if r.best is not None]
+    results.sort(key=lambda r: (r.best.key, r.num_stages))
+    return results
