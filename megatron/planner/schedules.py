@@ -10,11 +10,21 @@
   keep one forward order (the permutation) and run backwards in arrival order, so every rank
   pair sees sends and receives in the same order.
 
-`search` simulates both schedules over a few micro-batch orders and returns the fastest one
-that fits in memory.
+`search` simulates both schedules over a set of micro-batch orders and returns the fastest
+one that fits in memory. The orders (`search_orders`): the first round's cheap ones (longest
+first, shortest first), then every order of a few *clusters* of micro-batches, grouped
+(k-means, deterministic start) by their first- and last-stage forward and backward times, the
+quantities that decide how the pipeline fills and drains; inside a cluster the slowest run
+first. With at most `exhaustive_up_to` micro-batches every order is tried, so the result is
+the optimum over all orders and both schedules. Candidates are pruned by an order-specific
+lower bound (the first micro-batch's fill time on each stage plus that stage's total work)
+and a simulation stops as soon as it runs past the best makespan so far; the 1F1B candidates
+are replayed with a list-based copy of the simulator's rules (`_replay`), and only the winner
+is simulated in full. Deterministic: no random numbers, ties keep the earlier candidate.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -48,8 +58,9 @@ def adaptive(costs: PipelineCosts, order: Sequence[int], mem_limit: Sequence[flo
     return _adaptive(costs, order, mem_limit)[0]
 
 
-def _adaptive(costs, order, mem_limit):
-    """(per-stage orders, makespan); `simulate` on the orders reproduces the same times."""
+def _adaptive(costs, order, mem_limit, cut=float("inf")):
+    """(per-stage orders, makespan); `simulate` on the orders reproduces the same times.
+    Returns None as soon as an op would end at or after `cut` (it cannot beat that)."""
     S, K = costs.num_stages, len(order)
     fwd, bwd, stored, trans, comm = (a.tolist() for a in
                                      (costs.fwd, costs.bwd, costs.stored, costs.transient, costs.comm))
@@ -132,6 +143,8 @@ def _adaptive(costs, order, mem_limit):
                 b_queue[s - 1].append((t0 + gcomm[s - 1][mb], mb))
                 touched.add(s - 1)
         free_at[s] = t1
+        if t1 >= cut:
+            return None
         makespan = max(makespan, t1)
         done += 1
         for x in touched:
@@ -168,35 +181,177 @@ def candidate_orders(costs: PipelineCosts, limit: int = 4) -> List[List[int]]:
     return out[:limit]
 
 
+def cluster_orders(costs: PipelineCosts, num_clusters: int = 3, iters: int = 12) -> List[List[int]]:
+    """Every order of `num_clusters` clusters of micro-batches (k-means on first/last-stage
+    forward and backward times, each feature scaled to [0, 1], centres started at quantiles
+    of their sum); inside a cluster, slowest bottleneck first. Deterministic."""
+    K = costs.num_microbatches
+    k = min(num_clusters, K)
+    if k <= 1:
+        return []
+    X = np.stack([costs.fwd[0], costs.bwd[0], costs.fwd[-1], costs.bwd[-1]], axis=1)
+    X = X / np.maximum(X.max(axis=0), 1e-12)
+    by_sum = np.argsort(X.sum(axis=1), kind="stable")
+    centres = X[by_sum[np.linspace(0, K - 1, k).round().astype(int)]]
+    assign = None
+    for _ in range(iters):
+        new = ((X[:, None, :] - centres[None]) ** 2).sum(axis=2).argmin(axis=1)
+        if assign is not None and (new == assign).all():
+            break
+        assign = new
+        for c in range(k):
+            if (assign == c).any():
+                centres[c] = X[assign == c].mean(axis=0)
+    key = (costs.fwd + costs.bwd).max(axis=0)
+    clusters = []
+    for c in np.argsort(centres.sum(axis=1), kind="stable"):  # light to heavy
+        members = np.nonzero(assign == c)[0]
+        if len(members):
+            clusters.append([int(m) for m in members[np.argsort(-key[members], kind="stable")]])
+    return [[m for c in perm for m in clusters[c]] for perm in itertools.permutations(range(len(clusters)))]
+
+
+def search_orders(costs: PipelineCosts, max_orders: int = 2, num_clusters: int = 3,
+                  exhaustive_up_to: int = 4) -> List[List[int]]:
+    """The candidate orders `search` tries, first-round ones first (ties keep those)."""
+    K = costs.num_microbatches
+    if K <= exhaustive_up_to:
+        first = candidate_orders(costs, max_orders)
+        rest = [list(p) for p in itertools.permutations(range(K))]
+        return first + [o for o in rest if o not in first]
+    out = candidate_orders(costs, max_orders)
+    for o in cluster_orders(costs, num_clusters):
+        if o not in out:
+            out.append(o)
+    return out
+
+
+def _replay(c, orders, cut=float("inf")):
+    """Makespan and per-stage activation peak of fixed per-stage orders, one stage per rank:
+    the rules of `simulator.simulate` on plain lists (no per-op records). None once an op
+    would end at or after `cut`; raises SimulationError on a deadlock."""
+    fwd, bwd, stored, trans, comm, gcomm, epilogue_only = c
+    S, K = len(orders), len(fwd[0])
+    f_end = [[-1.0] * K for _ in range(S)]
+    arr_f = [[-1.0] * K for _ in range(S)]  # activation of mb available on stage s
+    arr_b = [[-1.0] * K for _ in range(S)]  # gradient of mb available on stage s
+    last_f = [max((i for i, o in enumerate(order) if o[0] == "F"), default=-1) if epilogue_only else -1
+              for order in orders]
+    link_f, link_b = [0.0] * S, [0.0] * S
+    free, mem, peak, ptr = [0.0] * S, [0.0] * S, [0.0] * S, [0] * S
+    remaining, makespan = sum(len(o) for o in orders), 0.0
+    while remaining:
+        progressed = False
+        for s in range(S):
+            order, n = orders[s], len(orders[s])
+            while ptr[s] < n:
+                kind, mb, _ = order[ptr[s]]
+                if kind == "F":
+                    if s > 0 and arr_f[s][mb] < 0:
+                        break
+                    t0 = max(free[s], arr_f[s][mb] if s > 0 else 0.0)
+                    t1 = t0 + fwd[s][mb]
+                    hi = mem[s] + stored[s][mb] + trans[s][mb]
+                    mem[s] += stored[s][mb]
+                    f_end[s][mb] = t1
+                    if s < S - 1:
+                        x = max(t1, link_f[s])
+                        link_f[s] = arr_f[s + 1][mb] = x + comm[s][mb]
+                else:
+                    if f_end[s][mb] < 0 or (s < S - 1 and arr_b[s][mb] < 0):
+                        break
+                    t0 = max(free[s], f_end[s][mb], arr_b[s][mb])
+                    t1 = t0 + bwd[s][mb]
+                    hi = mem[s] + trans[s][mb]
+                    mem[s] -= stored[s][mb]
+                    if s > 0:
+                        table = gcomm if ptr[s] > last_f[s] else comm
+                        x = max(t1, link_b[s])
+                        link_b[s] = arr_b[s - 1][mb] = x + table[s - 1][mb]
+                if t1 >= cut:
+                    return None
+                if hi > peak[s]:
+                    peak[s] = hi
+                free[s] = t1
+                if t1 > makespan:
+                    makespan = t1
+                ptr[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise SimulationError("schedule deadlocks")  # pragma: no cover - 1F1B orders never do
+    return makespan, peak
+
+
+def _lists(costs: PipelineCosts):
+    comm = costs.comm.tolist()
+    gcomm = comm if costs.grad_comm is None else costs.grad_comm.tolist()
+    return (costs.fwd.tolist(), costs.bwd.tolist(), costs.stored.tolist(), costs.transient.tolist(), comm, gcomm,
+            bool(costs.grad_comm is not None and costs.grad_comm_epilogue_only))
+
+
 def search(costs: PipelineCosts, mem_limit: Sequence[float], orders: Optional[List[List[int]]] = None,
            schedules=("1f1b", "adaptive"), bound: float = float("inf"),
-           max_orders: int = 4) -> Optional[ScheduleChoice]:
-    """Fastest (schedule, order) whose simulated peak fits `mem_limit` per stage.
+           max_orders: int = 2, num_clusters: int = 3, exhaustive_up_to: int = 4,
+           polish_budget: Optional[int] = None) -> Optional[ScheduleChoice]:
+    """Fastest (schedule, order) whose simulated peak fits `mem_limit` per stage, over
+    `orders` (default `search_orders`).
 
     Returns None when nothing fits or nothing beats `bound` (a makespan to beat, so callers
     can stop early across recompute levels)."""
     S = costs.num_stages
+    work = (costs.fwd + costs.bwd).sum(axis=1)
     # No schedule beats the busiest stage's total compute: skip the search if that loses.
-    if float((costs.fwd + costs.bwd).sum(axis=1).max()) >= bound:
+    if float(work.max()) >= bound:
         return None
-    best = None  # (makespan, name, order, ops, SimResult or None)
-    for order in orders or candidate_orders(costs, max_orders):
+    if orders is None:
+        orders = search_orders(costs, max_orders, num_clusters, exhaustive_up_to)
+    # Stage s cannot start before the first micro-batch's forwards (and transfers) above it.
+    head = np.zeros_like(costs.fwd)
+    head[1:] = np.cumsum(costs.fwd[:-1] + costs.comm[:-1], axis=0)
+    lists = _lists(costs)
+
+    def run(name, order, cut):
+        """(makespan, ops) of one candidate if it fits and ends before `cut`, else None."""
+        if name == "1f1b":
+            ops = one_f_one_b(S, order)
+            got = _replay(lists, ops, cut)
+            if got is None or any(p > m + 1e-6 for p, m in zip(got[1], mem_limit)):
+                return None
+            return got[0], ops
+        try:  # fits by construction
+            got = _adaptive(costs, order, mem_limit, cut)
+        except ScheduleInfeasible:
+            return None
+        return None if got is None else (got[1], got[0])
+
+    best = None  # (makespan, name, order, ops)
+    for order in orders:
+        if float((head[:, order[0]] + work).max()) >= (bound if best is None else min(bound, best[0])):
+            continue  # lower bound: cannot beat the best so far
         for name in schedules:
-            if name == "1f1b":
-                ops = one_f_one_b(S, order)
-                res = simulate(costs, ops)
-                if any(p > m + 1e-6 for p, m in zip(res.peak_memory, mem_limit)):
-                    continue
-                makespan = res.makespan
-            else:
-                try:  # fits by construction; simulated below only if it wins
-                    ops, makespan = _adaptive(costs, order, mem_limit)
-                except ScheduleInfeasible:
-                    continue
-                res = None
-            if makespan < bound and (best is None or makespan < best[0]):
-                best = (makespan, name, list(order), ops, res)
+            got = run(name, order, bound if best is None else min(bound, best[0]))
+            if got is not None:
+                best = (got[0], name, list(order), got[1])
+    # Polish the best order by swapping neighbours (under the best schedule type) while that
+    # helps, at most `polish_budget` simulations (default one per two micro-batches); each stops
+    # once it runs past the best.
+    budget = costs.num_microbatches // 2 if polish_budget is None else polish_budget
+    improved = best is not None
+    while improved and budget > 0:
+        improved = False
+        for i in range(len(best[2]) - 1):
+            if budget <= 0:
+                break
+            order = list(best[2])
+            order[i], order[i + 1] = order[i + 1], order[i]
+            if float((head[:, order[0]] + work).max()) >= best[0]:
+                continue
+            budget -= 1
+            got = run(best[1], order, min(bound, best[0]) - 1e-9)
+            if got is not None:
+                best, improved = (got[0], best[1], order, got[1]), True
     if best is None:
         return None
-    makespan, name, order, ops, res = best
-    return ScheduleChoice(name, order, ops, res if res is not None else simulate(costs, ops))
+    makespan, name, order, ops = best
+    return ScheduleChoice(name, order, ops, simulate(costs, ops))
