@@ -26,7 +26,7 @@ import numpy as np
 
 from megatron.planner import partitioner as part
 from megatron.planner.cost_model import RECOMPUTE_LEVELS, CostModel
-from megatron.planner.schedules import ScheduleChoice, search
+from megatron.planner.schedules import ScheduleChoice, lower_bound, search
 from megatron.planner.simulator import PipelineCosts
 
 
@@ -79,6 +79,7 @@ class DynaPipeConfig:
     # order outright for groups of at most `exhaustive_orders_up_to` micro-batches.
     order_clusters: int = 3
     exhaustive_orders_up_to: int = 4
+    refine_skip_gap: float = 0.005  # skip the full search where the quick one is this close to the lower bound
     t5_lexicographic_order: bool = False
     dtype: str = "float32"
     emit_plans: bool = True
@@ -396,7 +397,11 @@ class DynaPipePlanner:
         costs, _ = self._mb_costs(rc, order, p, self._enc_all, self._dec_all)
         out = []
         for g, ch in groups:
-            better = search(costs.subset(g), self.available, schedules=self.cfg.schedules,
+            sub = costs.subset(g)
+            if ch.result.makespan <= lower_bound(sub) * (1.0 + self.cfg.refine_skip_gap):
+                out.append((g, ch))  # already (nearly) at a bound no order can beat
+                continue
+            better = search(sub, self.available, schedules=self.cfg.schedules,
                             bound=ch.result.makespan, max_orders=self.cfg.max_orders,
                             num_clusters=self.cfg.order_clusters, exhaustive_up_to=self.cfg.exhaustive_orders_up_to)
             out.append((g, better if better is not None else ch))

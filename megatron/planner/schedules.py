@@ -67,10 +67,14 @@ def _adaptive(costs, order, mem_limit, cut=float("inf")):
     # Epilogue-only compression depends on where each rank's last forward lands, which this
     # greedy search only learns at the end: plan with uncompressed gradients then.
     gcomm = comm if costs.grad_comm is None or costs.grad_comm_epilogue_only else costs.grad_comm.tolist()
+    limit = [m + 1e-9 for m in mem_limit]
+    nmb = costs.num_microbatches
     fptr = [0] * S
-    f_arrival = [dict() for _ in range(S)]  # mb -> time its activation is here
-    f_arrival[0] = {mb: 0.0 for mb in order}
-    b_queue: List[list] = [[] for _ in range(S)]  # FIFO of (arrival, mb)
+    f_arrival = [[-1.0] * nmb for _ in range(S)]  # time mb's activation is here (-1: not yet)
+    for mb in order:
+        f_arrival[0][mb] = 0.0
+    b_queue: List[list] = [[] for _ in range(S)]  # FIFO of (arrival, mb), read from b_head
+    b_head = [0] * S
     free_at = [0.0] * S
     mem = [0.0] * S
     inflight: List[dict] = [dict() for _ in range(S)]  # mb -> transient
@@ -79,25 +83,31 @@ def _adaptive(costs, order, mem_limit, cut=float("inf")):
     glink_free = [0.0] * S  # ... and s->s-1 (gradients)
     orders: List[List[Op]] = [[] for _ in range(S)]
     done = 0
+    INF = float("inf")
 
     def candidate(s):
-        """(start, is_forward) of the op stage s would run next, or None."""
-        best = None
-        if b_queue[s]:
-            best = (max(free_at[s], b_queue[s][0][0]), 0)
+        """(start, is_forward) of the op stage s would run next, or None; backward first at
+        equal start times."""
+        bt = INF
+        if b_head[s] < len(b_queue[s]):
+            a, fr = b_queue[s][b_head[s]][0], free_at[s]
+            bt = a if a > fr else fr
         if fptr[s] < K:
             mb = order[fptr[s]]
-            if mb in f_arrival[s]:
-                worst = max(trans[s][mb], inflight_max[s])
-                if mem[s] + stored[s][mb] + worst <= mem_limit[s] + 1e-9:
-                    c = (max(free_at[s], f_arrival[s][mb]), 1)
-                    best = c if best is None or c < best else best
+            a = f_arrival[s][mb]
+            if a >= 0.0:
+                tr, im = trans[s][mb], inflight_max[s]
+                if mem[s] + stored[s][mb] + (tr if tr > im else im) <= limit[s]:
+                    fr = free_at[s]
+                    ft = a if a > fr else fr
+                    if ft < bt:
+                        return (ft, 1)
                 elif not inflight[s]:
                     raise ScheduleInfeasible(
                         f"micro-batch {mb} needs {stored[s][mb] + trans[s][mb]:.0f} MB on stage {s}, "
                         f"limit {mem_limit[s]:.0f} MB"
                     )
-        return best
+        return (bt, 0) if bt < INF else None
 
     # S is small: keep each stage's next choice and take the earliest (backward first at
     # equal times, then lower stage); only stages whose inputs changed are re-evaluated.
@@ -105,32 +115,34 @@ def _adaptive(costs, order, mem_limit, cut=float("inf")):
     total = 2 * S * K
     makespan = 0.0
     while done < total:
-        pick = None
+        pick, ps = None, -1
         for x in range(S):
             c = cand[x]
-            if c is not None and (pick is None or c < pick[0]):
-                pick = (c, x)
+            if c is not None and (pick is None or c < pick):
+                pick, ps = c, x
         if pick is None:
             raise SimulationError("adaptive schedule stalled (no stage can run)")  # pragma: no cover
-        (t, is_f), s = pick
-        touched = {s}
+        t, is_f = pick
+        s = ps
         if is_f:
             mb = order[fptr[s]]
             fptr[s] += 1
             t1 = t + fwd[s][mb]
             mem[s] += stored[s][mb]
-            inflight[s][mb] = trans[s][mb]
-            inflight_max[s] = max(inflight_max[s], trans[s][mb])
+            tr = trans[s][mb]
+            inflight[s][mb] = tr
+            if tr > inflight_max[s]:
+                inflight_max[s] = tr
             orders[s].append(Op("F", mb, s))
             if s < S - 1:
-                t0 = max(t1, link_free[s])
-                link_free[s] = t0 + comm[s][mb]
-                f_arrival[s + 1][mb] = t0 + comm[s][mb]
-                touched.add(s + 1)
+                t0 = t1 if t1 > link_free[s] else link_free[s]
+                link_free[s] = f_arrival[s + 1][mb] = t0 + comm[s][mb]
+                cand[s + 1] = None  # re-evaluated below
             else:
                 b_queue[s].append((t1, mb))
         else:
-            _, mb = b_queue[s].pop(0)
+            mb = b_queue[s][b_head[s]][1]
+            b_head[s] += 1
             t1 = t + bwd[s][mb]
             mem[s] -= stored[s][mb]
             gone = inflight[s].pop(mb)
@@ -138,17 +150,21 @@ def _adaptive(costs, order, mem_limit, cut=float("inf")):
                 inflight_max[s] = max(inflight[s].values(), default=0.0)
             orders[s].append(Op("B", mb, s))
             if s > 0:
-                t0 = max(t1, glink_free[s])
+                t0 = t1 if t1 > glink_free[s] else glink_free[s]
                 glink_free[s] = t0 + gcomm[s - 1][mb]
                 b_queue[s - 1].append((t0 + gcomm[s - 1][mb], mb))
-                touched.add(s - 1)
+                cand[s - 1] = None
         free_at[s] = t1
         if t1 >= cut:
             return None
-        makespan = max(makespan, t1)
+        if t1 > makespan:
+            makespan = t1
         done += 1
-        for x in touched:
-            cand[x] = candidate(x)
+        cand[s] = candidate(s)
+        if s < S - 1 and is_f:
+            cand[s + 1] = candidate(s + 1)
+        elif s > 0 and not is_f:
+            cand[s - 1] = candidate(s - 1)
     return orders, makespan
 
 
@@ -283,6 +299,20 @@ def _replay(c, orders, cut=float("inf")):
     return makespan, peak
 
 
+def lower_bound(costs: PipelineCosts) -> float:
+    """A makespan no order or schedule can beat: on every stage s, all of its work, after the
+    earliest any forward can reach it (fill) and before the quickest any gradient can get from
+    it back to stage 0 (drain)."""
+    comm = costs.comm
+    gcomm = comm if costs.grad_comm is None else np.minimum(costs.grad_comm, comm)
+    head = np.zeros_like(costs.fwd)
+    head[1:] = np.cumsum(costs.fwd[:-1] + comm[:-1], axis=0)
+    tail = np.zeros_like(costs.bwd)
+    tail[1:] = np.cumsum(costs.bwd[:-1] + gcomm[:-1], axis=0)
+    work = (costs.fwd + costs.bwd).sum(axis=1)
+    return float((head.min(axis=1) + work + tail.min(axis=1)).max())
+
+
 def _lists(costs: PipelineCosts):
     comm = costs.comm.tolist()
     gcomm = comm if costs.grad_comm is None else costs.grad_comm.tolist()
@@ -325,8 +355,11 @@ def search(costs: PipelineCosts, mem_limit: Sequence[float], orders: Optional[Li
             return None
         return None if got is None else (got[1], got[0])
 
+    floor = lower_bound(costs) * (1.0 + 1e-12)  # reaching it proves the optimum: stop there
     best = None  # (makespan, name, order, ops)
     for order in orders:
+        if best is not None and best[0] <= floor:
+            break
         if float((head[:, order[0]] + work).max()) >= (bound if best is None else min(bound, best[0])):
             continue  # lower bound: cannot beat the best so far
         for name in schedules:
@@ -337,7 +370,7 @@ def search(costs: PipelineCosts, mem_limit: Sequence[float], orders: Optional[Li
     # helps, at most `polish_budget` simulations (default one per two micro-batches); each stops
     # once it runs past the best.
     budget = costs.num_microbatches // 2 if polish_budget is None else polish_budget
-    improved = best is not None
+    improved = best is not None and best[0] > floor
     while improved and budget > 0:
         improved = False
         for i in range(len(best[2]) - 1):

@@ -60,7 +60,9 @@ def test_bound_prunes():
 # ---- order search -----------------------------------------------------------------------------
 import itertools  # noqa: E402
 
-from megatron.planner.schedules import _adaptive, _lists, _replay, cluster_orders, search_orders  # noqa: E402
+from megatron.planner.schedules import (  # noqa: E402
+    _adaptive, _lists, _replay, cluster_orders, lower_bound, search_orders,
+)
 
 
 def hetero_costs(rng, S, K, grad=False, epilogue=False):
@@ -128,6 +130,7 @@ def test_order_search_against_brute_force(K, seed):
                 pass
     else:
         opt = _brute_force(c, limit)
+    assert lower_bound(c) <= opt * (1 + 1e-12)  # the bound the search stops at is a real bound
     exact = search(c, limit, exhaustive_up_to=K)
     assert exact.result.makespan == pytest.approx(opt, rel=1e-12)
     default = search(c, limit).result.makespan
