@@ -184,8 +184,12 @@ class DynaPipePlanner:
         else:
             mbs, enc = np.broadcast_arrays(mbs, enc)
         layer = {}  # stages of one component share the per-layer costs: query each once
+        # A T5 decoder stage keeps the encoder output it received (all of [enc, b, h], the same
+        # on every TP rank) until the micro-batch's backward: every decoder layer reads it.
+        enc_out = mbs * enc * self.cfg.hidden_size * self.cfg.activation_bytes / 1e6
         for s, comps in enumerate(self.layout):
-            f = b = st = 0.0
+            f = b = 0.0
+            st = enc_out if (dec is not None and self.S > 1 and s >= self.S // 2) else 0.0
             pk = None
             for comp, n in comps:
                 if comp not in layer:
