@@ -367,13 +367,16 @@ def search(costs: PipelineCosts, mem_limit: Sequence[float], orders: Optional[Li
             if got is not None:
                 best = (got[0], name, list(order), got[1])
     # Polish the best order by swapping neighbours (under the best schedule type) while that
-    # helps, at most `polish_budget` simulations (default one per two micro-batches); each stops
-    # once it runs past the best.
-    budget = costs.num_microbatches // 2 if polish_budget is None else polish_budget
+    # helps: at most `polish_budget` simulations (default one per two micro-batches, at most
+    # 8), the swaps nearest the two ends of the order first; each stops once it runs past
+    # the best.
+    budget = min(8, costs.num_microbatches // 2) if polish_budget is None else polish_budget
     improved = best is not None and best[0] > floor
     while improved and budget > 0:
         improved = False
-        for i in range(len(best[2]) - 1):
+        n = len(best[2]) - 1
+        # Fill and drain decide the bubbles: swaps near the two ends first.
+        for i in sorted(range(n), key=lambda i: min(i, n - 1 - i)):
             if budget <= 0:
                 break
             order = list(best[2])
