@@ -242,10 +242,11 @@ def search_orders(costs: PipelineCosts, max_orders: int = 2, num_clusters: int =
     return out
 
 
-def _replay(c, orders, cut=float("inf")):
+def _replay(c, orders, cut=float("inf"), mem_limit=None):
     """Makespan and per-stage activation peak of fixed per-stage orders, one stage per rank:
     the rules of `simulator.simulate` on plain lists (no per-op records). None once an op
-    would end at or after `cut`; raises SimulationError on a deadlock."""
+    would end at or after `cut`, or a stage's memory would pass `mem_limit` (+1e-6); raises
+    SimulationError on a deadlock."""
     fwd, bwd, stored, trans, comm, gcomm, epilogue_only = c
     S, K = len(orders), len(fwd[0])
     f_end = [[-1.0] * K for _ in range(S)]
@@ -256,6 +257,7 @@ def _replay(c, orders, cut=float("inf")):
     link_f, link_b = [0.0] * S, [0.0] * S
     free, mem, peak, ptr = [0.0] * S, [0.0] * S, [0.0] * S, [0] * S
     remaining, makespan = sum(len(o) for o in orders), 0.0
+    limit = [float("inf")] * S if mem_limit is None else [m + 1e-6 for m in mem_limit]
     while remaining:
         progressed = False
         for s in range(S):
@@ -287,6 +289,8 @@ def _replay(c, orders, cut=float("inf")):
                 if t1 >= cut:
                     return None
                 if hi > peak[s]:
+                    if hi > limit[s]:
+                        return None
                     peak[s] = hi
                 free[s] = t1
                 if t1 > makespan:
@@ -345,10 +349,8 @@ def search(costs: PipelineCosts, mem_limit: Sequence[float], orders: Optional[Li
         """(makespan, ops) of one candidate if it fits and ends before `cut`, else None."""
         if name == "1f1b":
             ops = one_f_one_b(S, order)
-            got = _replay(lists, ops, cut)
-            if got is None or any(p > m + 1e-6 for p, m in zip(got[1], mem_limit)):
-                return None
-            return got[0], ops
+            got = _replay(lists, ops, cut, mem_limit)
+            return None if got is None else (got[0], ops)
         try:  # fits by construction
             got = _adaptive(costs, order, mem_limit, cut)
         except ScheduleInfeasible:

@@ -164,9 +164,7 @@ class PlanService:
                     record = b"P" + struct.pack("<q", publish) + hashlib.sha256(payload).digest() + payload
                 except BaseException as e:  # noqa: BLE001 - shipped to every rank
                     if isinstance(e, cf.process.BrokenProcessPool):
-                        time.sleep(0.2)  # let the dying worker's faulthandler output reach its file
-                        msg = (f"a planner worker process died while iteration {publish} was planned "
-                               f"({e}).\nWorker traceback:\n{_crash_report(self._log_dir)}")
+                        msg = self._worker_died(publish, e)
                     else:  # the worker's own traceback is chained in as the cause
                         msg = "".join(traceback.format_exception(type(e), e, e.__traceback__))
                     store.set(self._key(publish), b"E" + struct.pack("<q", publish) + msg.encode())
@@ -175,13 +173,21 @@ class PlanService:
                 publish += 1
         except BaseException as e:  # noqa: BLE001 - e.g. store gone: tell whoever waits
             if not self._stop.is_set():
+                msg = (self._worker_died(publish, e) if isinstance(e, cf.process.BrokenProcessPool)
+                       else f"plan producer died: {e!r}")  # submit() to a pool whose worker died
                 try:
-                    store.set(self._key(publish), b"E" + struct.pack("<q", publish) + f"plan producer died: {e!r}".encode())
+                    store.set(self._key(publish), b"E" + struct.pack("<q", publish) + msg.encode())
                 except Exception:  # noqa: BLE001
                     pass
         finally:
             for f in pending.values():
                 f.cancel()
+
+    def _worker_died(self, iteration, e) -> str:
+        time.sleep(0.2)  # let the dying worker's faulthandler output reach its file
+        return (f"a planner worker process died while iteration {iteration} was planned (or one planned "
+                f"beside it: a dead worker fails every pending iteration) ({e}).\n"
+                f"Worker traceback:\n{_crash_report(self._log_dir)}")
 
     # ---- consumers (every rank) ---------------------------------------------------------
     def get(self, iteration: int):
