@@ -6,15 +6,20 @@ T5-11B, 24+24 layers, PP=4 (two encoder stages of 12 layers, two decoder stages 
 DP=1 (see `config`). Device memory limit 36000 MB, model states (16-bit weights + grads, Adam state ZeRO-1
 sharded over DP) subtracted per stage. 65,536 tokens per global batch.
 
-Lengths: a deterministic (seeded) heavy-tailed multi-task mixture, see `TASKS`: each task
-draws input and target lengths from log-normals (median, sigma); GPT trains on input+target
-concatenated, T5 on (input, target); both truncated to the max length. Samples are added to the
+Lengths: deterministic (seeded) mixtures, see `MIXTURES` (--mixtures): the original
+heavy-tailed multi-task mix (`TASKS`: each task draws input and target lengths from
+log-normals), a FLAN-like mix (mostly short prompts with 1-5-token targets, QA, some
+generation, a few long documents truncated at the max length), one heavy-tailed log-normal,
+and an adversarial bimodal mix. GPT trains on input+target concatenated, T5 on (input,
+target); both truncated to the max length. Samples are added to the
 global batch until the token budget would be exceeded.
 
 Measured per configuration, over `--iters` global batches:
 * planning_ms_median / _p90: `DynaPipePlanner.plan` (ordering, partition under each recompute
   level, DP-group split, schedule search for every DP group), single thread, caches warm
-  (the first `--warmup` batches fill the per-length cost cache and are not counted);
+  (the first `--warmup` batches fill the per-length cost cache and are not counted; the
+  first of them is reported as cold_first_iteration_ms); planning_cpu_ms_*: the same in
+  process CPU time (less sensitive to other load on a shared machine);
   lowering_ms_median: lowering + validating the instruction streams of all ranks (separate).
 * padding_efficiency: real tokens / computed tokens (micro-batch size x padded length; T5:
   size x (padded input max + padded target max), the target with its 2 bos/eos tokens).
@@ -57,16 +62,50 @@ TASKS = [
 ]
 
 
-def make_batches(kind, max_len, tokens, n, seed):
+def _lognormal(median, sigma):
+    return lambda rng, L: max(1, int(rng.lognormal(np.log(median), sigma)))
+
+
+def _uniform(lo, hi):
+    return lambda rng, L: int(rng.integers(lo, hi + 1))
+
+
+def _max_len(frac=1.0):
+    return lambda rng, L: max(1, int(L * frac))
+
+
+# Mixtures: name -> [(weight, input length sampler, target length sampler)]; samplers get
+# (rng, max_len). All lengths are truncated at the max length afterwards.
+MIXTURES = {
+    # the bench's original multi-task mix (TASKS)
+    "multitask": [(w, _lognormal(im, isg), _lognormal(tm, tsg)) for w, im, isg, tm, tsg in TASKS],
+    # FLAN-like: mostly short templated prompts with 1-5-token answers (classification,
+    # multiple choice), question answering with short answers, some generation, and a few
+    # long documents truncated at the max length.
+    "flan": [
+        (0.50, _lognormal(90, 0.6), _uniform(1, 5)),
+        (0.25, _lognormal(350, 0.5), _lognormal(8, 0.7)),
+        (0.15, _lognormal(700, 0.6), _lognormal(120, 0.6)),
+        (0.06, _lognormal(1800, 0.5), _lognormal(60, 0.8)),
+        (0.04, _max_len(), _lognormal(150, 0.5)),
+    ],
+    # one heavy-tailed log-normal for inputs and targets (sigma 1.3: a long right tail)
+    "heavy": [(1.0, _lognormal(150, 1.3), _lognormal(20, 1.2))],
+    # adversarial bimodal: many tiny samples and a fifth at the max length
+    "bimodal": [(0.8, _lognormal(24, 0.3), _uniform(1, 3)), (0.2, _max_len(), _uniform(1, 3))],
+}
+
+
+def make_batches(kind, max_len, tokens, n, seed, mixture="multitask"):
     rng = np.random.default_rng(seed)
-    w = np.array([t[0] for t in TASKS])
+    tasks = MIXTURES[mixture]
+    w = np.array([t[0] for t in tasks])
     batches = []
     for _ in range(n):
         batch, used = [], 0
         while True:
-            _, im, isg, tm, tsg = TASKS[rng.choice(len(TASKS), p=w / w.sum())]
-            inp = max(4, int(rng.lognormal(np.log(im), isg)))
-            tgt = max(1, int(rng.lognormal(np.log(tm), tsg)))
+            _, draw_in, draw_tgt = tasks[rng.choice(len(tasks), p=w / w.sum())]
+            inp, tgt = max(4, draw_in(rng, max_len)), max(1, draw_tgt(rng, max_len))
             if kind == "gpt":
                 sample = min(max_len, inp + tgt)
                 cost = sample
@@ -167,20 +206,26 @@ def baselines(planner, kind, batch, max_len, sizes=(1, 2, 4, 8, 16, 32, 64)):
     return out
 
 
-def run(kind, max_len, args):
+def run(kind, max_len, args, mixture="multitask"):
     cfg = config(kind, Path(args.cost_models))
     planner = DynaPipePlanner(cfg)
-    batches = make_batches(kind, max_len, args.tokens, args.warmup + args.iters, seed=1000 + max_len)
+    seed = 1000 + max_len + (0 if mixture == "multitask" else 7919 * (1 + sorted(MIXTURES).index(mixture)))
+    batches = make_batches(kind, max_len, args.tokens, args.warmup + args.iters, seed=seed, mixture=mixture)
     cfg.emit_plans = False
-    for b in batches[:args.warmup]:
+    cold_ms = None
+    for k, b in enumerate(batches[:args.warmup]):
+        t0 = time.perf_counter()
         planner.plan(b)
-    times, effs, dyn, pack, fixed, lower_ms, bounds = [], [], [], [], [], [], []
+        if k == 0:
+            cold_ms = (time.perf_counter() - t0) * 1e3  # empty cost caches
+    times, cpu, effs, dyn, pack, fixed, lower_ms, bounds = [], [], [], [], [], [], [], []
     picks = {"recompute": {}, "schedule": {}, "baseline_packing": {}, "baseline_fixed": {}}
     n_mb = []
     for i, b in enumerate(batches[args.warmup:]):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         plan = planner.plan(b, i)
         times.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
         effs.append(plan.padding_efficiency)
         raw = np.asarray(b, dtype=np.int64)
         if kind == "gpt":
@@ -205,15 +250,19 @@ def run(kind, max_len, args):
                 key = f"b{base[name][1]}/{base[name][2]}"
                 picks["baseline_" + name][key] = picks["baseline_" + name].get(key, 0) + 1
     nb = len(pack)
-    ratio = lambda base: (sum(base) / sum(dyn[:nb])) if np.isfinite(sum(base)) else None  # noqa: E731
+    ratio = lambda base: (sum(base) / sum(dyn[:nb])) if nb and np.isfinite(sum(base)) else None  # noqa: E731
     return {
-        "model": "gpt_6.7b" if kind == "gpt" else "t5_11b", "max_len": max_len, "tokens_per_batch": args.tokens,
+        "model": "gpt_6.7b" if kind == "gpt" else "t5_11b", "mixture": mixture, "max_len": max_len,
+        "tokens_per_batch": args.tokens,
         "pp": cfg.pipeline_parallel, "dp": cfg.data_parallel, "tp": cfg.tensor_parallel,
         "layers_per_stage": planner.layout[0][0][1], "iterations": len(times),
         "samples_per_batch_mean": round(float(np.mean([len(b) for b in batches[args.warmup:]])), 1),
         "microbatches_mean": round(float(np.mean(n_mb)), 1),
         "planning_ms_median": round(statistics.median(times), 2),
         "planning_ms_p90": round(float(np.percentile(times, 90)), 2),
+        "planning_cpu_ms_median": round(statistics.median(cpu), 2),
+        "planning_cpu_ms_p90": round(float(np.percentile(cpu, 90)), 2),
+        "cold_first_iteration_ms": round(cold_ms, 1) if cold_ms is not None else None,
         "lowering_ms_median": round(statistics.median(lower_ms), 2) if lower_ms else None,
         "padding_efficiency": round(float(np.mean(effs)), 4),
         "padding_efficiency_min": round(float(np.min(effs)), 4),
@@ -239,10 +288,15 @@ def main(argv=None):
     ap.add_argument("--baseline-iters", type=int, default=8)
     ap.add_argument("--lower-iters", type=int, default=3)
     ap.add_argument("--cost-models", default=str(ROOT / "cost_models"))
+    ap.add_argument("--mixtures", default="multitask,flan,heavy,bimodal",
+                    help=f"length mixtures, from {sorted(MIXTURES)}")
     args = ap.parse_args(argv)
-    for kind in args.models.split(","):
-        for L in getattr(args, f"{kind}_max_lens").split(","):
-            print(json.dumps(run(kind, int(L), args)), flush=True)
+    for mixture in args.mixtures.split(","):
+        if mixture not in MIXTURES:
+            ap.error(f"--mixtures: unknown mixture {mixture!r}; choose from {sorted(MIXTURES)}")
+        for kind in args.models.split(","):
+            for L in getattr(args, f"{kind}_max_lens").split(","):
+                print(json.dumps(run(kind, int(L), args, mixture)), flush=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ Usage: python cost_models/convert_dynapipe.py SRC.json DST.json --kind gpt|t5 --
 The export lists, per (tp, recompute), `[[mbs, value], ...]` per sequence length. T5
 encoder/postprocess rows repeat a micro-batch size once per decoder (resp. encoder) length
 that was swept with it; the pairing was lost in the export, so we keep the median of the
-repeats (they differ by measurement noise, a few percent). Unmeasured shapes become null.
+repeats for times and their maximum for memory (see cost_models/README.md, "Memory
+accounting"); the shipped tables predate the maximum and hold medians throughout.
+Unmeasured shapes become null.
 Only run by people converting a table; nothing reads the source file at run time.
 """
 from __future__ import annotations
@@ -41,7 +43,9 @@ def _grid(points: dict, ndim: int) -> Grid:
     for key, d in points.items():
         idx = tuple(pos[a][key[a]] for a in range(ndim))
         for q, vs in d.items():
-            vals[q][idx] = float(np.median(vs))
+            # Repeats of one shape: times are noise around one value (median); memory must
+            # not be under-estimated, or a plan that "fits" runs out of memory (max).
+            vals[q][idx] = float(np.max(vs) if q.endswith("_mb") else np.median(vs))
     return Grid(axes, vals)
 
 

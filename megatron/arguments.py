@@ -181,6 +181,9 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--dynapipe-planner-workers", type=int, default=2,
                    help="planner processes on rank 0 (0: plan in-process on every rank)")
     g.add_argument("--dynapipe-lookahead", type=int, default=4, help="iterations planned ahead")
+    g.add_argument("--dynapipe-trace-dir", default=None,
+                   help="write the simulated Chrome trace of the first --dynapipe-trace-iters planned iterations here")
+    g.add_argument("--dynapipe-trace-iters", type=int, default=4, help="how many iterations --dynapipe-trace-dir traces")
     g.add_argument("--dynapipe-cost-model-any", action="store_true",
                    help="use --dynapipe-cost-model even though it was profiled for another model shape "
                         "(for experiments: the planner's times and memory will not describe this model)")
@@ -413,7 +416,8 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         tokens_per_global_batch=args.tokens_per_global_batch, pack_dataset=args.pack_dataset,
         dynapipe=args.dynapipe, dynapipe_cost_model=args.dynapipe_cost_model,
         dynapipe_memory_limit=args.dynapipe_memory_limit, dynapipe_planner_workers=args.dynapipe_planner_workers,
-        dynapipe_lookahead=args.dynapipe_lookahead,
+        dynapipe_lookahead=args.dynapipe_lookahead, dynapipe_trace_dir=args.dynapipe_trace_dir,
+        dynapipe_trace_iters=args.dynapipe_trace_iters,
     )
     if args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
         raise ConfigError("--mock-data needs --vocab-size (or a tokenizer) to know the vocabulary")

@@ -306,6 +306,8 @@ class DataConfig:
     dynapipe_memory_limit: float = 36000.0  # MB per device, for the planner
     dynapipe_planner_workers: int = 2
     dynapipe_lookahead: int = 4
+    dynapipe_trace_dir: Optional[str] = None  # simulated Chrome trace of the first trace_iters plans
+    dynapipe_trace_iters: int = 4
 
     def __post_init__(self):
         if not self.mock_data:
@@ -322,6 +324,9 @@ class DataConfig:
             _require(self.dynapipe_memory_limit > 0, f"--dynapipe-memory-limit must be positive, got {self.dynapipe_memory_limit}")
             _require(self.dynapipe_planner_workers >= 0 and self.dynapipe_lookahead >= 1,
                      "--dynapipe-planner-workers must be >= 0 and --dynapipe-lookahead >= 1")
+            _require(self.dynapipe_trace_iters >= 0, f"--dynapipe-trace-iters must be >= 0, got {self.dynapipe_trace_iters}")
+        _require(self.dynapipe_trace_dir is None or self.dynapipe,
+                 "--dynapipe-trace-dir writes the DynaPipe planner's simulated timelines: it needs --dynapipe")
         _require(self.vocab_extra_ids >= 0, f"--vocab-extra-ids must be >= 0, got {self.vocab_extra_ids}")
         _require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
         _require(self.tokens_per_global_batch is None or self.tokens_per_global_batch > 0,

@@ -65,7 +65,7 @@ def build_gpt_trainer(cfg: MegatronConfig, ps, device):
     if cfg.data.targets_data_path:
         source = supervised_source(cfg, ps, tokenizer, planner, gpt_microbatch_shapes)
         return Trainer(cfg, ps, device, stages, tied_params=tied, flops_per_sample=flops, batch_source=source,
-                       train_ds=None, collate_fn=None)
+                       train_ds=None, collate_fn=None, valid_source=source.valid_source)
     train_ds, valid_ds = gpt_datasets(cfg)
     if cfg.terapipe.enabled:
         from megatron.planner.terapipe_source import terapipe_trainer
@@ -78,17 +78,20 @@ def supervised_source(cfg: MegatronConfig, ps, tokenizer, planner, shapes_fn):
     """Batch source for multi-task (inputs, targets) data: DynaPipe, packing or fixed micro-batches."""
     from megatron.data.supervised_dataset import build_supervised_datasets
     from megatron.supervised_training import (BaselineSource, DynaPipeSource, dynapipe_planner_config,
-                                              tokenizer_ids)
+                                              supervised_valid_source, tokenizer_ids)
     if tokenizer is None:
         raise ValueError("multi-task data (--targets-data-path) needs --tokenizer-type for its pad/eod ids")
-    train, _, _ = build_supervised_datasets(cfg.data.data_path, cfg.data.targets_data_path, cfg.data.split)
+    train, valid, _ = build_supervised_datasets(cfg.data.data_path, cfg.data.targets_data_path, cfg.data.split)
     if train is None:
         raise ValueError(f"--split {cfg.data.split} leaves no training pairs")
     ids = tokenizer_ids(tokenizer)
     if cfg.data.dynapipe:
-        return DynaPipeSource(cfg, ps, train, ids, dynapipe_planner_config(cfg, ps),
-                              cfg.data.dynapipe_planner_workers, cfg.data.dynapipe_lookahead)
-    return BaselineSource(cfg, ps, train, ids, planner, shapes_fn, pack=cfg.data.pack_dataset)
+        source = DynaPipeSource(cfg, ps, train, ids, dynapipe_planner_config(cfg, ps),
+                                cfg.data.dynapipe_planner_workers, cfg.data.dynapipe_lookahead)
+    else:
+        source = BaselineSource(cfg, ps, train, ids, planner, shapes_fn, pack=cfg.data.pack_dataset)
+    source.valid_source = supervised_valid_source(cfg, ps, valid, ids)  # the Trainer's valid_source
+    return source
 
 
 def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int:

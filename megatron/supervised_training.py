@@ -110,29 +110,10 @@ class _SupervisedSource:
         return out
 
 
-def _stripped(plan):
-    for g in plan.groups:  # simulator traces are large and only needed for inspection
-        g.result = None
-        g.compute_orders = []
-    return plan
-
-
-_WORKER_PLANNERS: dict = {}
-
-
-def plan_iteration(config, lengths: np.ndarray, bounds: np.ndarray, first_iteration: int, validate_iters: int,
-                   iteration: int):
-    """Module-level so planner worker processes can unpickle it; keeps one planner (and its cost
-    caches) per worker process."""
-    from megatron.planner.dynapipe import DynaPipePlanner
-    key = id(config)
-    planner = _WORKER_PLANNERS.get(key)
-    if planner is None:
-        planner = _WORKER_PLANNERS[key] = DynaPipePlanner(config)
-    k = iteration - first_iteration
-    lo, hi = int(bounds[k]), int(bounds[k + 1])
-    validate = validate_iters < 0 or iteration <= validate_iters
-    return _stripped(planner.plan(lengths[lo:hi].tolist(), iteration=iteration, validate=validate))
+def plan_iteration(*args, **kwargs):
+    """Kept for callers of the first round; the worker-side code lives in megatron.planner.worker."""
+    from megatron.planner.worker import plan_iteration as run
+    return run(*args, **kwargs)
 
 
 class DynaPipeSource(_SupervisedSource):
@@ -144,9 +125,16 @@ class DynaPipeSource(_SupervisedSource):
         self.service = None
 
     def _start(self, iteration: int, consumed_samples: int) -> None:
+        # After a checkpoint load this lays out the global batches from the consumed-samples
+        # position and (re)starts the plan service at the resumed iteration.
         super()._start(iteration, consumed_samples)
+        from megatron.planner.worker import plan_iteration
+        d = self.cfg.data
+        # Only one process writes traces: rank 0 (its workers, or itself without the service).
+        trace_dir = d.dynapipe_trace_dir if self.ps.rank == 0 else None
         self.plan_fn = functools.partial(plan_iteration, self.planner_config, self.lengths, self.bounds,
-                                         self.first_iteration, self.cfg.parallel.validate_plans_iters)
+                                         self.first_iteration, self.cfg.parallel.validate_plans_iters,
+                                         trace_dir=trace_dir, trace_iters=d.dynapipe_trace_iters)
         if self.num_workers > 0 and self.ps.world_size > 1:
             from megatron.planner.service import PlanService
             self.service = PlanService(self.plan_fn if self.ps.rank == 0 else None, self.ps.rank,
@@ -181,6 +169,60 @@ class DynaPipeSource(_SupervisedSource):
     def close(self):
         if self.service is not None:
             self.service.close()
+
+
+class DynaPipeEvalSource(_SupervisedSource):
+    """Validation batches on a `--dynapipe` run: the first --eval-iters token-budget global
+    batches of the validation split, each planned like a training batch (same planner, cost
+    model and memory limit; in-process on every rank, deterministic, cached across
+    evaluations). `Trainer.evaluate` runs the plans forward-only and reports the loss summed
+    over the real target tokens divided by their count (padding carries no loss)."""
+
+    def __init__(self, cfg, ps, dataset, tokenizer_ids, planner_config):
+        super().__init__(cfg, ps, dataset, tokenizer_ids)
+        self.planner_config = planner_config
+        self.bounds = None
+        self._plans = {}
+
+    def _eval_bounds(self) -> np.ndarray:
+        if self.bounds is None:
+            iters = self.cfg.training.eval_iters
+            try:
+                self.bounds = global_batch_bounds(self.cfg, self.lengths, 0, iters)
+            except RuntimeError:
+                raise RuntimeError(
+                    f"the validation split has {len(self.lengths)} pairs: not enough for --eval-iters {iters} "
+                    f"global batches of --tokens-per-global-batch {self.cfg.data.tokens_per_global_batch}; lower "
+                    "--eval-iters or give validation more of --split") from None
+        return self.bounds
+
+    def next(self, iteration: int, consumed_samples: int) -> IterationWork:
+        bounds = self._eval_bounds()
+        k = int(np.searchsorted(bounds, consumed_samples))
+        if k >= len(bounds) - 1 or bounds[k] != consumed_samples:
+            raise RuntimeError(f"evaluation asked for a batch at validation sample {consumed_samples}, which does "
+                               f"not start one of the {len(bounds) - 1} laid-out batches")
+        lo, hi = int(bounds[k]), int(bounds[k + 1])
+        plan = self._plans.get(k)
+        if plan is None:
+            from megatron.planner.worker import planner_for, strip
+            plan = strip(planner_for(self.planner_config).plan(self.lengths[lo:hi].tolist(), iteration=iteration,
+                                                               validate=k == 0))
+            self._plans[k] = plan
+        group = plan.groups[self.ps.dp_rank]
+        mbs = [self.collate([lo + i for i in ids], shape) for ids, shape in zip(group.microbatches, group.shapes)]
+        info = {"planner": "dynapipe", "num_microbatches": [len(g.microbatches) for g in plan.groups],
+                "padding_efficiency": plan.padding_efficiency}
+        return IterationWork(mbs, group.plans[self.ps.pp_rank], hi - lo, info)
+
+
+def supervised_valid_source(cfg: MegatronConfig, ps, dataset, ids: dict):
+    """Validation source for multi-task data: DynaPipe-planned batches on --dynapipe runs;
+    None otherwise (the baselines do not evaluate on multi-task data), without a validation
+    split, or with --eval-iters 0."""
+    if not cfg.data.dynapipe or dataset is None or cfg.training.eval_iters <= 0:
+        return None
+    return DynaPipeEvalSource(cfg, ps, dataset, ids, dynapipe_planner_config(cfg, ps))
 
 
 class BaselineSource(_SupervisedSource):

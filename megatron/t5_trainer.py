@@ -52,7 +52,7 @@ def build_t5_trainer(cfg: MegatronConfig, ps, device):
         from megatron.pretrain import supervised_source
         source = supervised_source(cfg, ps, tokenizer, planner, t5_microbatch_shapes)
         return Trainer(cfg, ps, device, stages, tied_params=tied, flops_per_sample=flops, batch_source=source,
-                       extra_tied_groups=extra)
+                       extra_tied_groups=extra, valid_source=source.valid_source)
     train_ds, valid_ds = t5_datasets(cfg, tokenizer)
     return Trainer(cfg, ps, device, stages, train_ds=train_ds, valid_ds=valid_ds, collate_fn=t5_microbatch,
                    planner=planner, tied_params=tied, flops_per_sample=flops, shapes_fn=t5_microbatch_shapes,

@@ -10,7 +10,8 @@ Steps per iteration (`DynaPipePlanner.plan`):
    flight on stage s); if no partition fits, fall back to "single fit" (one micro-batch
    fits), which only the memory-admitting adaptive schedule can run; cut optimally
    (`partitioner.optimal_partition`) and split across DP groups (Karmarkar-Karp);
-3. per DP group, search schedules x micro-batch orders (`schedules.search`), levels in
+3. per DP group, search schedules x micro-batch orders (`schedules.search`: first-round
+   orders, every order of 3 cost clusters, every order outright for tiny groups), levels in
    increasing partition objective so that the best makespan so far prunes the rest;
 4. keep the recompute level with the smallest iteration makespan (slowest DP group);
 5. lower the chosen per-stage orders to instruction streams (`lower_to_plans`).
@@ -25,7 +26,7 @@ import numpy as np
 
 from megatron.planner import partitioner as part
 from megatron.planner.cost_model import RECOMPUTE_LEVELS, CostModel
-from megatron.planner.schedules import ScheduleChoice, search
+from megatron.planner.schedules import ScheduleChoice, lower_bound, search
 from megatron.planner.simulator import PipelineCosts
 
 
@@ -74,6 +75,11 @@ class DynaPipeConfig:
     activation_bytes: int = 2  # element size of cross-stage tensors in the cost model's runs
     schedules: Tuple[str, ...] = ("1f1b", "adaptive")
     max_orders: int = 2
+    # Schedule search: every order of this many micro-batch clusters (0/1: off), and every
+    # order outright for groups of at most `exhaustive_orders_up_to` micro-batches.
+    order_clusters: int = 3
+    exhaustive_orders_up_to: int = 4
+    refine_skip_gap: float = 0.005  # skip the full search where the quick one is this close to the lower bound
     t5_lexicographic_order: bool = False
     dtype: str = "float32"
     emit_plans: bool = True
@@ -178,8 +184,12 @@ class DynaPipePlanner:
         else:
             mbs, enc = np.broadcast_arrays(mbs, enc)
         layer = {}  # stages of one component share the per-layer costs: query each once
+        # A T5 decoder stage keeps the encoder output it received (all of [enc, b, h], the same
+        # on every TP rank) until the micro-batch's backward: every decoder layer reads it.
+        enc_out = mbs * enc * self.cfg.hidden_size * self.cfg.activation_bytes / 1e6
         for s, comps in enumerate(self.layout):
-            f = b = st = 0.0
+            f = b = 0.0
+            st = enc_out if (dec is not None and self.S > 1 and s >= self.S // 2) else 0.0
             pk = None
             for comp, n in comps:
                 if comp not in layer:
@@ -334,6 +344,8 @@ class DynaPipePlanner:
         if best is None:
             why = "; ".join(errors[-3:]) or "no schedule fits in memory"
             raise PlanningError(f"iteration {iteration}: no feasible plan ({why})")
+        self._enc_all, self._dec_all = enc_all, dec_all
+        best = self._refine(best)
         return self._finish(best, iteration, lengths, enc_all, dec_all, t_start, validate)
 
     def _best_partition(self, rc, fit, orders, enc_all, dec_all, errors):
@@ -364,21 +376,40 @@ class DynaPipePlanner:
         return costs, samples
 
     def _schedule_groups(self, rc, order, p, enc_all, dec_all, bound):
+        """Quick search (the first round's orders) per DP group: enough to rank recompute levels."""
         if p.num_microbatches < self.cfg.data_parallel:
             return None
         costs, _ = self._mb_costs(rc, order, p, enc_all, dec_all)
         groups = part.balance_groups(p.times, self.cfg.data_parallel)
         out, makespan = [], 0.0
         for g in groups:
-            sub = costs.subset(g)
-            orders = None
-            ch = search(sub, self.available, orders=orders, schedules=self.cfg.schedules, bound=bound,
-                        max_orders=self.cfg.max_orders)
+            ch = search(costs.subset(g), self.available, schedules=self.cfg.schedules, bound=bound,
+                        max_orders=self.cfg.max_orders, num_clusters=0, polish_budget=0,
+                        exhaustive_up_to=self.cfg.exhaustive_orders_up_to)
             if ch is None:
                 return None
             makespan = max(makespan, ch.result.makespan)
             out.append((g, ch))
         return makespan, out
+
+    def _refine(self, best):
+        """Full order search (clusters, polish) on the chosen level's groups; a group keeps its
+        quick result unless the search finds a strictly faster schedule."""
+        makespan, rc, fit, order, p, groups = best
+        if self.cfg.order_clusters < 2:
+            return best
+        costs, _ = self._mb_costs(rc, order, p, self._enc_all, self._dec_all)
+        out = []
+        for g, ch in groups:
+            sub = costs.subset(g)
+            if ch.result.makespan <= lower_bound(sub) * (1.0 + self.cfg.refine_skip_gap):
+                out.append((g, ch))  # already (nearly) at a bound no order can beat
+                continue
+            better = search(sub, self.available, schedules=self.cfg.schedules,
+                            bound=ch.result.makespan, max_orders=self.cfg.max_orders,
+                            num_clusters=self.cfg.order_clusters, exhaustive_up_to=self.cfg.exhaustive_orders_up_to)
+            out.append((g, better if better is not None else ch))
+        return (max(ch.result.makespan for _, ch in out), rc, fit, order, p, out)
 
     def _finish(self, best, iteration, lengths, enc_all, dec_all, t_start, validate=True) -> DynaPipeIterationPlan:
         makespan, rc, fit, order, p, groups = best

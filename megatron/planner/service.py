@@ -9,7 +9,13 @@ which is what bounds the look-ahead, so the store holds at most `lookahead` plan
 
 Records are ``b"P" + iteration(8 bytes) + sha256(32) + payload`` or ``b"E" + iteration +
 message``: a planner exception (or a crashed worker) becomes an error record, and every rank
-raises `PlanServiceError` naming the iteration instead of waiting forever. The first reader
+raises `PlanServiceError` naming the iteration instead of waiting forever. The message holds
+the worker's traceback: for an exception, the one raised in the worker; for a worker that
+died (segfault, abort, killed), what `faulthandler` wrote from that worker's Python stack.
+
+Workers are processes of their own, started by a fork server (a fresh interpreter that
+preloads the planner module), never forked from rank 0's training process with its
+communication threads. The first reader
 of an iteration stores the payload digest with compare-and-set; a rank that reads different
 bytes raises, so all ranks of an iteration provably run the same plan. No extra server: only
 the store the job already has (`torch.distributed` default store, or any TCPStore passed in).
@@ -17,9 +23,14 @@ the store the job already has (`torch.distributed` default store, or any TCPStor
 from __future__ import annotations
 
 import concurrent.futures as cf
+import faulthandler
+import glob
 import hashlib
 import multiprocessing as mp
+import os
 import pickle
+import shutil
+import tempfile
 import struct
 import threading
 import time
@@ -44,6 +55,56 @@ def _run(plan_fn, iteration):
     return pickle.dumps(plan_fn(iteration), protocol=pickle.HIGHEST_PROTOCOL)
 
 
+_FAULT_LOG = None
+
+
+def _worker_init(log_dir):
+    """Keep a per-worker file where faulthandler dumps the Python stack if the worker dies."""
+    global _FAULT_LOG
+    try:
+        _FAULT_LOG = open(os.path.join(log_dir, f"worker-{os.getpid()}.log"), "w")
+    except OSError:  # the service closed while this worker was starting
+        return
+    faulthandler.enable(_FAULT_LOG, all_threads=True)
+
+
+def _crash_report(log_dir) -> str:
+    out = []
+    for path in sorted(glob.glob(os.path.join(log_dir, "worker-*.log"))):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        if text:
+            out.append(f"--- planner worker {os.path.basename(path)[7:-4]} (faulthandler) ---\n{text}")
+    return "\n".join(out) or "(the worker left no Python traceback: killed by a signal faulthandler cannot catch?)"
+
+
+def _forget_inherited_forkserver():
+    """A process forked from one that had started a fork server inherits its handle but is not
+    the server's parent (multiprocessing then fails with ChildProcessError): start our own."""
+    from multiprocessing import forkserver
+    fs = forkserver._forkserver
+    pid = getattr(fs, "_forkserver_pid", None)
+    if pid is None:
+        return
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        if fs._forkserver_alive_fd is not None:
+            os.close(fs._forkserver_alive_fd)
+        fs._forkserver_pid = fs._forkserver_address = fs._forkserver_alive_fd = None
+
+
+def _pool_context(start_method: str, plan_fn):
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        _forget_inherited_forkserver()
+        mod = getattr(getattr(plan_fn, "func", plan_fn), "__module__", None)
+        ctx.set_forkserver_preload([m for m in (__name__, mod) if m and m != "__main__"])
+    return ctx
+
+
 class PlanService:
     """`plan_fn(iteration) -> picklable plan` runs in worker processes on rank 0 only.
 
@@ -55,7 +116,7 @@ class PlanService:
     def __init__(self, plan_fn: Optional[Callable], rank: int, num_readers: int, store=None, *,
                  lookahead: int = 4, num_workers: int = 2, start_iteration: int = 0,
                  num_iterations: Optional[int] = None, prefix: str = "planner", timeout_s: float = 300.0,
-                 start_method: str = "fork"):
+                 start_method: str = "forkserver"):
         if lookahead < 1 or num_workers < 1:
             raise ValueError("lookahead and num_workers must be >= 1")
         self.store = store if store is not None else default_store()
@@ -64,11 +125,13 @@ class PlanService:
         self._stop = threading.Event()
         self._thread = None
         self._pool = None
+        self._log_dir = None
         if rank == 0:
             if plan_fn is None:
                 raise ValueError("rank 0 runs the planner: plan_fn is required")
-            # The pool exists before the thread starts, so forking never copies a live thread.
-            self._pool = cf.ProcessPoolExecutor(num_workers, mp_context=mp.get_context(start_method))
+            self._log_dir = tempfile.mkdtemp(prefix="plan-service-")
+            self._pool = cf.ProcessPoolExecutor(num_workers, mp_context=_pool_context(start_method, plan_fn),
+                                                initializer=_worker_init, initargs=(self._log_dir,))
             pstore = self.store.clone() if hasattr(self.store, "clone") else self.store
             self._thread = threading.Thread(
                 target=self._produce, args=(plan_fn, pstore, start_iteration, num_iterations, num_workers),
@@ -100,20 +163,31 @@ class PlanService:
                     payload = fut.result()
                     record = b"P" + struct.pack("<q", publish) + hashlib.sha256(payload).digest() + payload
                 except BaseException as e:  # noqa: BLE001 - shipped to every rank
-                    msg = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+                    if isinstance(e, cf.process.BrokenProcessPool):
+                        msg = self._worker_died(publish, e)
+                    else:  # the worker's own traceback is chained in as the cause
+                        msg = "".join(traceback.format_exception(type(e), e, e.__traceback__))
                     store.set(self._key(publish), b"E" + struct.pack("<q", publish) + msg.encode())
                     return  # ranks stop at this iteration; planning further is pointless
                 store.set(self._key(publish), record)
                 publish += 1
         except BaseException as e:  # noqa: BLE001 - e.g. store gone: tell whoever waits
             if not self._stop.is_set():
+                msg = (self._worker_died(publish, e) if isinstance(e, cf.process.BrokenProcessPool)
+                       else f"plan producer died: {e!r}")  # submit() to a pool whose worker died
                 try:
-                    store.set(self._key(publish), b"E" + struct.pack("<q", publish) + f"plan producer died: {e!r}".encode())
+                    store.set(self._key(publish), b"E" + struct.pack("<q", publish) + msg.encode())
                 except Exception:  # noqa: BLE001
                     pass
         finally:
             for f in pending.values():
                 f.cancel()
+
+    def _worker_died(self, iteration, e) -> str:
+        time.sleep(0.2)  # let the dying worker's faulthandler output reach its file
+        return (f"a planner worker process died while iteration {iteration} was planned (or one planned "
+                f"beside it: a dead worker fails every pending iteration) ({e}).\n"
+                f"Worker traceback:\n{_crash_report(self._log_dir)}")
 
     # ---- consumers (every rank) ---------------------------------------------------------
     def get(self, iteration: int):
@@ -153,6 +227,8 @@ class PlanService:
             self._thread.join(timeout=10)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._log_dir is not None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def __enter__(self):
         return self

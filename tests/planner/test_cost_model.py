@@ -82,3 +82,15 @@ def test_shipped_tables(name):
         d = cm.layer("decoder", 1, "none", 2, 512, 128)
         assert np.isfinite(d["forward_ms"]) and np.isfinite(d["peak_mb"])
         assert np.isinf(cm.layer("decoder", 1, "none", 1, 4096, 4096)["forward_ms"])  # never measured
+
+
+def test_conversion_keeps_median_times_and_max_memory():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("convert_dynapipe", Path(__file__).resolve().parents[2]
+                                                  / "cost_models" / "convert_dynapipe.py")
+    conv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conv)
+    points = {(1, 8): {"forward_ms": [1.0, 1.1, 1.75], "stored_mb": [10.0, 11.0, 17.5]}}
+    g = conv._grid(points, 2)
+    assert float(g.values["forward_ms"][0, 0]) == 1.1  # repeats of a time: median
+    assert float(g.values["stored_mb"][0, 0]) == 17.5  # of memory: never under-estimated

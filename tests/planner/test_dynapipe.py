@@ -176,3 +176,14 @@ def test_t5_partition_is_brute_force_optimal_on_clustered_order():
             if all(np.isfinite(times)):
                 best = min(best, objective(times, planner.S, 1))
         assert p.objective == pytest.approx(best)
+
+
+def test_t5_decoder_stages_hold_the_encoder_output():
+    planner = DynaPipePlanner(t5_config())
+    tp, S = planner.cfg.tensor_parallel, planner.S
+    mbs, enc, dec = np.array([2.0]), np.array([512.0]), np.array([128.0])
+    sc = planner.stage_costs("none", mbs, enc, dec)
+    for s, comps in enumerate(planner.layout):
+        layers = sum(n * planner.cm.layer(comp, tp, "none", mbs, enc, dec)["stored_mb"] for comp, n in comps)
+        held = 2 * 512 * 1024 * 2 / 1e6 if s >= S // 2 else 0.0  # [enc, b, h] in 16-bit
+        assert sc["stored"][s, 0] == pytest.approx(layers[0] + held, rel=1e-12)

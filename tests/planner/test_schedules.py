@@ -55,3 +55,100 @@ def test_bound_prunes():
     best = search(costs, [1e9] * 4)
     assert search(costs, [1e9] * 4, bound=best.result.makespan) is None  # nothing strictly better
     assert search(costs, [1e9] * 4, bound=best.result.makespan * 1.01).result.makespan == best.result.makespan
+
+
+# ---- order search -----------------------------------------------------------------------------
+import itertools  # noqa: E402
+
+from megatron.planner.schedules import (  # noqa: E402
+    _adaptive, _lists, _replay, cluster_orders, lower_bound, search_orders,
+)
+
+
+def hetero_costs(rng, S, K, grad=False, epilogue=False):
+    """Micro-batches of different sizes and lengths; stages differ (output head on the last)."""
+    size, seq = rng.lognormal(0, 0.8, K), rng.uniform(0.5, 2.0, K)
+    f = np.outer(rng.uniform(0.8, 1.2, S), size * seq)
+    f[-1] *= rng.uniform(1.0, 1.6)
+    b = 2 * f * rng.uniform(0.9, 1.1, (S, 1))
+    st = np.tile(size * seq * 10, (S, 1))
+    comm = np.tile(0.05 * size * seq, (S, 1))
+    return PipelineCosts(f, b, st, 0.4 * st, comm, grad_comm=0.3 * comm if grad else None,
+                         grad_comm_epilogue_only=epilogue)
+
+
+@pytest.mark.parametrize("grad,epilogue", [(False, False), (True, False), (True, True)])
+def test_list_replay_equals_simulator(grad, epilogue):
+    rng = np.random.default_rng(7)
+    for _ in range(10):
+        c = hetero_costs(rng, 4, 7, grad, epilogue)
+        ops = one_f_one_b(4, [int(x) for x in rng.permutation(7)])
+        ref = simulate(c, ops)
+        makespan, peak = _replay(_lists(c), ops)
+        assert makespan == pytest.approx(ref.makespan, rel=1e-12)
+        assert peak == pytest.approx(ref.peak_memory, rel=1e-12)
+        assert _replay(_lists(c), ops, cut=ref.makespan) is None  # stops once it cannot win
+
+
+def _brute_force(costs, limit):
+    """Best makespan over every order and both schedules, with the full simulator."""
+    best = np.inf
+    for o in itertools.permutations(range(costs.num_microbatches)):
+        r = simulate(costs, one_f_one_b(costs.num_stages, list(o)))
+        if all(p <= m + 1e-6 for p, m in zip(r.peak_memory, limit)):
+            best = min(best, r.makespan)
+        try:
+            best = min(best, simulate(costs, adaptive(costs, list(o), limit)).makespan)
+        except ScheduleInfeasible:
+            pass
+    return best
+
+
+CASES = [(K, seed) for K in range(2, 7) for seed in range(2)] + [pytest.param(7, 0, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("K,seed", CASES)
+def test_order_search_against_brute_force(K, seed):
+    """All orders of K <= 7 micro-batches x both schedules. Exhaustive mode (pruned by the
+    lower bound and early stops) must find the optimum exactly; the default search finds it
+    up to 4 micro-batches (exhaustive there) and stays within 10 % above (measured worst:
+    0.6 % at 5, 8.5 % at 6, 10.0 % at 7 on these random pipelines), never worse than the first
+    round's orders."""
+    rng = np.random.default_rng(100 * K + seed)
+    c = hetero_costs(rng, 4, K)
+    limit = [float(rng.uniform(2.0, 5.0) * (c.stored + c.transient).max())] * 4
+    if K == 7:  # 5040 orders: brute force with the list replay (checked against simulate above)
+        L = _lists(c)
+        opt = np.inf
+        for o in itertools.permutations(range(K)):
+            r = _replay(L, one_f_one_b(4, list(o)))
+            if all(p <= m + 1e-6 for p, m in zip(r[1], limit)):
+                opt = min(opt, r[0])
+            try:
+                opt = min(opt, _adaptive(c, list(o), limit)[1])
+            except ScheduleInfeasible:
+                pass
+    else:
+        opt = _brute_force(c, limit)
+    assert lower_bound(c) <= opt * (1 + 1e-12)  # the bound the search stops at is a real bound
+    exact = search(c, limit, exhaustive_up_to=K)
+    assert exact.result.makespan == pytest.approx(opt, rel=1e-12)
+    default = search(c, limit).result.makespan
+    first_round = search(c, limit, num_clusters=0, exhaustive_up_to=0, polish_budget=0).result.makespan
+    assert default <= first_round + 1e-9
+    if K <= 4:
+        assert default == pytest.approx(opt, rel=1e-12)
+    assert default <= 1.10 * opt
+
+
+def test_order_search_is_deterministic_and_clusters_cover_all():
+    rng = np.random.default_rng(11)
+    c = hetero_costs(rng, 4, 20)
+    orders = cluster_orders(c, 3)
+    assert len(orders) == 6 and all(sorted(o) == list(range(20)) for o in orders)
+    assert cluster_orders(c, 3) == orders
+    assert search_orders(c)[:2] == candidate_orders(c, 2)  # first-round orders come first (ties keep them)
+    limit = [1e9] * 4
+    a, b = search(c, limit), search(c, limit)
+    assert (a.name, a.order, a.result.makespan) == (b.name, b.order, b.result.makespan)
+    assert a.result.makespan <= search(c, limit, num_clusters=0, polish_budget=0).result.makespan

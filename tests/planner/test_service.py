@@ -9,23 +9,7 @@ import torch.distributed as dist
 
 from megatron.planner.service import PlanService, PlanServiceError
 from tests.dist_harness import free_port, run_distributed
-
-
-def fake_plan(iteration):
-    # Deterministic, picklable, and different per iteration.
-    return {"iteration": iteration, "microbatches": [[iteration, k] for k in range(iteration % 3 + 1)]}
-
-
-def failing_plan(iteration):
-    if iteration == 3:
-        raise ValueError("cost model says no")
-    return fake_plan(iteration)
-
-
-def logging_plan(path, iteration):
-    with open(path, "a") as f:
-        f.write(f"{iteration}\n")
-    return iteration
+from tests.planner.plan_fns import crashing_plan, failing_plan, fake_plan, logging_plan, parent_pid_plan
 
 
 def local_store():
@@ -67,10 +51,10 @@ def test_timeout_names_iteration():
         svc.get(7)
 
 
-def _ranks_read(rank, world, plan_fn, n):
+def _ranks_read(rank, world, plan_fn, n, workers=2):
     # The harness forks daemonic ranks; rank 0 must be allowed to start planner processes.
     mp.current_process().daemon = False
-    svc = PlanService(plan_fn if rank == 0 else None, rank, world, lookahead=2, num_workers=2,
+    svc = PlanService(plan_fn if rank == 0 else None, rank, world, lookahead=2, num_workers=workers,
                       prefix="dist", timeout_s=20)
     out = []
     try:
@@ -100,6 +84,26 @@ def test_planner_failure_reaches_every_rank():
         assert len(out) == 4
         assert out[3].startswith("error: planner failed for iteration 3")
         assert "cost model says no" in out[3]
+        # The worker's own traceback (its frame and source line), not only the message.
+        assert "failing_plan" in out[3] and 'raise ValueError("cost model says no")' in out[3]
+
+
+def test_worker_crash_names_iteration_and_worker_stack():
+    # One worker: iterations 0 and 1 are done before iteration 2 kills it (with two, a dying
+    # worker also fails whatever the other one is still planning).
+    outs = run_distributed(_ranks_read, 2, crashing_plan, 5, 1, timeout_s=60)
+    for out in outs:
+        assert out[:2] == [fake_plan(0), fake_plan(1)]
+        assert len(out) == 3
+        assert out[2].startswith("error: planner failed for iteration 2")
+        assert "worker process died while iteration 2 was planned" in out[2]
+        assert "crashing_plan" in out[2]  # faulthandler's dump of the dying worker's Python stack
+
+
+def test_workers_are_not_forked_from_the_training_process():
+    store = local_store()
+    with PlanService(parent_pid_plan, 0, 1, store, lookahead=1, num_workers=1, num_iterations=1, prefix="t5") as svc:
+        assert svc.get(0) != os.getpid()  # the fork server is the parent, not this process
 
 
 def test_different_bytes_are_detected():
