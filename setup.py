@@ -34,6 +34,8 @@ setup(
         "tensorboard": ["tensorboard"],
         # tools/checkpoint/convert.py --to-hf / --from-hf only
         "convert": ["transformers", "safetensors"],
+        # experiment_scripts/generate_figure_*.sh (megatron.experiments.figures) only
+        "experiments": ["matplotlib"],
     },
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},

@@ -26,7 +26,8 @@ def run_jobs(grid: Grid, backend: Backend, jobs: List[Job], out: Path, force: bo
              reuse: Optional[Path] = None) -> List[dict]:
     """Rows for `jobs` (in order), running only those without a row in `out`. `reuse`: another
     results file whose rows with the same key and iteration count can be copied instead of rerun."""
-    have = {} if force else {row_key(r): r for r in read_rows(out)}
+    # Failed (live) rows are retried: a failure may be transient; infeasible ones are results.
+    have = {} if force else {row_key(r): r for r in read_rows(out) if r["status"] != "failed"}
     donor = {}
     if reuse is not None:
         for r in read_rows(reuse):

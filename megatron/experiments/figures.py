@@ -250,7 +250,7 @@ def draw(results: Path, out: Path, figs: List[int], backend: str) -> int:
         elif n == 15:
             made += fig15(plt, rows("best_throughput.jsonl"), out)
         elif n == 16:
-            made += fig16(plt, rows("ablation.jsonl"), out)
+            made += fig16(plt, rows("ablation.jsonl", "simulate"), out)  # the ablation is simulate-only
         elif n == 17:
             made += fig17(plt, rows("best_throughput.jsonl"), out)
         elif n == 18:

@@ -38,6 +38,8 @@ def command(grid: Grid, job: Job, spec: ModelSpec) -> List[str]:
            "--tensor-model-parallel-size", str(job.tp), "--pipeline-model-parallel-size", str(job.pp),
            "--tokens-per-global-batch", str(s.tokens), "--train-iters", str(iters), "--log-interval", "1",
            *[str(x) for x in grid.live.get("extra_flags", [])]]
+    if spec.kind == "t5" and job.pp > 1:
+        cmd += ["--pipeline-model-parallel-split-rank", str(job.pp // 2)]
     if job.system == "dynapipe":
         cm = str(ROOT / spec.cost_model) if (ROOT / spec.cost_model).is_file() else spec.cost_model
         cmd += ["--dynapipe", "--dynapipe-cost-model", cm, "--dynapipe-memory-limit", f"{grid.memory_limit_mb:g}"]
@@ -105,7 +107,10 @@ class LiveBackend(Backend):
         fields = rows_from_log(text, int(grid.live.get("warmup_iters", 1)))
         if why is None and not fields:
             why = "no iteration line after the warm-up iterations"
-        tail = "\n".join(text.splitlines()[-25:])
+        lines = text.splitlines()
+        # The root cause (a flag error, a planner error) often sits above torchrun's own report.
+        causes = list(dict.fromkeys(ln for ln in lines if "error" in ln.lower() and "ChildFailedError" not in ln))[:5]
+        tail = "\n".join(causes + ["..."] + lines[-20:])
         if why is not None:
             return job.row(grid, self.name, status="failed", iterations=0,
                            error=f"{why}: {' '.join(cmd[5:])}", log_tail=tail)

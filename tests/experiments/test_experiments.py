@@ -37,7 +37,7 @@ def tiny_grid(tmp_path, **over):
 # ---- configs -----------------------------------------------------------------------------------
 
 def test_shipped_grids_load():
-    for name in ("a100_sim.json", "cpu_live_smoke.json"):
+    for name in ("a100_sim.json", "a100_sim_multinode.json", "cpu_live_smoke.json"):
         g = load_grid(ROOT / "experiment_configs" / name)
         assert g.settings()
         for s in g.settings():
