@@ -135,7 +135,9 @@ def fig16(plt, rows, out: Path) -> List[Path]:
         ax.set_xlabel("max sequence length (tokens)")
         ax.set_ylabel("throughput relative to full DynaPipe")
         ax.set_title(f"Fig 16 ({_mode(rs)}): {model}, {gpus} GPUs, ablation (0 = infeasible)", fontsize=10)
-        ax.legend(fontsize=7, ncol=2)
+        top = max([v for v in rel.values() if v] + [1.0])
+        ax.set_ylim(0, top * 1.35)  # room for the legend above the bars
+        ax.legend(fontsize=7, ncol=4, loc="upper center")
         ax.grid(axis="y", alpha=0.3)
         fig.tight_layout()
         fig.savefig(p, dpi=110)
@@ -192,12 +194,11 @@ def fig18(plt, rows, out: Path) -> List[Path]:
         ys = [d[9] for d in data if d[1] == model]
         ax.scatter(xs, ys, label=model, s=18)
     if data:
-        lo = min(min(d[8], d[9]) for d in data) * 0.8
-        hi = max(max(d[8], d[9]) for d in data) * 1.2
-        ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="measured = predicted")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.legend(fontsize=8)
+        hi = max(max(d[8], d[9]) for d in data) * 1.1
+        ax.plot([0, hi], [0, hi], "k--", lw=0.8, label="measured = predicted")
+        ax.set_xlim(0, hi)
+        ax.set_ylim(0, hi)
+        ax.legend(fontsize=8, loc="lower right")
     else:
         ax.text(0.5, 0.5, "no live DynaPipe rows yet\n(run experiment_scripts/run_benchmark.sh --live)",
                 ha="center", va="center", transform=ax.transAxes)
@@ -222,8 +223,8 @@ def fig18(plt, rows, out: Path) -> List[Path]:
         if preds:
             ax.hist(preds, bins=10)
         ax.set_ylabel("iterations")
-        ax.text(0.5, 0.9, "measured peak memory: n/a on CPU\n(predicted values shown)", ha="center",
-                transform=ax.transAxes, fontsize=9)
+        ax.text(0.5, 0.5, "measured peak memory: n/a on CPU\n(histogram of the predicted peaks)", ha="center",
+                transform=ax.transAxes, fontsize=9, bbox=dict(facecolor="white", alpha=0.9))
     ax.set_xlabel("predicted peak activation memory (MB, max over stages)")
     ax.set_title("Fig 18 (live): peak memory, predicted vs measured", fontsize=10)
     ax.grid(alpha=0.3)
