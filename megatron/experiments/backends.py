@@ -116,9 +116,10 @@ class SimulateBackend(Backend):
     def _dynapipe(self, grid, job, planner, batches):
         from megatron.planner.dynapipe import PlanningError
         times, eff, plan_ms, peaks, rcs, scheds, real = [], [], [], [], Counter(), Counter(), 0
-        planner.plan(batches[0], 0)  # warm the per-length cost caches; not timed
         for i, b in enumerate(batches):
             try:
+                if i == 0:
+                    planner.plan(b, 0)  # warm the per-length cost caches; not timed
                 p = planner.plan(b, i)
             except PlanningError as e:
                 return job.row(grid, self.name, status="infeasible", iterations=0, error=str(e))

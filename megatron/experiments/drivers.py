@@ -23,14 +23,14 @@ def _progress(items, desc):
 
 
 def run_jobs(grid: Grid, backend: Backend, jobs: List[Job], out: Path, force: bool, desc: str,
-             reuse: Optional[Path] = None) -> List[dict]:
+             reuse: Optional[List[Path]] = None) -> List[dict]:
     """Rows for `jobs` (in order), running only those without a row in `out`. `reuse`: another
-    results file whose rows with the same key and iteration count can be copied instead of rerun."""
+    results files whose rows with the same key and iteration count can be copied instead of rerun."""
     # Failed (live) rows are retried: a failure may be transient; infeasible ones are results.
     have = {} if force else {row_key(r): r for r in read_rows(out) if r["status"] != "failed"}
     donor = {}
-    if reuse is not None:
-        for r in read_rows(reuse):
+    for path in reuse or []:
+        for r in read_rows(path):
             donor[row_key(dict(r, experiment=""))] = r
     rows = []
     for job in _progress(jobs, desc):
@@ -67,10 +67,30 @@ def grid_jobs(grid: Grid, s: Setting) -> List[Job]:
     return jobs
 
 
-def _best(rows, **match) -> Optional[dict]:
+def _best(rows, verify=None, **match) -> Optional[dict]:
+    """Highest-throughput ok row matching `match` (ties keep the first in grid order: smaller PP,
+    TP first). `verify(row) -> bool`: candidates are tried best first until one passes."""
     ok = [r for r in rows if r["status"] == "ok" and all(r[k] == v for k, v in match.items())]
-    # Highest throughput; ties keep the first in grid order (smaller PP, TP first).
-    return max(ok, key=lambda r: r["tokens_per_s"], default=None)
+    ranked = sorted(ok, key=lambda r: -r["tokens_per_s"])  # stable: grid order among ties
+    for r in ranked:
+        if verify is None or verify(r):
+            return r
+    return None
+
+
+def _verifier(grid: Grid, backend: Backend, s: Setting, out_dir: Path, force: bool):
+    """A configuration found on `search_batches` batches must also fit every one of the
+    benchmark's `benchmark_batches` (a longer batch can exceed the memory limit): checked with a
+    benchmark-sized job, recorded in grid_verify.jsonl (resumable)."""
+    if grid.benchmark_batches <= grid.search_batches:
+        return None
+
+    def verify(r: dict) -> bool:
+        job = Job("grid_verify", s, r["system"], r["pp"], r["tp"], r["dp"],
+                  micro_batch_size=r["micro_batch_size"], recompute=None if r["system"] == "dynapipe" else r["recompute"],
+                  batches=grid.benchmark_batches)
+        return run_jobs(grid, backend, [job], out_dir / "grid_verify.jsonl", force, "verify")[0]["status"] == "ok"
+    return verify
 
 
 def _system_doc(r: Optional[dict]) -> Optional[dict]:
@@ -94,7 +114,8 @@ def grid_search(grid: Grid, backend: Backend, out_dir: Path, force: bool = False
         systems = grid.models[s.model].systems
         rows = run_jobs(grid, backend, grid_jobs(grid, s), out, force, s.key)
         all_rows += rows
-        best = {sys_: _best(rows, system=sys_) for sys_ in systems}
+        verify = _verifier(grid, backend, s, out_dir, force)
+        best = {sys_: _best(rows, verify, system=sys_) for sys_ in systems}
         paths = config_paths(grid, s, config_dir)
         write_config(paths["best"], dict(setting_doc(grid, s), backend=backend.name,
                                          systems={k: _system_doc(v) for k, v in best.items()}))
@@ -103,7 +124,7 @@ def grid_search(grid: Grid, backend: Backend, out_dir: Path, force: bool = False
         for sys_ in systems:
             if sys_ != "dynapipe":
                 control[sys_] = None if dyn is None else _system_doc(
-                    _best(rows, system=sys_, pp=dyn["pp"], tp=dyn["tp"], dp=dyn["dp"]))
+                    _best(rows, verify, system=sys_, pp=dyn["pp"], tp=dyn["tp"], dp=dyn["dp"]))
         write_config(paths["control"], dict(setting_doc(grid, s), backend=backend.name, systems=control))
         write_config(paths["ablation"], dict(setting_doc(grid, s), backend=backend.name,
                                              systems={"dynapipe": _system_doc(dyn)}, variants=list(VARIANTS)))
@@ -139,7 +160,7 @@ def _setting_jobs(grid: Grid, kind: str, experiment: str, config_dir: Path) -> L
 
 def benchmark(grid: Grid, backend: Backend, out_dir: Path, force: bool = False,
               config_dir: Path = CONFIG_DIR) -> Dict[str, List[dict]]:
-    reuse = out_dir / "grid_search.jsonl"
+    reuse = [out_dir / "grid_search.jsonl", out_dir / "grid_verify.jsonl"]
     best = run_jobs(grid, backend, _setting_jobs(grid, "best", "best_throughput", config_dir),
                     out_dir / "best_throughput.jsonl", force, "best throughput", reuse)
     ctrl = run_jobs(grid, backend, _setting_jobs(grid, "control", "controlled_baseline", config_dir),

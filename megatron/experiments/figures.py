@@ -240,7 +240,13 @@ def draw(results: Path, out: Path, figs: List[int], backend: str) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     def rows(name, be=backend):
-        return [r for r in read_rows(results / name) if be is None or r["backend"] == be]
+        """Rows of back-end `be`; a job rerun later (another layout after a new grid search,
+        --force) replaces the older row of the same setting, system and variant."""
+        latest = {}
+        for r in read_rows(results / name):
+            if be is None or r["backend"] == be:
+                latest[(r["grid"], r["setting"], r["system"], r["variant"])] = r
+        return list(latest.values())
     made = []
     for n in figs:
         if n == 13:

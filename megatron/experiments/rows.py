@@ -12,7 +12,7 @@ from megatron.experiments.config import ROOT
 
 # field -> (types, meaning). Per-iteration lists cover the measured iterations only.
 ROW_FIELDS = {
-    "experiment": (str, "grid_search | best_throughput | controlled_baseline | ablation"),
+    "experiment": (str, "grid_search | grid_verify | best_throughput | controlled_baseline | ablation"),
     "backend": (str, "simulate | live"),
     "git_commit": (str, "commit of the code that produced the row (+dirty)"),
     "grid": (str, "grid name (experiment_configs/<file>.json 'name')"),

@@ -43,8 +43,9 @@ def microbatch_shapes(planner, kind: str, system: str, batch, max_len: int, b: i
     if system == "packing":
         rows = pack_rows(batch, kind, max_len)
         n_mb = -(-len(rows) // b)
-        # Rows are full max-length sequences; T5 pads targets to the longest row's.
-        dec_len = pad(max(r[1] for r in rows) + extra) if kind == "t5" else 0
+        # Rows are full max-length sequences; T5 pads targets to the longest row's (at most
+        # max_len: the decoder row is a max_len sequence, its bos/eos included).
+        dec_len = min(pad(max(r[1] for r in rows) + extra), pad(max_len)) if kind == "t5" else 0
         return [(min(b, len(rows) - k * b), max_len, dec_len) for k in range(n_mb)]
     if system != "fixed":
         raise ValueError(f"unknown baseline {system!r}; choose 'packing' or 'fixed'")

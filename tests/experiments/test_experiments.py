@@ -25,7 +25,7 @@ def tiny_grid(tmp_path, **over):
                                 "num_layers": 4, "max_lens": [256]}},
         "cluster_sizes": [4], "tokens_per_gpu": 512, "memory_limit_mb": 200,
         "grid": {"pp": [1, 2, 4], "tp": [1], "micro_batch_sizes": [1, 4], "recompute": ["none", "full"]},
-        "search_batches": 2, "benchmark_batches": 2, "seed": 3,
+        "search_batches": 2, "benchmark_batches": 3, "seed": 3,
         "lengths_file": str(HERE / "lengths_fixture.txt"),
     }
     doc.update(over)
@@ -103,7 +103,9 @@ def test_simulated_grid_search_picks_best_and_resumes(tmp_path):
     be = Counting()
     rows = drivers.grid_search(g, be, out, config_dir=cfgs)
     n_jobs = len(drivers.grid_jobs(g, g.settings()[0]))
-    assert be.calls == n_jobs == len(rows) == 3 + 3 * 2 * 2 * 2  # 3 layouts x (dynapipe + 2 x 2 mbs x 2 rc)
+    n_verify = len(read_rows(out / "grid_verify.jsonl"))
+    assert n_jobs == len(rows) == 3 + 3 * 2 * 2 * 2  # 3 layouts x (dynapipe + 2 x 2 mbs x 2 rc)
+    assert be.calls == n_jobs + n_verify
     for r in rows:
         validate_row(r)
         assert r["backend"] == "simulate" and r["git_commit"]
@@ -130,6 +132,9 @@ def test_simulated_grid_search_picks_best_and_resumes(tmp_path):
         c = control["systems"][system]
         assert (c["pp"], c["tp"], c["dp"]) == (best["systems"]["dynapipe"]["pp"], 1,
                                                best["systems"]["dynapipe"]["dp"])
+    # The winners were re-checked on the benchmark's 3 batches (grid_verify.jsonl).
+    verified = read_rows(out / "grid_verify.jsonl")
+    assert verified and all(r["iterations"] == 3 for r in verified if r["status"] == "ok")
     # Resumable: a second run does nothing, --force reruns.
     again = Counting()
     rows2 = drivers.grid_search(g, again, out, config_dir=cfgs)
