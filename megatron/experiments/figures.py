@@ -198,6 +198,10 @@ def fig18(plt, rows, out: Path) -> List[Path]:
         ax.plot([0, hi], [0, hi], "k--", lw=0.8, label="measured = predicted")
         ax.set_xlim(0, hi)
         ax.set_ylim(0, hi)
+        ratio = np.mean([d[9] / d[8] for d in data])
+        err = np.mean([abs(d[9] - d[8]) / d[9] for d in data])
+        ax.text(0.03, 0.97, f"mean measured / predicted: {ratio:.2f}x\nmean relative error: {err:.0%}",
+                transform=ax.transAxes, va="top", fontsize=9, bbox=dict(facecolor="white", alpha=0.9))
         ax.legend(fontsize=8, loc="lower right")
     else:
         ax.text(0.5, 0.5, "no live DynaPipe rows yet\n(run experiment_scripts/run_benchmark.sh --live)",

@@ -267,3 +267,17 @@ def test_fig18_from_fixture_rows(tmp_path):
     for name in ("fig18_time.png", "fig18_memory.png", "fig18_time.csv"):
         assert (tmp_path / "figs" / name).stat().st_size > 100
     assert len((tmp_path / "figs" / "fig18_time.csv").read_text().splitlines()) == 4
+
+
+def test_figures_without_matplotlib_write_csv_and_say_so(tmp_path, monkeypatch, capsys):
+    import megatron.experiments.figures as figures
+    monkeypatch.setattr(figures, "_plt", lambda: None)
+    g = load_grid(tiny_grid(tmp_path))
+    job = Job("best_throughput", g.settings()[0], "dynapipe", 2, 1, 2, batches=3)
+    (tmp_path / "res").mkdir()
+    (tmp_path / "res" / "best_throughput.jsonl").write_text(
+        json.dumps(job.row(g, "live", status="ok", **rows_from_log(RECORDED, warmup=1))) + "\n")
+    assert figures.draw(tmp_path / "res", tmp_path / "figs", [13, 18], "live") == 3
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert (tmp_path / "figs" / "fig18_time.csv").is_file() and not list((tmp_path / "figs").glob("*.png"))
+    assert (tmp_path / "figs" / "fig13_tiny_tiny_gpt_G4.csv").is_file()
