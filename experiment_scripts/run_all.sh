@@ -33,6 +33,6 @@ else
 fi
 step "figures"
 rc=0
-exp figures "$MODE" || rc=$?
+exp figures "$MODE" "${ARGS[@]+"${ARGS[@]}"}" || rc=$?
 step "done"
 exit $rc
