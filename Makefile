@@ -13,7 +13,7 @@ $(VENV)/.installed: setup.py pyproject.toml megatron/data/helpers.cpp
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q pybind11 pytest pytest-timeout tensorboard
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,tensorboard,convert,plots]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,tensorboard,convert,experiments]"
 	touch $@
 
 venv: $(VENV)/.installed

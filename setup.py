@@ -38,8 +38,8 @@ setup(
         "tensorboard": ["tensorboard"],
         # tools/checkpoint/convert.py --to-hf / --from-hf only
         "convert": ["transformers", "safetensors"],
-        # PNG figures of the experiment scripts (they write JSON without it)
-        "plots": ["matplotlib"],
+        # experiment_scripts/generate_figure_*.sh and optimus_cc_report.py figures (JSON/CSV without it)
+        "experiments": ["matplotlib"],
     },
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},

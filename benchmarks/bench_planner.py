@@ -49,8 +49,7 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from megatron.planner.dynapipe import DynaPipeConfig, DynaPipePlanner  # noqa: E402
-from megatron.planner.schedules import one_f_one_b  # noqa: E402
-from megatron.planner.simulator import PipelineCosts, simulate  # noqa: E402
+from megatron.planner.baselines import baselines  # noqa: E402  (packing / fixed, shared with megatron.experiments)
 
 # (weight, input median, input sigma, target median, target sigma)
 TASKS = [
@@ -132,78 +131,6 @@ def config(kind, cm_dir):
     return DynaPipeConfig(cost_model_path=str(cm_dir / "t5_11b_a100.json"), model_kind="t5", hidden_size=1024,
                           encoder_layers=24, decoder_layers=24, pipeline_parallel=4, data_parallel=1,
                           tensor_parallel=2, memory_limit_mb=36000)
-
-
-def pack_rows(batch, kind, max_len):
-    """Next-fit packing into rows of max_len tokens (T5: both sides must fit)."""
-    rows, cur = [], None
-    for s in batch:
-        e, d = (s, 0) if kind == "gpt" else s
-        if cur is None or cur[0] + e > max_len or cur[1] + d > max_len:
-            cur = [0, 0]
-            rows.append(cur)
-        cur[0] += e
-        cur[1] += d
-    return rows
-
-
-def baseline_time(planner, kind, mb_shapes_per_group, rcs):
-    """Best 1F1B makespan (and its rc) over recompute levels for fixed micro-batches; inf if none fits."""
-    best = (np.inf, None)
-    for rc in rcs:
-        makespan = 0.0
-        for shapes in mb_shapes_per_group:
-            mbs = np.array([s[0] for s in shapes], float)
-            enc = np.array([s[1] for s in shapes], float)
-            dec = None if kind == "gpt" else np.array([s[2] for s in shapes], float)
-            sc = planner.stage_costs(rc, mbs, enc, dec)
-            if not (np.isfinite(sc["fwd"]).all() and np.isfinite(sc["peak"]).all()):
-                makespan = np.inf
-                break
-            costs = PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]))
-            res = simulate(costs, one_f_one_b(planner.S, list(range(len(shapes)))))
-            if any(p > a for p, a in zip(res.peak_memory, planner.available)):
-                makespan = np.inf
-                break
-            makespan = max(makespan, res.makespan)
-        if makespan < best[0]:
-            best = (makespan, rc)
-    return best
-
-
-def baselines(planner, kind, batch, max_len, sizes=(1, 2, 4, 8, 16, 32, 64)):
-    q = planner.cfg.pad_multiple
-    pad = lambda x: -(-int(x) // q) * q  # noqa: E731
-    dp, rcs = planner.cfg.data_parallel, planner.cfg.recompute_levels
-    rows = pack_rows(batch, kind, max_len)
-    out = {}
-    for name in ("packing", "fixed"):
-        best = (np.inf, None, None)
-        for b in sizes:
-            groups = []
-            if name == "packing":
-                # Rows are full max-length sequences; T5 pads targets to the longest row's.
-                n_mb = -(-len(rows) // b)
-                dec_len = pad(max(r[1] for r in rows) + planner.cfg.decoder_extra_tokens) if kind == "t5" else 0
-                shapes = [(min(b, len(rows) - k * b), max_len, dec_len) for k in range(n_mb)]
-            else:
-                shapes = []
-                for k in range(0, len(batch), b):
-                    chunk = batch[k:k + b]
-                    if kind == "gpt":
-                        shapes.append((len(chunk), pad(max(chunk)), 0))
-                    else:
-                        shapes.append((len(chunk), pad(max(c[0] for c in chunk)),
-                                       pad(max(c[1] for c in chunk) + planner.cfg.decoder_extra_tokens)))
-            if len(shapes) < dp:
-                continue
-            per = -(-len(shapes) // dp)
-            groups = [shapes[g * per:(g + 1) * per] for g in range(dp)]
-            t, rc = baseline_time(planner, kind, [g for g in groups if g], rcs)
-            if t < best[0]:
-                best = (t, b, rc)
-        out[name] = best
-    return out
 
 
 def run(kind, max_len, args, mixture="multitask"):

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("optimus_cc_report: matplotlib is not installed (pip install -e '.[plots]'): wrote summary.json only",
+        print("optimus_cc_report: matplotlib is not installed (pip install -e '.[experiments]'): wrote summary.json only",
               file=sys.stderr)
         return 0
     fig, ax = plt.subplots(figsize=(7, 4.2))
