@@ -325,6 +325,9 @@ class DataConfig:
             _require(self.dynapipe_planner_workers >= 0 and self.dynapipe_lookahead >= 1,
                      "--dynapipe-planner-workers must be >= 0 and --dynapipe-lookahead >= 1")
             _require(self.dynapipe_trace_iters >= 0, f"--dynapipe-trace-iters must be >= 0, got {self.dynapipe_trace_iters}")
+        _require(not self.pack_dataset or bool(self.targets_data_path),
+                 "--pack-dataset packs multi-task (inputs, targets) samples into rows: give --targets-data-path "
+                 "(pretraining data is already read as full --seq-length sequences)")
         _require(self.dynapipe_trace_dir is None or self.dynapipe,
                  "--dynapipe-trace-dir writes the DynaPipe planner's simulated timelines: it needs --dynapipe")
         _require(self.vocab_extra_ids >= 0, f"--vocab-extra-ids must be >= 0, got {self.vocab_extra_ids}")
@@ -467,6 +470,10 @@ class MegatronConfig:
                          "--dynapipe with T5 puts the encoder on the first half of the pipeline: set "
                          f"--pipeline-model-parallel-split-rank {p.pipeline_model_parallel_size // 2}")
 
+        _require(not (self.data.pack_dataset and m.model_type == "t5"),
+                 "--pack-dataset packs GPT rows only (a packed T5 row would need per-sample encoder/decoder "
+                 "segment masks, which are not implemented); for T5 use --dynapipe or drop --pack-dataset "
+                 "(fixed micro-batches)")
         if self.terapipe.enabled:
             from megatron.planner.terapipe import check_terapipe_config
             check_terapipe_config(self)

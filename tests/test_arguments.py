@@ -73,6 +73,7 @@ MT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", 
       "--pack-dataset"], "pick one"),
     (["--targets-data-path", "out", "--tokens-per-global-batch", "512", "--dynapipe", "--dynapipe-cost-model", "c",
       "--seq-length", "60"], "multiples of 8"),
+    (["--pack-dataset"], "give --targets-data-path"),
 ])
 def test_dynapipe_flags(capsys, extra, needle):
     assert needle in _error(capsys, MT + extra, 1)
@@ -171,3 +172,14 @@ def test_older_spellings_map_to_todays_meaning():
 ])
 def test_older_spellings_rejected_with_pointer(capsys, extra, needle):
     assert needle in _error(capsys, BASE + extra, 1)
+
+
+def test_pack_dataset_with_t5_is_refused(capsys):
+    t5 = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--encoder-seq-length", "64",
+          "--decoder-seq-length", "32", "--data-path", "in", "--targets-data-path", "out",
+          "--tokens-per-global-batch", "512", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+          "--pack-dataset"]
+    with pytest.raises(SystemExit) as e:
+        parse_args(t5, world_size=1, model_type="t5")
+    assert e.value.code == 2
+    assert "--pack-dataset packs GPT rows only" in capsys.readouterr().err
