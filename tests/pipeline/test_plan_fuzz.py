@@ -129,6 +129,72 @@ def test_harmful_mutants_rejected():
     _fuzz(300, seed=0)
 
 
+# -- instruction attributes added by the other planners: compress_rank (Optimus-CC) and
+#    token_slice (TeraPipe). Each mutation breaks an agreement the executor relies on.
+
+def _compressed_plans(rng):
+    from megatron.compression.pipeline import mark_compressed_grads
+    plans = _valid_plans(rng)
+    if rng.random() < 0.5:  # plans of one data-parallel group, marked as the trainer does
+        return mark_compressed_grads(plans, rng.choice([1, 2, 4]), epilogue_only=rng.random() < 0.3)
+    return plans
+
+
+def _sliced_plans(rng):
+    from megatron.planner.terapipe import build_terapipe_plans
+    pp, m = rng.choice([2, 3, 4]), rng.randint(1, 3)
+    slicings = []
+    for _ in range(m):
+        s = rng.randint(2, 24)
+        cuts = sorted(rng.sample(range(1, s), rng.randint(1, min(4, s - 1))))
+        slicings.append([b - a for a, b in zip([0] + cuts, cuts + [s])])
+    return build_terapipe_plans(slicings, [((1, sum(sl)),) for sl in slicings], pp, 8)
+
+
+def _mutate_attribute(rng, plans):
+    sliced = any(getattr(x, "token_slice", ()) for p in plans for x in p.instructions)
+    kinds = ["compress_one_end", "compress_activation"] + (["slice_offset", "slice_length", "slice_dropped"]
+                                                            if sliced else [])
+    kind = rng.choice(kinds)
+    if kind == "compress_one_end":  # one of the four instructions of a gradient message disagrees
+        hit = _pick(rng, plans, (I.SendGradStart, I.SendGradFinish, I.RecvGradStart, I.RecvGradFinish))
+        if hit:
+            x = plans[hit[0]].instructions[hit[1]]
+            plans[hit[0]].instructions[hit[1]] = dataclasses.replace(
+                x, compress_rank=rng.choice([r for r in (0, 1, 3, 8) if r != x.compress_rank]))
+    elif kind == "compress_activation":  # activations are never compressed
+        hit = _pick(rng, plans, (I.SendActivationStart, I.RecvActivationStart))
+        if hit:
+            x = plans[hit[0]].instructions[hit[1]]
+            plans[hit[0]].instructions[hit[1]] = dataclasses.replace(x, compress_rank=rng.choice([1, 4]))
+    else:
+        hit = _pick(rng, plans, (I.LoadInput, I.ForwardPass, I.BackwardPass) + COMM)
+        if hit:
+            x = plans[hit[0]].instructions[hit[1]]
+            seq, off, length = x.token_slice
+            new = {"slice_offset": (seq, off + rng.choice([-1, 1]) if off else off + 1, length),
+                   "slice_length": (seq, off, length + 1),
+                   "slice_dropped": ()}[kind]
+            plans[hit[0]].instructions[hit[1]] = dataclasses.replace(x, token_slice=new)
+    return kind if hit else None
+
+
+@pytest.mark.parametrize("make", [_compressed_plans, _sliced_plans], ids=["compress_rank", "token_slice"])
+def test_attribute_mutants_rejected(make):
+    rng = random.Random(7)
+    tried = 0
+    while tried < 100:
+        plans = make(rng)
+        validate_plans(plans)
+        kind = _mutate_attribute(rng, plans)
+        if kind is None:
+            continue
+        tried += 1
+        with pytest.raises(PlanValidationError):
+            validate_plans(plans)
+            pytest.fail(f"mutant #{tried} ({kind}) was accepted")
+
+
 def test_byte_flips_rejected():
     _flips(300, seed=1)
 
