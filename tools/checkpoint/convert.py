@@ -5,17 +5,19 @@
         --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1
 
 GPT checkpoints (any TP/PP, learned or RoPE positions, tied or untied output) are re-split to
-the target layout with uniform stages. Model weights move bit for bit; optimizer state does not
+the target layout with uniform stages; T5 checkpoints put the encoder on pipeline ranks
+[0, split) and the decoder on [split, pp) (--target-pipeline-model-parallel-split-rank). Model weights move bit for bit; optimizer state does not
 (it is sharded like the model), so training resumes with a fresh optimizer and LR schedule
 position kept, as with Megatron's converter.
 
-Hugging Face: GPT-2 (learned positions, LayerNorm, GeLU, biases, tied output) or Llama (RoPE,
-RMSNorm, SwiGLU, no biases, optional GQA; chosen from the checkpoint):
+Hugging Face: GPT-2 (learned positions, LayerNorm, GeLU, biases, tied output), Llama (RoPE,
+RMSNorm, SwiGLU, no biases, optional GQA) or T5ForConditionalGeneration (our T5 with relative
+positions, RMSNorm, no linear biases; chosen from the checkpoint):
     python tools/checkpoint/convert.py --load runs/ckpt --save hf_out --to-hf --verify
     python tools/checkpoint/convert.py --load hf_out --save runs/from_hf --from-hf \
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2 --verify
 `--verify` runs both models on the same random tokens and prints max_abs_logit_diff=<float>.
-Needs `pip install transformers safetensors` (only for these modes). T5 is not implemented yet. Exit status: 0 ok, 1 bad checkpoint, 2 bad flags.
+Needs `pip install transformers safetensors` (only for these modes). Exit status: 0 ok, 1 bad checkpoint, 2 bad flags.
 """
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ def main(argv=None) -> int:
     p.add_argument("--iteration", type=int, default=None, help="iteration to convert (default: the tracked one)")
     p.add_argument("--target-tensor-parallel-size", type=int, default=None)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=None)
+    p.add_argument("--target-pipeline-model-parallel-split-rank", type=int, default=None,
+                   help="T5 only: first pipeline rank of the decoder (default: the source's when the pipeline "
+                        "size is unchanged, else target pp // 2)")
     p.add_argument("--to-hf", action="store_true", help="write a Hugging Face GPT-2 folder (safetensors + config)")
     p.add_argument("--from-hf", action="store_true", help="read a Hugging Face GPT-2 folder")
     p.add_argument("--verify", action="store_true", help="compare logits of both models on random tokens")
@@ -56,7 +61,7 @@ def main(argv=None) -> int:
     try:
         config, full, meta = read_full_model(args.load, args.iteration)
         out = write_resharded(config, full, meta, args.save, args.target_tensor_parallel_size,
-                              args.target_pipeline_parallel_size)
+                              args.target_pipeline_parallel_size, args.target_pipeline_model_parallel_split_rank)
     except (ReshardError, OSError) as e:
         print(f"convert: error: {e}", file=sys.stderr)
         return 1
