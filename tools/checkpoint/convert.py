@@ -45,6 +45,10 @@ def main(argv=None) -> int:
     p.add_argument("--verify", action="store_true", help="compare logits of both models on random tokens")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="--from-hf: the vocabulary padding the training run will use (must match its flag)")
+    p.add_argument("--encoder-seq-length", type=int, default=None,
+                   help="--from-hf T5: the training run's --encoder-seq-length (HF T5 has none; it sets the "
+                        "checkpoint's max position embeddings, which the run must match)")
+    p.add_argument("--decoder-seq-length", type=int, default=None, help="--from-hf T5: as --encoder-seq-length")
     args = p.parse_args(argv)
     if args.to_hf and args.from_hf:
         p.error("--to-hf and --from-hf are two directions; pick one")
@@ -74,7 +78,7 @@ def main(argv=None) -> int:
 
 def _hf(args) -> int:
     try:
-        from tools.checkpoint import hf_gpt2, hf_llama
+        from tools.checkpoint import hf_gpt2, hf_llama, hf_t5
         import transformers  # noqa: F401
         import safetensors  # noqa: F401
     except ImportError as e:
@@ -86,6 +90,8 @@ def _hf(args) -> int:
         if args.to_hf:
             config, full, meta = read_full_model(args.load, args.iteration)
             arch = hf_llama if hf_llama.is_llama(config["model"]) else hf_gpt2
+            if config["model"]["model_type"] == "t5":
+                arch = hf_t5
             hf_config, sd = arch.to_hf(config, full)
             hf_gpt2.save_hf(args.save, hf_config, sd)
             model_fields, hf_dir = config["model"], args.save
@@ -93,19 +99,25 @@ def _hf(args) -> int:
         else:
             from megatron.config import MegatronConfig, ModelConfig
             hf_config, sd = hf_gpt2.load_hf(args.load)
-            arch = hf_llama if hf_config.get("model_type") == "llama" else hf_gpt2
+            arch = {"llama": hf_llama, "t5": hf_t5}.get(hf_config.get("model_type"), hf_gpt2)
             model_fields, full = arch.from_hf(hf_config, sd)
             model_fields["make_vocab_size_divisible_by"] = args.make_vocab_size_divisible_by
+            if arch is hf_t5:
+                for k in ("encoder_seq_length", "decoder_seq_length"):
+                    if getattr(args, k) is not None:
+                        model_fields[k] = getattr(args, k)
             config = MegatronConfig(model=ModelConfig(**model_fields)).to_dict()
             meta = {"iteration": 0, "consumed_samples": 0, "skipped_iters": 0, "consumed_tokens": 0}
             out = write_resharded(config, full, meta, args.save, args.target_tensor_parallel_size,
-                                  args.target_pipeline_parallel_size)
+                                  args.target_pipeline_parallel_size, args.target_pipeline_model_parallel_split_rank)
             model_fields, hf_dir = config["model"], args.load
             print(f"wrote our checkpoint (iteration 0) to {out}")
     except (ReshardError, ValueError, KeyError, OSError) as e:
         print(f"convert: error: {e}", file=sys.stderr)
         return 1
-    if args.verify:
+    if args.verify and arch is hf_t5:
+        print(f"max_abs_logit_diff={hf_t5.logit_diff(model_fields, full, hf_dir):.3e}")
+    elif args.verify:
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, model_fields["vocab_size"], (2, min(16, model_fields["seq_length"])), generator=g)
         diff = (hf_gpt2.our_logits(model_fields, full, tokens) - arch.hf_logits(hf_dir, tokens)).abs().max()
