@@ -1,11 +1,14 @@
 """tools/checkpoint/convert.py on T5: re-split between TP/PP layouts (encoder/decoder split rank)
 bit for bit, resume with the same losses, and the Hugging Face T5ForConditionalGeneration
 round trip with logits parity (skipped without transformers/safetensors)."""
+import contextlib
 import dataclasses
+import io
 import os
 import subprocess
 import sys
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -58,14 +61,25 @@ def _resume(rank, world, ckpt, kw, steps=2):
             "is_last": rank == world - 1}
 
 
-def _tool(*args, timeout=300):
-    return subprocess.run([sys.executable, TOOL, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+def _tool(*args, cli=False):
+    """Run convert.py: as a command (cli=True) or, faster (transformers imported once), its main()."""
+    args = [str(a) for a in args]
+    if cli:
+        return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=300)
+    from tools.checkpoint import convert
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = convert.main(args)
+        except SystemExit as e:
+            rc = e.code
+    return SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
 
 
-def _convert(src, dst, tp, pp, split=None):
+def _convert(src, dst, tp, pp, split=None, cli=False):
     extra = ["--target-pipeline-model-parallel-split-rank", split] if split is not None else []
     r = _tool("--load", src, "--save", dst, "--target-tensor-parallel-size", tp,
-              "--target-pipeline-parallel-size", pp, *extra)
+              "--target-pipeline-parallel-size", pp, *extra, cli=cli)
     assert r.returncode == 0, r.stderr
     return r.stdout
 
@@ -102,7 +116,7 @@ def test_t5_tp2pp2_to_tp1_and_back_is_bit_identical_and_resumes(trained, tmp_pat
     a, full = trained
     b, c = str(tmp_path / "b"), str(tmp_path / "c")
     kw = dict(tp=2, pp=2, split=1)
-    assert "TP 2 x PP 2 -> TP 1 x PP 1" in _convert(a, b, 1, 1)
+    assert "TP 2 x PP 2 -> TP 1 x PP 1" in _convert(a, b, 1, 1, cli=True)
     (single,) = run_distributed(_resume, 1, b, {})
     _same(_check_copies([single]), full)
     _convert(b, c, 2, 2, split=1)
@@ -122,7 +136,7 @@ def test_t5_reshard_moves_the_split_rank(trained, tmp_path):
     a, full = trained
     b = str(tmp_path / "b")
     _convert(a, b, 1, 4, split=2)
-    _same(_check_copies(run_distributed(_resume, 4, b, dict(pp=4, split=2), 1)), full)
+    _same(_check_copies(run_distributed(_resume, 4, b, dict(pp=4, split=2), 0)), full)
     r = _tool("--load", a, "--save", str(tmp_path / "c"), "--target-tensor-parallel-size", 1,
               "--target-pipeline-parallel-size", 4, "--target-pipeline-model-parallel-split-rank", 3)
     assert r.returncode == 1 and "--encoder-num-layers" in r.stderr, r.stderr
@@ -171,7 +185,7 @@ def test_t5_hugging_face_round_trip_and_logits(tmp_path, gated):
         out = run_distributed(_resume, 4, ours, dict(tp=2, pp=2, split=1, arch=arch), 1)
         assert _last(out)["iteration"] == 1 and _last(out)["losses"][0] > 0
         _check_copies(out)
-    r = _tool("--load", ours, "--save", hf1, "--to-hf", "--verify")
+    r = _tool("--load", ours, "--save", hf1, "--to-hf", "--verify", cli=gated)  # the command line once
     assert _diff(r) < 1e-4 and "T5ForConditionalGeneration" in r.stdout
     a, b = load_file(os.path.join(hf0, "model.safetensors")), load_file(os.path.join(hf1, "model.safetensors"))
     for k in a:  # HF -> ours -> HF is bit-identical
