@@ -6,7 +6,8 @@
 
 GPT checkpoints (any TP/PP, learned or RoPE positions, tied or untied output) are re-split to
 the target layout with uniform stages; T5 checkpoints put the encoder on pipeline ranks
-[0, split) and the decoder on [split, pp) (--target-pipeline-model-parallel-split-rank). Model weights move bit for bit; optimizer state does not
+[0, split) and the decoder on [split, pp) (--target-pipeline-model-parallel-split-rank).
+Model weights move bit for bit; optimizer state does not
 (it is sharded like the model), so training resumes with a fresh optimizer and LR schedule
 position kept, as with Megatron's converter.
 

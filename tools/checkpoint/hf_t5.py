@@ -111,7 +111,8 @@ def to_hf(config: dict, full: Dict[str, torch.Tensor]) -> Tuple[dict, Dict[str, 
                  "dropout_rate": m.hidden_dropout, "layer_norm_epsilon": m.layernorm_epsilon,
                  "feed_forward_proj": "gated-silu" if m.swiglu else "gelu_pytorch_tanh",
                  # false = no d_model**-0.5 on the decoder output; the head is still the shared table
-                 "tie_word_embeddings": False, "scale_decoder_outputs": False, "is_encoder_decoder": True, "decoder_start_token_id": 0,
+                 "tie_word_embeddings": False, "scale_decoder_outputs": False, "is_encoder_decoder": True,
+                 "decoder_start_token_id": 0,
                  "pad_token_id": 0, "eos_token_id": 1, "torch_dtype": "float32"}
     return hf_config, {k: v.contiguous().clone() for k, v in sd.items()}
 

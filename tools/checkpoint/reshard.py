@@ -3,7 +3,8 @@
 Library half of `tools/checkpoint/convert.py`: read every `mp_rank_*` file of one iteration,
 join the tensor-parallel shards into full tensors with global layer names, and cut them again
 for the target layout (T5: encoder layers on pipeline ranks [0, split), decoder layers on
-[split, pp), as `megatron.models.t5.t5_stage_layers` lays them out). Only the model moves: optimizer state is sharded like the model and
+[split, pp), as `megatron.models.t5.t5_stage_layers` lays them out).
+Only the model moves: optimizer state is sharded like the model and
 is dropped (the loader starts it fresh and says so), as Megatron's converter does.
 """
 from __future__ import annotations
