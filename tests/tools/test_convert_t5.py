@@ -144,8 +144,8 @@ def test_t5_reshard_moves_the_split_rank(trained, tmp_path):
 
 # -- Hugging Face ------------------------------------------------------------------------------
 def _hf_model(folder, gated=True, scale=False, seed=0):
-    """A small random HF T5 saved to `folder` (same sizes as tiny_t5_config, head size 8 x 4 heads
-    would not be a power of 4, so d_kv = 16 keeps the 1/sqrt(d) fold exact)."""
+    """A small random HF T5 saved to `folder`: tiny_t5_config's sizes except d_kv = 16 (a power of 4,
+    so folding 1/sqrt(d_kv) into the query weights is exact both ways) and d_ff = 64."""
     from transformers import T5Config, T5ForConditionalGeneration
     torch.manual_seed(seed)
     c = T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
