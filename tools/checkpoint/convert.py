@@ -5,17 +5,20 @@
         --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1
 
 GPT checkpoints (any TP/PP, learned or RoPE positions, tied or untied output) are re-split to
-the target layout with uniform stages. Model weights move bit for bit; optimizer state does not
+the target layout with uniform stages; T5 checkpoints put the encoder on pipeline ranks
+[0, split) and the decoder on [split, pp) (--target-pipeline-model-parallel-split-rank).
+Model weights move bit for bit; optimizer state does not
 (it is sharded like the model), so training resumes with a fresh optimizer and LR schedule
 position kept, as with Megatron's converter.
 
-Hugging Face: GPT-2 (learned positions, LayerNorm, GeLU, biases, tied output) or Llama (RoPE,
-RMSNorm, SwiGLU, no biases, optional GQA; chosen from the checkpoint):
+Hugging Face: GPT-2 (learned positions, LayerNorm, GeLU, biases, tied output), Llama (RoPE,
+RMSNorm, SwiGLU, no biases, optional GQA) or T5ForConditionalGeneration (our T5 with relative
+positions, RMSNorm, no linear biases; chosen from the checkpoint):
     python tools/checkpoint/convert.py --load runs/ckpt --save hf_out --to-hf --verify
     python tools/checkpoint/convert.py --load hf_out --save runs/from_hf --from-hf \
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2 --verify
 `--verify` runs both models on the same random tokens and prints max_abs_logit_diff=<float>.
-Needs `pip install transformers safetensors` (only for these modes). T5 is not implemented yet. Exit status: 0 ok, 1 bad checkpoint, 2 bad flags.
+Needs `pip install transformers safetensors` (only for these modes). Exit status: 0 ok, 1 bad checkpoint, 2 bad flags.
 """
 from __future__ import annotations
 
@@ -35,11 +38,18 @@ def main(argv=None) -> int:
     p.add_argument("--iteration", type=int, default=None, help="iteration to convert (default: the tracked one)")
     p.add_argument("--target-tensor-parallel-size", type=int, default=None)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=None)
+    p.add_argument("--target-pipeline-model-parallel-split-rank", type=int, default=None,
+                   help="T5 only: first pipeline rank of the decoder (default: the source's when the pipeline "
+                        "size is unchanged, else target pp // 2)")
     p.add_argument("--to-hf", action="store_true", help="write a Hugging Face GPT-2 folder (safetensors + config)")
     p.add_argument("--from-hf", action="store_true", help="read a Hugging Face GPT-2 folder")
     p.add_argument("--verify", action="store_true", help="compare logits of both models on random tokens")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="--from-hf: the vocabulary padding the training run will use (must match its flag)")
+    p.add_argument("--encoder-seq-length", type=int, default=None,
+                   help="--from-hf T5: the training run's --encoder-seq-length (HF T5 has none; it sets the "
+                        "checkpoint's max position embeddings, which the run must match)")
+    p.add_argument("--decoder-seq-length", type=int, default=None, help="--from-hf T5: as --encoder-seq-length")
     args = p.parse_args(argv)
     if args.to_hf and args.from_hf:
         p.error("--to-hf and --from-hf are two directions; pick one")
@@ -56,7 +66,7 @@ def main(argv=None) -> int:
     try:
         config, full, meta = read_full_model(args.load, args.iteration)
         out = write_resharded(config, full, meta, args.save, args.target_tensor_parallel_size,
-                              args.target_pipeline_parallel_size)
+                              args.target_pipeline_parallel_size, args.target_pipeline_model_parallel_split_rank)
     except (ReshardError, OSError) as e:
         print(f"convert: error: {e}", file=sys.stderr)
         return 1
@@ -69,7 +79,7 @@ def main(argv=None) -> int:
 
 def _hf(args) -> int:
     try:
-        from tools.checkpoint import hf_gpt2, hf_llama
+        from tools.checkpoint import hf_gpt2, hf_llama, hf_t5
         import transformers  # noqa: F401
         import safetensors  # noqa: F401
     except ImportError as e:
@@ -81,6 +91,8 @@ def _hf(args) -> int:
         if args.to_hf:
             config, full, meta = read_full_model(args.load, args.iteration)
             arch = hf_llama if hf_llama.is_llama(config["model"]) else hf_gpt2
+            if config["model"]["model_type"] == "t5":
+                arch = hf_t5
             hf_config, sd = arch.to_hf(config, full)
             hf_gpt2.save_hf(args.save, hf_config, sd)
             model_fields, hf_dir = config["model"], args.save
@@ -88,19 +100,25 @@ def _hf(args) -> int:
         else:
             from megatron.config import MegatronConfig, ModelConfig
             hf_config, sd = hf_gpt2.load_hf(args.load)
-            arch = hf_llama if hf_config.get("model_type") == "llama" else hf_gpt2
+            arch = {"llama": hf_llama, "t5": hf_t5}.get(hf_config.get("model_type"), hf_gpt2)
             model_fields, full = arch.from_hf(hf_config, sd)
             model_fields["make_vocab_size_divisible_by"] = args.make_vocab_size_divisible_by
+            if arch is hf_t5:
+                for k in ("encoder_seq_length", "decoder_seq_length"):
+                    if getattr(args, k) is not None:
+                        model_fields[k] = getattr(args, k)
             config = MegatronConfig(model=ModelConfig(**model_fields)).to_dict()
             meta = {"iteration": 0, "consumed_samples": 0, "skipped_iters": 0, "consumed_tokens": 0}
             out = write_resharded(config, full, meta, args.save, args.target_tensor_parallel_size,
-                                  args.target_pipeline_parallel_size)
+                                  args.target_pipeline_parallel_size, args.target_pipeline_model_parallel_split_rank)
             model_fields, hf_dir = config["model"], args.load
             print(f"wrote our checkpoint (iteration 0) to {out}")
     except (ReshardError, ValueError, KeyError, OSError) as e:
         print(f"convert: error: {e}", file=sys.stderr)
         return 1
-    if args.verify:
+    if args.verify and arch is hf_t5:
+        print(f"max_abs_logit_diff={hf_t5.logit_diff(model_fields, full, hf_dir):.3e}")
+    elif args.verify:
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, model_fields["vocab_size"], (2, min(16, model_fields["seq_length"])), generator=g)
         diff = (hf_gpt2.our_logits(model_fields, full, tokens) - arch.hf_logits(hf_dir, tokens)).abs().max()
