@@ -390,6 +390,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         distributed_backend=args.distributed_backend,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         validate_plans_iters=args.validate_plans_iters,
+        stage_parallel=getattr(args, "stage_parallel", None),
     )
     training = TrainingConfig(
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,

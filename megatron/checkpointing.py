@@ -68,6 +68,7 @@ MUST_MATCH = [
     ("parallel", "num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),
     ("parallel", "pipeline_stage_layers", "--pipeline-stage-layers"),
     ("parallel", "pipeline_model_parallel_split_rank", "--pipeline-model-parallel-split-rank"),
+    ("parallel", "stage_parallel", "--aceso-config (per-stage TP x DP sizes)"),
 ]
 
 

@@ -156,12 +156,18 @@ class ParallelConfig:
     distributed_backend: Optional[str] = None  # nccl on CUDA, gloo otherwise
     distributed_timeout_minutes: float = 10.0
     validate_plans_iters: int = 2  # validate the first N iterations' plans (0 = never, -1 = always)
+    # Per-stage (TP, DP) sizes (--aceso-config with heterogeneous stages); None = uniform. Then
+    # tensor_model_parallel_size is the largest stage TP and --micro-batch-size is the pipeline
+    # micro-batch, split over each stage's DP ranks (megatron/planner/hetero.py).
+    stage_parallel: Optional[List[List[int]]] = None
 
     def __post_init__(self):
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         _require(tp >= 1, f"--tensor-model-parallel-size must be >= 1, got {tp}")
         _require(pp >= 1, f"--pipeline-model-parallel-size must be >= 1, got {pp}")
-        _require(self.world_size % (tp * pp) == 0,
+        if self.stage_parallel is not None:
+            self._check_stage_parallel()
+        _require(self.stage_parallel is not None or self.world_size % (tp * pp) == 0,
                  f"world size ({self.world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
                  f"--pipeline-model-parallel-size ({pp}) = {tp * pp}")
         _require(self.distributed_backend in (None, "gloo", "nccl"),
@@ -178,8 +184,24 @@ class ParallelConfig:
         _require(self.pipeline_schedule in ("1f1b", "gpipe"),
                  f"--pipeline-schedule must be 1f1b or gpipe, got {self.pipeline_schedule!r}")
 
+    def _check_stage_parallel(self) -> None:
+        sp = self.stage_parallel
+        desc = ", ".join(f"stage {s}: TP {t} x DP {d}" for s, (t, d) in enumerate(sp))
+        _require(len(sp) == self.pipeline_model_parallel_size,
+                 f"{len(sp)} per-stage TP x DP sizes ({desc}) for --pipeline-model-parallel-size "
+                 f"{self.pipeline_model_parallel_size}")
+        _require(all(t >= 1 and d >= 1 for t, d in sp), f"per-stage TP and DP sizes must be >= 1 ({desc})")
+        total = sum(t * d for t, d in sp)
+        _require(total == self.world_size, f"the stages need {total} ranks ({desc}) but the job has {self.world_size}")
+        _require(self.num_layers_per_virtual_pipeline_stage is None,
+                 "stages with their own TP/DP sizes run one stage per pipeline rank: drop "
+                 "--num-layers-per-virtual-pipeline-stage")
+        self.tensor_model_parallel_size = max(t for t, _ in sp)
+
     @property
     def data_parallel_size(self) -> int:
+        if self.stage_parallel is not None:
+            return 1  # each stage splits the pipeline micro-batch over its own DP ranks
         return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
 
 
@@ -430,6 +452,8 @@ class MegatronConfig:
         _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
                  f"--global-batch-size ({t.global_batch_size}) is not divisible by --micro-batch-size "
                  f"({t.micro_batch_size}) x data-parallel size ({dp}) = {t.micro_batch_size * dp}")
+        if p.stage_parallel is not None:
+            self._check_stage_parallel_model()
         _require(m.num_attention_heads % tp == 0,
                  f"--num-attention-heads ({m.num_attention_heads}) is not divisible by "
                  f"--tensor-model-parallel-size ({tp})")
@@ -477,6 +501,28 @@ class MegatronConfig:
         if self.terapipe.enabled:
             from megatron.planner.terapipe import check_terapipe_config
             check_terapipe_config(self)
+
+    def _check_stage_parallel_model(self) -> None:
+        """What stages with their own TP/DP sizes need from the rest of the configuration."""
+        m, t, sp = self.model, self.training, self.parallel.stage_parallel
+        _require(m.model_type == "gpt", "stages with their own TP/DP sizes run GPT only")
+        for s, (tp, dp) in enumerate(sp):
+            for what, n, flag in (("attention heads", m.num_attention_heads, "--num-attention-heads"),
+                                  ("query groups", m.query_groups, "--num-query-groups"),
+                                  ("FFN columns", m.ffn_hidden_size, "--ffn-hidden-size")):
+                _require(n % tp == 0, f"stage {s} runs TP {tp}, which does not divide its {what} ({flag} {n})")
+            _require(t.micro_batch_size % dp == 0,
+                     f"stage {s} splits each micro-batch over DP {dp}: --micro-batch-size ({t.micro_batch_size}, the "
+                     f"pipeline micro-batch) must be a multiple of it")
+        refused = [(m.sequence_parallel, "--sequence-parallel"), (self.data.dynapipe, "--dynapipe"),
+                   (self.data.pack_dataset, "--pack-dataset"), (self.data.targets_data_path, "--targets-data-path"),
+                   (t.use_distributed_optimizer, "--use-distributed-optimizer"),
+                   (t.overlap_grad_reduce, "--overlap-grad-reduce"), (self.compression.enabled, "Optimus-CC compression"),
+                   (self.terapipe.enabled, "--terapipe"), (self.parallel.pipeline_schedule != "1f1b",
+                                                           "--pipeline-schedule gpipe")]
+        for on, flag in refused:
+            _require(not on, f"stages with their own TP/DP sizes (--aceso-config) do not support {flag} yet; "
+                             "drop it or use a config whose stages share one TP and DP size")
 
     def _check_sequence_parallel(self) -> None:
         m, p = self.model, self.parallel

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import MegatronConfig
-from megatron.core.parallel_state import ParallelState, initialize_model_parallel
+from megatron.core.parallel_state import ParallelState, initialize_heterogeneous_parallel, initialize_model_parallel
 from megatron.core.tensor_parallel.random import model_parallel_seed
 
 
@@ -35,10 +35,17 @@ def initialize_megatron(cfg: MegatronConfig) -> Tuple[ParallelState, torch.devic
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if use_cuda else None)
-    ps = initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
-                                   cfg.parallel.pipeline_model_parallel_size, timeout)
+    ps = initialize_parallel(cfg, timeout)
     set_seeds(cfg.training.seed, ps, device)
     return ps, device
+
+
+def initialize_parallel(cfg: MegatronConfig, timeout: timedelta) -> ParallelState:
+    """Process groups for the configured layout (uniform, or per-stage TP x DP sizes)."""
+    if cfg.parallel.stage_parallel is not None:
+        return initialize_heterogeneous_parallel(cfg.parallel.stage_parallel, timeout)
+    return initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
+                                     cfg.parallel.pipeline_model_parallel_size, timeout)
 
 
 def set_seeds(seed: int, ps: ParallelState, device: torch.device) -> None:

@@ -56,10 +56,14 @@ def build_gpt_trainer(cfg: MegatronConfig, ps, device):
         cfg.model.vocab_size = tokenizer.vocab_size
     stages = build_gpt_stages(cfg, ps)
     chunks = num_model_chunks(cfg)
+    plan_pass = grad_compression_pass(cfg)
+    if ps.stage_layouts:
+        from megatron.planner.hetero import layout_pass
+        plan_pass = layout_pass(ps.stage_layouts)
     planner = FixedBatchPlanner(cfg.parallel.pipeline_schedule, ps.pp_size, chunks,
                                 lambda shapes: gpt_activation_shapes(cfg.model, shapes, ps.tp_size),
                                 cfg.training.recompute_level, cfg.training.params_dtype_name,
-                                plan_pass=grad_compression_pass(cfg))
+                                plan_pass=plan_pass)
     tied = [] if cfg.model.untie_embeddings_and_output_weights else tied_embedding_params(stages, ps.pp_size * chunks)
     flops = gpt_flops_per_sample(cfg.model, cfg.model.padded_vocab_size(ps.tp_size))
     if cfg.data.targets_data_path:
@@ -103,8 +107,15 @@ def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int
         else:
             batch = (f"global batch {cfg.training.global_batch_size} = {cfg.num_microbatches} micro-batches x "
                      f"{cfg.training.micro_batch_size} x DP {ps.dp_size}")
+        if ps.stage_layouts:
+            layers = cfg.parallel.pipeline_stage_layers or [cfg.model.num_layers // ps.pp_size] * ps.pp_size
+            layout = "stages " + " | ".join(f"TP{t}xDP{d} ({n} layers)" for (t, d), n in zip(ps.stage_layouts, layers))
+            batch = (f"global batch {cfg.training.global_batch_size} = {cfg.num_microbatches} pipeline micro-batches "
+                     f"of {cfg.training.micro_batch_size}, split over each stage's DP ranks")
+        else:
+            layout = f"TP={ps.tp_size} PP={ps.pp_size} DP={ps.dp_size}"
         print_rank_0(f"> {cfg.model.model_type.upper()}: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
-                     f"TP={ps.tp_size} PP={ps.pp_size} DP={ps.dp_size}, {batch}")
+                     f"{layout}, {batch}")
         trainer = build_trainer(cfg, ps, device)
         if cfg.checkpoint.load:
             load_checkpoint(trainer)

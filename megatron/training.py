@@ -91,10 +91,15 @@ class FixedBatchSource:
             raise RuntimeError(f"the dataset has {n} samples but iteration {iteration} needs sample "
                                f"{consumed_samples + t.global_batch_size - 1}; build it for --train-iters x "
                                "--global-batch-size samples")
-        sampler = MegatronPretrainingSampler(n, consumed_samples, t.micro_batch_size, self.ps.dp_rank, self.ps.dp_size)
+        # With per-stage DP sizes --micro-batch-size is the pipeline micro-batch: this rank takes
+        # its stage's share of each one, and plans are made for the whole micro-batches.
+        split = self.ps.dp_size if self.ps.stage_layouts else 1
+        sampler = MegatronPretrainingSampler(n, consumed_samples, t.micro_batch_size // split, self.ps.dp_rank,
+                                             self.ps.dp_size)
         idx = list(itertools.islice(sampler, self.cfg.num_microbatches))
         mbs = [self.collate_fn([self.dataset[i] for i in ids]) for ids in idx]
-        plan = self.planner.plans(iteration, [self.shapes_fn(mb) for mb in mbs])[self.ps.pp_rank]
+        shapes = [tuple((s[0] * split,) + tuple(s[1:]) for s in self.shapes_fn(mb)) for mb in mbs]
+        plan = self.planner.plans(iteration, shapes)[self.ps.plan_rank]
         return IterationWork(mbs, plan, t.global_batch_size)
 
 
@@ -245,6 +250,13 @@ class Trainer:
         if self.fused_embedding_group is not None:
             from megatron.compression.embedding import fused_embedding_all_reduce
             sent["emb"] = fused_embedding_all_reduce(self.tied_params, self.fused_embedding_group)
+            tied = {id(p) for p in self.tied_params}
+            dp_params = [p for p in dp_params if id(p) not in tied]
+        elif ps.stage_layouts:
+            from megatron.core.distributed import allreduce_resharded_embedding_grads
+            vocab_rows = max(self.cfg.model.padded_vocab_size(tp) for tp, _ in ps.stage_layouts)
+            sent["emb"] = allreduce_resharded_embedding_grads(self.tied_params, ps.embedding_group, ps.tp_rank,
+                                                              vocab_rows)
             tied = {id(p) for p in self.tied_params}
             dp_params = [p for p in dp_params if id(p) not in tied]
         else:

@@ -14,17 +14,19 @@ VOCAB = 101  # not divisible by any TP degree or padding multiple used here
 
 def tiny_config(world=1, tp=1, pp=1, vpp_layers=None, schedule="1f1b", stage_layers=None, layers=4,
                 mbs=2, gbs=8, iters=3, dropout=0.0, recompute=None, fp16=False, bf16=False, save=None,
-                load=None, save_interval=None, seq=16, hidden=32, heads=4, lr=1e-3, untie=False, arch=None):
+                load=None, save_interval=None, seq=16, hidden=32, heads=4, lr=1e-3, untie=False, arch=None,
+                stage_parallel=None, recompute_layers=None):
     return MegatronConfig(
         model=ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq,
                           vocab_size=VOCAB, make_vocab_size_divisible_by=8, hidden_dropout=dropout,
                           attention_dropout=dropout, untie_embeddings_and_output_weights=untie, **(arch or {})),
         parallel=ParallelConfig(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 num_layers_per_virtual_pipeline_stage=vpp_layers, pipeline_schedule=schedule,
-                                pipeline_stage_layers=stage_layers, distributed_timeout_minutes=1.0),
+                                pipeline_stage_layers=stage_layers, distributed_timeout_minutes=1.0,
+                                stage_parallel=stage_parallel),
         training=TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, train_iters=iters, lr=lr,
                                 lr_warmup_iters=1, seed=1234, recompute_granularity=recompute, fp16=fp16, bf16=bf16,
-                                clip_grad=1.0, eval_interval=1000),
+                                clip_grad=1.0, eval_interval=1000, recompute_layers=recompute_layers),
         data=DataConfig(mock_data=True),
         checkpoint=CheckpointConfig(save=save, load=load, save_interval=save_interval),
         logging=LoggingConfig(log_interval=1000),
@@ -72,14 +74,11 @@ def assemble(per_rank: list) -> dict:
 
 def make_trainer(cfg):
     """A GPT Trainer for `cfg` on the already-initialised process group (as pretrain_gpt.py builds it)."""
-    from megatron.core.parallel_state import initialize_model_parallel
-    from megatron.initialize import set_seeds
+    from megatron.initialize import initialize_parallel, set_seeds
     from megatron.pretrain import build_gpt_trainer
 
     from datetime import timedelta
-    ps = initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
-                                   cfg.parallel.pipeline_model_parallel_size,
-                                   timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+    ps = initialize_parallel(cfg, timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
     device = torch.device("cpu")
     set_seeds(cfg.training.seed, ps, device)
     return build_gpt_trainer(cfg, ps, device)

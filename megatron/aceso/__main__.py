@@ -63,8 +63,8 @@ def main(argv=None):
     s.add_argument("--granularity", choices=["layer", "op"], default="layer",
                    help="where stages may be cut: layer boundaries (runnable) or any operator (Aceso)")
     s.add_argument("--runnable", action="store_true",
-                   help="only configurations --aceso-config can run today: all stages share one TP "
-                        "and DP size, only layer operators are recomputed")
+                   help="only configurations --aceso-config can run: stage cuts on layer boundaries, "
+                        "only layer operators recomputed (stages may still differ in TP and DP)")
     s.add_argument("--out-dir", default=None)
     g = sub.add_parser("grid", help="best Megatron uniform configuration under the same model")
     _common(g)

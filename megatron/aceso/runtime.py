@@ -1,13 +1,16 @@
 """Run an Aceso JSON configuration on the existing executor (``--aceso-config FILE``, GPT).
 
-What is supported: per-stage layer counts (stage cuts on layer boundaries) and per-layer
-recompute taken from the per-op ``recompute_ops`` flags; the micro-batch (Aceso's pipeline
-micro-batch divided by the DP size), the global batch, TP and PP sizes. The stages then
-run through the normal planner (``--pipeline-stage-layers``) and executor.
+What is supported: per-stage layer counts (stage cuts on layer boundaries), per-layer
+recompute taken from the per-op ``recompute_ops`` flags, the global batch, and per-stage TP
+and DP sizes. When every stage has the same (TP, DP) the run is an ordinary Megatron layout
+(``--pipeline-stage-layers``; the micro-batch is Aceso's pipeline micro-batch divided by DP).
+When they differ, stage s runs on TP_s x DP_s contiguous ranks, ``--micro-batch-size`` is
+Aceso's pipeline micro-batch (each stage splits it over its DP ranks), and the static 1F1B
+plans are rewritten per global rank with multi-peer, row-sliced sends and receives
+(megatron/planner/hetero.py); the executor, validator and trainer are the usual ones.
 
-Not supported yet (rejected with a message): stages with different TP or DP sizes (the
-multi-peer resharding sends), op-level TP/DP changes inside a stage, stage cuts inside a
-layer, recompute of the embedding / head operators, and T5.
+Not supported (rejected with a message): op-level TP/DP changes inside a stage, stage cuts
+inside a layer, recompute of the embedding / head operators, and T5.
 
 Per-layer recompute mode from the layer's op flags: ``none`` when no op is recomputed,
 ``selective`` when only core-attention ops are (score, softmax, dropout, context; or our
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 # Layer operator names by ops per layer: Aceso's CUDA tables (13) and our profiler's (10).
 ACESO_GPT_LAYER_OPS = [
@@ -48,8 +51,9 @@ class AcesoLayout:
     dp: int
     stage_layers: List[int]
     recompute_layers: List[str]   # per global layer: none | selective | full
-    micro_batch_size: int         # per DP rank
+    micro_batch_size: int         # per DP rank; the pipeline micro-batch when stage_parallel is set
     global_batch_size: int
+    stage_parallel: Optional[List[List[int]]] = None  # [TP, DP] per stage when they differ
 
 
 def layer_mode(names: List[str], flags: List[int]) -> str:
@@ -85,15 +89,11 @@ def gpt_layout(d: Dict[str, Any], num_layers: int, world_size: int) -> AcesoLayo
             raise AcesoConfigError(f"{flag}: stage {s} changes TP/DP between its ops; the runtime "
                                    f"runs one TP and DP size per stage")
     shapes = [(next(iter(t)), next(iter(p))) for t, p in zip(tps, dps)]
-    if len(set(shapes)) != 1:
-        desc = ", ".join(f"stage {s}: TP {t} x DP {p}" for s, (t, p) in enumerate(shapes))
-        raise AcesoConfigError(
-            f"{flag}: stages with different TP/DP sizes ({desc}) are not supported by the runtime "
-            f"yet (the performance model and search handle them); use a config whose stages share "
-            f"one TP and DP size")
+    hetero = len(set(shapes)) != 1
     tp, dp = shapes[0]
-    if tp * dp * S != world_size:
-        raise AcesoConfigError(f"{flag}: {S} stages x TP {tp} x DP {dp} = {tp * dp * S} ranks, but "
+    if sum(t * p for t, p in shapes) != world_size:
+        desc = " + ".join(f"TP {t} x DP {p}" for t, p in shapes)
+        raise AcesoConfigError(f"{flag}: the {S} stages need {desc} = {sum(t * p for t, p in shapes)} ranks, but "
                                f"the job has {world_size}")
     # stage cuts must fall on layer boundaries
     stage_layers, start = [], 0
@@ -118,8 +118,12 @@ def gpt_layout(d: Dict[str, Any], num_layers: int, world_size: int) -> AcesoLayo
         a = HEAD_OPS + j * per_layer
         rec.append(layer_mode(names, flags[a:a + per_layer]))
     mbs = int(d["micro_batch_size"])
-    if mbs % dp:
-        raise AcesoConfigError(f"{flag}: micro_batch_size {mbs} is not divisible by DP {dp}")
+    for s, (_, p) in enumerate(shapes):
+        if mbs % p:
+            raise AcesoConfigError(f"{flag}: micro_batch_size {mbs} is not divisible by stage {s}'s DP {p}")
+    if hetero:
+        return AcesoLayout(max(t for t, _ in shapes), S, 1, stage_layers, rec, mbs, int(d["global_batch_size"]),
+                           [[t, p] for t, p in shapes])
     return AcesoLayout(tp, S, dp, stage_layers, rec, mbs // dp, int(d["global_batch_size"]))
 
 
@@ -155,4 +159,5 @@ def apply_to_args(args, model_type: str, world_size: int, defaults: Dict[str, An
         setattr(args, dest, value)
     args.pipeline_stage_layers = lay.stage_layers if lay.pp > 1 else None
     args.recompute_layers = lay.recompute_layers
+    args.stage_parallel = lay.stage_parallel
 

@@ -105,7 +105,7 @@ class Searcher:
         self.mbs_local = pm.db.mbs_values
         self.max_hops, self.width, self.restart_ratio = max_hops, width, restart_ratio
         self.budget_trials, self.budget_seconds = budget_trials, budget_seconds
-        # what --aceso-config runs today: one (TP, DP) for all stages, recompute of layer ops only
+        # what --aceso-config runs: stage cuts on layer boundaries, recompute of layer ops only
         self.runnable = runnable
         self.cache: Dict[State, Evaluated] = {}
         self._fit_cache: Dict[tuple, Tuple[Tuple[int, ...], float]] = {}
@@ -131,8 +131,6 @@ class Searcher:
                 return False
             r += g
         if r != self.G:
-            return False
-        if self.runnable and (len(set(tps)) > 1 or len(set(dps)) > 1):
             return False
         return all(bounds[i] < bounds[i + 1] for i in range(len(bounds) - 1))
 
@@ -234,8 +232,6 @@ class Searcher:
             gpus[i] *= 2
             i += 1
         gpus.sort(reverse=True)
-        if self.runnable and len(set(gpus)) > 1:
-            return None
         bounds = tuple(round(k * self.U / S) for k in range(S + 1))
         tps = tuple(max(t for t in self.tps if t <= g) for g in gpus)
         dps = tuple(g // t for g, t in zip(gpus, tps))

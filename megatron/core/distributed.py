@@ -65,6 +65,29 @@ def allreduce_embedding_grads(tied_params: List[nn.Parameter], embedding_group) 
         dist.all_reduce(p.grad, group=embedding_group)
 
 
+def allreduce_resharded_embedding_grads(tied_params: List[nn.Parameter], embedding_group, tp_rank: int,
+                                        vocab_rows: int) -> int:
+    """Tied-embedding sync when the first and last stage have different TP or DP sizes (their
+    vocabulary shards differ): every rank of both stages writes its shard's gradient into a
+    zero [vocab_rows, h] buffer at its rows (vocabulary row v is token v on both stages), one
+    all-reduce sums them, each rank takes its rows back. Run *before* the data-parallel
+    reduction and leave the tied parameters out of it: the sum already spans every DP replica
+    of both stages. Returns the payload bytes."""
+    if embedding_group is None:
+        return 0
+    sent = 0
+    for p in tied_params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        rows = p.shape[0]
+        full = torch.zeros((vocab_rows,) + tuple(p.shape[1:]), dtype=p.grad.dtype, device=p.grad.device)
+        full[tp_rank * rows:(tp_rank + 1) * rows] = p.grad
+        dist.all_reduce(full, group=embedding_group)
+        p.grad.copy_(full[tp_rank * rows:(tp_rank + 1) * rows])
+        sent += full.numel() * full.element_size()
+    return sent
+
+
 class OverlappedGradReducer:
     """`--overlap-grad-reduce`: the data-parallel all-reduce of a bucket starts while the
     backward passes still run, as soon as every gradient in it is final.

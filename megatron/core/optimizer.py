@@ -45,7 +45,13 @@ def global_grad_norm_sq(params: Iterable[nn.Parameter], ps: ParallelState) -> to
     for p in params:
         if p.grad is not None and counts_for_norm(p, ps.tp_rank):
             total += p.grad.detach().double().pow(2).sum().cpu()
-    if ps.mp_group is not None and ps.tp_size * ps.pp_size > 1:
+    if ps.stage_layouts:
+        # Stages have their own DP sizes, so no group holds exactly one model replica: every
+        # stage's DP rank 0 speaks for its (identical, already reduced) replicas.
+        if ps.dp_rank != 0:
+            total.zero_()
+        dist.all_reduce(total)
+    elif ps.mp_group is not None and ps.tp_size * ps.pp_size > 1:
         dist.all_reduce(total, group=ps.mp_group)
     return total
 

@@ -36,6 +36,17 @@ class ParallelState:
     dp_global_ranks: List[int] = field(default_factory=lambda: [0])
     embedding_global_ranks: List[int] = field(default_factory=list)
     timeout: timedelta = timedelta(minutes=10)
+    # Stages with their own (TP, DP) sizes (Aceso): ((tp, dp) per stage); () = one TP x DP for
+    # every stage. Then tp/dp_size are this rank's stage's, pp_global_ranks is every rank (plans
+    # are per global rank, peers are global ranks), and embedding_group holds every rank of the
+    # first and the last stage (tied embeddings are re-split between their TP sizes).
+    stage_layouts: tuple = ()
+
+    @property
+    def plan_rank(self) -> int:
+        """Index of this rank's plan in a planner's list: its pipeline rank, or its global rank
+        when stages have their own TP/DP sizes (each DP part of a stage has its own peers)."""
+        return self.rank if self.stage_layouts else self.pp_rank
 
     @property
     def is_pipeline_first_stage(self) -> bool:
@@ -104,4 +115,62 @@ def initialize_model_parallel(tp_size: int = 1, pp_size: int = 1,
             st.mp_group = g
     if pp_size == 1:
         st.embedding_group, st.embedding_global_ranks = None, []
+    return st
+
+
+def stage_rank_offsets(layouts) -> List[int]:
+    """First global rank of each stage: stages take contiguous rank ranges, in stage order."""
+    out, start = [], 0
+    for tp, dp in layouts:
+        out.append(start)
+        start += tp * dp
+    return out
+
+
+def stage_position(layouts, rank: int):
+    """(stage, dp index, tp index) of a global rank; ranks inside a stage are in tp-dp order."""
+    for stage, (start, (tp, dp)) in enumerate(zip(stage_rank_offsets(layouts), layouts)):
+        if start <= rank < start + tp * dp:
+            dp_index, tp_index = divmod(rank - start, tp)
+            return stage, dp_index, tp_index
+    raise ValueError(f"rank {rank} is outside the {sum(t * d for t, d in layouts)} ranks of stage layout {layouts}")
+
+
+def initialize_heterogeneous_parallel(layouts, timeout: Optional[timedelta] = None) -> ParallelState:
+    """Groups for pipeline stages with their own (TP, DP) sizes: stage s runs on
+    ``layouts[s] = (tp, dp)`` ranks. Every rank creates every group, in the same order."""
+    layouts = tuple((int(t), int(d)) for t, d in layouts)
+    world = sum(t * d for t, d in layouts)
+    if not dist.is_initialized() or dist.get_world_size() != world:
+        have = dist.get_world_size() if dist.is_initialized() else 1
+        raise RuntimeError(f"stage layout {layouts} needs {world} ranks (sum of TP x DP per stage), the job has {have}")
+    rank = dist.get_rank()
+    stage, dp_rank, tp_rank = stage_position(layouts, rank)
+    tp_size, dp_size = layouts[stage]
+    st = ParallelState(world_size=world, rank=rank, tp_size=tp_size, pp_size=len(layouts), dp_size=dp_size,
+                       tp_rank=tp_rank, pp_rank=stage, dp_rank=dp_rank, timeout=timeout or timedelta(minutes=10),
+                       pp_global_ranks=list(range(world)), stage_layouts=layouts)
+
+    def make(ranks: List[int]):
+        g = dist.new_group(ranks, timeout=timeout)
+        return g if rank in ranks else None
+
+    offsets = stage_rank_offsets(layouts)
+    for s, (tp, dp) in enumerate(layouts):
+        for d in range(dp):
+            ranks = [offsets[s] + d * tp + t for t in range(tp)]
+            g = make(ranks)
+            if g is not None:
+                st.tp_group, st.tp_global_ranks = g, ranks
+        for t in range(tp):
+            ranks = [offsets[s] + d * tp + t for d in range(dp)]
+            g = make(ranks)
+            if g is not None:
+                st.dp_group, st.dp_global_ranks = g, ranks
+    if len(layouts) > 1:
+        first = layouts[0]
+        ranks = list(range(first[0] * first[1])) + list(range(offsets[-1], world))
+        g = make(ranks)
+        if g is not None:
+            st.embedding_group, st.embedding_global_ranks = g, ranks
     return st

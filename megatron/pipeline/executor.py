@@ -14,6 +14,11 @@ tokens [offset, offset+length) of micro-batch `sequence`. The executor keeps one
 `SequenceKVCache` per (sequence, stage) from the first slice's forward to the first slice's
 backward; a slice's backward also receives the gradients of its keys/values that later slices
 sent back (see megatron/models/sliced_attention.py).
+
+Batch splits (stages with different TP / DP sizes): a message with `batch_slice = (first,
+count)` carries rows [first, first+count) of the micro-batch, dimension 1 of [s, b, h]. The
+executor holds rows `_local_rows()` of each micro-batch; a send ships the slice of its buffer,
+a receive buffer is allocated whole at its first piece and filled as the pieces finish.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from torch import nn
 
 from megatron.core import heartbeat
 from megatron.pipeline import instructions as I
-from megatron.pipeline.p2p import P2PCommunicator
+from megatron.pipeline.p2p import DTYPES, P2PCommunicator
 from megatron.models.sliced_attention import SequenceKVCache
 
 SLICED_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -119,6 +124,7 @@ class PipelineExecutor:
         self.recvs: Dict[tuple, object] = {}
         self.kv_caches: Dict[tuple, SequenceKVCache] = {}
         self.slice_records: Dict[tuple, object] = {}
+        self.assembling: Dict[int, int] = {}  # slot -> rows still to arrive (batch-split receives)
         self.plan = plan
         self.microbatches = microbatches
         self.loss_multiplier = loss_multiplier
@@ -158,7 +164,7 @@ class PipelineExecutor:
             raise PlanExecutionError(
                 f"{self.rank_desc}, iteration {plan.iteration}: token slices of (sequence, stage) "
                 f"{sorted(self.kv_caches)} never ran the backward of their first slice")
-        self.slots = self.records = self.data = self.kv_caches = self.slice_records = {}
+        self.slots = self.records = self.data = self.kv_caches = self.slice_records = self.assembling = {}
         return self.stats
 
     # -- instruction handlers ------------------------------------------------------------
@@ -259,6 +265,20 @@ class PipelineExecutor:
     def _tensors(self, ins):
         return [t for bid in ins.buffer_ids for t in self.slots[bid]]
 
+    def _key(self, kind: str, ins) -> tuple:
+        # Pieces of one batch-split message go to / come from several peers.
+        if ins.batch_slice:
+            return kind, ins.microbatch, ins.stage, ins.peer, tuple(ins.batch_slice)
+        return kind, ins.microbatch, ins.stage
+
+    def _local_rows(self, ins) -> slice:
+        """Where the message's rows sit in this rank's [s, b, h] buffer."""
+        first, count = ins.batch_slice
+        b = self.plan.microbatch_shapes[ins.microbatch][0][0]
+        index, parts = self.plan.batch_split
+        start = first - index * (b // parts)
+        return slice(start, start + count)
+
     def _send_start(self, ins, kind: str):
         what = f"{type(ins).__name__}(microbatch={ins.microbatch}, stage={ins.stage}) to pipeline rank {ins.peer}"
         tensors = self._tensors(ins)
@@ -269,6 +289,9 @@ class PipelineExecutor:
         if actual != planned:
             raise PlanExecutionError(f"{self.rank_desc}: {what}: the tensors to send have shapes {actual} but the plan "
                                f"says {planned}; the planner's shapes do not match the model")
+        if ins.batch_slice:
+            rows = self._local_rows(ins)
+            tensors = [t[:, rows] for t in tensors]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if kind == "grad":
             self.stats.grad_bytes_raw += nbytes
@@ -278,7 +301,7 @@ class PipelineExecutor:
             self.stats.grad_bytes += nbytes
         else:
             self.stats.act_bytes += nbytes
-        self.sends[(kind, ins.microbatch, ins.stage)] = self.comm.isend(tensors, ins.peer, what)
+        self.sends[self._key(kind, ins)] = self.comm.isend(tensors, ins.peer, what)
 
     def _compressor(self):
         if self.grad_compressor is None:
@@ -287,11 +310,13 @@ class PipelineExecutor:
         return self.grad_compressor
 
     def _send_finish(self, ins, kind: str):
-        handle = self.sends.pop((kind, ins.microbatch, ins.stage))
+        handle = self.sends.pop(self._key(kind, ins))
         if handle.peer != ins.peer:
             raise PlanExecutionError(f"{self.rank_desc}: {type(ins).__name__}(microbatch={ins.microbatch}) names pipeline "
                                f"rank {ins.peer} but its Start sent to {handle.peer}")
         self.comm.wait(handle)
+        if ins.batch_slice and any(k[:3] == (kind, ins.microbatch, ins.stage) for k in self.sends):
+            return  # other pieces of this output are still going out: keep its data
         if kind == "act" and self.free_sent_activations:
             record = self.records.get((ins.microbatch, ins.stage))
             stage = self.stages.get(ins.stage)
@@ -304,17 +329,33 @@ class PipelineExecutor:
 
     def _recv_start(self, ins, kind: str):
         what = f"{type(ins).__name__}(microbatch={ins.microbatch}, stage={ins.stage}) from pipeline rank {ins.peer}"
-        if ins.compress_rank:
+        if ins.batch_slice:
+            count = ins.batch_slice[1]
+            if ins.buffer_ids[0] not in self.assembling:  # first piece: the whole buffer
+                for bid, shape in zip(ins.buffer_ids, ins.buffer_shapes):
+                    self.slots[bid] = [torch.empty(tuple(shape), dtype=DTYPES[self.plan.dtype], device=self.device)]
+                    self.assembling[bid] = shape[1]
+            shapes = [tuple(x[:1]) + (count,) + tuple(x[2:]) for x in ins.buffer_shapes]
+            handle = self.comm.irecv(shapes, self.plan.dtype, ins.peer, what)
+        elif ins.compress_rank:
             from megatron.compression.pipeline import wire_dtypes, wire_shapes
             handle = self.comm.irecv(wire_shapes(ins.buffer_shapes, ins.compress_rank),
                                      wire_dtypes(ins.buffer_shapes, ins.compress_rank, self.plan.dtype), ins.peer, what)
         else:
             handle = self.comm.irecv(ins.buffer_shapes, self.plan.dtype, ins.peer, what)
-        self.recvs[(kind, ins.microbatch, ins.stage)] = (handle, ins.buffer_ids, ins)
+        self.recvs[self._key(kind, ins)] = (handle, ins.buffer_ids, ins)
 
     def _recv_finish(self, ins, kind: str):
-        handle, buffer_ids, start = self.recvs.pop((kind, ins.microbatch, ins.stage))
+        handle, buffer_ids, start = self.recvs.pop(self._key(kind, ins))
         tensors = self.comm.wait(handle)
+        if start.batch_slice:
+            rows = self._local_rows(start)
+            for bid, t in zip(buffer_ids, tensors):
+                self.slots[bid][0][:, rows] = t
+                self.assembling[bid] -= t.shape[1]
+                if not self.assembling[bid]:
+                    del self.assembling[bid]
+            return
         if start.compress_rank:
             from megatron.compression.pipeline import PipelineGradCompressor
             from megatron.pipeline.p2p import DTYPES

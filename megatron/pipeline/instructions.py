@@ -37,6 +37,16 @@ Conventions every planner and the executor share:
   sequence tile its tokens; a stage forwards them in ascending offset (each attends to the
   cached keys/values of the earlier ones) and runs their backwards in descending offset.
   An empty `token_slice` (the default) means an unsliced micro-batch, as before.
+* Batch splits (stages with different TP / DP sizes, Aceso): one plan per *global* rank, and
+  `peer` is a global rank. A rank whose stage splits each micro-batch over DP ranks has
+  `ExecutionPlan.batch_split = (index, parts)`: it holds rows
+  ``[index * b / parts, (index + 1) * b / parts)`` of every micro-batch of b rows
+  (`microbatch_shapes` stay the whole micro-batch; `LoadInput` carries the rank's rows, and
+  activation shapes are [s, b / parts, h]). A communication instruction with
+  `batch_slice = (first, count)` moves rows ``[first, first + count)`` of the micro-batch
+  (global row numbers, the same on both ends; dimension 1 of each [s, b, h] tensor):
+  `buffer_shapes` is still the rank's whole buffer, so a receive buffer is assembled from
+  the pieces of several senders and a send buffer may go out in pieces to several receivers.
 """
 from __future__ import annotations
 
@@ -95,6 +105,8 @@ class CommInstruction(BufferInstruction):
     # rank of its low-rank factors. Wire shapes follow from buffer_shapes and this rank.
     compress_rank: int = 0
     token_slice: Tuple[int, ...] = ()
+    # (first row, row count) of the micro-batch this message carries; () = the whole buffer.
+    batch_slice: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -157,6 +169,9 @@ class ExecutionPlan:
     num_buffers: int = 0
     dtype: str = "float32"
     iteration: int = 0
+    # (index, parts): this rank holds part `index` of `parts` equal row blocks of every
+    # micro-batch; () = whole micro-batches (every planner but the heterogeneous-stage one).
+    batch_split: Tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE_LEVELS:
@@ -194,6 +209,9 @@ def describe(instr: Instruction) -> str:
         parts.append(f"out_shapes={tuple(tuple(s) for s in instr.output_shapes)}")
     if getattr(instr, "token_slice", ()):
         parts.append(f"slice={tuple(instr.token_slice)}")
+    if getattr(instr, "batch_slice", ()):
+        first, count = instr.batch_slice
+        parts.append(f"rows={first}..{first + count - 1}")
     return f"{type(instr).__name__}({', '.join(parts)})"
 
 
@@ -212,12 +230,16 @@ def describe(instr: Instruction) -> str:
 #   Version 3 (written only when some instruction has a token slice, so unsliced plans stay
 #   byte-identical to version 2) appends to every LoadInput/compute/comm record an <id list>
 #   with its token_slice (n = 0 for none, else sequence, offset, length).
+#   Version 4 (written only for plans with a batch split) is version 3 plus an <id list> with
+#   the plan's batch_split after the micro-batch shapes and, on every comm record after its
+#   token slice, an <id list> with its batch_slice.
 # One int32 array keeps encoding/decoding to a single pass of Python-level list work, which
 # is what makes plans with thousands of instructions take a few milliseconds.
 _MAGIC = b"MPLN"
 _VERSION = 2
 _VERSION_SLICED = 3
-_READABLE_VERSIONS = (1, _VERSION, _VERSION_SLICED)
+_VERSION_SPLIT = 4
+_READABLE_VERSIONS = (1, _VERSION, _VERSION_SLICED, _VERSION_SPLIT)
 _HEADER = struct.Struct("<4sHHIIB")
 
 # Tags are part of the wire format: append new classes, never renumber.
@@ -249,13 +271,19 @@ def _encode_plan(plan: ExecutionPlan, version: Optional[int] = None) -> bytes:
     v.append(len(plan.microbatch_shapes))
     for shapes in plan.microbatch_shapes:
         _put_shapes(v, shapes)
-    v.append(len(plan.instructions))
-    append, extend = v.append, v.extend
     sliced = any(getattr(instr, "token_slice", ()) for instr in plan.instructions)
+    split = bool(plan.batch_split) or any(getattr(instr, "batch_slice", ()) for instr in plan.instructions)
     if version is None:
-        version = _VERSION_SLICED if sliced else _VERSION
+        version = _VERSION_SPLIT if split else _VERSION_SLICED if sliced else _VERSION
     elif sliced and version < _VERSION_SLICED:
         raise ValueError(f"format version {version} cannot carry token slices")
+    elif split and version < _VERSION_SPLIT:
+        raise ValueError(f"format version {version} cannot carry batch splits")
+    if version >= _VERSION_SPLIT:
+        v.append(len(plan.batch_split))
+        v.extend(plan.batch_split)
+    v.append(len(plan.instructions))
+    append, extend = v.append, v.extend
     for instr in plan.instructions:
         tag = _TAG_OF.get(type(instr))
         if tag is None:
@@ -281,6 +309,10 @@ def _encode_plan(plan: ExecutionPlan, version: Optional[int] = None) -> bytes:
                 raise ValueError("format version 1 cannot carry compressed gradient messages")
         if version >= _VERSION_SLICED and tag in _SLICE_TAGS:
             sl = instr.token_slice
+            append(len(sl))
+            extend(sl)
+        if version >= _VERSION_SPLIT and tag in _COMM_TAGS:
+            sl = instr.batch_slice
             append(len(sl))
             extend(sl)
     try:
@@ -332,6 +364,13 @@ def _decode_values(v: list, version: int = _VERSION):
     for _ in range(n_mb):
         shp, i = shapes_at(i)
         mb_shapes.append(shp)
+    batch_split = ()
+    if version >= _VERSION_SPLIT:
+        n = v[i]
+        batch_split = tuple(v[i + 1:i + 1 + n])
+        if len(batch_split) != n:
+            raise IndexError
+        i += 1 + n
     n_instr = v[i]
     i += 1
     instructions = []
@@ -359,6 +398,7 @@ def _decode_values(v: list, version: int = _VERSION):
                 i += 1
         else:
             args = (mb, stage, ids, shp)
+        extra = {}
         if version >= _VERSION_SLICED and tag in slice_tags:
             n = v[i]
             sl = tuple(v[i + 1:i + 1 + n])
@@ -366,15 +406,22 @@ def _decode_values(v: list, version: int = _VERSION):
                 raise IndexError
             i += 1 + n
             if sl:
-                append(cls(*args, token_slice=sl))
-                continue
-        append(cls(*args))
+                extra["token_slice"] = sl
+        if version >= _VERSION_SPLIT and tag in comm:
+            n = v[i]
+            sl = tuple(v[i + 1:i + 1 + n])
+            if len(sl) != n:
+                raise IndexError
+            i += 1 + n
+            if sl:
+                extra["batch_slice"] = sl
+        append(cls(*args, **extra) if extra else cls(*args))
     if i != len(v):
         # Also catches a short final slice: slicing never raises, so check the length here.
         raise IndexError if i > len(v) else ValueError(
             f"serialized ExecutionPlan is corrupt: {len(v) - i} unread values after the "
             "last instruction")
-    return header, assigned, tuple(mb_shapes), instructions
+    return header, assigned, tuple(mb_shapes), instructions, batch_split
 
 
 def _decode_plan(data: bytes) -> ExecutionPlan:
@@ -403,7 +450,7 @@ def _decode_plan(data: bytes) -> ExecutionPlan:
         arr.byteswap()
     values = arr.tolist()
     try:
-        header, assigned, mb_shapes, instructions = _decode_values(values, version)
+        header, assigned, mb_shapes, instructions, batch_split = _decode_values(values, version)
     except IndexError:
         raise _truncated(len(values)) from None
     rank, num_ranks, num_stages, num_buffers, iteration, recompute = header
@@ -413,4 +460,4 @@ def _decode_plan(data: bytes) -> ExecutionPlan:
                          assigned_stages=assigned, instructions=instructions,
                          microbatch_shapes=mb_shapes, recompute=RECOMPUTE_LEVELS[recompute],
                          num_buffers=num_buffers, dtype=data[_HEADER.size:start].decode("utf-8"),
-                         iteration=iteration)
+                         iteration=iteration, batch_split=batch_split)

@@ -31,6 +31,13 @@ Rules (see the module docstring of `megatron.pipeline.instructions` for the sema
   one b; on each stage the forwards of a sequence run in ascending offset, all before its
   first backward, and the backwards in descending offset (the key/value cache and its
   gradients flow that way).
+* batch splits (stages with different TP / DP sizes): either no plan has a `batch_split` or
+  every plan has one; a stage may then be owned by several ranks (one stage each) whose
+  (index, parts) cover every part; every communication instruction carries a
+  `batch_slice` inside this rank's rows of the micro-batch, both ends of a message carry the
+  same rows, and the pieces a receive buffer is assembled from are disjoint and cover the
+  rank's rows before the buffer is read. Batch splits do not combine with token slices or
+  compressed messages.
 * deadlock: all ranks are simulated together with "Start never blocks; RecvFinish waits
   until the peer executed the matching SendStart; SendFinish waits until the peer executed
   the matching RecvStart; compute never blocks". If every unfinished rank is waiting, the
@@ -68,6 +75,9 @@ def validate_plans(plans: list[ExecutionPlan]) -> None:
     """Raise `PlanValidationError` unless `plans` (one per pipeline rank) can run together."""
     plans = _check_headers(plans)
     stage_to_rank = _check_stage_assignment(plans)
+    if plans[0].batch_split and any(getattr(i, "token_slice", ()) for p in plans for i in p.instructions):
+        raise PlanValidationError("batch splits (stages with different TP/DP) and token slices (TeraPipe) "
+                                  "cannot be combined in one plan")
     # Pairing first: a missing or mis-ordered message is best reported as a rank-pair error,
     # before it surfaces on the receiver as "input not received".
     _check_matching(plans, [_comm_sequences(plan) for plan in plans])
@@ -99,23 +109,68 @@ def _check_headers(plans) -> list[ExecutionPlan]:
     return by_rank
 
 
-def _check_stage_assignment(plans) -> list[int]:
+def _check_stage_assignment(plans) -> list:
+    """Stage -> sorted list of owner ranks: exactly one owner, or with batch splits the ranks
+    that share the stage's rows (TP ranks hold the same rows, DP ranks disjoint parts)."""
     num_stages = plans[0].num_stages
-    owner = [-1] * num_stages
+    split = bool(plans[0].batch_split)
+    owner: list = [[] for _ in range(num_stages)]
     for plan in plans:
+        if bool(plan.batch_split) != split:
+            raise PlanValidationError(f"rank {plan.rank} {'lacks' if split else 'has'} a batch_split but rank "
+                                      f"{plans[0].rank} {'has' if split else 'does not'}: all plans or none split "
+                                      "micro-batches")
+        if split:
+            if len(plan.batch_split) != 2 or not 0 <= plan.batch_split[0] < plan.batch_split[1]:
+                raise PlanValidationError(f"rank {plan.rank}: batch_split must be (index, parts) with "
+                                          f"0 <= index < parts, got {tuple(plan.batch_split)}")
+            if len(plan.assigned_stages) != 1:
+                raise PlanValidationError(f"rank {plan.rank}: a plan with a batch split runs exactly one stage, "
+                                          f"not {list(plan.assigned_stages)}")
         for stage in plan.assigned_stages:
             if not 0 <= stage < num_stages:
                 raise PlanValidationError(
                     f"rank {plan.rank} is assigned stage {stage}, outside [0, {num_stages})")
-            if owner[stage] != -1:
+            if owner[stage] and not split:
                 raise PlanValidationError(
-                    f"stage {stage} is assigned to two ranks: rank {owner[stage]} and "
+                    f"stage {stage} is assigned to two ranks: rank {owner[stage][0]} and "
                     f"rank {plan.rank}")
-            owner[stage] = plan.rank
-    missing = [s for s, r in enumerate(owner) if r == -1]
+            owner[stage].append(plan.rank)
+    missing = [s for s, r in enumerate(owner) if not r]
     if missing:
         raise PlanValidationError(f"stages {missing} are assigned to no rank")
+    if split:
+        by_rank = {p.rank: p for p in plans}
+        for stage, ranks in enumerate(owner):
+            parts = {by_rank[r].batch_split[1] for r in ranks}
+            seen = {by_rank[r].batch_split[0] for r in ranks}
+            if len(parts) != 1 or seen != set(range(next(iter(parts)))):
+                raise PlanValidationError(
+                    f"stage {stage}: its ranks {ranks} hold row parts "
+                    f"{sorted(tuple(by_rank[r].batch_split) for r in ranks)}; they must cover every part of "
+                    "one split of the micro-batch")
     return owner
+
+
+def _rows(plan, mb: int):
+    """(first, count) of micro-batch `mb`'s rows that `plan`'s rank holds, or None if its
+    micro-batch does not divide into the plan's parts."""
+    b = plan.microbatch_shapes[mb][0][0]
+    if not plan.batch_split:
+        return 0, b
+    index, parts = plan.batch_split
+    if b % parts:
+        return None
+    return index * (b // parts), b // parts
+
+
+def _wire_shapes(instr) -> tuple:
+    """Shapes of what travels: the buffer's shapes, with dimension 1 cut to the message's rows."""
+    shapes = tuple(map(tuple, instr.buffer_shapes))
+    sl = getattr(instr, "batch_slice", ())
+    if not sl:
+        return shapes
+    return tuple(s[:1] + (sl[1],) + s[2:] if len(s) >= 2 else s for s in shapes)
 
 
 class _RankChecker:
@@ -133,6 +188,7 @@ class _RankChecker:
         self.num_mb = len(plan.microbatch_shapes)
         self.last = plan.num_stages - 1
         self.slots: dict = {}          # slot -> [tag, shape, ready, sends in flight]
+        self.assembly: dict = {}       # slot -> [row pieces, open receives] (batch splits)
         self.loaded: set = set()
         self.forwarded: dict = {}      # (mb, stage) -> (input shapes, output shapes)
         self.backwarded: set = set()
@@ -193,7 +249,8 @@ class _RankChecker:
     def _own(self, index, instr, stage, what):
         if stage not in self.owned:
             self.fail(index, instr, f"{what} stage {stage} is not assigned to this rank "
-                      f"(assigned: {sorted(self.owned)}; owner: rank {self.stage_to_rank[stage]})")
+                      f"(assigned: {sorted(self.owned)}; owner: rank "
+                      f"{'/'.join(map(str, self.stage_to_rank[stage]))})")
 
     def _load(self, index, instr):
         mb = instr.microbatch
@@ -201,8 +258,15 @@ class _RankChecker:
         if mb in self.loaded:
             self.fail(index, instr, f"micro-batch {mb} is loaded twice")
         want = tuple(map(tuple, self.plan.microbatch_shapes[mb]))
+        rows = _rows(self.plan, mb)
+        if rows is None:
+            self.fail(index, instr, f"micro-batch {mb} has {want[0][0]} rows, which batch_split "
+                      f"{tuple(self.plan.batch_split)} cannot divide")
+        if self.plan.batch_split:  # this rank loads its rows only
+            want = tuple((rows[1],) + s[1:] for s in want)
         if tuple(map(tuple, instr.buffer_shapes)) != want:
-            self.fail(index, instr, f"shapes differ from microbatch_shapes[{mb}] = {want}")
+            self.fail(index, instr, f"shapes differ from microbatch_shapes[{mb}] = {want}"
+                      + (" (this rank's rows)" if self.plan.batch_split else ""))
         self.loaded.add(mb)
         n = len(instr.buffer_ids)
         for j, (slot, shape) in enumerate(zip(instr.buffer_ids, instr.buffer_shapes)):
@@ -271,14 +335,18 @@ class _RankChecker:
             self.fail(index, instr, f"stage {s} has no {'next' if act else 'previous'} stage")
         mine, theirs = (s, dst_stage) if is_send else (dst_stage, s)
         self._own(index, instr, mine, "communicating")
-        if peer != self.stage_to_rank[theirs] or peer == self.rank:
-            self.fail(index, instr, f"peer must be rank {self.stage_to_rank[theirs]}, the "
+        owners = self.stage_to_rank[theirs]
+        if peer not in owners or peer == self.rank:
+            self.fail(index, instr, f"peer must be rank {'/'.join(map(str, owners))}, the "
                       f"owner of stage {theirs}, and not this rank")
         rank = getattr(instr, "compress_rank", 0)
         if rank < 0 or (act and rank):
             self.fail(index, instr, f"compress_rank {rank} is invalid: only gradient messages are "
                       "compressed, at a rank >= 1 (0 = uncompressed)")
-        key = (kind, is_send, mb, s)
+        piece = tuple(getattr(instr, "batch_slice", ()))
+        if self.plan.batch_split or piece:
+            self._check_piece(index, instr, piece, rank)
+        key = (kind, is_send, mb, s, peer, piece) if piece else (kind, is_send, mb, s)
         channel = (self.sends if is_send else self.recvs).setdefault(peer, [])
         if is_start:
             if key in self.open or key in self.done_comm:
@@ -297,7 +365,13 @@ class _RankChecker:
             else:
                 n = len(instr.buffer_ids)
                 for j, (slot, shape) in enumerate(zip(instr.buffer_ids, instr.buffer_shapes)):
-                    self._write(index, instr, slot, (kind, mb, s, j, n), shape, ready=False)
+                    tag = (kind, mb, s, j, n)
+                    if piece and slot in self.assembly and self.slots[slot][0] == tag:
+                        self._add_piece(index, instr, slot, piece)
+                        continue
+                    self._write(index, instr, slot, tag, shape, ready=False)
+                    if piece:
+                        self.assembly[slot] = [[piece], 1]
                 self.bumps[index] = ("posted", peer, self.rank)
             return
         if key not in self.open:
@@ -323,7 +397,40 @@ class _RankChecker:
         else:
             self.waits[index] = ("sent", peer, self.rank, position + 1, start_index)
             for slot in instr.buffer_ids:
+                if slot in self.assembly:  # ready once every piece arrived and they cover the rows
+                    pieces = self.assembly[slot]
+                    pieces[1] -= 1
+                    if pieces[1] or sum(n for _, n in pieces[0]) != _rows(self.plan, mb)[1]:
+                        continue
+                    del self.assembly[slot]
                 self.slots[slot][2] = True
+
+    def _check_piece(self, index, instr, piece, rank):
+        """Rules of a batch-split message (see the module docstring)."""
+        if not self.plan.batch_split:
+            self.fail(index, instr, "batch_slice on a plan without a batch_split")
+        if len(piece) != 2 or piece[1] < 1:
+            self.fail(index, instr, "a plan with a batch split needs batch_slice = (first row, count >= 1) on "
+                      "every message")
+        if rank:
+            self.fail(index, instr, "compressed gradient messages cannot be split by rows")
+        rows = _rows(self.plan, instr.microbatch)
+        if rows is None or not (rows[0] <= piece[0] and piece[0] + piece[1] <= rows[0] + rows[1]):
+            self.fail(index, instr, f"rows {piece[0]}..{piece[0] + piece[1] - 1} are not inside this rank's rows "
+                      f"{rows} of micro-batch {instr.microbatch}")
+        for shape in instr.buffer_shapes:
+            if len(shape) < 2 or shape[1] != rows[1]:
+                self.fail(index, instr, f"buffer shape {tuple(shape)} must hold this rank's {rows[1]} rows in "
+                          "dimension 1 ([s, b, h])")
+
+    def _add_piece(self, index, instr, slot, piece):
+        pieces = self.assembly[slot]
+        for first, count in pieces[0]:
+            if piece[0] < first + count and first < piece[0] + piece[1]:
+                self.fail(index, instr, f"rows {piece[0]}..{piece[0] + piece[1] - 1} overlap rows "
+                          f"{first}..{first + count - 1} already received into slot {slot}")
+        pieces[0].append(piece)
+        pieces[1] += 1
 
     # -- slot state ------------------------------------------------------------------------
     def _write(self, index, instr, slot, tag, shape, ready):
@@ -400,8 +507,8 @@ def _comm_sequences(plan):
     for index, instr in enumerate(plan.instructions):
         spec = _COMM.get(type(instr))
         if spec is not None and spec[2]:
-            msg = (spec[0], instr.microbatch, instr.stage, tuple(map(tuple, instr.buffer_shapes)),
-                   instr.compress_rank)
+            msg = (spec[0], instr.microbatch, instr.stage, _wire_shapes(instr), instr.compress_rank,
+                   tuple(instr.batch_slice))
             (sends if spec[1] else recvs).setdefault(instr.peer, []).append((msg, index, instr))
     return sends, recvs
 
@@ -427,7 +534,7 @@ def _check_matching(plans, sequences) -> None:
                     raise PlanValidationError(
                         f"{pair}: rank {a} instruction #{i} {describe(si)} does not match rank "
                         f"{b} instruction #{j} {describe(ri)} (kind, micro-batch, stage, "
-                        "shapes and compress_rank must be equal; sends and receives pair up in order)")
+                        "shapes, compress_rank and rows must be equal; sends and receives pair up in order)")
 
 
 def _check_deadlock(plans, ranks) -> None:

@@ -49,12 +49,32 @@ def test_layout_from_config():
     assert lay.recompute_layers == ["full", "none", "selective", "full"]
 
 
+def hetero_dict(stage_layers, stage_parallel, **kw):
+    """aceso_dict with its own (TP, DP) per stage."""
+    d = aceso_dict(stage_layers, **kw)
+    for s, (tp, dp) in enumerate(stage_parallel):
+        n = d["num_ops_in_each_stage"][s]
+        d["model_parallel_size_of_each_op"][s] = [tp] * n
+        d["data_parallel_size_of_each_op"][s] = [dp] * n
+        d["num_gpus"][s] = tp * dp
+    return d
+
+
+def test_layout_of_stages_with_their_own_tp_and_dp():
+    lay = gpt_layout(hetero_dict([1, 3], [(2, 1), (1, 2)], mbs=4, rec=[FULL, NONE, SELECTIVE, NONE]), 4, 4)
+    assert lay.stage_parallel == [[2, 1], [1, 2]] and lay.micro_batch_size == 4 and lay.tp == 2
+    assert lay.stage_layers == [1, 3] and lay.recompute_layers == ["full", "none", "selective", "none"]
+    with pytest.raises(AcesoConfigError, match="need TP 2 x DP 1 \\+ TP 1 x DP 2 = 4 ranks, but the job has 3"):
+        gpt_layout(hetero_dict([1, 3], [(2, 1), (1, 2)], mbs=4), 4, 3)
+    with pytest.raises(AcesoConfigError, match="micro_batch_size 3 is not divisible by stage 1's DP 2"):
+        gpt_layout(hetero_dict([1, 3], [(2, 1), (1, 2)], mbs=3), 4, 4)
+
+
 def test_layout_rejects_what_the_runtime_cannot_run():
     d = aceso_dict([2, 2])
-    d["model_parallel_size_of_each_op"][1] = [2] * len(d["model_parallel_size_of_each_op"][1])
-    d["num_gpus"][1] = 2
-    with pytest.raises(AcesoConfigError, match="different TP/DP sizes.*stage 1: TP 2 x DP 1"):
-        gpt_layout(d, 4, 3)
+    d["model_parallel_size_of_each_op"][1][3] = 2
+    with pytest.raises(AcesoConfigError, match="stage 1 changes TP/DP between its ops"):
+        gpt_layout(d, 4, 2)
     d = aceso_dict([2, 2])
     d["num_ops_in_each_stage"] = [1 + 2 * K + 3, 2 * K + 2 - 3]
     with pytest.raises(AcesoConfigError, match="cut inside a layer"):
@@ -63,7 +83,7 @@ def test_layout_rejects_what_the_runtime_cannot_run():
     d["recompute_ops"][0][0] = 1
     with pytest.raises(AcesoConfigError, match="embedding or the head"):
         gpt_layout(d, 4, 2)
-    with pytest.raises(AcesoConfigError, match="job has 4"):
+    with pytest.raises(AcesoConfigError, match="the job has 4"):
         gpt_layout(aceso_dict([2, 2]), 4, 4)
     with pytest.raises(AcesoConfigError, match="--num-layers is 6"):
         gpt_layout(aceso_dict([2, 2]), 6, 2)
@@ -150,3 +170,116 @@ def test_modes_reach_the_layers(monkeypatch):
     out = stage({"tokens": tokens, "labels": tokens}, [])
     out[0].sum().backward()
     assert calls == ["<lambda>", "core_attention", "<lambda>"]
+
+
+def test_flag_fills_a_heterogeneous_layout(tmp_path, capsys):
+    path = str(tmp_path / "h.json")
+    json.dump(hetero_dict([1, 3], [(2, 1), (1, 2)], mbs=4, gbs=8), open(path, "w"))
+    cfg = parse_args(_args(path), world_size=4)
+    assert cfg.parallel.stage_parallel == [[2, 1], [1, 2]] and cfg.parallel.tensor_model_parallel_size == 2
+    assert cfg.training.micro_batch_size == 4 and cfg.num_microbatches == 2
+    with pytest.raises(SystemExit):
+        parse_args(_args(path, "--use-distributed-optimizer"), world_size=4)
+    assert "do not support --use-distributed-optimizer" in capsys.readouterr().err
+    json.dump(hetero_dict([1, 3], [(2, 1), (1, 2)], mbs=4, gbs=8), open(path, "w"))
+    with pytest.raises(SystemExit):
+        parse_args(_args(path, "--num-attention-heads", "3", "--hidden-size", "33"), world_size=4)
+    assert "stage 0 runs TP 2, which does not divide its attention heads" in capsys.readouterr().err
+
+
+def _compare(ref, outs, tol=2e-5):
+    import torch
+    r = [o for o in ref if o["is_last"]][0]
+    last = [o for o in outs if o["is_last"]][0]
+    assert last["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-6)
+    assert last["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
+    ref_g = assemble([g for o in ref for g in o["grads"]])
+    got_g = assemble([g for o in outs for g in o["grads"]])
+    assert set(got_g) == set(ref_g)
+    for name in ref_g:
+        torch.testing.assert_close(got_g[name], ref_g[name], atol=tol, rtol=1e-4)
+    ref_p, got_p = assemble([o["params"] for o in ref]), assemble([o["params"] for o in outs])
+    assert set(got_p) == set(ref_p)
+    for name in ref_p:
+        torch.testing.assert_close(got_p[name], ref_p[name], atol=tol, rtol=1e-4)
+
+
+def _run_with_tied_copy(rank, world, kw):
+    """run_layout, plus the last stage's copy of the tied embedding (it must stay equal)."""
+    from tests import parity_utils
+    captured = {}
+    orig = parity_utils.make_trainer
+
+    def keep(cfg):
+        captured["t"] = orig(cfg)
+        return captured["t"]
+
+    parity_utils.make_trainer = keep
+    try:
+        out = run_layout(rank, world, kw)
+    finally:
+        parity_utils.make_trainer = orig
+    tr = captured["t"]
+    out["tied_copy"] = {}
+    last = tr.stages.get(tr.ps.pp_size - 1)
+    if last is not None and 0 not in tr.stages and tr.ps.dp_rank == 0:
+        out["tied_copy"] = {"embedding.word_embeddings.weight": (last.output_layer.weight.detach().clone(), 0,
+                                                                 tr.ps.tp_rank)}
+    return out
+
+
+@pytest.mark.parametrize("world,stage_parallel,stage_layers,recompute", [
+    (4, [[2, 1], [1, 2]], [1, 3], ["full", "none", "selective", "full"]),  # TP2 -> DP2
+    (3, [[1, 2], [1, 1]], [2, 2], None),                                   # DP2 -> one rank
+])
+def test_heterogeneous_stages_match_single_process(world, stage_parallel, stage_layers, recompute):
+    """Stages with their own TP and DP sizes (multi-peer, row-sliced sends) train exactly like the
+    single-process run: losses, gradients, parameters, and the tied output copy stays equal."""
+    ref = run_distributed(run_layout, 1, {})
+    kw = dict(pp=2, stage_parallel=stage_parallel, stage_layers=stage_layers, recompute_layers=recompute)
+    outs = run_distributed(_run_with_tied_copy, world, kw)
+    _compare(ref, outs)
+    import torch
+    emb = assemble([o["params"] for o in outs])["embedding.word_embeddings.weight"]
+    copy = assemble([o["tied_copy"] for o in outs])["embedding.word_embeddings.weight"]
+    torch.testing.assert_close(copy, emb, atol=0, rtol=0)
+
+
+def test_searched_heterogeneous_config_trains_like_single_process(tmp_path):
+    """Profile our GPT on CPU, let the search split 4 GPUs into 3 stages (GPU counts 2 + 1 + 1,
+    so the stages cannot share one TP x DP), write the config, read it back the way
+    --aceso-config does, and train it on 4 gloo ranks: it matches the single-process run."""
+    import os
+    import shutil
+
+    from megatron.aceso.config import save_plan
+    from megatron.aceso.db import SHIPPED_DIR, OpDatabase
+    from megatron.aceso.model import ModelSpec, PerfModel
+    from megatron.aceso.profiler import profile_gpt
+    from megatron.aceso.runtime import load_gpt_layout
+    from megatron.aceso.search import search_all
+    from megatron.config import ModelConfig
+
+    cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+                      vocab_size=101, make_vocab_size_divisible_by=8)
+    root = str(tmp_path / "db")
+    profile_gpt(cfg, root, size="tiny", mbs_values=(1, 2), repeats=1)
+    mini = os.path.join(SHIPPED_DIR, "miniset")
+    for fn in os.listdir(mini):  # p2p and collectives from the shipped set (borrowed by name)
+        if fn.startswith(("p2p_", "prim_gpt_1_3B_all_reduce")):
+            shutil.copy(os.path.join(mini, fn), root)
+    spec = ModelSpec("gpt", "tiny", (4,), 32, 16, 8)
+    pm = PerfModel(OpDatabase(root, "gpt", "tiny"), spec, memory_limit_mb=1e6)
+    res = search_all(pm, 4, 8, budget_trials=40, runnable=True)
+    plan = next(r for r in res if r.num_stages == 3).best.plan
+    layouts = [[s.tp, s.dp] for s in plan.stages]
+    assert len({tuple(x) for x in layouts}) > 1 and sum(t * d for t, d in layouts) == 4
+    path = str(tmp_path / "searched.json")
+    save_plan(path, plan, spec)
+    lay = load_gpt_layout(path, 4, 4)
+    assert lay.stage_parallel == layouts and lay.global_batch_size == 8
+    ref = run_distributed(run_layout, 1, {})
+    outs = run_distributed(run_layout, 4, dict(
+        pp=3, stage_parallel=lay.stage_parallel, stage_layers=lay.stage_layers,
+        recompute_layers=lay.recompute_layers, mbs=lay.micro_batch_size, gbs=lay.global_batch_size))
+    _compare(ref, outs)
