@@ -39,7 +39,8 @@ def _second_half(rank, world, ckpt, kw):
     return shards(t), t.consumed_samples
 
 
-@pytest.mark.parametrize("world,kw", [(1, {}), (4, dict(tp=2, pp=2))])
+@pytest.mark.parametrize("world,kw", [(1, {}), (4, dict(tp=2, pp=2)),
+                                     (4, dict(pp=2, stage_parallel=[[2, 1], [1, 2]], stage_layers=[1, 3]))])
 def test_resume_is_bit_exact(tmp_path, world, kw):
     straight = run_distributed(_straight, world, kw)
     run_distributed(_first_half, world, str(tmp_path), kw)
