@@ -94,16 +94,17 @@ def _mutate(rng, plans):
             ins = plans[r].instructions
             start = ins[i]
             fin = next(j for j in range(i + 1, len(ins)) if isinstance(ins[j], (I.SendActivationFinish,
-                       I.SendGradFinish)) and ins[j].microbatch == start.microbatch and ins[j].stage == start.stage)
+                       I.SendGradFinish)) and ins[j].microbatch == start.microbatch and ins[j].stage == start.stage
+                       and ins[j].peer == start.peer and ins[j].batch_slice == start.batch_slice)
             ins.insert(fin, ins.pop(i))  # the Finish now precedes its Start
     return kind if hit else None
 
 
-def _fuzz(n, seed):
+def _fuzz(n, seed, make=None):
     rng = random.Random(seed)
     tried = 0
     while tried < n:
-        plans = _valid_plans(rng)
+        plans = (make or _valid_plans)(rng)
         validate_plans(plans)
         kind = _mutate(rng, plans)
         if kind is None:
@@ -151,11 +152,33 @@ def _sliced_plans(rng):
     return build_terapipe_plans(slicings, [((1, sum(sl)),) for sl in slicings], pp, 8)
 
 
+def _split_plans(rng):
+    """Stages with their own TP/DP sizes: one plan per global rank, row-sliced messages."""
+    from megatron.planner.hetero import split_plans
+    layouts = rng.choice([((2, 1), (1, 2)), ((1, 2), (1, 1)), ((1, 1), (2, 1)), ((1, 2), (2, 1), (1, 1)),
+                          ((1, 4), (2, 2))])
+    m = rng.randint(1, 5)
+    plans = build_static_plans(rng.choice(["1f1b", "gpipe"]), m, len(layouts), 1, [((4, 8),)] * m,
+                               lambda mb, stage: ((8, 4, 8),))
+    return split_plans(plans, layouts)
+
+
 def _mutate_attribute(rng, plans):
     sliced = any(getattr(x, "token_slice", ()) for p in plans for x in p.instructions)
+    split = bool(plans[0].batch_split)
     kinds = ["compress_one_end", "compress_activation"] + (["slice_offset", "slice_length", "slice_dropped"]
                                                             if sliced else [])
+    kinds += ["rows_shifted", "rows_grown", "rows_dropped"] if split else []
     kind = rng.choice(kinds)
+    if kind.startswith("rows_"):  # one end of a row-sliced message names other rows
+        hit = _pick(rng, plans, COMM)
+        if hit:
+            x = plans[hit[0]].instructions[hit[1]]
+            first, count = x.batch_slice
+            new = {"rows_shifted": (first + 1, count) if first == 0 else (first - 1, count),
+                   "rows_grown": (first, count + 1), "rows_dropped": ()}[kind]
+            plans[hit[0]].instructions[hit[1]] = dataclasses.replace(x, batch_slice=new)
+        return kind if hit else None
     if kind == "compress_one_end":  # one of the four instructions of a gradient message disagrees
         hit = _pick(rng, plans, (I.SendGradStart, I.SendGradFinish, I.RecvGradStart, I.RecvGradFinish))
         if hit:
@@ -179,7 +202,8 @@ def _mutate_attribute(rng, plans):
     return kind if hit else None
 
 
-@pytest.mark.parametrize("make", [_compressed_plans, _sliced_plans], ids=["compress_rank", "token_slice"])
+@pytest.mark.parametrize("make", [_compressed_plans, _sliced_plans, _split_plans],
+                         ids=["compress_rank", "token_slice", "batch_slice"])
 def test_attribute_mutants_rejected(make):
     rng = random.Random(7)
     tried = 0
@@ -193,6 +217,10 @@ def test_attribute_mutants_rejected(make):
         with pytest.raises(PlanValidationError):
             validate_plans(plans)
             pytest.fail(f"mutant #{tried} ({kind}) was accepted")
+
+
+def test_harmful_mutants_rejected_on_split_plans():
+    _fuzz(200, seed=5, make=_split_plans)
 
 
 def test_byte_flips_rejected():
@@ -209,4 +237,5 @@ def test_reserved_header_must_be_zero():
 @pytest.mark.slow
 def test_harmful_mutants_rejected_many():
     _fuzz(3000, seed=2)
+    _fuzz(1000, seed=6, make=_split_plans)
     _flips(3000, seed=3)
