@@ -354,6 +354,13 @@ def _decode_values(v: list, version: int = _VERSION):
             i += 1 + nd
         return tuple(out), i
 
+    def ids_at(i):  # <id list>; only the format's optional attributes use it
+        n = v[i]
+        ids = tuple(v[i + 1:i + 1 + n])
+        if len(ids) != n:
+            raise IndexError
+        return ids, i + 1 + n
+
     i = 7
     header = v[:6]
     assigned = tuple(v[i:i + v[6]])
@@ -366,11 +373,7 @@ def _decode_values(v: list, version: int = _VERSION):
         mb_shapes.append(shp)
     batch_split = ()
     if version >= _VERSION_SPLIT:
-        n = v[i]
-        batch_split = tuple(v[i + 1:i + 1 + n])
-        if len(batch_split) != n:
-            raise IndexError
-        i += 1 + n
+        batch_split, i = ids_at(i)
     n_instr = v[i]
     i += 1
     instructions = []
@@ -400,19 +403,11 @@ def _decode_values(v: list, version: int = _VERSION):
             args = (mb, stage, ids, shp)
         extra = {}
         if version >= _VERSION_SLICED and tag in slice_tags:
-            n = v[i]
-            sl = tuple(v[i + 1:i + 1 + n])
-            if len(sl) != n:
-                raise IndexError
-            i += 1 + n
+            sl, i = ids_at(i)
             if sl:
                 extra["token_slice"] = sl
         if version >= _VERSION_SPLIT and tag in comm:
-            n = v[i]
-            sl = tuple(v[i + 1:i + 1 + n])
-            if len(sl) != n:
-                raise IndexError
-            i += 1 + n
+            sl, i = ids_at(i)
             if sl:
                 extra["batch_slice"] = sl
         append(cls(*args, **extra) if extra else cls(*args))
