@@ -228,8 +228,8 @@ def _add_aceso_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("aceso")
     g.add_argument("--aceso-config", default=None,
                    help="run an Aceso JSON configuration (python -m megatron.aceso search): per-stage "
-                        "layer counts and recompute, TP, PP, micro/global batch; GPT only, one TP/DP "
-                        "size for all stages")
+                        "layer counts, recompute, TP and DP sizes (stages may differ), PP, micro/global "
+                        "batch; GPT only")
 
 
 def _add_legacy_args(p: argparse.ArgumentParser) -> None:
