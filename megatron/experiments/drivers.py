@@ -161,10 +161,13 @@ def _setting_jobs(grid: Grid, kind: str, experiment: str, config_dir: Path) -> L
 def benchmark(grid: Grid, backend: Backend, out_dir: Path, force: bool = False,
               config_dir: Path = CONFIG_DIR) -> Dict[str, List[dict]]:
     reuse = [out_dir / "grid_search.jsonl", out_dir / "grid_verify.jsonl"]
-    best = run_jobs(grid, backend, _setting_jobs(grid, "best", "best_throughput", config_dir),
-                    out_dir / "best_throughput.jsonl", force, "best throughput", reuse)
-    ctrl = run_jobs(grid, backend, _setting_jobs(grid, "control", "controlled_baseline", config_dir),
-                    out_dir / "controlled_baseline.jsonl", force, "controlled baseline", reuse)
+    # Both config sets are read and checked before any job runs (a bad control_configs file
+    # used to surface only after every best-throughput run).
+    best_jobs = _setting_jobs(grid, "best", "best_throughput", config_dir)
+    ctrl_jobs = _setting_jobs(grid, "control", "controlled_baseline", config_dir)
+    best = run_jobs(grid, backend, best_jobs, out_dir / "best_throughput.jsonl", force, "best throughput", reuse)
+    ctrl = run_jobs(grid, backend, ctrl_jobs, out_dir / "controlled_baseline.jsonl", force, "controlled baseline",
+                    reuse)
     return {"best_throughput": best, "controlled_baseline": ctrl}
 
 

@@ -51,26 +51,38 @@ def _groups(rows, *keys) -> Dict[tuple, List[dict]]:
 
 def _line_figure(plt, rows, value, ylabel, title, path, scale=1.0):
     """One line per system: value vs max length."""
+    lens = sorted({r["max_len"] for r in rows})
     data = []
     for r in sorted(rows, key=lambda r: (r["system"], r["max_len"])):
         v = r[value] if r["status"] == "ok" else None
         data.append([r["system"], r["max_len"], r["pp"], r["tp"], r["dp"], r["micro_batch_size"], r["recompute"],
                      r["status"], "" if v is None else round(v, 4)])
+    # A system with rows at some max lengths but none at another (no configuration of it fits,
+    # so the grid search wrote null and no job ran) is a gap, not a point to draw a line through.
+    systems = {r["system"] for r in rows}
+    for system in sorted(systems):
+        have = {r["max_len"] for r in rows if r["system"] == system}
+        data += [[system, L, "", "", "", "", "", "no feasible configuration", ""] for L in lens if L not in have]
     _write_csv(path.with_suffix(".csv"), ["system", "max_len", "pp", "tp", "dp", "micro_batch_size", "recompute",
                                           "status", value], data)
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
+    any_bad = False
     for system, (label, style) in SYSTEM_STYLE.items():
-        pts = [(r["max_len"], r[value] * scale) for r in rows if r["system"] == system and r["status"] == "ok"]
-        if pts:
-            xs, ys = zip(*sorted(pts))
-            ax.plot(xs, ys, style, label=label)
-        bad = [r["max_len"] for r in rows if r["system"] == system and r["status"] != "ok"]
-        for x in bad:
-            ax.annotate("x", (x, 0), color="red", ha="center")
+        if system not in systems:
+            continue
+        val = {r["max_len"]: r[value] * scale for r in rows if r["system"] == system and r["status"] == "ok"}
+        # NaN where a point is infeasible or missing: the line breaks there instead of bridging it.
+        line, = ax.plot(lens, [val.get(L, np.nan) for L in lens], style, label=label)
+        bad = [L for L in lens if L not in val]
+        if bad:
+            any_bad = True
+            ax.plot(bad, [0] * len(bad), "x", color=line.get_color(), ms=10, mew=2, clip_on=False, zorder=5)
+    if any_bad:
+        ax.plot([], [], "x", color="gray", ms=10, mew=2, label="on the axis: nothing fits memory (or the run failed)")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted({r["max_len"] for r in rows}))
+    ax.set_xticks(lens)
     ax.get_xaxis().set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("max sequence length (tokens)")
     ax.set_ylabel(ylabel)
@@ -200,15 +212,15 @@ def fig18(plt, rows, out: Path) -> List[Path]:
         ax.set_ylim(0, hi)
         ratio = np.mean([d[9] / d[8] for d in data])
         err = np.mean([abs(d[9] - d[8]) / d[9] for d in data])
-        ax.text(0.03, 0.97, f"mean measured / predicted: {ratio:.2f}x\nmean relative error: {err:.0%}",
-                transform=ax.transAxes, va="top", fontsize=9, bbox=dict(facecolor="white", alpha=0.9))
+        # In the title, not in a box on the axes: a box there hid the points under it.
+        stats = f"\nmean measured / predicted {ratio:.2f}x, mean relative error {err:.0%}"
         ax.legend(fontsize=8, loc="lower right")
     else:
         ax.text(0.5, 0.5, "no live DynaPipe rows yet\n(run experiment_scripts/run_benchmark.sh --live)",
                 ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("predicted iteration time (ms, cost model + simulator)")
     ax.set_ylabel("measured iteration time (ms)")
-    ax.set_title("Fig 18 (live): iteration time, predicted vs measured", fontsize=10)
+    ax.set_title("Fig 18 (live): iteration time, predicted vs measured" + (stats if data else ""), fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(pt, dpi=110)
@@ -226,11 +238,11 @@ def fig18(plt, rows, out: Path) -> List[Path]:
         preds = [d[10] for d in data if d[10] != ""]
         if preds:
             ax.hist(preds, bins=10)
+        ax.yaxis.set_major_locator(plt.matplotlib.ticker.MaxNLocator(integer=True))
         ax.set_ylabel("iterations")
-        ax.text(0.5, 0.5, "measured peak memory: n/a on CPU\n(histogram of the predicted peaks)", ha="center",
-                transform=ax.transAxes, fontsize=9, bbox=dict(facecolor="white", alpha=0.9))
     ax.set_xlabel("predicted peak activation memory (MB, max over stages)")
-    ax.set_title("Fig 18 (live): peak memory, predicted vs measured", fontsize=10)
+    ax.set_title("Fig 18 (live): peak memory, predicted vs measured" + (
+        "" if have else "\nmeasured peak n/a on CPU: histogram of the predicted peaks"), fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(pm, dpi=110)

@@ -281,3 +281,66 @@ def test_figures_without_matplotlib_write_csv_and_say_so(tmp_path, monkeypatch, 
     assert "matplotlib is not installed" in capsys.readouterr().err
     assert (tmp_path / "figs" / "fig18_time.csv").is_file() and not list((tmp_path / "figs").glob("*.png"))
     assert (tmp_path / "figs" / "fig13_tiny_tiny_gpt_G4.csv").is_file()
+
+
+def test_benchmark_checks_every_config_before_running(tmp_path):
+    """A bad control_configs file stops the benchmark before any best-throughput job runs."""
+    g = load_grid(tiny_grid(tmp_path))
+    cfgs = tmp_path / "configs"
+    drivers.grid_search(g, SimulateBackend(), tmp_path / "search", config_dir=cfgs)
+    ctrl = cfgs / "control_configs" / "tiny" / "tiny_gpt_L256_G4.json"
+    doc = json.loads(ctrl.read_text())
+    del doc["systems"]["fixed"]["recompute"]
+    ctrl.write_text(json.dumps(doc))
+    be = Counting()
+    with pytest.raises(ExperimentConfigError, match=r"control_configs.*systems.fixed: missing field 'recompute'"):
+        drivers.benchmark(g, be, tmp_path / "res", config_dir=cfgs)
+    assert be.calls == 0 and not (tmp_path / "res" / "best_throughput.jsonl").exists()
+
+
+def test_line_figures_leave_a_gap_where_a_system_has_no_configuration(tmp_path):
+    """A system with no feasible configuration at one max length (null in the configs, so no
+    row) is a gap and a marked point, not a line drawn through the missing length."""
+    g = load_grid(tiny_grid(tmp_path, models={"tiny_gpt": {
+        "kind": "gpt", "cost_model": "cost_models/cpu_tiny_gpt.json", "hidden_size": 64, "num_layers": 4,
+        "max_lens": [128, 256, 512]}}))
+    rows = []
+    for s in g.settings():
+        for system in ("dynapipe", "packing"):
+            if system == "packing" and s.max_len == 256:
+                continue
+            rows.append(Job("best_throughput", s, system, 2, 1, 2, micro_batch_size=None if system == "dynapipe"
+                            else 4, recompute=None if system == "dynapipe" else "none", batches=1)
+                        .row(g, "simulate", status="ok", iterations=1, tokens_per_s=1000.0 + s.max_len,
+                             padding_efficiency=0.9))
+    (tmp_path / "res").mkdir()
+    (tmp_path / "res" / "best_throughput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    import megatron.experiments.figures as figures
+    plotted = []
+    if figures._plt() is not None:
+        real = figures._plt()
+
+        class Spy:  # records each line's y values, draws as usual
+            def __getattr__(self, k):
+                return getattr(real, k)
+
+            def subplots(self, *a, **k):
+                fig, ax = real.subplots(*a, **k)
+                orig = ax.plot
+
+                def plot(xs, ys, *pa, **pk):
+                    plotted.append((list(xs), list(ys), pk.get("label")))
+                    return orig(xs, ys, *pa, **pk)
+                ax.plot = plot
+                return fig, ax
+        figures_plt = Spy()
+    else:
+        figures_plt = None
+    import unittest.mock as mock
+    with mock.patch.object(figures, "_plt", lambda: figures_plt):
+        figures.draw(tmp_path / "res", tmp_path / "figs", [13], "simulate")
+    csv = (tmp_path / "figs" / "fig13_tiny_tiny_gpt_G4.csv").read_text().splitlines()
+    assert any(line.startswith("packing,256,") and "no feasible configuration" in line for line in csv)
+    if figures_plt is not None:
+        packing = [ys for xs, ys, label in plotted if label == "Megatron + packing"][0]
+        assert packing[0] == 1128.0 and packing[1] != packing[1] and packing[2] == 1512.0  # NaN in the middle
