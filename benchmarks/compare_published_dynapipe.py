@@ -13,16 +13,29 @@ generate_execution_plan` for every DP group), the simulated iteration time under
 simulator (ours for our plan; the published simulator's for its plan; and ours for the
 published micro-batches, scheduled by our search), padding efficiency, micro-batch count and
 recompute level of each. Layouts and batches are `bench_planner.py`'s (`--mixture`).
+"simulated_ms_ours" schedules the published micro-batches with our search under our memory
+budget (null when they do not fit it); "simulated_ms_ours_no_memory_limit" without one: the
+gap between the two is what the memory models' difference costs (cost_models/README.md).
 
-Install the published planner (outside this project's environment if you prefer):
-    git clone https://github.com/awslabs/optimizing-multitask-training-through-dynamic-pipelines
-    cd optimizing-multitask-training-through-dynamic-pipelines
-    pip install pybind11 && pip install -e .   # builds dynapipe/data_opt/dp_helper
+Install the published planner in a separate environment (this script only needs numpy next to
+it; the project's planner does not import torch). Tried with awslabs/...@d8666ad:
+    python -m venv /tmp/pubvenv && /tmp/pubvenv/bin/pip install "numpy<2" scipy scikit-learn \
+        prtpy sortedcontainers redis tqdm pybind11 scikit-build
+    # its TSP dependency is a fork: github.com/chenyu-jiang/elkai, branch blkh (GCC >= 10: -fcommon)
+    CFLAGS=-fcommon /tmp/pubvenv/bin/pip install --no-build-isolation ./elkai
+    /tmp/pubvenv/bin/pip install --no-build-isolation --no-deps -e \
+        ./optimizing-multitask-training-through-dynamic-pipelines   # builds dp_helper
+    /tmp/pubvenv/bin/python benchmarks/compare_published_dynapipe.py --published-cost-model \
+        gpt=gpt_6.7b_cm.pkl t5=t5_11b_cm.pkl
+The cost-model pickles are in github.com/chenyu-jiang/Megatron-LM, branch dynapipe,
+cost_models/. numpy >= 2 breaks the published interpolator (`float()` of an array).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,15 +51,34 @@ To compare side by side, install it into this environment (it is not a dependenc
     git clone https://github.com/awslabs/optimizing-multitask-training-through-dynamic-pipelines
     cd optimizing-multitask-training-through-dynamic-pipelines
     pip install pybind11 && pip install -e .
-then rerun with --published-cost-model PATH (the artifact's profile directory or saved cost-model pickle)."""
+then rerun with --published-cost-model PATH (the artifact's profile directory or saved cost-model pickle).
+Its TSP dependency (elkai, branch blkh of github.com/chenyu-jiang/elkai) and numpy < 2 are needed too:
+see this script's header for the recipe that worked."""
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """The published package logs to stdout and runs `make` (on fd 1) when first imported:
+    keep stdout for the JSON rows."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def published_available():
     try:
-        import dynapipe  # noqa: F401
-        from dynapipe.data_opt import dp_helper  # noqa: F401
-        from dynapipe.data_opt.optimizer import DataAssignmentOptimizer  # noqa: F401
-        from dynapipe.schedule_opt.execution_planner import ExecutionPlanner  # noqa: F401
+        with _stdout_to_stderr():
+            import dynapipe  # noqa: F401
+            from dynapipe.data_opt import dp_helper  # noqa: F401
+            from dynapipe.data_opt.optimizer import DataAssignmentOptimizer  # noqa: F401
+            from dynapipe.schedule_opt.execution_planner import ExecutionPlanner  # noqa: F401
     except Exception as e:  # noqa: BLE001 - any import failure means "not installed"
         return False, repr(e)
     return True, None
@@ -98,8 +130,12 @@ class Published:
         out = {"groups": [], "rc": rc}
         makespan = 0.0
         for mbs in groups:
-            shapes = [(len(mb), self._r(max(enc[i] for i in mb)),
-                       0 if self.gpt else self._r(max(dec[i] for i in mb) + self.extra)) for mb in mbs]
+            # A published micro-batch is a list of (packed) sequences, each a list of sample
+            # indices ([mb][sequence][sample id]); with packing off (its default) one sample each.
+            # Shapes as its data loader's _collate_samples builds them.
+            shapes = [(len(mb), self._r(max(enc[i] for seq in mb for i in seq)),
+                       0 if self.gpt else self._r(max(dec[i] for seq in mb for i in seq) + self.extra))
+                      for mb in mbs]
             _, cost, _, best_rc, best_sch = self.planner.generate_execution_plan(shapes)
             makespan = max(makespan, cost)
             out["groups"].append(shapes)
@@ -109,8 +145,9 @@ class Published:
         return out
 
 
-def ours_on(planner, shapes_per_group, rc):
-    """Our simulator (and schedule search) on given micro-batch shapes; None if they do not fit."""
+def ours_on(planner, shapes_per_group, rc, memory_limit=True):
+    """Our simulator (and schedule search) on given micro-batch shapes, under our per-stage
+    activation budget (`memory_limit`) or none; None if they do not fit."""
     from megatron.planner.schedules import search
     from megatron.planner.simulator import PipelineCosts
     worst = 0.0
@@ -118,7 +155,7 @@ def ours_on(planner, shapes_per_group, rc):
         a = np.array(shapes, float)
         sc = planner.stage_costs(rc, a[:, 0], a[:, 1], None if planner.cfg.model_kind == "gpt" else a[:, 2])
         costs = PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]))
-        ch = search(costs, [np.inf] * planner.S)
+        ch = search(costs, list(planner.available) if memory_limit else [np.inf] * planner.S)
         if ch is None:
             return None
         worst = max(worst, ch.result.makespan)
@@ -171,6 +208,7 @@ def main(argv=None):
                     row["published"] = {
                         "planning_ms": round(pub["planning_ms"], 1), "simulated_ms_own": round(pub["makespan_ms"], 2),
                         "simulated_ms_ours": ours_on(ours, pub["groups"], pub["rc"]),
+                        "simulated_ms_ours_no_memory_limit": ours_on(ours, pub["groups"], pub["rc"], False),
                         "padding_efficiency": round(real / computed, 4), "recompute": pub["rc"],
                         "microbatches": sum(len(g) for g in pub["groups"])}
                     row["ours_over_published"] = round(mine.makespan_ms / pub["makespan_ms"], 4)
