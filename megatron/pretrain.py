@@ -131,6 +131,8 @@ def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int
         print(f"{ps.describe()}: training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         return 1
     finally:
+        from megatron.core import heartbeat
+        heartbeat.shutdown()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

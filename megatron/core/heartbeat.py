@@ -50,8 +50,13 @@ class Heartbeat:
                 return
             self._stop.wait(self.interval_s)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop beating and wait for the thread: a daemon thread still inside a store call when
+        the interpreter exits aborts the process ("terminate called without an active
+        exception") after training has finished."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
 
     def _counts(self) -> list:
         return [self._query_store.add(f"{_PREFIX}/count/{r}", 0) for r in range(self.world_size)]
@@ -88,3 +93,11 @@ def start(store, rank: int, world_size: int) -> Heartbeat:
 
 def active() -> Optional[Heartbeat]:
     return _active
+
+
+def shutdown() -> None:
+    """Stop this process's heartbeat (before the process group and its store go away)."""
+    global _active
+    if _active is not None:
+        _active.stop()
+        _active = None
