@@ -158,6 +158,39 @@ def test_varlen_cross_and_noncausal_match_per_segment_reference(causal):
     assert torch.all(o1[3] == 0)  # its key segment is empty
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_long_segments_cross_row_blocks(causal):
+    """Segments longer than the kernel's 128-row blocks (causal blocks skip keys no row sees),
+    lq > lk and lq < lk included, against the per-segment reference."""
+    cu_q = torch.tensor([0, 300, 301, 461, 717])
+    cu_k = torch.tensor([0, 300, 420, 550, 650])
+    q, k, v = torch.randn(717, 2, 8), torch.randn(650, 2, 8), torch.randn(650, 2, 8)
+    f = lambda a, bb, c, fused: ops.varlen_attention(a, bb, c, cu_q, cu_k, causal=causal, fused=fused)
+    o1, g1 = _grads(lambda a, bb, c: f(a, bb, c, True), q, k, v)
+    o2, g2 = _grads(lambda a, bb, c: f(a, bb, c, False), q, k, v)
+    _close(o1, o2)
+    for a, c in zip(g1, g2):
+        _close(a, c)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_long_segments_run_through_sdpa_and_match(causal, monkeypatch):
+    """Rows holding long samples: those go through SDPA, the short ones through the kernel; the
+    result and gradients equal the per-segment reference."""
+    monkeypatch.setattr(ops, "LONG_SEGMENT", 64)
+    calls = []
+    real = ops._VarlenAttention.apply
+    monkeypatch.setattr(ops._VarlenAttention, "apply", lambda *a: calls.append(a[3].tolist()) or real(*a))
+    cu = torch.tensor([0, 5, 75, 76, 150, 158])  # short, long, length-1, long, short
+    q, k, v = (torch.randn(158, 2, 8) for _ in range(3))
+    o1, g1 = _grads(lambda a, bb, c: ops.varlen_attention(a, bb, c, cu, causal=causal, fused=True), q, k, v)
+    assert calls == [[0, 5, 6, 14]]  # the kernel saw only the short segments
+    o2, g2 = _grads(lambda a, bb, c: ops.varlen_attention(a, bb, c, cu, causal=causal, fused=False), q, k, v)
+    _close(o1, o2)
+    for a, c in zip(g1, g2):
+        _close(a, c)
+
+
 def test_varlen_gradcheck_float64():
     cu_q, cu_k = torch.tensor([0, 3, 4, 6]), torch.tensor([0, 2, 4, 6])
     q, k, v = (torch.randn(6, 2, 3, dtype=torch.float64, requires_grad=True) for _ in range(3))

@@ -413,15 +413,32 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
               "varlen_attention: q, k, v must share a dtype");
 }
 
-// Scores of one (segment, head) block, in place: s <- scale * s, masked -> -inf; returns nothing.
+// Scores of rows [r0, r0 + rows) of one (segment, head), `cols` keys, in place: s <- scale * s,
+// keys after a causal row's last visible key -> -inf (query i of lq sees keys <= i + lk - lq).
 template <typename acc_t>
-inline void mask_scale_block(acc_t* s, int64_t lq, int64_t lk, acc_t scale, bool causal) {
+inline void mask_scale_rows(acc_t* s, int64_t rows, int64_t cols, int64_t r0, int64_t lq, int64_t lk,
+                            acc_t scale, bool causal) {
   const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
-  for (int64_t i = 0; i < lq; ++i) {
-    acc_t* row = s + i * lk;
-    const int64_t last = causal ? i + (lk - lq) : lk - 1;  // last visible key
-    for (int64_t j = 0; j < lk; ++j) row[j] = j <= last ? row[j] * scale : ninf;
+  for (int64_t i = 0; i < rows; ++i) {
+    acc_t* row = s + i * cols;
+    const int64_t last = causal ? r0 + i + (lk - lq) : cols - 1;  // last visible key
+    for (int64_t j = 0; j < cols; ++j) row[j] = j <= last ? row[j] * scale : ninf;
   }
+}
+
+// Rows of a segment are processed in blocks of kRowBlock with all heads in one bmm: a causal block
+// only multiplies the keys its last row can see (about half the work of the full square on long
+// segments), and short segments cost a handful of ATen calls instead of a handful per head.
+constexpr int64_t kRowBlock = 128;
+
+// Keys visible to rows [r0, r1) of a segment: [0, return value).
+inline int64_t visible_keys(int64_t r1, int64_t lq, int64_t lk, bool causal) {
+  return causal ? std::max<int64_t>(0, std::min<int64_t>(lk, r1 + (lk - lq))) : lk;
+}
+
+// [len, H, D] slice of a packed [total, H, D] tensor as [H, len, D] in the accumulation type.
+inline at::Tensor heads_first(const at::Tensor& t, int64_t start, int64_t len, at::ScalarType acc) {
+  return t.narrow(0, start, len).transpose(0, 1).to(acc);
 }
 
 std::vector<at::Tensor> varlen_forward(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
@@ -431,46 +448,50 @@ std::vector<at::Tensor> varlen_forward(const at::Tensor& q_, const at::Tensor& k
   const uint32_t thr = dropout_threshold(dropout_p);
   check_qkv(q_, k_, v_);
   auto q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
-  const int64_t H = q.size(1), D = q.size(2);
+  const int64_t H = q.size(1), total_q = q.size(0);
   const auto seg = read_segments(cu_q, cu_k, q.size(0), k.size(0));
   const int64_t nseg = static_cast<int64_t>(seg.q.size()) - 1;
   const auto acc_type = at::toOpMathType(q.scalar_type());
   auto out = at::zeros_like(q);
-  auto lse = at::full({H, q.size(0)}, -std::numeric_limits<double>::infinity(), q.options().dtype(acc_type));
-  at::parallel_for(0, nseg * H, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t si = t / H, h = t % H;
+  auto lse = at::full({H, total_q}, -std::numeric_limits<double>::infinity(), q.options().dtype(acc_type));
+  at::parallel_for(0, nseg, 1, [&](int64_t b, int64_t e) {
+    for (int64_t si = b; si < e; ++si) {
       const int64_t q0 = seg.q[si], lq = seg.q[si + 1] - q0, k0 = seg.k[si], lk = seg.k[si + 1] - k0;
       if (lq == 0 || lk == 0) continue;
-      auto qs = q.narrow(0, q0, lq).select(1, h).to(acc_type);  // [lq, d]
-      auto ks = k.narrow(0, k0, lk).select(1, h).to(acc_type);
-      auto vs = v.narrow(0, k0, lk).select(1, h).to(acc_type);
-      auto s = at::mm(qs, ks.t()).contiguous();  // [lq, lk]
-      AT_DISPATCH_FLOATING_TYPES(s.scalar_type(), "varlen_fwd", [&] {
-        using acc_t = scalar_t;
-        acc_t* sp = s.data_ptr<acc_t>();
-        mask_scale_block<acc_t>(sp, lq, lk, static_cast<acc_t>(scale), causal);
-        auto lse_row = lse.select(0, h);
-        acc_t* lp = lse_row.data_ptr<acc_t>() + q0;  // lse is contiguous [H, total_q]
-        const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
-        for (int64_t i = 0; i < lq; ++i) {
-          acc_t* row = sp + i * lk;
-          const acc_t m = row_max(row, lk);
-          if (m == ninf) {  // no visible key
-            for (int64_t j = 0; j < lk; ++j) row[j] = 0;
-            continue;
+      auto qs = heads_first(q, q0, lq, acc_type), ks = heads_first(k, k0, lk, acc_type);
+      auto vs = heads_first(v, k0, lk, acc_type);
+      for (int64_t r0 = 0; r0 < lq; r0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, lq - r0), cols = visible_keys(r0 + rows, lq, lk, causal);
+        if (cols == 0) continue;  // no row of the block sees a key: zeros, lse -inf
+        auto sc = at::bmm(qs.narrow(1, r0, rows), ks.narrow(1, 0, cols).transpose(1, 2)).contiguous();
+        AT_DISPATCH_FLOATING_TYPES(sc.scalar_type(), "varlen_fwd", [&] {
+          using acc_t = scalar_t;
+          const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
+          for (int64_t h = 0; h < H; ++h) {
+            acc_t* sp = sc.data_ptr<acc_t>() + h * rows * cols;
+            mask_scale_rows<acc_t>(sp, rows, cols, r0, lq, lk, static_cast<acc_t>(scale), causal);
+            acc_t* lp = lse.data_ptr<acc_t>() + h * total_q + q0 + r0;  // lse is contiguous [H, total_q]
+            for (int64_t i = 0; i < rows; ++i) {
+              acc_t* row = sp + i * cols;
+              const acc_t m = row_max(row, cols);
+              if (m == ninf) {  // no visible key
+                for (int64_t j = 0; j < cols; ++j) row[j] = 0;
+                continue;
+              }
+              const acc_t sum = exp_sub_sum(row, cols, m);
+              scale_row(row, cols, acc_t(1) / sum);
+              lp[i] = m + std::log(sum);
+              if (thr > 0) {
+                const acc_t z = acc_t(1) / static_cast<acc_t>(1.0 - dropout_p);
+                for (int64_t j = 0; j < cols; ++j)
+                  row[j] = dropout_keep(static_cast<uint64_t>(seed), h, q0 + r0 + i, k0 + j, thr) ? row[j] * z
+                                                                                                : acc_t(0);
+              }
+            }
           }
-          const acc_t sum = exp_sub_sum(row, lk, m);
-          scale_row(row, lk, acc_t(1) / sum);
-          lp[i] = m + std::log(sum);
-          if (thr > 0) {
-            const acc_t z = acc_t(1) / static_cast<acc_t>(1.0 - dropout_p);
-            for (int64_t j = 0; j < lk; ++j)
-              row[j] = dropout_keep(static_cast<uint64_t>(seed), h, q0 + i, k0 + j, thr) ? row[j] * z : acc_t(0);
-          }
-        }
-      });
-      out.narrow(0, q0, lq).select(1, h).copy_(at::mm(s, vs));
+        });
+        out.narrow(0, q0 + r0, rows).transpose(0, 1).copy_(at::bmm(sc, vs.narrow(1, 0, cols)));
+      }
     }
   });
   return {out, lse};
@@ -484,57 +505,66 @@ std::vector<at::Tensor> varlen_backward(const at::Tensor& grad_out, const at::Te
   check_qkv(q_, k_, v_);
   auto q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   auto o = out_.contiguous(), go = grad_out.to(q.scalar_type()).contiguous();
-  const int64_t H = q.size(1);
+  const int64_t H = q.size(1), total_q = q.size(0);
   const auto seg = read_segments(cu_q, cu_k, q.size(0), k.size(0));
   const int64_t nseg = static_cast<int64_t>(seg.q.size()) - 1;
   const auto acc_type = at::toOpMathType(q.scalar_type());
   auto l = lse.to(acc_type).contiguous();
   auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
-  at::parallel_for(0, nseg * H, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t si = t / H, h = t % H;
+  at::parallel_for(0, nseg, 1, [&](int64_t b, int64_t e) {
+    for (int64_t si = b; si < e; ++si) {
       const int64_t q0 = seg.q[si], lq = seg.q[si + 1] - q0, k0 = seg.k[si], lk = seg.k[si + 1] - k0;
       if (lq == 0 || lk == 0) continue;
-      auto qs = q.narrow(0, q0, lq).select(1, h).to(acc_type);
-      auto ks = k.narrow(0, k0, lk).select(1, h).to(acc_type);
-      auto vs = v.narrow(0, k0, lk).select(1, h).to(acc_type);
-      auto gos = go.narrow(0, q0, lq).select(1, h).to(acc_type);
-      auto os = o.narrow(0, q0, lq).select(1, h).to(acc_type);
-      auto p = at::mm(qs, ks.t()).contiguous();  // recomputed probabilities [lq, lk]
-      auto dp = at::mm(gos, vs.t()).contiguous();  // dO V^T
-      auto drow = (gos * os).sum(1).contiguous();  // D_i = rowsum(dO * O)
-      AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "varlen_bwd", [&] {
-        using acc_t = scalar_t;
-        acc_t* pp = p.data_ptr<acc_t>();
-        acc_t* dpp = dp.data_ptr<acc_t>();
-        const acc_t* dd = drow.data_ptr<acc_t>();
-        const acc_t* lp = l.data_ptr<acc_t>() + h * q.size(0) + q0;
-        mask_scale_block<acc_t>(pp, lq, lk, static_cast<acc_t>(scale), causal);
-        const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
-        for (int64_t i = 0; i < lq; ++i) {
-          acc_t* row = pp + i * lk;
-          acc_t* drw = dpp + i * lk;
-          const acc_t li = lp[i];
-          if (li == ninf) {
-            for (int64_t j = 0; j < lk; ++j) row[j] = drw[j] = 0;
-            continue;
-          }
-          if (thr == 0) {
-            attn_grad_row(row, drw, lk, li, dd[i], static_cast<acc_t>(scale));  // dS (already scaled)
-          } else {  // O = (P * Z) V: dV uses P * Z, dP = (dO V^T) * Z, D = rowsum(dO * O) still holds
-            const acc_t zk = acc_t(1) / static_cast<acc_t>(1.0 - dropout_p);
-            for (int64_t j = 0; j < lk; ++j) {
-              const acc_t pv = exp_or_zero(row[j] - li);
-              const acc_t z = dropout_keep(static_cast<uint64_t>(seed), h, q0 + i, k0 + j, thr) ? zk : acc_t(0);
-              row[j] = pv * z;
-              drw[j] = pv * (drw[j] * z - dd[i]) * static_cast<acc_t>(scale);
+      auto qs = heads_first(q, q0, lq, acc_type), ks = heads_first(k, k0, lk, acc_type);
+      auto vs = heads_first(v, k0, lk, acc_type), gos = heads_first(go, q0, lq, acc_type);
+      auto os = heads_first(o, q0, lq, acc_type);
+      auto dks = at::zeros({H, lk, q.size(2)}, q.options().dtype(acc_type)), dvs = at::zeros_like(dks);
+      for (int64_t r0 = 0; r0 < lq; r0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, lq - r0), cols = visible_keys(r0 + rows, lq, lk, causal);
+        if (cols == 0) continue;
+        auto qb = qs.narrow(1, r0, rows), gob = gos.narrow(1, r0, rows);
+        auto kb = ks.narrow(1, 0, cols), vb = vs.narrow(1, 0, cols);
+        auto p = at::bmm(qb, kb.transpose(1, 2)).contiguous();   // recomputed probabilities [H, rows, cols]
+        auto dp = at::bmm(gob, vb.transpose(1, 2)).contiguous(); // dO V^T
+        auto drow = (gob * os.narrow(1, r0, rows)).sum(2).contiguous();  // D_i = rowsum(dO * O), [H, rows]
+        AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "varlen_bwd", [&] {
+          using acc_t = scalar_t;
+          const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
+          for (int64_t h = 0; h < H; ++h) {
+            acc_t* pp = p.data_ptr<acc_t>() + h * rows * cols;
+            acc_t* dpp = dp.data_ptr<acc_t>() + h * rows * cols;
+            const acc_t* dd = drow.data_ptr<acc_t>() + h * rows;
+            const acc_t* lp = l.data_ptr<acc_t>() + h * total_q + q0 + r0;
+            mask_scale_rows<acc_t>(pp, rows, cols, r0, lq, lk, static_cast<acc_t>(scale), causal);
+            for (int64_t i = 0; i < rows; ++i) {
+              acc_t* row = pp + i * cols;
+              acc_t* drw = dpp + i * cols;
+              const acc_t li = lp[i];
+              if (li == ninf) {
+                for (int64_t j = 0; j < cols; ++j) row[j] = drw[j] = 0;
+                continue;
+              }
+              if (thr == 0) {
+                attn_grad_row(row, drw, cols, li, dd[i], static_cast<acc_t>(scale));  // dS (already scaled)
+              } else {  // O = (P * Z) V: dV uses P * Z, dP = (dO V^T) * Z, D = rowsum(dO * O) still holds
+                const acc_t zk = acc_t(1) / static_cast<acc_t>(1.0 - dropout_p);
+                for (int64_t j = 0; j < cols; ++j) {
+                  const acc_t pv = exp_or_zero(row[j] - li);
+                  const acc_t z = dropout_keep(static_cast<uint64_t>(seed), h, q0 + r0 + i, k0 + j, thr) ? zk
+                                                                                                       : acc_t(0);
+                  row[j] = pv * z;
+                  drw[j] = pv * (drw[j] * z - dd[i]) * static_cast<acc_t>(scale);
+                }
+              }
             }
           }
-        }
-      });
-      dv.narrow(0, k0, lk).select(1, h).copy_(at::mm(p.t(), gos));
-      dq.narrow(0, q0, lq).select(1, h).copy_(at::mm(dp, ks));
-      dk.narrow(0, k0, lk).select(1, h).copy_(at::mm(dp.t(), qs));
+        });
+        dvs.narrow(1, 0, cols).add_(at::bmm(p.transpose(1, 2), gob));
+        dq.narrow(0, q0 + r0, rows).transpose(0, 1).copy_(at::bmm(dp, kb));
+        dks.narrow(1, 0, cols).add_(at::bmm(dp.transpose(1, 2), qb));
+      }
+      dk.narrow(0, k0, lk).transpose(0, 1).copy_(dks);
+      dv.narrow(0, k0, lk).transpose(0, 1).copy_(dvs);
     }
   });
   return {dq, dk, dv};
