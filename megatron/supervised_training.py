@@ -298,7 +298,11 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   pipeline_parallel=ps.pp_size, data_parallel=ps.dp_size, tensor_parallel=ps.tp_size,
                   memory_limit_mb=d.dynapipe_memory_limit, pad_multiple=PAD_MULTIPLE,
                   dtype=cfg.training.params_dtype_name,
-                  # Adam state is sharded over DP only with --use-distributed-optimizer.
+                  # What this trainer holds: fp32 weights and gradients (autocast computes in 16 bits),
+                  # Adam's two fp32 moments, and with --use-distributed-optimizer an fp32 copy of the
+                  # rank's shard; only the optimizer state is sharded over DP, and only with the flag.
+                  weight_grad_bytes_per_param=8.0,
+                  optimizer_bytes_per_param=12.0 if cfg.training.use_distributed_optimizer else 8.0,
                   zero_shards=ps.dp_size if cfg.training.use_distributed_optimizer else 1,
                   # The simulator then times compressed gradient messages at their real size.
                   grad_compress_rank=cfg.compression.inter_grad_comp_rank if cfg.compression.inter_grad_comp else 0,

@@ -8,8 +8,11 @@ to a multiple of the DP size and cut into DP equal shards. Per step:
      once: replicated-over-TP values on TP rank 0 only, the tied copy of an embedding never);
   3. AdamW on the shard (two tensors at most: its weight-decayed and its undecayed part);
   4. the updated shards are all-gathered and copied back into the parameters.
-Each rank keeps 1/DP of the Adam moments. The parameters here are already fp32 (autocast does
-the 16-bit compute), so they serve as the master weights and no second fp32 copy is kept.
+Each rank keeps 1/DP of the Adam moments and an fp32 copy of its shard of the parameters (the
+optimizer's tensors; the parameters are not one persistent flat buffer to take views of), so
+per parameter a rank holds 4 (weight) + 4 (gradient) + 12 / DP bytes instead of 4 + 4 + 8; the
+DynaPipe planner's memory model counts exactly that. step() also builds flat copies of the
+parameters and gradients for the collectives (transient, 2 x the parameter bytes).
 """
 from __future__ import annotations
 

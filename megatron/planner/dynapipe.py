@@ -41,8 +41,9 @@ class DynaPipeConfig:
     GPT: `num_layers` layers split evenly over `pipeline_parallel` stages (or
     `layers_per_stage` each, to plan a slice of a deeper model). T5: encoder stages first,
     then decoder stages, half of the pipeline each (`pipeline_parallel` must be even).
-    Memory: `memory_limit_mb` per device; model states (16-bit weights and gradients plus
-    `optimizer_bytes_per_param` of fp32 Adam state, sharded over `zero_shards` ranks,
+    Memory: `memory_limit_mb` per device; model states (`weight_grad_bytes_per_param` for the
+    weights and gradients, 16-bit each by default as in the published runs, plus
+    `optimizer_bytes_per_param` of fp32 optimizer state, sharded over `zero_shards` ranks,
     default DP) are subtracted per stage; the rest is for activations.
     """
 
@@ -57,6 +58,7 @@ class DynaPipeConfig:
     tensor_parallel: int = 1
     layers_per_stage: Optional[int] = None
     memory_limit_mb: float = 36000.0
+    weight_grad_bytes_per_param: float = 4.0
     optimizer_bytes_per_param: float = 12.0
     zero_shards: Optional[int] = None
     recompute_levels: Tuple[str, ...] = RECOMPUTE_LEVELS
@@ -160,7 +162,7 @@ class DynaPipePlanner:
     def _available_memory(self) -> np.ndarray:
         c, tp = self.cfg, self.cfg.tensor_parallel
         zero = c.zero_shards or c.data_parallel
-        per_param = (4.0 + c.optimizer_bytes_per_param / zero) / 2.0  # x 16-bit parameter MB
+        per_param = (c.weight_grad_bytes_per_param + c.optimizer_bytes_per_param / zero) / 2.0  # x 16-bit MB
         avail = []
         for s, comps in enumerate(self.layout):
             mb = sum(n * self.cm.param_mb(comp, tp) for comp, n in comps)

@@ -1,3 +1,4 @@
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -187,3 +188,32 @@ def test_t5_decoder_stages_hold_the_encoder_output():
         layers = sum(n * planner.cm.layer(comp, tp, "none", mbs, enc, dec)["stored_mb"] for comp, n in comps)
         held = 2 * 512 * 1024 * 2 / 1e6 if s >= S // 2 else 0.0  # [enc, b, h] in 16-bit
         assert sc["stored"][s, 0] == pytest.approx(layers[0] + held, rel=1e-12)
+
+
+def test_model_state_memory_follows_the_distributed_optimizer_flag():
+    """The trainer's bytes per parameter: fp32 weight + fp32 gradient (8) + Adam moments (8), or
+    with --use-distributed-optimizer 8 + (moments + fp32 shard copy) / DP = 8 + 12 / DP."""
+    from megatron.config import DataConfig, MegatronConfig, ModelConfig, ParallelConfig, TrainingConfig
+    from megatron.core.parallel_state import ParallelState
+    from megatron.supervised_training import dynapipe_planner_config
+
+    def available(dist_opt):
+        cfg = MegatronConfig(
+            model=ModelConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=2048,
+                              vocab_size=50257),
+            parallel=ParallelConfig(world_size=8, pipeline_model_parallel_size=4),
+            training=TrainingConfig(micro_batch_size=1, global_batch_size=2, use_distributed_optimizer=dist_opt),
+            data=DataConfig(mock_data=True, dynapipe_cost_model=str(CM / "gpt_6.7b_a100.json"),
+                            dynapipe_memory_limit=36000))
+        pc = dynapipe_planner_config(cfg, ParallelState(pp_size=4, dp_size=2))
+        planner = DynaPipePlanner(pc)
+        params16 = [36000 - a for a in DynaPipePlanner(dataclasses.replace(pc, weight_grad_bytes_per_param=2.0,
+                                                                           optimizer_bytes_per_param=0.0)).available]
+        return planner.available, params16
+
+    plain, p16 = available(False)
+    sharded, _ = available(True)
+    for a, b, mb16 in zip(plain, sharded, p16):  # mb16: 16-bit parameter MB of the stage
+        assert 36000 - a == pytest.approx(mb16 * 16 / 2)           # 16 bytes per parameter
+        assert 36000 - b == pytest.approx(mb16 * (8 + 12 / 2) / 2)  # 14 bytes per parameter at DP 2
+
