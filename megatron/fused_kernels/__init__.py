@@ -11,6 +11,8 @@ are missing, or the build fails, one warning line is printed and every op in
 Environment:
   MEGATRON_FUSED_KERNELS_DIR   cache directory (default: megatron/fused_kernels/build)
   MEGATRON_NO_FUSED_KERNELS=1  never build; always use the PyTorch fallback
+  MEGATRON_FUSED_KERNELS_CUDA=1  build the CUDA kernels without a visible GPU (a CUDA torch and
+                               nvcc are still needed; set TORCH_CUDA_ARCH_LIST): image builds
   MEGATRON_FUSED_KERNELS_WAIT  seconds a non-zero local rank waits for rank 0's build (default 900)
   CXX                          the C++ compiler (default c++), as for any torch extension
 """
@@ -56,7 +58,9 @@ def _cpu_flags() -> list[str]:
 def _with_cuda() -> bool:
     import torch
     from torch.utils import cpp_extension
-    return bool(torch.cuda.is_available() and CUDA_SOURCES and cpp_extension.CUDA_HOME)
+    wanted = torch.cuda.is_available() or (os.environ.get("MEGATRON_FUSED_KERNELS_CUDA") == "1"
+                                           and torch.version.cuda is not None)
+    return bool(wanted and CUDA_SOURCES and cpp_extension.CUDA_HOME)
 
 
 def build_key(with_cuda: bool) -> str:
@@ -69,6 +73,8 @@ def build_key(with_cuda: bool) -> str:
     h.update(" ".join(_cpu_flags()).encode())
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())
+    if with_cuda:  # a build for other GPU architectures is another extension
+        h.update(os.environ.get("TORCH_CUDA_ARCH_LIST", "").encode())
     return f"megatron_fused_{'cuda' if with_cuda else 'cpu'}_{h.hexdigest()[:12]}"
 
 
