@@ -1,11 +1,17 @@
 """PowerSGD for the data-parallel gradient reduction (Optimus-CC's DP compression).
 
-Why not `torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`: that hook is called by
-DistributedDataParallel with a C++ `GradBucket` per flattened bucket; this trainer does not
-wrap models in DDP (the pipeline executor runs the backward passes and gradients are reduced
-once after the whole plan), and a `GradBucket` cannot be built from Python. The algorithm is
-the same: per matrix, P = M Q summed over DP, P orthonormalised, Q = M^T P summed over DP,
-gradient := P Q^T; vectors (biases, norms) are all-reduced uncompressed.
+Why not `torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`: it could run here (it only
+calls buffer()/gradients()/index()/is_last() on its bucket, so a small Python stand-in for DDP's
+C++ `GradBucket` drives it without DDP), but its semantics do not fit this trainer:
+  * it averages over DP (divides P, Q and the uncompressed tensors by the world size), while our
+    gradients are summed (the loss is normalised by the global token count), so its error and Q
+    memories would carry a 1/DP factor;
+  * it keys its error and Q memories by bucket index; ours are keyed by parameter, so checkpoints
+    resume bit-exactly whatever the bucketing;
+  * it orthogonalises with Gram-Schmidt at low rank or in half precision; we always use QR, which
+    stays orthonormal when P is rank-deficient (tested).
+The algorithm is the same: per matrix, P = M Q summed over DP, P orthonormalised, Q = M^T P
+summed over DP, gradient := P Q^T; vectors (biases, norms) are all-reduced uncompressed.
 
 Gradients in this trainer are *summed* over DP (the loss is normalised by the global token
 count), so the reduced factors are sums and no division by the DP size happens. With error
