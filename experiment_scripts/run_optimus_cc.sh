@@ -48,6 +48,12 @@ for run in $RUNS; do
         --data-path data/cache/kjv_sp4k_text_document --split 949,50,1 \
         --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model data/tokenizers/kjv_sp4k.model \
         --log-interval 10 --eval-interval "$ITERS" --eval-iters 4 $extra > "$OUT_DIR/$run.log" 2>&1 \
-        || { echo "optimus-cc: run $run failed; see $OUT_DIR/$run.log" >&2; tail -5 "$OUT_DIR/$run.log" >&2; exit 1; }
+        || { echo "optimus-cc: run $run failed; see $OUT_DIR/$run.log" >&2; tail -5 "$OUT_DIR/$run.log" >&2
+             failed="$failed $run"; }
 done
+# The report reads whatever the logs hold, so a run that died late still shows its curve.
 "$PY" experiment_scripts/optimus_cc_report.py "$OUT_DIR"
+if [ -n "${failed:-}" ]; then
+    echo "optimus-cc: failed runs:$failed" >&2
+    exit 1
+fi
