@@ -182,7 +182,8 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
                    help="planner processes on rank 0 (0: plan in-process on every rank)")
     g.add_argument("--dynapipe-lookahead", type=int, default=4, help="iterations planned ahead")
     g.add_argument("--dynapipe-trace-dir", default=None,
-                   help="write the simulated Chrome trace of the first --dynapipe-trace-iters planned iterations here")
+                   help="write the simulated and the measured Chrome trace of the first --dynapipe-trace-iters "
+                        "iterations here (iter_N.sim.json, iter_N.measured.json)")
     g.add_argument("--dynapipe-trace-iters", type=int, default=4, help="how many iterations --dynapipe-trace-dir traces")
     g.add_argument("--dynapipe-cost-model-any", action="store_true",
                    help="use --dynapipe-cost-model even though it was profiled for another model shape "

@@ -328,7 +328,7 @@ class DataConfig:
     dynapipe_memory_limit: float = 36000.0  # MB per device, for the planner
     dynapipe_planner_workers: int = 2
     dynapipe_lookahead: int = 4
-    dynapipe_trace_dir: Optional[str] = None  # simulated Chrome trace of the first trace_iters plans
+    dynapipe_trace_dir: Optional[str] = None  # simulated + measured Chrome traces of the first trace_iters iterations
     dynapipe_trace_iters: int = 4
 
     def __post_init__(self):

@@ -198,6 +198,7 @@ class Trainer:
             from megatron.planner.service import default_store
             heartbeat.start(default_store(), ps.rank, ps.world_size)
         self.iteration = 0
+        self._trace_first: Optional[int] = None  # first iteration this run traces (--dynapipe-trace-dir)
         self.consumed_samples = 0
         self.consumed_tokens = 0  # real (non-padding) input tokens; saved in checkpoints
         self.skipped_iters = 0
@@ -293,7 +294,12 @@ class Trainer:
             base_mb = torch.cuda.memory_allocated(self.device) / 1e6
         if self.overlap_reducer is not None:
             self.overlap_reducer.start_iteration(self._expected_accumulations(work.plan))
+        traced = self._tracing()
+        if traced:
+            self.executor.trace_events = []
         stats = self.executor.run(work.plan, mbs, self.optimizer.loss_scale / total_tokens)
+        if traced:
+            self._write_measured_trace(self.iteration + 1, work)
         if on_cuda and work.info:
             # Activation peak above what was allocated before the pipeline ran (weights, grads,
             # optimizer state): comparable with the planner's predicted activation peak.
@@ -326,6 +332,45 @@ class Trainer:
         return {"consumed_tokens": self.consumed_tokens, "loss": loss_sum / loss_tokens if loss_tokens else float("nan"), "grad_norm": grad_norm,
                 "applied": applied, "tokens": total_tokens, "real_tokens": total_real, "num_microbatches": len(mbs),
                 "num_samples": work.num_samples, "planner": work.info, "comm_bytes": comm_bytes}
+
+    def _tracing(self) -> bool:
+        """--dynapipe-trace-dir: the first --dynapipe-trace-iters iterations of this run get a
+        measured timeline beside the planner's simulated one (same decision on every rank)."""
+        d = self.cfg.data
+        if not d.dynapipe_trace_dir:
+            return False
+        if self._trace_first is None:
+            self._trace_first = self.iteration + 1
+        return self.iteration + 1 - self._trace_first < d.dynapipe_trace_iters
+
+    def _write_measured_trace(self, iteration: int, work) -> None:
+        """Gather every pipeline rank's instruction spans (TP rank 0 of each DP group) and write
+        `iter_NNNNNNN.measured.json` on rank 0, one process per (DP group, pipeline rank) as in the
+        simulated trace; times are from each rank's own start of the iteration's plan."""
+        ps = self.ps
+        events, self.executor.trace_events = self.executor.trace_events, None
+        pid = ps.dp_rank * ps.pp_size + ps.pp_rank
+        mine = [dict(ev, pid=pid) for ev in events] if ps.tp_rank == 0 else []
+        if ps.world_size > 1:
+            gathered = [None] * ps.world_size
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        if ps.rank != 0:
+            return
+        import os
+        from megatron.planner.worker import trace_path, write_json_atomic
+        out = [ev for rank_events in gathered for ev in rank_events]
+        for d in range(ps.dp_size):
+            for p in range(ps.pp_size):
+                out.append({"name": "process_name", "ph": "M", "pid": d * ps.pp_size + p,
+                            "args": {"name": f"DP group {d} / pipeline rank {p} (measured)"}})
+        meta = {"iteration": iteration, "device": self.device.type,
+                "simulated_ms": work.info.get("simulated_ms") if work.info else None}
+        trace_dir = self.cfg.data.dynapipe_trace_dir
+        os.makedirs(trace_dir, exist_ok=True)
+        write_json_atomic(trace_path(trace_dir, iteration, "measured"),
+                          {"traceEvents": out, "displayTimeUnit": "ms", "otherData": meta})
 
     def _check_consecutive_skips(self) -> None:
         t, n = self.cfg.training, self.consecutive_skipped

@@ -118,8 +118,19 @@ def test_resume_is_bit_exact_and_traces_are_written(data, tmp_path):
         for name in a:
             assert torch.equal(a[name], b[name]), name
     # Traces: the first K iterations planned by each run, one file each, written by rank 0.
-    assert sorted(os.listdir(straight_traces)) == [f"iter_{i:07d}.sim.json" for i in (1, 2, 3)]
-    assert sorted(os.listdir(resumed_traces)) == ["iter_0000003.sim.json"]
+    assert sorted(os.listdir(straight_traces)) == sorted(
+        [f"iter_{i:07d}.{kind}.json" for i in (1, 2, 3) for kind in ("sim", "measured")])
+    assert sorted(os.listdir(resumed_traces)) == ["iter_0000003.measured.json", "iter_0000003.sim.json"]
+    # The measured timeline beside it: every instruction span of both pipeline ranks.
+    measured = json.loads((straight_traces / "iter_0000001.measured.json").read_text())
+    ran = [e for e in measured["traceEvents"] if e.get("cat") == "compute"]
+    n_mb0 = len(straight[0][1][0])
+    for pid in (0, 1):
+        assert sorted(e["name"] for e in ran if e["pid"] == pid) == sorted(
+            [f"F{k}" for k in range(n_mb0)] + [f"B{k}" for k in range(n_mb0)])
+    assert all(e["dur"] >= 0 for e in measured["traceEvents"] if e.get("ph") == "X")
+    assert any(e.get("cat") == "comm" for e in measured["traceEvents"])
+    assert measured["otherData"]["simulated_ms"] > 0
     trace = json.loads((straight_traces / "iter_0000001.sim.json").read_text())
     compute = [e for e in trace["traceEvents"] if e.get("cat") == "compute"]
     assert {e["pid"] for e in compute} == {0, 1}  # both pipeline ranks

@@ -23,6 +23,7 @@ a receive buffer is allocated whole at its first piece and filled as the pieces 
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
@@ -108,6 +109,9 @@ class PipelineExecutor:
         # Token slices: seed of the slice-keyed dropout masks (None = no keyed dropout; the
         # TeraPipe trainer sets it, distinct per data-parallel rank).
         self.dropout_seed: Optional[int] = None
+        # A list to receive one Chrome-trace event per instruction of the next run() (measured
+        # timeline; on CUDA each compute instruction is synchronised so its span is GPU time).
+        self.trace_events: Optional[list] = None
 
     # -- helpers -------------------------------------------------------------------------
     def _autocast(self):
@@ -133,9 +137,13 @@ class PipelineExecutor:
         for stage_id in plan.assigned_stages:
             self.stages[stage_id].recompute = plan.recompute
         beat = heartbeat.active()
+        trace = self.trace_events
+        t_start = self._trace_t0 = time.perf_counter()
         for idx, ins in enumerate(plan.instructions):
             if beat is not None:
                 beat.note(plan.iteration, ins)
+            if trace is not None:
+                t0 = time.perf_counter()
             try:
                 handler = self._HANDLERS[type(ins)]
             except KeyError:
@@ -151,6 +159,8 @@ class PipelineExecutor:
                 raise PlanExecutionError(
                     f"{self.rank_desc}, iteration {plan.iteration}: instruction {idx} "
                     f"{type(ins).__name__}(microbatch={ins.microbatch}, stage={ins.stage}) failed: {e}") from e
+            if trace is not None:
+                self._trace(ins, t0 - t_start)
         if beat is not None:
             beat.current = None
         if self.sends or self.recvs:
@@ -166,6 +176,18 @@ class PipelineExecutor:
                 f"{sorted(self.kv_caches)} never ran the backward of their first slice")
         self.slots = self.records = self.data = self.kv_caches = self.slice_records = self.assembling = {}
         return self.stats
+
+    def _trace(self, ins, start_s: float) -> None:
+        """One Chrome-trace event for an instruction that started `start_s` into the run."""
+        compute = isinstance(ins, (I.ForwardPass, I.BackwardPass))
+        if compute and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        end_s = time.perf_counter() - self._trace_t0
+        kind = "compute" if compute else "comm" if isinstance(ins, I.CommInstruction) else "other"
+        short = {I.ForwardPass: "F", I.BackwardPass: "B"}.get(type(ins), type(ins).__name__)
+        self.trace_events.append({"name": f"{short}{ins.microbatch}", "cat": kind, "ph": "X",
+                                  "tid": 0 if compute else 1, "ts": start_s * 1e6, "dur": (end_s - start_s) * 1e6,
+                                  "args": {"stage": ins.stage, "microbatch": ins.microbatch}})
 
     # -- instruction handlers ------------------------------------------------------------
     def _load_input(self, ins: I.LoadInput):
