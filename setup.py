@@ -1,4 +1,5 @@
-"""Installs the `megatron` package and builds the C++ dataset helpers (pybind11 + numpy)."""
+"""Installs the `megatron` package and builds the C++ dataset helpers and the partitioner's
+inner loop (pybind11 + numpy)."""
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
@@ -6,6 +7,12 @@ ext_modules = [
     Pybind11Extension(
         "megatron.data.helpers_cpp",
         ["megatron/data/helpers.cpp"],
+        cxx_std=17,
+        extra_compile_args=["-O3"],
+    ),
+    Pybind11Extension(
+        "megatron.planner.partition_cpp",
+        ["megatron/planner/partition.cpp"],
         cxx_std=17,
         extra_compile_args=["-O3"],
     ),

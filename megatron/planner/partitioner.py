@@ -26,6 +26,11 @@ import numpy as np
 
 INF = np.inf
 
+try:  # the DP's inner loop in C++ (megatron/planner/partition.cpp, built by setup.py)
+    from megatron.planner import partition_cpp as _cpp
+except ImportError:  # not built (a source checkout without `pip install -e .`): numpy below
+    _cpp = None
+
 
 @dataclass
 class Partition:
@@ -48,6 +53,12 @@ def objective(times: Sequence[float], num_stages: int, dp: int) -> float:
 
 def _min_sums(T: np.ndarray, taus: np.ndarray) -> np.ndarray:
     """g(tau) for every tau: min total segment time with all segments <= tau."""
+    if _cpp is not None:
+        return _cpp.min_sums(T, np.asarray(taus, dtype=np.float64))
+    return _min_sums_numpy(T, taus)
+
+
+def _min_sums_numpy(T: np.ndarray, taus: np.ndarray) -> np.ndarray:
     N, M = T.shape
     K = len(taus)
     F = np.full((K, N + 1), INF)

@@ -160,3 +160,16 @@ def test_two_opt_never_lengthens_the_path():
         after = _path_2opt(D, tour.copy(), 1000)
         assert sorted(after.tolist()) == list(range(K))
         assert length(after) <= before + 1e-9
+
+
+def test_cpp_min_sums_equals_numpy_bit_for_bit():
+    """The C++ inner loop (built by setup.py) gives exactly the numpy DP's sums, inf included."""
+    from megatron.planner import partitioner as P
+    if P._cpp is None:
+        pytest.skip("megatron.planner.partition_cpp is not built (pip install -e .)")
+    rng = np.random.default_rng(3)
+    for n, m in [(1, 1), (7, 3), (60, 12), (200, 40)]:
+        T = rng.uniform(1, 10, (n, m))
+        T[rng.random((n, m)) < 0.2] = np.inf
+        taus = np.sort(rng.uniform(0, 12, 9))
+        assert np.array_equal(P._min_sums(T, taus), P._min_sums_numpy(T, taus))
