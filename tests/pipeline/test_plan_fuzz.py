@@ -2,8 +2,10 @@
 
 Each mutation below is harmful by construction (an unmatched message, a wrong shape or peer, a
 second receive into the same message, a free before the last use, a use before the load), so
-the validator must refuse every one. Byte flips of a serialized plan must never decode. A fixed
-seed keeps the default run fast and reproducible; `-m slow` runs thousands of mutants.
+the validator must refuse every one. Byte flips of a serialized plan must never decode. Swaps of
+two adjacent instructions may be harmless: the validator refuses the harmful ones, and the ones it
+accepts are run on 2 gloo ranks and must train to the unmutated plan's loss and gradient norm.
+A fixed seed keeps the default run fast and reproducible; `-m slow` runs thousands of mutants.
 """
 import dataclasses
 import random
@@ -13,6 +15,7 @@ import pytest
 from megatron.pipeline import instructions as I
 from megatron.pipeline.validator import PlanValidationError, validate_plans
 from megatron.planner.static import build_static_plans
+from tests.dist_harness import run_distributed
 
 COMM = (I.SendActivationStart, I.SendActivationFinish, I.RecvActivationStart, I.RecvActivationFinish,
         I.SendGradStart, I.SendGradFinish, I.RecvGradStart, I.RecvGradFinish)
@@ -239,3 +242,60 @@ def test_harmful_mutants_rejected_many():
     _fuzz(3000, seed=2)
     _fuzz(1000, seed=6, make=_split_plans)
     _flips(3000, seed=3)
+
+
+# -- swaps: the one mutation that may be harmless. The validator must reject the swaps that would
+#    hang or mis-shape, and every swap it accepts must run on gloo ranks to the same result.
+
+def _tiny_plans():
+    from tests.parity_utils import tiny_config
+    cfg = tiny_config(world=2, pp=2)  # 4 micro-batches of [2, 16], hidden 32: what _swap_run trains
+    m = cfg.num_microbatches
+    return build_static_plans("1f1b", m, 2, 1, [((2, 16),)] * m, lambda mb, st: ((16, 2, 32),))
+
+
+def _swapped(plans, rng):
+    r = rng.randrange(len(plans))
+    ins = list(plans[r].instructions)
+    i = rng.randrange(len(ins) - 1)
+    if type(ins[i]) is type(ins[i + 1]) and ins[i] == ins[i + 1]:
+        return None
+    ins[i], ins[i + 1] = ins[i + 1], ins[i]
+    out = list(plans)
+    out[r] = dataclasses.replace(plans[r], instructions=ins)
+    return out
+
+
+def _swap_run(rank, world, mutants):
+    from tests.parity_utils import make_trainer, tiny_config
+    out = []
+    for blob in [None] + mutants:
+        t = make_trainer(tiny_config(world=world, pp=2, iters=1))
+        if blob is not None:
+            plans = [I.ExecutionPlan.deserialize(b) for b in blob]
+            t.batch_source.planner.plans = lambda it, shapes, plans=plans: [
+                dataclasses.replace(p, iteration=it) for p in plans]
+        step = t.train_step()
+        out.append((step["loss"], step["grad_norm"]))
+    return out
+
+
+def test_accepted_swaps_run_to_the_same_result():
+    rng = random.Random(11)
+    base = _tiny_plans()
+    accepted, rejected = [], 0
+    while len(accepted) < 8:
+        mutant = _swapped(base, rng)
+        if mutant is None:
+            continue
+        try:
+            validate_plans(mutant)
+        except PlanValidationError:
+            rejected += 1
+            continue
+        accepted.append([p.serialize() for p in mutant])
+    assert rejected > 0  # swaps do break plans; those never run
+    results = run_distributed(_swap_run, 2, accepted)
+    last = results[1]  # pipeline rank 1 holds the loss
+    for loss, norm in last[1:]:
+        assert loss == pytest.approx(last[0][0], rel=1e-6) and norm == pytest.approx(last[0][1], rel=1e-6)
