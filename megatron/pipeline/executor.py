@@ -380,7 +380,6 @@ class PipelineExecutor:
             return
         if start.compress_rank:
             from megatron.compression.pipeline import PipelineGradCompressor
-            from megatron.pipeline.p2p import DTYPES
             tensors = PipelineGradCompressor.decode(start.buffer_shapes, start.compress_rank, tensors,
                                                     DTYPES[self.plan.dtype])
         for bid, t in zip(buffer_ids, tensors):
