@@ -145,7 +145,15 @@ def _cost_matrix(points, t, vectorized: bool) -> np.ndarray:
 
 def _dp_for_caps(cost: np.ndarray, caps: np.ndarray):
     """f[k, n] = min over m < n with cost[m, n] <= caps[k] of f[k, m] + cost[m, n], for all caps
-    at once (one vector operation per end point n). Returns (f, arg)."""
+    at once. Returns (f, arg). The C++ loop (megatron/planner/partition.cpp) when it is built."""
+    from megatron.planner.partitioner import _cpp
+    if _cpp is not None:
+        return _cpp.dp_for_caps(cost, np.asarray(caps, dtype=np.float64))
+    return _dp_for_caps_numpy(cost, caps)
+
+
+def _dp_for_caps_numpy(cost: np.ndarray, caps: np.ndarray):
+    """The same, one vector operation per end point n."""
     P, K = cost.shape[0], len(caps)
     f = np.full((K, P), np.inf)
     arg = np.full((K, P), -1, dtype=np.int64)

@@ -191,3 +191,21 @@ def test_vectorised_and_thinned_caps_agree_with_exact():
     thin = plan_slices(512, 8, t, vectorized=True, cap_tolerance=0.01)
     assert thin.t_max_tried < exact.t_max_tried
     assert thin.score <= exact.score * 1.01
+
+
+def test_cpp_slicing_dp_equals_numpy():
+    """The C++ loop of the slicing DP gives the numpy version's f and arg exactly (ties too)."""
+    import numpy as np
+    from megatron.planner import terapipe as T
+    from megatron.planner.partitioner import _cpp
+    if _cpp is None:
+        pytest.skip("megatron.planner.partition_cpp is not built (pip install -e .)")
+    rng = np.random.default_rng(5)
+    for P in (1, 2, 9, 120):
+        cost = np.round(rng.uniform(1, 10, (P, P)), 1)  # rounded: many ties
+        cost[np.tril_indices(P)] = np.inf
+        cost[rng.random((P, P)) < 0.2] = np.inf
+        caps = np.sort(rng.uniform(0, 12, 11))
+        f1, a1 = T._dp_for_caps(cost, caps)
+        f2, a2 = T._dp_for_caps_numpy(cost, caps)
+        assert np.array_equal(f1, f2) and np.array_equal(a1, a2)
