@@ -273,24 +273,27 @@ class DynaPipePlanner:
         e = np.maximum.accumulate(enc[np.minimum(idx, N - 1)], axis=1)[:, m0:]
         d = np.maximum.accumulate(dec[np.minimum(idx, N - 1)], axis=1)[:, m0:]
         m = np.arange(m0 + 1, m1 + 1, dtype=np.int64)[None, :]
-        key = (m << 42) | (e.astype(np.int64) << 21) | d.astype(np.int64)
-        uniq, inv = np.unique(key, return_inverse=True)
+        key = ((m << 42) | (e.astype(np.int64) << 21) | d.astype(np.int64)).ravel()
         ck, cv = self._cache.get(("t5", rc, fit), (np.zeros(0, np.int64), np.zeros(0)))
-        pos = np.minimum(np.searchsorted(ck, uniq), max(len(ck) - 1, 0))
-        hit = (ck[pos] == uniq) if len(ck) else np.zeros(len(uniq), bool)
-        t = np.empty(len(uniq))
-        t[hit] = cv[pos[hit]]
-        miss = uniq[~hit]
-        if len(miss):
+        t = np.empty(len(key))
+        if len(ck):  # warm cache: look every key up directly (no sort of the whole block)
+            pos = np.minimum(np.searchsorted(ck, key), len(ck) - 1)
+            hit = ck[pos] == key
+            t[hit] = cv[pos[hit]]
+        else:
+            hit = np.zeros(len(key), bool)
+        if not hit.all():
+            miss, inv = np.unique(key[~hit], return_inverse=True)
             sc = self.stage_costs(rc, (miss >> 42).astype(float), ((miss >> 21) & 0x1FFFFF).astype(float),
                                   (miss & 0x1FFFFF).astype(float))
-            t[~hit] = np.where(self._feasible(sc, fit), (sc["fwd"] + sc["bwd"]).max(axis=0), np.inf)
+            tm = np.where(self._feasible(sc, fit), (sc["fwd"] + sc["bwd"]).max(axis=0), np.inf)
+            t[~hit] = tm[inv]
             if len(ck) + len(miss) > self.T5_CACHE_ENTRIES:
                 ck, cv = np.zeros(0, np.int64), np.zeros(0)
             allk = np.concatenate([ck, miss])
             s = np.argsort(allk, kind="stable")
-            self._cache[("t5", rc, fit)] = (allk[s], np.concatenate([cv, t[~hit]])[s])
-        return t[inv.reshape(e.shape)]
+            self._cache[("t5", rc, fit)] = (allk[s], np.concatenate([cv, tm])[s])
+        return t.reshape(e.shape)
 
     def segment_times(self, rc: str, fit: str, enc: np.ndarray, dec: Optional[np.ndarray]) -> np.ndarray:
         """Segment-time matrix for samples already in planning order, padded."""

@@ -73,6 +73,12 @@ def _min_sums_numpy(T: np.ndarray, taus: np.ndarray) -> np.ndarray:
 
 def _bottleneck(T: np.ndarray) -> float:
     """Smallest achievable t_max (min over partitions of the slowest segment)."""
+    if _cpp is not None:
+        return float(_cpp.bottleneck(T))
+    return _bottleneck_numpy(T)
+
+
+def _bottleneck_numpy(T: np.ndarray) -> float:
     N, M = T.shape
     H = np.full(N + 1, INF)
     H[0] = 0.0
@@ -96,6 +102,12 @@ def _first_stuck(T: np.ndarray) -> int:
 
 
 def _reconstruct(T: np.ndarray, tau: float) -> List[int]:
+    if _cpp is not None:
+        return [int(c) for c in _cpp.reconstruct(T, float(tau))]
+    return _reconstruct_numpy(T, tau)
+
+
+def _reconstruct_numpy(T: np.ndarray, tau: float) -> List[int]:
     N, M = T.shape
     F = np.full(N + 1, INF)
     F[0] = 0.0

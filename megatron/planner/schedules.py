@@ -60,7 +60,27 @@ def adaptive(costs: PipelineCosts, order: Sequence[int], mem_limit: Sequence[flo
 
 def _adaptive(costs, order, mem_limit, cut=float("inf")):
     """(per-stage orders, makespan); `simulate` on the orders reproduces the same times.
-    Returns None as soon as an op would end at or after `cut` (it cannot beat that)."""
+    Returns None as soon as an op would end at or after `cut` (it cannot beat that). Runs the
+    C++ copy of `_adaptive_py` (megatron/planner/partition.cpp) when it is built."""
+    from megatron.planner.partitioner import _cpp
+    if _cpp is None:
+        return _adaptive_py(costs, order, mem_limit, cut)
+    gcomm = costs.comm if costs.grad_comm is None or costs.grad_comm_epilogue_only else costs.grad_comm
+    status, value, ops = _cpp.adaptive_schedule(
+        costs.fwd, costs.bwd, costs.stored, costs.transient, costs.comm, gcomm,
+        np.asarray(order, dtype=np.int64), np.asarray(mem_limit, dtype=np.float64) + 1e-9, float(cut))
+    if status == 1:
+        return None
+    if status == 2:
+        mb, s = value, ops
+        raise ScheduleInfeasible(f"micro-batch {mb} needs {costs.stored[s][mb] + costs.transient[s][mb]:.0f} MB on "
+                                 f"stage {s}, limit {mem_limit[s]:.0f} MB")
+    orders = [[Op("F" if v & 1 else "B", v >> 1, s) for v in row] for s, row in enumerate(ops.tolist())]
+    return orders, value
+
+
+def _adaptive_py(costs, order, mem_limit, cut=float("inf")):
+    """The reference implementation of `_adaptive` (and its fallback when C++ is not built)."""
     S, K = costs.num_stages, len(order)
     fwd, bwd, stored, trans, comm = (a.tolist() for a in
                                      (costs.fwd, costs.bwd, costs.stored, costs.transient, costs.comm))

@@ -163,7 +163,7 @@ def test_two_opt_never_lengthens_the_path():
 
 
 def test_cpp_min_sums_equals_numpy_bit_for_bit():
-    """The C++ inner loop (built by setup.py) gives exactly the numpy DP's sums, inf included."""
+    """The C++ loops (built by setup.py) give exactly the numpy DP's sums, bottleneck and cuts."""
     from megatron.planner import partitioner as P
     if P._cpp is None:
         pytest.skip("megatron.planner.partition_cpp is not built (pip install -e .)")
@@ -173,3 +173,9 @@ def test_cpp_min_sums_equals_numpy_bit_for_bit():
         T[rng.random((n, m)) < 0.2] = np.inf
         taus = np.sort(rng.uniform(0, 12, 9))
         assert np.array_equal(P._min_sums(T, taus), P._min_sums_numpy(T, taus))
+        assert P._bottleneck(T) == P._bottleneck_numpy(T)
+        tau = P._bottleneck(T)
+        if np.isfinite(tau):
+            for t in (tau, taus[-1], np.inf):
+                if np.isfinite(P._min_sums(T, np.array([t]))[0]):
+                    assert P._reconstruct(T, t) == P._reconstruct_numpy(T, t)

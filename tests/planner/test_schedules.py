@@ -152,3 +152,32 @@ def test_order_search_is_deterministic_and_clusters_cover_all():
     a, b = search(c, limit), search(c, limit)
     assert (a.name, a.order, a.result.makespan) == (b.name, b.order, b.result.makespan)
     assert a.result.makespan <= search(c, limit, num_clusters=0, polish_budget=0).result.makespan
+
+
+def test_cpp_adaptive_schedule_equals_python():
+    """The C++ adaptive list schedule makes the Python one's decisions: same per-stage orders
+    and makespan to the bit (ties: earliest, backward first, lower stage), the same cut-offs
+    and the same infeasibility message."""
+    import numpy as np
+    from megatron.planner import schedules as Sc
+    from megatron.planner.partitioner import _cpp
+    from megatron.planner.simulator import PipelineCosts
+    if _cpp is None:
+        pytest.skip("megatron.planner.partition_cpp is not built (pip install -e .)")
+    rng = np.random.default_rng(0)
+    seen = set()
+    for _ in range(300):
+        S, K = int(rng.integers(1, 6)), int(rng.integers(1, 12))
+        r = lambda: np.round(rng.uniform(0.5, 5, (S, K)), 1)  # noqa: E731 - rounded: many ties
+        costs = PipelineCosts(r(), r(), r(), r(), r(), r() if rng.random() < 0.3 else None, bool(rng.random() < 0.3))
+        order, lim = list(rng.permutation(K)), list(rng.uniform(3, 30, S))
+        cut = float(rng.uniform(5, 80)) if rng.random() < 0.3 else float("inf")
+        out = []
+        for fn in (Sc._adaptive, Sc._adaptive_py):
+            try:
+                out.append(fn(costs, order, lim, cut))
+            except Sc.ScheduleInfeasible as e:
+                out.append(str(e))
+        assert out[0] == out[1]
+        seen.add("infeasible" if isinstance(out[0], str) else "cut" if out[0] is None else "ok")
+    assert seen == {"infeasible", "cut", "ok"}
