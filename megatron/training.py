@@ -248,16 +248,17 @@ class Trainer:
             # Norm weights and row-parallel biases saw only this rank's sequence chunk.
             allreduce_data_parallel_grads(self.sequence_parallel_params, ps.tp_group, ps.tp_size)
         dp_params = self.optimizer.params
-        if self.fused_embedding_group is not None:
-            from megatron.compression.embedding import fused_embedding_all_reduce
-            sent["emb"] = fused_embedding_all_reduce(self.tied_params, self.fused_embedding_group)
-            tied = {id(p) for p in self.tied_params}
-            dp_params = [p for p in dp_params if id(p) not in tied]
-        elif ps.stage_layouts:
-            from megatron.core.distributed import allreduce_resharded_embedding_grads
-            vocab_rows = max(self.cfg.model.padded_vocab_size(tp) for tp, _ in ps.stage_layouts)
-            sent["emb"] = allreduce_resharded_embedding_grads(self.tied_params, ps.embedding_group, ps.tp_rank,
-                                                              vocab_rows)
+        if self.fused_embedding_group is not None or ps.stage_layouts:
+            # Both syncs already sum over every DP replica of the first and last stage: the
+            # tied parameters stay out of the data-parallel reduction.
+            if self.fused_embedding_group is not None:
+                from megatron.compression.embedding import fused_embedding_all_reduce
+                sent["emb"] = fused_embedding_all_reduce(self.tied_params, self.fused_embedding_group)
+            else:
+                from megatron.core.distributed import allreduce_resharded_embedding_grads
+                vocab_rows = max(self.cfg.model.padded_vocab_size(tp) for tp, _ in ps.stage_layouts)
+                sent["emb"] = allreduce_resharded_embedding_grads(self.tied_params, ps.embedding_group, ps.tp_rank,
+                                                                  vocab_rows)
             tied = {id(p) for p in self.tied_params}
             dp_params = [p for p in dp_params if id(p) not in tied]
         else:
@@ -351,9 +352,9 @@ class Trainer:
         events, self.executor.trace_events = self.executor.trace_events, None
         pid = ps.dp_rank * ps.pp_size + ps.pp_rank
         mine = [dict(ev, pid=pid) for ev in events] if ps.tp_rank == 0 else []
-        if ps.world_size > 1:
-            gathered = [None] * ps.world_size
-            dist.all_gather_object(gathered, mine)
+        if ps.world_size > 1:  # only rank 0 writes: gather there
+            gathered = [None] * ps.world_size if ps.rank == 0 else None
+            dist.gather_object(mine, gathered, dst=0)
         else:
             gathered = [mine]
         if ps.rank != 0:

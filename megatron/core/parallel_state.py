@@ -60,6 +60,12 @@ class ParallelState:
         return f"rank {self.rank} (tp {self.tp_rank}/{self.tp_size}, pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size})"
 
 
+def _new_group(ranks: List[int], rank: int, timeout):
+    """Every rank must create every group (torch requires it); only members keep it."""
+    g = dist.new_group(ranks, timeout=timeout)
+    return g if rank in ranks else None
+
+
 def global_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
     return pp_rank * (dp * tp) + dp_rank * tp + tp_rank
 
@@ -83,8 +89,7 @@ def initialize_model_parallel(tp_size: int = 1, pp_size: int = 1,
                        timeout=timeout or timedelta(minutes=10))
 
     def make(ranks: List[int]):
-        g = dist.new_group(ranks, timeout=timeout)
-        return g if rank in ranks else None
+        return _new_group(ranks, rank, timeout)
 
     for p in range(pp_size):
         for d in range(dp_size):
@@ -152,8 +157,7 @@ def initialize_heterogeneous_parallel(layouts, timeout: Optional[timedelta] = No
                        pp_global_ranks=list(range(world)), stage_layouts=layouts)
 
     def make(ranks: List[int]):
-        g = dist.new_group(ranks, timeout=timeout)
-        return g if rank in ranks else None
+        return _new_group(ranks, rank, timeout)
 
     offsets = stage_rank_offsets(layouts)
     for s, (tp, dp) in enumerate(layouts):

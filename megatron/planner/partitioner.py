@@ -26,10 +26,7 @@ import numpy as np
 
 INF = np.inf
 
-try:  # the DP's inner loop in C++ (megatron/planner/partition.cpp, built by setup.py)
-    from megatron.planner import partition_cpp as _cpp
-except ImportError:  # not built (a source checkout without `pip install -e .`): numpy below
-    _cpp = None
+from megatron.planner.native import cpp as _cpp
 
 
 @dataclass

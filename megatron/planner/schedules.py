@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from megatron.planner.native import cpp as _cpp
 from megatron.planner.simulator import Op, PipelineCosts, SimResult, SimulationError, simulate
 
 
@@ -62,12 +63,10 @@ def _adaptive(costs, order, mem_limit, cut=float("inf")):
     """(per-stage orders, makespan); `simulate` on the orders reproduces the same times.
     Returns None as soon as an op would end at or after `cut` (it cannot beat that). Runs the
     C++ copy of `_adaptive_py` (megatron/planner/partition.cpp) when it is built."""
-    from megatron.planner.partitioner import _cpp
     if _cpp is None:
         return _adaptive_py(costs, order, mem_limit, cut)
-    gcomm = costs.comm if costs.grad_comm is None or costs.grad_comm_epilogue_only else costs.grad_comm
     status, value, ops = _cpp.adaptive_schedule(
-        costs.fwd, costs.bwd, costs.stored, costs.transient, costs.comm, gcomm,
+        costs.fwd, costs.bwd, costs.stored, costs.transient, costs.comm, _adaptive_grad_comm(costs),
         np.asarray(order, dtype=np.int64), np.asarray(mem_limit, dtype=np.float64) + 1e-9, float(cut))
     if status == 1:
         return None
@@ -79,14 +78,19 @@ def _adaptive(costs, order, mem_limit, cut=float("inf")):
     return orders, value
 
 
+def _adaptive_grad_comm(costs: PipelineCosts) -> np.ndarray:
+    """Gradient transfer times the adaptive schedule plans with. Epilogue-only compression
+    depends on where each rank's last forward lands, which this greedy search only learns at
+    the end: plan with uncompressed gradients then."""
+    return costs.comm if costs.grad_comm is None or costs.grad_comm_epilogue_only else costs.grad_comm
+
+
 def _adaptive_py(costs, order, mem_limit, cut=float("inf")):
     """The reference implementation of `_adaptive` (and its fallback when C++ is not built)."""
     S, K = costs.num_stages, len(order)
     fwd, bwd, stored, trans, comm = (a.tolist() for a in
                                      (costs.fwd, costs.bwd, costs.stored, costs.transient, costs.comm))
-    # Epilogue-only compression depends on where each rank's last forward lands, which this
-    # greedy search only learns at the end: plan with uncompressed gradients then.
-    gcomm = comm if costs.grad_comm is None or costs.grad_comm_epilogue_only else costs.grad_comm.tolist()
+    gcomm = _adaptive_grad_comm(costs).tolist()
     limit = [m + 1e-9 for m in mem_limit]
     nmb = costs.num_microbatches
     fptr = [0] * S

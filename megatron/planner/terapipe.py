@@ -29,6 +29,7 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 
 from megatron.pipeline.lowering import ComputeOp, lower_to_plans
+from megatron.planner.native import cpp as _cpp
 
 GRID = 8
 
@@ -146,7 +147,6 @@ def _cost_matrix(points, t, vectorized: bool) -> np.ndarray:
 def _dp_for_caps(cost: np.ndarray, caps: np.ndarray):
     """f[k, n] = min over m < n with cost[m, n] <= caps[k] of f[k, m] + cost[m, n], for all caps
     at once. Returns (f, arg). The C++ loop (megatron/planner/partition.cpp) when it is built."""
-    from megatron.planner.partitioner import _cpp
     if _cpp is not None:
         return _cpp.dp_for_caps(cost, np.asarray(caps, dtype=np.float64))
     return _dp_for_caps_numpy(cost, caps)

@@ -165,7 +165,8 @@ def test_two_opt_never_lengthens_the_path():
 def test_cpp_min_sums_equals_numpy_bit_for_bit():
     """The C++ loops (built by setup.py) give exactly the numpy DP's sums, bottleneck and cuts."""
     from megatron.planner import partitioner as P
-    if P._cpp is None:
+    from megatron.planner.native import cpp
+    if cpp is None:
         pytest.skip("megatron.planner.partition_cpp is not built (pip install -e .)")
     rng = np.random.default_rng(3)
     for n, m in [(1, 1), (7, 3), (60, 12), (200, 40)]:

@@ -160,7 +160,7 @@ def test_cpp_adaptive_schedule_equals_python():
     and the same infeasibility message."""
     import numpy as np
     from megatron.planner import schedules as Sc
-    from megatron.planner.partitioner import _cpp
+    from megatron.planner.native import cpp as _cpp
     from megatron.planner.simulator import PipelineCosts
     if _cpp is None:
         pytest.skip("megatron.planner.partition_cpp is not built (pip install -e .)")

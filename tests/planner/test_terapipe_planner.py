@@ -197,7 +197,7 @@ def test_cpp_slicing_dp_equals_numpy():
     """The C++ loop of the slicing DP gives the numpy version's f and arg exactly (ties too)."""
     import numpy as np
     from megatron.planner import terapipe as T
-    from megatron.planner.partitioner import _cpp
+    from megatron.planner.native import cpp as _cpp
     if _cpp is None:
         pytest.skip("megatron.planner.partition_cpp is not built (pip install -e .)")
     rng = np.random.default_rng(5)
