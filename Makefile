@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 4
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test test-variants bench clean
 
 $(VENV)/.installed: setup.py pyproject.toml megatron/data/helpers.cpp megatron/planner/partition.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,14 @@ demo: venv
 test: venv
 	$(PY) -m megatron.fused_kernels --allow-fallback
 	$(PY) -m pytest -q tests
+
+# The parity tests again under the CPU code paths another machine may take: the portable
+# (non-AVX) kernels with two OpenMP threads, then PyTorch's ops instead of the fused kernels.
+# Their tolerances are derived (tests/parity_utils.py), so they must hold on every path.
+PARITY := -m "parity and not slow"
+test-variants: venv
+	ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=2 $(PY) -m pytest -q $(PARITY) tests
+	MEGATRON_NO_FUSED_KERNELS=1 $(PY) -m pytest -q $(PARITY) tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info megatron/data/*.so megatron/fused_kernels/build

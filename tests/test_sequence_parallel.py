@@ -7,6 +7,8 @@ from tests.dist_harness import run_distributed
 from tests.parity_utils import run_layout, tiny_config
 from tests.test_training_parity import _compare
 
+pytestmark = pytest.mark.parity
+
 SP = dict(sequence_parallel=True)
 LLAMA = dict(sequence_parallel=True, normalization="RMSNorm", swiglu=True, add_bias_linear=False,
              position_embedding_type="rope", num_query_groups=2)

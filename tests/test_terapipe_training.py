@@ -10,6 +10,8 @@ from tests.dist_harness import run_distributed
 from tests.parity_utils import run_layout, shards
 from tests.test_training_parity import _compare
 
+pytestmark = pytest.mark.parity
+
 SEQ = 16
 
 
