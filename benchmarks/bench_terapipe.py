@@ -17,12 +17,18 @@ Output: one JSON object per line.
                                               best micro-batch size b whose table entry exists (the table marks
                                               out-of-memory shapes)
   terapipe_ms, terapipe_mbs, slices           `plan_batch`: best micro-batch size and slicing (DP over slicings
-                                              on the 8-token grid), m * n units back to back:
+                                              on the 8-token grid; exact up to 1024 tokens, caps 0.1 % apart
+                                              beyond), m * n units back to back:
                                               sum t_i + (K - 1) max t_i
   speedup                                     baseline_ms / terapipe_ms
   planning_ms                                 wall time of `plan_batch` for this row (one slice DP per micro-batch
-                                              size dividing the batch; caps thinned at 1 %, warm process)
+                                              size dividing the batch, warm process)
   per_sequence_dp_ms                          the slice DP alone for the chosen micro-batch size
+  groups_ms, groups, groups_vs_equal          the published two-level DP (megatron/planner/terapipe_groups.py):
+                                              uneven groups of sequences, each with its own slicing; `groups`
+                                              lists [sequences, slices] per group; groups_vs_equal = terapipe_ms /
+                                              groups_ms (>= 1: equal micro-batches are one of its candidates)
+  groups_planning_ms                          its wall time (it runs plan_batch first, for the pruning bound)
 Memory is not constrained on either side beyond the table's own out-of-memory entries (GPipe-order
 TeraPipe keeps every unit's activations and K/V; at 8192 tokens that exceeds 40 GB without
 recomputation, as it does for the unsliced baseline with more than a few micro-batches in flight).
@@ -52,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from megatron.planner.cost_model import CostModel  # noqa: E402
 from megatron.planner.terapipe import plan_batch, slice_memory_mb  # noqa: E402
+from megatron.planner.terapipe_groups import plan_batch_groups  # noqa: E402
 from megatron.planner.terapipe_latency import from_cost_model  # noqa: E402
 
 LAYERS, HIDDEN, HEADS = 32, 4096, 32
@@ -72,14 +79,18 @@ def simulate(pp: int, seq: int, batch: int, lat) -> dict:
         if base is None or ms < base[0]:
             base = (ms, b)
     t0 = time.perf_counter()
-    b, sp = plan_batch(batch, seq, pp, stage, cap_tolerance=0.01, vectorized=True)
+    b, sp = plan_batch(batch, seq, pp, stage, vectorized=True)  # exact <= 1024 tokens, caps 0.1 % apart beyond
     planning_ms = (time.perf_counter() - t0) * 1e3
+    groups = plan_batch_groups(batch, seq, pp, stage, vectorized=True)
     row = {"benchmark": "terapipe_simulated", "pp": pp, "layers": LAYERS, "layers_per_stage": lps, "seq": seq,
            "batch": batch, "baseline_ms": None if base is None else round(base[0], 2),
            "baseline_mbs": None if base is None else base[1], "terapipe_ms": round(sp.score, 2),
            "terapipe_mbs": b, "num_slices": len(sp.slices), "slices": sp.slices,
            "speedup": None if base is None else round(base[0] / sp.score, 3),
-           "planning_ms": round(planning_ms, 1), "per_sequence_dp_ms": round(sp.planning_s * 1e3, 1)}
+           "planning_ms": round(planning_ms, 1), "per_sequence_dp_ms": round(sp.planning_s * 1e3, 1),
+           "groups_ms": round(groups.score, 2), "groups": [[g, len(s)] for g, s in groups.groups],
+           "groups_vs_equal": round(sp.score / groups.score, 5),
+           "groups_planning_ms": round(groups.planning_s * 1e3, 1)}
     return row
 
 

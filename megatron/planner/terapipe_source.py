@@ -46,8 +46,10 @@ class TeraPipePlanner:
                 # m micro-batches run back to back: sum over all units + (K-1) max = m * score
                 # of one sequence with the effective stage count 1 + (K-1)/m (see plan_batch).
                 k_eff = 1 + (self.pp - 1) / max(1, self.cfg.num_microbatches)
+                # exact up to 1024 tokens, caps 0.1 % apart beyond (terapipe.default_cap_tolerance);
+                # once per shape: the slicings are cached
                 slices = plan_slices(s, k_eff, lambda l, c: self.stage_ms(b, l, c), mem_ok=mem_ok,
-                                     cap_tolerance=0.01, vectorized=True).slices
+                                     vectorized=True).slices
             self._slicings[key] = (slices, (time.perf_counter() - t0) * 1e3)
         return self._slicings[key]
 
