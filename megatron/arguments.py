@@ -6,6 +6,7 @@ line naming the flags, before any process group is created.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from typing import Optional, Sequence
@@ -29,8 +30,25 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         if os.environ.get("RANK", "0") == "0":
-            print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
+            hint = self._did_you_mean(message)
+            print(f"{self.prog}: error: {message}{hint} (see {self.prog} --help)", file=sys.stderr, flush=True)
         raise SystemExit(2)
+
+    def _did_you_mean(self, message: str) -> str:
+        """'; did you mean --global-batch-size?' for each mistyped flag argparse did not recognise."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        hints = []
+        for word in message.split(":", 1)[1].split():
+            if not word.startswith("--"):
+                continue
+            flag = word.split("=", 1)[0]
+            dashed = "--" + flag[2:].replace("_", "-")
+            close = [dashed] if dashed in known else difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            if close and close[0] not in hints:
+                hints.append(close[0])
+        return f"; did you mean {' / '.join(hints)}?" if hints else ""
 
 
 def _add_compression_args(p) -> None:
@@ -325,6 +343,20 @@ def _check_cost_model_matches(path: str, model: ModelConfig) -> None:
                           "pass --dynapipe-cost-model-any to plan with it anyway")
 
 
+def _check_enough_processes(args, model_type: str, world_size: int) -> None:
+    """TP x PP larger than the job: say how to launch it (the usual cause is plain `python`)."""
+    need = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if getattr(args, "stage_parallel", None) is not None or need <= world_size or need < 1:
+        return
+    sizes = (f"--tensor-model-parallel-size ({args.tensor_model_parallel_size}) x "
+             f"--pipeline-model-parallel-size ({args.pipeline_model_parallel_size}) = {need}")
+    launch = f"`torchrun --nproc-per-node {need} pretrain_{model_type}.py ...`"
+    if "WORLD_SIZE" not in os.environ and world_size == 1:
+        raise ConfigError(f"{sizes} processes are needed, but this is one process (plain python): run it with {launch}")
+    raise ConfigError(f"world size ({world_size}) is less than {sizes}: launch a multiple of {need} processes, "
+                      f"e.g. {launch}")
+
+
 def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
                      world_size: Optional[int] = None) -> MegatronConfig:
     _apply_legacy_args(args)
@@ -382,6 +414,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
             sequence_parallel=args.sequence_parallel,
         )
     _apply_fused_kernel_args(args, model)
+    _check_enough_processes(args, model_type, world_size)
     parallel = ParallelConfig(
         world_size=world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -469,7 +502,11 @@ def parse_args(argv: Optional[Sequence[str]] = None, model_type: str = "gpt",
     try:
         return config_from_args(args, model_type, world_size)
     except ConfigError as e:
-        rank = os.environ.get("RANK", "0")
-        if rank == "0":
-            print(f"pretrain_{model_type}.py: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        exit_with_error(model_type, e)
+
+
+def exit_with_error(model_type: str, error) -> None:
+    """Print one line (rank 0 only: every rank hits the same error) and exit with status 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"pretrain_{model_type}.py: error: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
