@@ -34,6 +34,8 @@ def install() -> None:
     if threading.current_thread() is not threading.main_thread():
         return
     _state["at"] = None
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        return  # started with SIGINT ignored (nohup, `cmd &` in a script): keep it so
     _state["previous"] = signal.signal(signal.SIGINT, _handler)
 
 

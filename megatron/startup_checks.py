@@ -95,10 +95,13 @@ def check_vocabulary(flag: str, dataset, vocab_size: Optional[int], tokenizer_fl
     dtype = np.dtype(dataset.dtype)
     if dtype.kind == "u" and np.iinfo(dtype).max < vocab_size:
         return  # every id this dtype can hold is in range
-    lo, hi, read = token_id_range(dataset._bin)
+    from megatron.data.indexed_dataset import bin_path
+    path = bin_path(dataset.path_prefix)
+    tokens = np.memmap(path, mode="r", dtype=dtype) if os.path.getsize(path) else np.zeros(0, dtype)
+    lo, hi, read = token_id_range(tokens)
     if hi < vocab_size and lo >= 0:
         return
-    n = int(dataset._bin.shape[0])
+    n = int(tokens.shape[0])
     how = f"all {n} tokens checked" if read == n else f"{read} of {n} tokens sampled"
     bad = f"max token id {hi} >= the vocabulary size {vocab_size}" if hi >= vocab_size else f"token id {lo} < 0"
     raise ConfigError(f"{flag} {dataset.path_prefix}: {bad} of {tokenizer_flags} ({how}); the data was "

@@ -205,3 +205,25 @@ def test_ctrl_c_under_torchrun_one_line_from_the_workers(tmp_path):
     assert len(ours) == 1 and "last checkpoint: iteration" in ours[0], err
     assert "[rank0]" not in err and "[rank1]" not in err and "KeyboardInterrupt" not in err, err
     assert "Connection closed by peer" not in err
+
+
+def test_sigint_handler_ignores_torchruns_forwarded_copy():
+    from megatron import interrupt
+    before = signal.getsignal(signal.SIGINT)
+    interrupt.install()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs here
+        assert interrupt.received()
+        os.kill(os.getpid(), signal.SIGINT)  # torchrun's copy, milliseconds later: ignored
+        time.sleep(0.05)
+    finally:
+        interrupt.uninstall()
+    assert signal.getsignal(signal.SIGINT) is before
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        interrupt.install()  # a process started with SIGINT ignored keeps ignoring it
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
