@@ -127,6 +127,10 @@ def check_inputs(cfg: MegatronConfig) -> None:
         text = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(text if text.startswith("--") else f"--tokenizer-type {d.tokenizer_type}: {text}") from None
     vocab = tokenizer.vocab_size if tokenizer is not None else cfg.model.vocab_size
+    for flag, path, used in (("--dynapipe-cost-model", d.dynapipe_cost_model, d.dynapipe),
+                             ("--terapipe-cost-model", cfg.terapipe.cost_model, cfg.terapipe.enabled)):
+        if used and path and not os.path.isfile(path):
+            raise ConfigError(f"{flag} {path}: file not found (cost_models/ holds the shipped ones)")
     if d.mock_data:
         return
     flags = _tokenizer_flags(cfg)

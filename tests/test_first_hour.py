@@ -227,3 +227,12 @@ def test_sigint_handler_ignores_torchruns_forwarded_copy():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_missing_cost_model_file_is_named(tmp_path):
+    msg = _check_error(["--mock-data", "--vocab-size", "64", "--terapipe", "--terapipe-cost-model", "nope.json"])
+    assert msg.startswith("--terapipe-cost-model nope.json: file not found")
+    msg = _check_error(["--data-path", _dataset(tmp_path / "i", 50), "--targets-data-path", _dataset(tmp_path / "t", 50),
+                        "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--tokens-per-global-batch", "64",
+                        "--dynapipe", "--dynapipe-cost-model", "nope.json", "--dynapipe-cost-model-any"])
+    assert msg.startswith("--dynapipe-cost-model nope.json: file not found")
