@@ -107,6 +107,9 @@ def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int
     except KeyboardInterrupt:
         interrupt.uninstall()
         return interrupt.report(cfg.checkpoint.save)
+    except BaseException:
+        interrupt.uninstall()
+        raise
     try:
         if cfg.data.tokens_per_global_batch and cfg.data.targets_data_path:
             how = "dynapipe" if cfg.data.dynapipe else "packing" if cfg.data.pack_dataset else "fixed micro-batches"
