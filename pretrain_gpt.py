@@ -10,7 +10,9 @@ import sys
 
 from megatron.arguments import parse_args
 from megatron.pretrain import run_pretraining
+from megatron.startup_checks import check_inputs_or_exit
 
 if __name__ == "__main__":
     cfg = parse_args(sys.argv[1:], model_type="gpt")
+    check_inputs_or_exit(cfg)  # data and tokenizer files, before any process group or model
     sys.exit(run_pretraining(cfg))

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import sys
 
-from megatron.arguments import parse_args
+from megatron.arguments import exit_with_error, parse_args
 from megatron.config import ConfigError
 from megatron.pretrain import run_pretraining
+from megatron.startup_checks import check_inputs_or_exit
 from megatron.t5_trainer import build_t5_trainer
 
 if __name__ == "__main__":
@@ -25,8 +26,6 @@ if __name__ == "__main__":
         from megatron.models.t5 import t5_stage_layers
         t5_stage_layers(cfg)  # split-rank / layer-count errors before any process group exists
     except ConfigError as e:
-        import os
-        if os.environ.get("RANK", "0") == "0":
-            print(f"pretrain_t5.py: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        exit_with_error("t5", e)
+    check_inputs_or_exit(cfg)  # data and tokenizer files, before any process group or model
     sys.exit(run_pretraining(cfg, build_trainer=build_t5_trainer))

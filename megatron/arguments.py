@@ -10,27 +10,9 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from megatron.arg_parser import HelpFormatter, OneLineParser, int_list
 from megatron.config import (CheckpointConfig, CompressionConfig, ConfigError, DataConfig, LoggingConfig, MegatronConfig,
                              ModelConfig, ParallelConfig, TrainingConfig)
-
-
-def _int_list(text: str):
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line, from rank 0 only, with exit status 2.
-
-    Under torchrun every rank parses the same command line; a usage dump from each of them buries
-    the one useful line."""
-
-    def error(self, message):
-        if os.environ.get("RANK", "0") == "0":
-            print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
-        raise SystemExit(2)
 
 
 def _add_compression_args(p) -> None:
@@ -38,11 +20,13 @@ def _add_compression_args(p) -> None:
     g = p.add_argument_group("communication compression (Optimus-CC)")
 
     def both(name, **kw):
-        g.add_argument(name, name.replace("-", "_").replace("__", "--"), **kw)
+        g.add_argument(name, **kw)
+        alias = name.replace("-", "_").replace("__", "--")  # same dest; listed once in --help
+        g.add_argument(alias, **dict(kw, help=argparse.SUPPRESS))
 
     both("--inter-grad-comp", action="store_true",
          help="compress the activation gradients sent to the previous pipeline stage (rank-r PowerSGD step)")
-    both("--inter-grad-comp-rank", type=int, default=16)
+    both("--inter-grad-comp-rank", type=int, default=16, help="PowerSGD rank for --inter-grad-comp")
     both("--inter-grad-comp-epilogue-only", action="store_true",
          help="compress only the sends of the pipeline drain (after each rank's last forward)")
     both("--use-error-feedback", action="store_true",
@@ -51,97 +35,163 @@ def _add_compression_args(p) -> None:
     both("--emb-comm-opt", action="store_true",
          help="one tied-embedding all-reduce per TP rank over the first and last stages of all DP replicas")
     both("--grad-comp", action="store_true", help="PowerSGD for the data-parallel gradient all-reduce")
-    both("--grad-comp-rank", type=int, default=128)
+    both("--grad-comp-rank", type=int, default=128, help="PowerSGD rank for --grad-comp")
     both("--grad-comp-warm-up", type=float, default=0.0,
          help="fraction of --train-iters that use a plain all-reduce first")
     both("--selective-grad-comp", action="store_true",
          help="compress the DP all-reduce only on the first --selective-grad-comp-way pipeline stages")
-    both("--selective-grad-comp-way", type=int, default=None)
+    both("--selective-grad-comp-way", type=int, default=None,
+         help="how many leading pipeline stages --selective-grad-comp compresses")
 
 
 def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
-    p = _OneLineParser(
-        prog=f"pretrain_{model_type}.py",
+    """The flags, grouped as Megatron-LM groups them, then this project's systems."""
+    p = OneLineParser(
+        prog=f"pretrain_{model_type}.py", formatter_class=HelpFormatter,
+        usage=f"torchrun --nproc-per-node N pretrain_{model_type}.py [options]   (one process: python ...)",
         description=f"Megatron-style {model_type.upper()} pretraining (launch with torchrun).",
     )
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=None)
-    g.add_argument("--hidden-size", type=int, default=None)
-    g.add_argument("--num-attention-heads", type=int, default=None)
-    g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--kv-channels", type=int, default=None)
-    g.add_argument("--seq-length", type=int, default=None)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="vocabulary size for --mock-data or NullTokenizer")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    _add_network_size_args(p, model_type)
+    _add_regularization_args(p)
+    _add_training_args(p)
+    _add_initialization_args(p)
+    _add_learning_rate_args(p)
+    _add_checkpointing_args(p)
+    _add_mixed_precision_args(p)
+    _add_distributed_args(p)
+    _add_validation_args(p)
+    _add_data_args(p, model_type)
+    _add_logging_args(p)
+    _add_dynapipe_args(p)
+    _add_terapipe_args(p)
+    _add_aceso_args(p)
+    _add_compression_args(p)
+    _add_fused_kernel_args(p)
+    _add_legacy_args(p)
+    return p
+
+
+def _add_network_size_args(p, model_type: str) -> None:
+    g = p.add_argument_group("network size")
+    g.add_argument("--num-layers", type=int, default=None,
+                   help="transformer layers" + (" per stack (encoder and decoder)" if model_type == "t5" else ""))
+    g.add_argument("--hidden-size", type=int, default=None, help="transformer hidden size")
+    g.add_argument("--num-attention-heads", type=int, default=None, help="attention heads per layer")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP hidden size (default: 4 x --hidden-size)")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="channels per attention head (default: --hidden-size / --num-attention-heads)")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="learned position embeddings (default: the sequence length)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x TP size")
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="epsilon of LayerNorm / RMSNorm")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="separate output layer instead of the input embedding's transpose")
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"], help="normalization layer")
     g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (Llama-style)")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
                    help="no biases in the attention and MLP linears")
-    g.add_argument("--position-embedding-type", default=None, choices=["learned_absolute", "relative", "rope"])
+    g.add_argument("--position-embedding-type", default=None, choices=["learned_absolute", "relative", "rope"],
+                   help="position encoding (default: learned_absolute for GPT, relative for T5)")
     g.add_argument("--rotary-percent", type=float, default=1.0, help="fraction of each head's channels RoPE rotates")
-    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base period")
     g.add_argument("--group-query-attention", action="store_true", help="grouped-query attention (--num-query-groups)")
-    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--num-query-groups", type=int, default=None, help="key/value head groups for --group-query-attention")
     if model_type == "t5":
-        g.add_argument("--encoder-num-layers", type=int, default=None)
-        g.add_argument("--decoder-num-layers", type=int, default=None)
-        g.add_argument("--encoder-seq-length", type=int, default=None)
-        g.add_argument("--decoder-seq-length", type=int, default=None)
-        g.add_argument("--relative-attention-num-buckets", type=int, default=32)
-        g.add_argument("--relative-attention-max-distance", type=int, default=128)
+        g.add_argument("--encoder-num-layers", type=int, default=None, help="encoder layers (default: --num-layers)")
+        g.add_argument("--decoder-num-layers", type=int, default=None, help="decoder layers (default: encoder's)")
+        g.add_argument("--relative-attention-num-buckets", type=int, default=32, help="T5 relative position buckets")
+        g.add_argument("--relative-attention-max-distance", type=int, default=128,
+                       help="T5 relative positions beyond this share the last bucket")
 
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None)
-    g.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    g.add_argument("--pipeline-stage-layers", type=_int_list, default=None,
+
+def _add_regularization_args(p) -> None:
+    g = p.add_argument_group("regularization")
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="dropout on the attention probabilities")
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="dropout after attention and MLP")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (not on biases and norms)")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
+
+
+def _add_training_args(p) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch per data-parallel rank")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per iteration over all DP ranks (default: micro-batch x DP)")
+    g.add_argument("--train-iters", type=int, default=10, help="iterations to train for")
+    g.add_argument("--exit-interval", type=int, default=None, help="stop when the iteration is a multiple of this")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="activation recomputation: whole layers (full) or attention core only (selective)")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="with full: recompute every --recompute-num-layers (uniform) or the first N per stage (block)")
+    g.add_argument("--recompute-num-layers", type=int, default=None, help="layers per recompute unit / per stage")
+    g.add_argument("--max-consecutive-skipped-iters", type=int, default=100,
+                   help="stop with an error after this many iterations in a row are skipped for inf/nan "
+                        "gradients (0 = never)")
+
+
+def _add_initialization_args(p) -> None:
+    g = p.add_argument_group("initialization")
+    g.add_argument("--seed", type=int, default=1234, help="random seed (data order, init, dropout)")
+    g.add_argument("--init-method-std", type=float, default=0.02, help="std of the normal weight initialisation")
+
+
+def _add_learning_rate_args(p) -> None:
+    g = p.add_argument_group("learning rate")
+    g.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
+    g.add_argument("--lr-decay-style", default="cosine", help="constant, linear, cosine or inverse-square-root")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="iterations to decay over (default: --train-iters)")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up iterations")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warm-up as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)")
+
+
+def _add_checkpointing_args(p) -> None:
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="folder to save checkpoints to")
+    g.add_argument("--load", default=None, help="folder to resume from (its latest checkpoint that verifies)")
+    g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
+    g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state from --load")
+    g.add_argument("--no-load-rng", action="store_true", help="do not load the random-number state from --load")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the weights only and start at iteration 0 (no optimizer, RNG or iteration)")
+
+
+def _add_mixed_precision_args(p) -> None:
+    g = p.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true", help="fp16 parameters and compute, fp32 master weights")
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters and compute, fp32 master weights")
+    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (fp16; default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, help="first dynamic loss scale")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="lowest dynamic loss scale")
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="iterations without overflow before the scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2, help="overflows tolerated before the scale halves")
+
+
+def _add_distributed_args(p) -> None:
+    g = p.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks per layer")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="pipeline stages")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="layers per model chunk: interleaved 1F1B with several chunks per rank")
+    g.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None,
+                   help="T5: the first decoder pipeline rank")
+    g.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    g.add_argument("--pipeline-stage-layers", type=int_list, default=None,
                    help="explicit per-stage layer counts, e.g. 3,5 (uneven pipeline stages)")
-    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"])
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
+                   help="collective backend (default: nccl with CUDA, else gloo)")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="collective timeout; the stuck rank is named when it expires")
     g.add_argument("--validate-plans-iters", type=int, default=2,
                    help="validate the pipeline plans of the first N iterations (-1: always, 0: never)")
-
-    g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--global-batch-size", type=int, default=None)
-    g.add_argument("--train-iters", type=int, default=10)
-    g.add_argument("--lr", type=float, default=1e-4)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="cosine")
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None)
-    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
-    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
-    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
-    g.add_argument("--recompute-num-layers", type=int, default=None)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=10)
-    g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true",
-                   help="split norms, dropout and residuals along the sequence inside tensor-parallel regions "
-                        "(activation memory / TP); needs --tensor-model-parallel-size > 1 to have an effect")
+                   help="split norms, dropout and residuals along the sequence in TP regions (needs TP > 1)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="start each bucket's data-parallel all-reduce during the backward passes, as soon as its "
                         "gradients are final (from the plan)")
@@ -150,29 +200,50 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard Adam state over the data-parallel group (gradients reduce-scattered, "
                         "parameters all-gathered)")
-    g.add_argument("--max-consecutive-skipped-iters", type=int, default=100,
-                   help="stop with an error after this many iterations in a row are skipped for inf/nan "
-                        "gradients (0 = never)")
 
-    _add_compression_args(p)
 
-    g = p.add_argument_group("data")
+def _add_validation_args(p) -> None:
+    g = p.add_argument_group("validation")
+    g.add_argument("--eval-interval", type=int, default=1000, help="validate every N iterations")
+    g.add_argument("--eval-iters", type=int, default=10, help="validation iterations per evaluation")
+
+
+def _add_data_args(p, model_type: str) -> None:
+    g = p.add_argument_group("data and dataloader")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="prefix of a .bin/.idx pair (no suffix), or 'W1 P1 W2 P2 ...' to blend")
     g.add_argument("--mock-data", action="store_true",
                    help="generated tokens: the same samples in the same order for any parallel layout")
-    g.add_argument("--data-path", nargs="*", default=None)
-    g.add_argument("--targets-data-path", nargs="*", default=None)
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--tokenizer-type", default=None)
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--vocab-extra-ids", type=int, default=0)
-    g.add_argument("--num-workers", type=int, default=0)
-    g.add_argument("--tokens-per-global-batch", type=int, default=None)
+    g.add_argument("--split", default="969,30,1", help="train,valid,test proportions of --data-path")
+    g.add_argument("--data-cache-path", default=None, help="folder for the sample-index caches")
+    g.add_argument("--seq-length", type=int, default=None, help="tokens per sample")
+    if model_type == "t5":
+        g.add_argument("--encoder-seq-length", type=int, default=None, help="encoder tokens (default: --seq-length)")
+        g.add_argument("--decoder-seq-length", type=int, default=None, help="decoder tokens (default: 128)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary size for --mock-data or NullTokenizer")
+    g.add_argument("--tokenizer-type", default=None, help="GPT2BPETokenizer, GPTSentencePieceTokenizer, ... (the "
+                   "one tools/preprocess_data.py used)")
+    g.add_argument("--vocab-file", default=None, help="vocabulary file (GPT2BPETokenizer, BertWordPiece*)")
+    g.add_argument("--merge-file", default=None, help="BPE merges file (GPT2BPETokenizer)")
+    g.add_argument("--tokenizer-model", default=None, help="SentencePiece model / Hugging Face tokenizer file")
+    g.add_argument("--vocab-extra-ids", type=int, default=0, help="T5 sentinel tokens <extra_id_i> to add")
+    g.add_argument("--num-workers", type=int, default=0, help="dataloader worker processes")
+    g.add_argument("--targets-data-path", nargs="*", default=None,
+                   help="multi-task: prefix of the targets aligned with --data-path's inputs")
+    g.add_argument("--tokens-per-global-batch", type=int, default=None,
+                   help="multi-task: token budget of each global batch (instead of --global-batch-size)")
     g.add_argument("--pack-dataset", action="store_true",
                    help="multi-task baseline: pack samples into rows of --seq-length (block-diagonal mask)")
 
+
+def _add_logging_args(p) -> None:
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100, help="print the training metrics every N iterations")
+    g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
+
+
+def _add_dynapipe_args(p) -> None:
     g = p.add_argument_group("dynapipe")
     g.add_argument("--dynapipe", action="store_true",
                    help="plan every global batch with DynaPipe (variable micro-batches, schedule, recompute)")
@@ -186,26 +257,7 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
                         "iterations here (iter_N.sim.json, iter_N.measured.json)")
     g.add_argument("--dynapipe-trace-iters", type=int, default=4, help="how many iterations --dynapipe-trace-dir traces")
     g.add_argument("--dynapipe-cost-model-any", action="store_true",
-                   help="use --dynapipe-cost-model even though it was profiled for another model shape "
-                        "(for experiments: the planner's times and memory will not describe this model)")
-
-    _add_terapipe_args(p)
-
-    g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--finetune", action="store_true")
-
-    g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--tensorboard-dir", default=None)
-    _add_fused_kernel_args(p)
-    _add_legacy_args(p)
-    _add_aceso_args(p)
-    return p
+                   help="use --dynapipe-cost-model although it was profiled for another model shape (experiments)")
 
 
 def _add_fused_kernel_args(p: argparse.ArgumentParser) -> None:
@@ -325,6 +377,20 @@ def _check_cost_model_matches(path: str, model: ModelConfig) -> None:
                           "pass --dynapipe-cost-model-any to plan with it anyway")
 
 
+def _check_enough_processes(args, model_type: str, world_size: int) -> None:
+    """TP x PP larger than the job: say how to launch it (the usual cause is plain `python`)."""
+    need = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if getattr(args, "stage_parallel", None) is not None or need <= world_size or need < 1:
+        return
+    sizes = (f"--tensor-model-parallel-size ({args.tensor_model_parallel_size}) x "
+             f"--pipeline-model-parallel-size ({args.pipeline_model_parallel_size}) = {need}")
+    launch = f"`torchrun --nproc-per-node {need} pretrain_{model_type}.py ...`"
+    if "WORLD_SIZE" not in os.environ and world_size == 1:
+        raise ConfigError(f"{sizes} processes are needed, but this is one process (plain python): run it with {launch}")
+    raise ConfigError(f"world size ({world_size}) is less than {sizes}: launch a multiple of {need} processes, "
+                      f"e.g. {launch}")
+
+
 def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
                      world_size: Optional[int] = None) -> MegatronConfig:
     _apply_legacy_args(args)
@@ -382,6 +448,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
             sequence_parallel=args.sequence_parallel,
         )
     _apply_fused_kernel_args(args, model)
+    _check_enough_processes(args, model_type, world_size)
     parallel = ParallelConfig(
         world_size=world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -469,7 +536,11 @@ def parse_args(argv: Optional[Sequence[str]] = None, model_type: str = "gpt",
     try:
         return config_from_args(args, model_type, world_size)
     except ConfigError as e:
-        rank = os.environ.get("RANK", "0")
-        if rank == "0":
-            print(f"pretrain_{model_type}.py: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        exit_with_error(model_type, e)
+
+
+def exit_with_error(model_type: str, error) -> None:
+    """Print one line (rank 0 only: every rank hits the same error) and exit with status 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"pretrain_{model_type}.py: error: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(2)

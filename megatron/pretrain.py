@@ -7,6 +7,7 @@ import traceback
 
 import torch.distributed as dist
 
+from megatron import interrupt
 from megatron.batching import gpt_microbatch
 from megatron.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from megatron.config import MegatronConfig
@@ -99,7 +100,16 @@ def supervised_source(cfg: MegatronConfig, ps, tokenizer, planner, shapes_fn):
 
 
 def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int:
-    ps, device = initialize_megatron(cfg)
+    interrupt.install()
+    trainer = None
+    try:
+        ps, device = initialize_megatron(cfg)
+    except KeyboardInterrupt:
+        interrupt.uninstall()
+        return interrupt.report(cfg.checkpoint.save)
+    except BaseException:
+        interrupt.uninstall()
+        raise
     try:
         if cfg.data.tokens_per_global_batch and cfg.data.targets_data_path:
             how = "dynapipe" if cfg.data.dynapipe else "packing" if cfg.data.pack_dataset else "fixed micro-batches"
@@ -124,10 +134,16 @@ def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int
                                     or trainer.iteration % cfg.checkpoint.save_interval != 0):
             save_checkpoint(trainer)
         return 0
+    except KeyboardInterrupt:
+        return interrupt.report(cfg.checkpoint.save, trainer)
     except CheckpointError as e:
+        if interrupt.received():
+            return interrupt.report(cfg.checkpoint.save, trainer)
         print(f"{ps.describe()}: checkpoint error: {e}", file=sys.stderr, flush=True)
         return 1
     except Exception:
+        if interrupt.received():  # a peer stopped first and our collective failed: same Ctrl-C
+            return interrupt.report(cfg.checkpoint.save, trainer)
         print(f"{ps.describe()}: training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         return 1
     finally:
@@ -138,3 +154,4 @@ def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int
                 dist.destroy_process_group()
             except Exception:
                 pass
+        interrupt.uninstall()

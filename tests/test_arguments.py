@@ -183,3 +183,36 @@ def test_pack_dataset_with_t5_is_refused(capsys):
         parse_args(t5, world_size=1, model_type="t5")
     assert e.value.code == 2
     assert "--pack-dataset packs GPT rows only" in capsys.readouterr().err
+
+
+# -- --help: every option documented, grouped as Megatron-LM groups them (issue 23) --------------
+
+@pytest.mark.parametrize("model_type", ["gpt", "t5"])
+def test_every_option_has_one_line_of_help(model_type):
+    import argparse
+    from megatron.arguments import build_parser
+    p = build_parser(model_type)
+    undocumented = [a.option_strings[0] for a in p._actions
+                    if a.option_strings and a.help != argparse.SUPPRESS and not (a.help or "").strip()]
+    assert undocumented == []
+    multi_line = [a.option_strings[0] for a in p._actions if a.help and "\n" in a.help]
+    assert multi_line == []
+    # a suppressed entry is only ever an alias spelling of a documented option (same dest)
+    documented = {a.dest for a in p._actions if a.help != argparse.SUPPRESS}
+    assert all(a.dest in documented for a in p._actions if a.help == argparse.SUPPRESS)
+    groups = [g.title for g in p._action_groups]
+    for title in ("network size", "regularization", "training", "initialization", "learning rate", "checkpointing",
+                  "mixed precision", "distributed", "validation", "data and dataloader", "logging", "dynapipe",
+                  "terapipe", "aceso", "communication compression (Optimus-CC)"):
+        assert title in groups
+
+
+def test_help_fits_a_120_column_terminal():
+    env = {"PATH": "/usr/bin:/bin", "COLUMNS": "120"}
+    r = subprocess.run([sys.executable, "pretrain_gpt.py", "--help"], capture_output=True, text=True, timeout=60,
+                       env=env)
+    assert r.returncode == 0 and r.stderr == ""
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("usage: torchrun --nproc-per-node N pretrain_gpt.py [options]")
+    assert max(len(ln) for ln in lines) <= 120
+    assert "  --global-batch-size N " in r.stdout and "--micro-batch-size N" in r.stdout

@@ -144,6 +144,8 @@ def _load(verbose: bool) -> bool:
                     return False
                 root.mkdir(parents=True, exist_ok=True)
                 failed.unlink(missing_ok=True)
+                # the first iteration would otherwise be silent for the whole compile
+                print(f"building fused kernels (one-time, ~1 min) in {root / name} ...", file=sys.stderr, flush=True)
                 try:
                     so = _build(name, with_cuda, verbose)
                 except BaseException as e:

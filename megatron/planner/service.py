@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
+import signal
 import tempfile
 import struct
 import threading
@@ -61,6 +62,9 @@ _FAULT_LOG = None
 def _worker_init(log_dir):
     """Keep a per-worker file where faulthandler dumps the Python stack if the worker dies."""
     global _FAULT_LOG
+    # Ctrl-C reaches the whole process group: rank 0 stops and closes this pool; a worker's own
+    # KeyboardInterrupt would only add a traceback per worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         _FAULT_LOG = open(os.path.join(log_dir, f"worker-{os.getpid()}.log"), "w")
     except OSError:  # the service closed while this worker was starting
