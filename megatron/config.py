@@ -10,6 +10,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
+from megatron.terapipe_options import check_terapipe_config
+
 
 class ConfigError(ValueError):
     """An inconsistent configuration; the message names the offending flags and values."""
@@ -499,8 +501,10 @@ class MegatronConfig:
                  "segment masks, which are not implemented); for T5 use --dynapipe or drop --pack-dataset "
                  "(fixed micro-batches)")
         if self.terapipe.enabled:
-            from megatron.planner.terapipe import check_terapipe_config
-            check_terapipe_config(self)
+            try:
+                check_terapipe_config(self)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     def _check_stage_parallel_model(self) -> None:
         """What stages with their own TP/DP sizes need from the rest of the configuration."""

@@ -73,7 +73,7 @@ def build_gpt_trainer(cfg: MegatronConfig, ps, device):
                        train_ds=None, collate_fn=None, valid_source=source.valid_source)
     train_ds, valid_ds = gpt_datasets(cfg)
     if cfg.terapipe.enabled:
-        from megatron.planner.terapipe_source import terapipe_trainer
+        from megatron.terapipe_training import terapipe_trainer
         return terapipe_trainer(cfg, ps, device, stages, train_ds, valid_ds, tied, flops)
     return Trainer(cfg, ps, device, stages, train_ds=train_ds, valid_ds=valid_ds, collate_fn=gpt_microbatch,
                    planner=planner, tied_params=tied, flops_per_sample=flops)

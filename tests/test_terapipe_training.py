@@ -53,7 +53,7 @@ def test_terapipe_dropout_tp2_sliced_matches_one_slice_single_process():
 def test_planner_line_shows_slices_and_predicted_time(tmp_path):
     from megatron.logging_utils import planner_line
     from megatron.planner.terapipe_latency import SliceLatencyModel
-    from megatron.planner.terapipe_source import TeraPipePlanner
+    from megatron.terapipe_training import TeraPipePlanner
     from tests.parity_utils import tiny_config
     # t(b, l, 0) linear in b*l, a small context term: two slices beat one at PP=2
     lat = SliceLatencyModel([1, 2], [8, 16], [[1.0, 2.0], [2.0, 4.0]], (0.0, 0.0, 0.001), hidden_size=32)

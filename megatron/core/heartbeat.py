@@ -31,15 +31,16 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{rank}", daemon=True)
         self._thread.start()
 
-    def note(self, iteration: int, instruction) -> None:
-        self.current = (iteration, instruction)
+    def note(self, iteration: int, instruction, describe=repr) -> None:
+        """`describe(instruction)` runs on the heartbeat thread, only when it beats: the caller
+        (the pipeline layer) passes its own formatter, so core does not import the pipeline."""
+        self.current = (iteration, instruction, describe)
 
     def _what(self) -> str:
         cur = self.current
         if cur is None:
             return "outside the pipeline executor (data loading, optimizer step, collectives or start-up)"
-        from megatron.pipeline.instructions import describe
-        return f"iteration {cur[0]}: {describe(cur[1])}"
+        return f"iteration {cur[0]}: {cur[2](cur[1])}"
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -141,7 +141,7 @@ class PipelineExecutor:
         t_start = self._trace_t0 = time.perf_counter()
         for idx, ins in enumerate(plan.instructions):
             if beat is not None:
-                beat.note(plan.iteration, ins)
+                beat.note(plan.iteration, ins, I.describe)
             if trace is not None:
                 t0 = time.perf_counter()
             try:

@@ -20,7 +20,6 @@ megatron/models/sliced_attention.py). This module is the planner side:
 """
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -30,8 +29,9 @@ import numpy as np
 
 from megatron.pipeline.lowering import ComputeOp, lower_to_plans
 from megatron.planner.native import cpp as _cpp
+from megatron.terapipe_options import SLICE_GRID, parse_slices, uniform_slices  # noqa: F401 (re-exported)
 
-GRID = 8
+GRID = SLICE_GRID  # slice boundaries lie on a grid of this many tokens
 # The exact slice DP (every distinct slice time as a cap) plans in under 50 ms of CPU up to 1024
 # tokens (7-38 ms for GPT-6.7B's A100 table, batch 1-4); beyond, caps 0.1 % apart stay within
 # 0.0087 % of the exact score (2048-8192 tokens) at 3-270 ms, where exact takes 0.2-38 s.
@@ -89,39 +89,6 @@ def build_terapipe_plans(slicings: Sequence[Sequence[int]], microbatch_shapes: S
         from megatron.pipeline.validator import validate_plans
         validate_plans(plans)
     return plans
-
-
-# ---------------------------------------------------------------------------- slicing options
-def uniform_slices(seq_len: int, n: int) -> List[int]:
-    """n slices as equal as the grid of 8 tokens allows (the remainder goes to the first)."""
-    if n < 1 or n > seq_len:
-        raise ValueError(f"--terapipe-slices {n}: need 1 <= N <= sequence length {seq_len}")
-    if seq_len % GRID == 0 and n <= seq_len // GRID:
-        cells = seq_len // GRID
-        sizes = [cells // n * GRID] * n
-        for i in range(cells % n):
-            sizes[i] += GRID
-        return sizes
-    sizes = [seq_len // n] * n
-    sizes[0] += seq_len - sum(sizes)
-    return sizes
-
-
-def parse_slices(spec: str, seq_len: int) -> Optional[List[int]]:
-    """'auto' -> None (plan with the DP); 'N' -> N uniform slices; 'l1,l2,...' -> those."""
-    spec = spec.strip()
-    if spec == "auto":
-        return None
-    try:
-        parts = [int(x) for x in spec.split(",")]
-    except ValueError:
-        raise ValueError(f"--terapipe-slices {spec!r}: expected 'auto', a count N or lengths l1,l2,...") from None
-    if len(parts) == 1 and "," not in spec:
-        return uniform_slices(seq_len, parts[0])
-    if any(p <= 0 for p in parts) or sum(parts) != seq_len:
-        raise ValueError(f"--terapipe-slices {spec}: lengths must be positive and sum to --seq-length {seq_len} "
-                         f"(they sum to {sum(parts)})")
-    return parts
 
 
 # ---------------------------------------------------------------------------- the DP
@@ -347,38 +314,3 @@ def slice_memory_mb(slices: Sequence[int], b: int, layers: int, hidden: int, kv_
                                + heads * ln * ctx * bytes_per * mb)
         c = ctx
     return total
-
-
-# ---------------------------------------------------------------------------- flags
-def check_terapipe_config(cfg) -> None:
-    """Flag combinations --terapipe cannot run; each error names the flag and the way out."""
-    from megatron.config import ConfigError
-    m, p, t, d = cfg.model, cfg.parallel, cfg.training, cfg.data
-
-    def need(ok, msg):
-        if not ok:
-            raise ConfigError(msg)
-
-    need(m.model_type == "gpt",
-         "--terapipe slices the tokens of a causal decoder (GPT): each slice attends only to earlier tokens. "
-         "T5's encoder attends in both directions and its decoder cross-attends to the whole encoder output, "
-         "so a T5 slice would need tokens that run later; use pretrain_gpt.py or drop --terapipe")
-    need(not d.dynapipe, "--terapipe and --dynapipe are two planners for one run; pick one")
-    need(not d.targets_data_path and not d.pack_dataset,
-         "--terapipe trains on pretraining data (--data-path or --mock-data); multi-task data "
-         "(--targets-data-path / --pack-dataset) is not supported with it")
-    need(p.num_layers_per_virtual_pipeline_stage is None,
-         "--terapipe runs one stage per pipeline rank: drop --num-layers-per-virtual-pipeline-stage")
-    need(not m.sequence_parallel,
-         "--terapipe with --sequence-parallel would split each token slice over TP ranks; drop --sequence-parallel "
-         "(TeraPipe already bounds activation memory by slicing the sequence)")
-    need(not cfg.compression.inter_grad_comp,
-         "--terapipe with --inter-grad-comp is not supported: compressed backpropagation keeps one low-rank state "
-         "per stage and micro-batch shape, and token slices change shape every slice; drop one of them")
-    need(t.recompute_granularity != "full",
-         "--terapipe with --recompute-granularity full would replay a layer and write its slice's keys/values "
-         "twice: use --recompute-granularity selective or none")
-    try:
-        parse_slices(cfg.terapipe.slices, m.seq_length)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
