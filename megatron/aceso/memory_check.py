@@ -33,6 +33,15 @@ from megatron.profiling.saved_memory import measure_saved
 
 MB = 1024.0 * 1024.0
 
+# Sets the search's ranking may not reach at a given shape but a stage can run: the residual
+# adds, runs that recompute a layernorm mid-segment (the residual case), the issue's examples.
+EXTRA_SETTINGS = (
+    "enc-MLP-gelu", "enc-MLP-GEMM-1+enc-MLP-gelu", "enc-attention-core+enc-attention-dense",
+    "enc-post-MLP-dropout", "enc-post-attention-dropout+enc-2nd-layernorm",
+    "enc-post-attention-dropout+enc-2nd-layernorm+enc-MLP-gelu+enc-MLP-GEMM-2+enc-post-MLP-dropout",
+    "enc-attention-core+enc-attention-dense+enc-post-attention-dropout+enc-2nd-layernorm+enc-MLP-GEMM-1",
+)
+
 
 def layer_flag_sets(pm: PerfModel, mbs: int, tp: int = 1) -> List[Tuple[int, ...]]:
     """Per-layer flags the search can produce: prefixes of its recompute ranking restricted to
@@ -57,7 +66,8 @@ def _measure_layer(stage, setting: str, cfg: ModelConfig, mbs: int) -> Dict[str,
     gen = torch.Generator().manual_seed(0)
 
     def make():
-        return [torch.randn(cfg.seq_length, mbs, cfg.hidden_size, generator=gen).requires_grad_()]
+        # non-leaf, as a stage's activation (a leaf is kept by its gradient accumulator)
+        return [torch.randn(cfg.seq_length, mbs, cfg.hidden_size, generator=gen).requires_grad_() * 1.0]
 
     model_parallel_seed(1234, 0, 0)
     m = measure_saved(lambda x: block(x), make, params=list(block.parameters()))
@@ -66,7 +76,7 @@ def _measure_layer(stage, setting: str, cfg: ModelConfig, mbs: int) -> Dict[str,
 
 def aceso_rows(shapes: Sequence[Tuple[int, int, int]] = ((256, 512, 1), (256, 512, 2)), *,
                heads: int = 8, vocab: int = 1024, fused: bool = True,
-               db_dir: str = None) -> Iterator[Dict]:
+               extra: Sequence[str] = EXTRA_SETTINGS, db_dir: str = None) -> Iterator[Dict]:
     """Rows for each (hidden, seq, micro-batch) shape and each recompute set of the search.
     ``fused``: run the layer with the bias-GeLU / bias-dropout-add epilogues (the training
     default; the profiler always times them unfused, as Aceso's tables split those ops)."""
@@ -90,12 +100,16 @@ def aceso_rows(shapes: Sequence[Tuple[int, int, int]] = ((256, 512, 1), (256, 51
         names = [pm.db.op_names[pm.ops[i].row] for i in lay]
         for mbs in mbs_values:
             a = pm.arrays(mbs, 1)
-            for flags in layer_flag_sets(pm, mbs):
+            emitted = layer_flag_sets(pm, mbs)
+            todo = [(f, "search") for f in emitted]
+            todo += [(f, "extra") for f in (rc.layer_flags(rc.decode(e)) for e in extra) if f not in emitted]
+            for flags, source in todo:
                 setting = rc.encode(rc.from_flags(names, flags))
                 kept_mb, peak_mb = pm.activation_terms(a, Stage(lay[0], lay[-1] + 1, 1, 1, flags))
                 meas = _measure_layer(stage, setting, run_cfg, mbs)
                 pred = kept_mb * MB
-                yield {"planner": "aceso", "model": f"gpt-h{h}-s{s}", "setting": setting, "mbs": mbs, "tp": 1,
+                yield {"planner": "aceso", "model": f"gpt-h{h}-s{s}", "setting": setting, "source": source,
+                       "mbs": mbs, "tp": 1,
                        "fused": fused, "measured_bytes": int(meas["kept"]), "predicted_bytes": int(round(pred)),
                        "error": round(pred / meas["kept"] - 1, 4), "saved_hooks_bytes": int(meas["saved"]),
                        "peak_measured_bytes": int(meas["peak"]),

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron.aceso.db import OpDatabase
-from megatron.core.recompute import contiguous_runs
+from megatron.core.recompute import contiguous_runs, residual_inputs_kept
 
 
 @dataclass(frozen=True)
@@ -254,11 +254,16 @@ class PerfModel:
         peak = 0.0
         # the runtime's checkpoint segments (megatron/models/layer_ops.py): runs of consecutive
         # flagged ops inside one layer, each keeping its input and freeing its ops' activations
-        for lo, hi in contiguous_runs(st.recompute, self.layer_of[st.start:st.end]):
+        group = self.layer_of[st.start:st.end]
+        for lo, hi in contiguous_runs(st.recompute, group):
             i, j = st.start + lo, st.start + hi
             run_act = a.pa[j] - a.pa[i]
             kept += a.inp[i] - run_act
             peak = max(peak, run_act)
+        # a segment holding a residual add may also keep the residual stream (core/recompute.py)
+        names = [self.db.op_names[o.row] for o in self.ops[st.start:st.end]]
+        for k in residual_inputs_kept(names, st.recompute, group):
+            kept += a.inp[st.start + k]
         return kept, peak
 
     def stage_memory_mb(self, mbs: int, st: Stage, s: int, num_stages: int, m: int) -> float:

@@ -35,6 +35,12 @@ ACESO_LAYER_OPS: Tuple[str, ...] = (
 _ACESO_CORE = frozenset({"enc-attention-score", "enc-attention-softmax", "enc-attention-dropout",
                          "enc-attention-context"})
 
+# A residual add reads the residual stream, which is the input of the layernorm before it. A
+# checkpoint segment holding the add takes the residual as a second input; if that layernorm is
+# recomputed inside an earlier segment (not at its start), nothing else keeps the residual.
+RESIDUAL_OF = {"enc-post-attention-dropout": "enc-1st-layernorm",
+               "enc-post-MLP-dropout": "enc-2nd-layernorm"}
+
 NAMED = {
     "none": frozenset(),
     "selective": frozenset({CORE_ATTENTION}),
@@ -56,6 +62,28 @@ def contiguous_runs(flags: Sequence[int], group: Optional[Sequence[int]] = None)
     if start is not None:
         runs.append((start, len(flags)))
     return runs
+
+
+def residual_inputs_kept(names: Sequence[str], flags: Sequence[int],
+                         group: Optional[Sequence[int]] = None) -> List[int]:
+    """Indices of layernorm ops whose input (the residual) some segment keeps beyond its own
+    input: the segment holds a residual add, starts after that add's layernorm, and the
+    layernorm is recomputed mid-segment (neither saving its input nor starting a segment)."""
+    runs = contiguous_runs(flags, group)
+    starts = {lo for lo, _ in runs}
+    out = []
+    for lo, hi in runs:
+        for k in range(lo, hi):
+            ln_name = RESIDUAL_OF.get(names[k])
+            if ln_name is None:
+                continue
+            j = k - 1
+            while j >= 0 and names[j] != ln_name and (group is None or group[j] == group[k]):
+                j -= 1
+            if j >= 0 and names[j] == ln_name and (group is None or group[j] == group[k]) \
+                    and j < lo and flags[j] and j not in starts:
+                out.append(j)
+    return out
 
 
 def from_flags(names: Sequence[str], flags: Iterable[int]) -> FrozenSet[str]:

@@ -49,7 +49,12 @@ def run_ops(units: Sequence[Unit], ops: FrozenSet[str], x):
         for _, fn in units[i:lo]:
             h, r = fn(h, r)
         if hi > lo:
-            h, r = checkpoint(_segment(units[lo:hi]), h, r)
+            seg = units[lo:hi]
+            if any(n in rc.RESIDUAL_OF for names, _ in seg for n in names):
+                h, r = checkpoint(_segment(seg), h, r)
+            else:  # the residual is not an input: the segment must not keep it alive
+                h, r_new = checkpoint(_segment(seg), h, None)
+                r = r if r_new is None else r_new
         i = hi
     return h
 

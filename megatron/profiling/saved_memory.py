@@ -105,7 +105,9 @@ def measure_saved(fn: Callable, make_inputs: Callable[[], Sequence], *, params: 
                   backward: bool = True, grad_output: Callable = torch.ones_like) -> SavedMemory:
     """Measure ``fn(*make_inputs())``. ``params``: tensors never counted (weights); their
     gradients are left out of the peak. ``make_inputs`` should return fresh tensors nobody else
-    holds, so the inputs count as kept only if the forward pass keeps them."""
+    holds, so the inputs count as kept only if the forward pass keeps them; make them non-leaf
+    (``randn(...).requires_grad_() * 1``) as a layer's input is: a leaf requiring grad is held by
+    its gradient accumulator whatever the forward pass saves."""
     params = list(params)
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
     seen, saved = set(), [0]
