@@ -78,21 +78,23 @@ def aceso_rows(shapes: Sequence[Tuple[int, int, int]] = ((256, 512, 1), (256, 51
                heads: int = 8, vocab: int = 1024, fused: bool = True,
                extra: Sequence[str] = EXTRA_SETTINGS, db_dir: str = None) -> Iterator[Dict]:
     """Rows for each (hidden, seq, micro-batch) shape and each recompute set of the search.
-    ``fused``: run the layer with the bias-GeLU / bias-dropout-add epilogues (the training
-    default; the profiler always times them unfused, as Aceso's tables split those ops)."""
+    ``fused``: profile and run the layer with the bias-GeLU / bias-dropout-add epilogues (the
+    training default) or without them."""
     by_model: Dict[Tuple[int, int], List[int]] = {}
     for h, s, m in shapes:
         by_model.setdefault((h, s), []).append(m)
     for (h, s), mbs_values in by_model.items():
         cfg = ModelConfig(num_layers=1, hidden_size=h, num_attention_heads=heads, seq_length=s,
                           vocab_size=vocab, make_vocab_size_divisible_by=8)
+        if not fused:
+            cfg = dataclasses.replace(cfg, bias_gelu_fusion=False, bias_dropout_fusion=False)
         with tempfile.TemporaryDirectory() as tmp:
             root = db_dir or tmp
             size = f"h{h}s{s}"
             profile_gpt(cfg, root, size=size, mbs_values=tuple(mbs_values), repeats=1)
             pm = PerfModel(OpDatabase(root, "gpt", size), ModelSpec("gpt", size, (1,), h, s, 1), 1e9)
         from megatron.models.gpt import GPTStage
-        run_cfg = cfg if fused else dataclasses.replace(cfg, bias_gelu_fusion=False, bias_dropout_fusion=False)
+        run_cfg = cfg
         model_parallel_seed(1234, 0, 0)
         stage = GPTStage(run_cfg, ParallelState(), layer_start=0, layer_end=1, pre_process=False,
                          post_process=False, seed=1234).train()
