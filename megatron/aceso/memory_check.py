@@ -22,7 +22,7 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 import torch
 
 from megatron.aceso.db import OpDatabase
-from megatron.aceso.model import ModelSpec, PerfModel, Stage
+from megatron.aceso.model import ModelSpec, Plan, PerfModel, Stage
 from megatron.aceso.profiler import profile_gpt
 from megatron.aceso.search import Searcher
 from megatron.config import ModelConfig
@@ -118,7 +118,59 @@ def aceso_rows(shapes: Sequence[Tuple[int, int, int]] = ((256, 512, 1), (256, 51
                        "recompute_peak_predicted_bytes": int(round(peak_mb * MB))}
 
 
+def aceso_time_rows(shape: Tuple[int, int, int] = (256, 512, 1), *, heads: int = 8, vocab: int = 1024,
+                    repeats: int = 5) -> Iterator[Dict]:
+    """Step time and kept bytes of one layer with no recompute, a recompute set of the search
+    (the shortest prefix of its ranking that frees half the activations) and the whole layer,
+    measured (median forward + backward) beside the model's (stage time and kept MB); the last
+    row says whether both orderings agree."""
+    import statistics
+    import time
+    from megatron.models.gpt import GPTStage
+    h, s, mbs = shape
+    cfg = ModelConfig(num_layers=1, hidden_size=h, num_attention_heads=heads, seq_length=s,
+                      vocab_size=vocab, make_vocab_size_divisible_by=8)
+    with tempfile.TemporaryDirectory() as root:
+        profile_gpt(cfg, root, size="t", mbs_values=(mbs,), repeats=repeats)
+        pm = PerfModel(OpDatabase(root, "gpt", "t"), ModelSpec("gpt", "t", (1,), h, s, mbs), 1e9)
+    model_parallel_seed(1234, 0, 0)
+    stage = GPTStage(cfg, ParallelState(), layer_start=0, layer_end=1, pre_process=False,
+                     post_process=False, seed=1234).train()
+    lay = [i for i, o in enumerate(pm.ops) if o.layer == 0]
+    names = [pm.db.op_names[pm.ops[i].row] for i in lay]
+    a = pm.arrays(mbs, 1)
+    none_mb = pm.activation_terms(a, Stage(lay[0], lay[-1] + 1, 1, 1))[0]
+    sets = layer_flag_sets(pm, mbs)
+    half = next(f for f in sets if pm.activation_terms(a, Stage(lay[0], lay[-1] + 1, 1, 1, f))[0] <= none_mb / 2)
+    rows = []
+    for flags in ((0,) * len(lay), half, (1,) * len(lay)):
+        st = Stage(lay[0], lay[-1] + 1, 1, 1, flags)
+        pred = pm.predict(Plan(pm.spec.key, mbs, mbs, [st])).stages[0]
+        setting = rc.encode(rc.from_flags(names, flags))
+        stage.decoder.layer_recompute = [setting]
+        x = torch.randn(s, mbs, h).requires_grad_()
+        ts = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            stage.decoder(x * 1.0).sum().backward()
+            ts.append(time.perf_counter() - t0)
+        meas = _measure_layer(stage, setting, cfg, mbs)
+        rows.append({"planner": "aceso", "model": f"gpt-h{h}-s{s}", "setting": setting, "mbs": mbs,
+                     "measured_ms": round(statistics.median(ts[1:]) * 1e3, 2),
+                     "predicted_ms": round(pred.time_ms, 2), "measured_bytes": int(meas["kept"]),
+                     "predicted_bytes": int(round(pred.act_per_mb_mb * MB))})
+    yield from rows
+
+    def order(key):
+        return sorted(range(len(rows)), key=lambda i: rows[i][key])
+    yield {"planner": "aceso", "model": f"gpt-h{h}-s{s}", "setting": "ordering",
+           "time_order_matches": order("measured_ms") == order("predicted_ms"),
+           "memory_order_matches": order("measured_bytes") == order("predicted_bytes")}
+
+
 if __name__ == "__main__":
     import json
     for row in aceso_rows():
+        print(json.dumps(row), flush=True)
+    for row in aceso_time_rows():
         print(json.dumps(row), flush=True)
