@@ -17,6 +17,12 @@ Fields:
 
 Both sides include the per-stage data-parallel gradient all-reduce; `--no-allreduce` drops
 it, as Aceso's own model does.
+
+`--paper`: the paper's settings instead (eurosys tables; GPT 350M/1.3B/2.6B/6.7B/13B on
+1/4/8/16/32 GPUs, T5 770M/3B/6B/11B on 1/4/8/16; 28000 MB; global batch 1024; pipeline
+micro-batch <= 8 in the search and the grid), each search stopping on convergence
+(`--patience-trials` without a gain after a restart) instead of a trial budget. Fields: model,
+gpus, memory_mb, ours_s, grid_s, speedup, ours_cpu_s, grid_cpu_s, trials, restarts, config.
 """
 from __future__ import annotations
 
@@ -46,6 +52,41 @@ SETUPS = [
     ("eurosys", "t5-6b", 32, 30, 1024, 1.39),
     ("eurosys", "t5-11b", 32, 30, 1024, 1.50),
 ]
+
+
+# --paper: the Aceso paper's settings (its search scripts, eurosys tables): GPUs by model size,
+# 28000 MB, global batch 1024, pipeline micro-batch 1-8 for the search and the grid alike.
+PAPER_SETUPS = [("gpt-350m", 1), ("gpt-1.3b", 4), ("gpt-2.6b", 8), ("gpt-6.7b", 16), ("gpt-13b", 32),
+                ("t5-770m", 1), ("t5-3b", 4), ("t5-6b", 8), ("t5-11b", 16)]
+PAPER_MEMORY_MB, PAPER_GBS, PAPER_MAX_MBS = 28000, 1024, 8
+
+
+def run_paper(model, gpus, patience, include_allreduce):
+    """One --paper row: our search (stopping on convergence) and the grid, same space."""
+    spec = get_model_spec(model)
+    pm = PerfModel(OpDatabase(os.path.join(SHIPPED_DIR, "eurosys"), spec.family, spec.size), spec,
+                   PAPER_MEMORY_MB, include_allreduce=include_allreduce)
+    g0 = time.process_time()
+    grid, _ = best_grid(pm, gpus, PAPER_GBS, max_micro_batch=PAPER_MAX_MBS)
+    c0 = time.process_time()
+    res = search_all(pm, gpus, PAPER_GBS, max_micro_batch=PAPER_MAX_MBS, patience_trials=patience)
+    cpu = time.process_time() - c0
+    fit = [r for r in res if r.best.key[0] == 0]
+    best = fit[0].best if fit else None
+    published = next((p for d, m, *_, p in SETUPS if d == "eurosys" and m == model), None)
+    return {"model": model, "gpus": gpus, "memory_mb": PAPER_MEMORY_MB, "global_batch": PAPER_GBS,
+            "published": published,
+            "max_micro_batch": PAPER_MAX_MBS, "patience_trials": patience,
+            "ours_s": round(best.key[1] / 1000, 3) if best else None,
+            "grid_s": round(grid.key[1] / 1000, 3) if grid else None,
+            "speedup": round(grid.key[1] / best.key[1], 3) if grid and best else None,
+            "ours_cpu_s": round(cpu, 2), "grid_cpu_s": round(c0 - g0, 2),
+            "trials": sum(r.trials for r in res), "restarts": sum(r.restarts for r in res),
+            "config": None if best is None else {
+                "micro_batch": best.plan.micro_batch, "gpus": [st.gpus for st in best.plan.stages],
+                "tp": [st.tp for st in best.plan.stages], "dp": [st.dp for st in best.plan.stages],
+                "ops": [st.end - st.start for st in best.plan.stages],
+                "recompute_ops": [sum(st.flags()) for st in best.plan.stages]}}
 
 
 def run(dbset, model, gpus, mem_gb, gbs, published, budget, include_allreduce, granularity="layer"):
@@ -90,8 +131,20 @@ def main():
     ap.add_argument("--no-allreduce", action="store_true")
     ap.add_argument("--granularity", choices=["layer", "op"], default="layer",
                     help="stage cuts on layer boundaries (what --aceso-config runs) or anywhere")
+    ap.add_argument("--paper", action="store_true",
+                    help="the Aceso paper's settings: GPUs by model size, 28000 MB, global batch 1024, "
+                         "pipeline micro-batch <= 8; the search stops on convergence (--patience-trials)")
+    ap.add_argument("--patience-trials", type=int, default=300,
+                    help="--paper: stop a stage count's search once restarts ran this many trials "
+                         "without improving its best")
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else None
+    if args.paper:
+        for model, gpus in PAPER_SETUPS:
+            if only and model not in only and f"eurosys:{model}" not in only:
+                continue
+            print(json.dumps(run_paper(model, gpus, args.patience_trials, not args.no_allreduce)), flush=True)
+        return
     for dbset, model, gpus, mem, gbs, pub in SETUPS:
         if only and f"{dbset}:{model}" not in only:
             continue
