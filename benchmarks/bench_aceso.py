@@ -17,6 +17,12 @@ Fields:
 
 Both sides include the per-stage data-parallel gradient all-reduce; `--no-allreduce` drops
 it, as Aceso's own model does.
+
+`--paper`: the paper's settings instead (eurosys tables; GPT 350M/1.3B/2.6B/6.7B/13B on
+1/4/8/16/32 GPUs, T5 770M/3B/6B/11B on 1/4/8/16; 28000 MB; global batch 1024; pipeline
+micro-batch <= 8 in the search and the grid), each search stopping on convergence
+(`--patience-trials` without a gain after a restart) instead of a trial budget. Fields: model,
+gpus, memory_mb, ours_s, grid_s, speedup, ours_cpu_s, grid_cpu_s, trials, restarts, config.
 """
 from __future__ import annotations
 
@@ -46,6 +52,74 @@ SETUPS = [
     ("eurosys", "t5-6b", 32, 30, 1024, 1.39),
     ("eurosys", "t5-11b", 32, 30, 1024, 1.50),
 ]
+
+
+# --paper: the Aceso paper's settings (its search scripts, eurosys tables): GPUs by model size,
+# 28000 MB, global batch 1024, pipeline micro-batch 1-8 for the search and the grid alike.
+PAPER_SETUPS = [("gpt-350m", 1), ("gpt-1.3b", 4), ("gpt-2.6b", 8), ("gpt-6.7b", 16), ("gpt-13b", 32),
+                ("t5-770m", 1), ("t5-3b", 4), ("t5-6b", 8), ("t5-11b", 16)]
+PAPER_MEMORY_MB, PAPER_GBS, PAPER_MAX_MBS = 28000, 1024, 8
+
+
+def run_paper(model, gpus, patience, include_allreduce, published_dir=None, published_budget=200):
+    """One --paper row: our search (stopping on convergence) and the grid, same space; with
+    ``published_dir`` also the published search and each side's best under the other's model."""
+    spec = get_model_spec(model)
+    pm = PerfModel(OpDatabase(os.path.join(SHIPPED_DIR, "eurosys"), spec.family, spec.size), spec,
+                   PAPER_MEMORY_MB, include_allreduce=include_allreduce)
+    g0 = time.process_time()
+    grid, _ = best_grid(pm, gpus, PAPER_GBS, max_micro_batch=PAPER_MAX_MBS)
+    c0 = time.process_time()
+    res = search_all(pm, gpus, PAPER_GBS, max_micro_batch=PAPER_MAX_MBS, patience_trials=patience)
+    cpu = time.process_time() - c0
+    fit = [r for r in res if r.best.key[0] == 0]
+    best = fit[0].best if fit else None
+    published = next((p for d, m, *_, p in SETUPS if d == "eurosys" and m == model), None)
+    row = _paper_row(model, gpus, patience, published, best, grid, cpu, c0 - g0, res)
+    if published_dir and best is not None:
+        row.update(_published_columns(published_dir, pm, spec, best, gpus, published_budget))
+    return row
+
+
+def _published_columns(root, pm, spec, best, gpus, budget):
+    import tempfile
+
+    import published_aceso as pub
+    from megatron.aceso.config import load_plan, save_plan
+    db = os.path.join(SHIPPED_DIR, "eurosys")
+    ours_json = os.path.join(tempfile.mkdtemp(prefix="aceso_ours_"), "ours.json")
+    save_plan(ours_json, best.plan, spec)
+    ours_pub = pub.price(root, db, ours_json, gpus, PAPER_MEMORY_MB)
+    out = {"ours_under_published_s": round(ours_pub["s"], 3),
+           "ours_fits_published": ours_pub["memory_mb"] <= PAPER_MEMORY_MB,
+           "published_budget_s": budget}
+    path, cpu = pub.search(root, db, spec.family, spec.size, gpus, PAPER_GBS, PAPER_MEMORY_MB, budget)
+    out["published_cpu_s"] = round(cpu, 2)
+    if path is None:
+        return {**out, "published_s": None}
+    theirs = pub.price(root, db, path, gpus, PAPER_MEMORY_MB)
+    pred = pm.predict(load_plan(path, pm.num_ops))
+    out.update({"published_s": round(theirs["s"], 3),
+                "published_fits_published": theirs["memory_mb"] <= PAPER_MEMORY_MB,
+                "published_under_ours_s": round(pred.iteration_ms / 1000, 3),
+                "published_fits_ours": pred.fits})
+    return out
+
+
+def _paper_row(model, gpus, patience, published, best, grid, cpu, grid_cpu, res):
+    return {"model": model, "gpus": gpus, "memory_mb": PAPER_MEMORY_MB, "global_batch": PAPER_GBS,
+            "published": published,
+            "max_micro_batch": PAPER_MAX_MBS, "patience_trials": patience,
+            "ours_s": round(best.key[1] / 1000, 3) if best else None,
+            "grid_s": round(grid.key[1] / 1000, 3) if grid else None,
+            "speedup": round(grid.key[1] / best.key[1], 3) if grid and best else None,
+            "ours_cpu_s": round(cpu, 2), "grid_cpu_s": round(grid_cpu, 2),
+            "trials": sum(r.trials for r in res), "restarts": sum(r.restarts for r in res),
+            "config": None if best is None else {
+                "micro_batch": best.plan.micro_batch, "gpus": [st.gpus for st in best.plan.stages],
+                "tp": [st.tp for st in best.plan.stages], "dp": [st.dp for st in best.plan.stages],
+                "ops": [st.end - st.start for st in best.plan.stages],
+                "recompute_ops": [sum(st.flags()) for st in best.plan.stages]}}
 
 
 def run(dbset, model, gpus, mem_gb, gbs, published, budget, include_allreduce, granularity="layer"):
@@ -90,8 +164,26 @@ def main():
     ap.add_argument("--no-allreduce", action="store_true")
     ap.add_argument("--granularity", choices=["layer", "op"], default="layer",
                     help="stage cuts on layer boundaries (what --aceso-config runs) or anywhere")
+    ap.add_argument("--paper", action="store_true",
+                    help="the Aceso paper's settings: GPUs by model size, 28000 MB, global batch 1024, "
+                         "pipeline micro-batch <= 8; the search stops on convergence (--patience-trials)")
+    ap.add_argument("--patience-trials", type=int, default=300,
+                    help="--paper: stop a stage count's search once restarts ran this many trials "
+                         "without improving its best")
+    ap.add_argument("--published-aceso", default=None, metavar="DIR",
+                    help="--paper: a checkout of the published Aceso code (search/, profiler/); adds its "
+                         "search's best and each side's best priced by the other's model")
+    ap.add_argument("--published-budget", type=int, default=200,
+                    help="--published-aceso: the published search's --time-budget-total (s per stage count)")
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else None
+    if args.paper:
+        for model, gpus in PAPER_SETUPS:
+            if only and model not in only and f"eurosys:{model}" not in only:
+                continue
+            print(json.dumps(run_paper(model, gpus, args.patience_trials, not args.no_allreduce,
+                                       args.published_aceso, args.published_budget)), flush=True)
+        return
     for dbset, model, gpus, mem, gbs, pub in SETUPS:
         if only and f"{dbset}:{model}" not in only:
             continue

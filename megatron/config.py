@@ -241,7 +241,7 @@ class TrainingConfig:
     use_distributed_optimizer: bool = False  # Adam state sharded over data parallelism (ZeRO-1)
     overlap_grad_reduce: bool = False  # DP all-reduce of a bucket starts during the backward passes
     ddp_bucket_size: Optional[int] = None  # elements per DP communication bucket (None: 40M)
-    recompute_layers: Optional[List[str]] = None  # per layer none|selective|full (--aceso-config)
+    recompute_layers: Optional[List[str]] = None  # per layer none|selective|full|op+op (--aceso-config)
 
     def __post_init__(self):
         _require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
@@ -292,10 +292,15 @@ class TrainingConfig:
                  "--overlap-grad-reduce is implemented for the all-reduce path; with --use-distributed-optimizer "
                  "the reduce-scatter runs after the backward passes (drop one of the two flags)")
         if self.recompute_layers is not None:
-            _require(self.recompute_granularity is None and
-                     all(m in ("none", "selective", "full") for m in self.recompute_layers),
-                     f"per-layer recompute (--aceso-config) must be none/selective/full per layer and "
-                     f"excludes --recompute-granularity, got {self.recompute_layers}")
+            from megatron.core.recompute import decode  # pure Python: the one definition of a setting
+            _require(self.recompute_granularity is None,
+                     f"per-layer recompute (--aceso-config) excludes --recompute-granularity, got "
+                     f"{self.recompute_granularity}")
+            for m in self.recompute_layers:
+                try:
+                    decode(m)
+                except ValueError as e:
+                    _require(False, f"--aceso-config: {e}")
         if self.recompute_num_layers is not None:
             _require(self.recompute_num_layers >= 1,
                      f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")

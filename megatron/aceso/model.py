@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron.aceso.db import OpDatabase
+from megatron.core.recompute import contiguous_runs, residual_inputs_kept
 
 
 @dataclass(frozen=True)
@@ -251,22 +252,18 @@ class PerfModel:
         if not st.recompute or not any(st.recompute):
             return kept, 0.0
         peak = 0.0
-        run_act = 0.0
-        prev_idx = -2
-        prev_layer = None
-        for j, f in enumerate(st.recompute):
-            if not f:
-                continue
-            i = st.start + j
-            lay = self.layer_of[i]
-            if i != prev_idx + 1 or lay != prev_layer:
-                peak = max(peak, run_act)
-                run_act = 0.0
-                kept += a.inp[i]          # a new run keeps its input
-            kept -= a.act[i]
-            run_act += a.act[i]
-            prev_idx, prev_layer = i, lay
-        peak = max(peak, run_act)
+        # the runtime's checkpoint segments (megatron/models/layer_ops.py): runs of consecutive
+        # flagged ops inside one layer, each keeping its input and freeing its ops' activations
+        group = self.layer_of[st.start:st.end]
+        for lo, hi in contiguous_runs(st.recompute, group):
+            i, j = st.start + lo, st.start + hi
+            run_act = a.pa[j] - a.pa[i]
+            kept += a.inp[i] - run_act
+            peak = max(peak, run_act)
+        # a segment holding a residual add may also keep the residual stream (core/recompute.py)
+        names = [self.db.op_names[o.row] for o in self.ops[st.start:st.end]]
+        for k in residual_inputs_kept(names, st.recompute, group):
+            kept += a.inp[st.start + k]
         return kept, peak
 
     def stage_memory_mb(self, mbs: int, st: Stage, s: int, num_stages: int, m: int) -> float:

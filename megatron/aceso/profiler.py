@@ -1,7 +1,7 @@
 """Profile our own GPT layers operator by operator and write Aceso-format op tables.
 
-The operators are the pieces of ``megatron.models.gpt.GPTStage`` / ``TransformerLayer`` as
-they run in training (the real modules and their parameters, called in the same order):
+The operators are the units ``TransformerLayer.op_units`` runs (the same callables, fed the
+inputs they get inside the layer), so a row prices the code op-level recompute checkpoints:
 
     encoder-embedding            word (+ position) embedding, [b, s] -> [s, b, h]
     enc-1st-layernorm            input_layernorm
@@ -9,13 +9,14 @@ they run in training (the real modules and their parameters, called in the same 
     enc-attention-core           split heads + scaled_dot_product_attention (score, softmax,
                                  dropout and context are one fused kernel in our layer, so
                                  they are one row here, where Aceso's CUDA tables have four)
-    enc-attention-dense          dense (row-parallel)
-    enc-post-attention-dropout   dropout + residual add
+    enc-attention-dense          dense (row-parallel; its bias is left to the next op when fused)
+    enc-post-attention-dropout   (bias +) dropout + residual add (one kernel with
+                                 --bias-dropout-fusion, as in training)
     enc-2nd-layernorm            post_attention_layernorm
     enc-MLP-GEMM-1               dense_h_to_4h
-    enc-MLP-gelu                 GeLU (tanh)
+    enc-MLP-gelu                 (bias +) GeLU (tanh) (one kernel with --bias-gelu-fusion)
     enc-MLP-GEMM-2               dense_4h_to_h
-    enc-post-MLP-dropout         dropout + residual add
+    enc-post-MLP-dropout         (bias +) dropout + residual add
     final-layernorm              final_layernorm
     gpt-post-process             output projection (tied embedding) + vocab cross-entropy
 
@@ -80,51 +81,73 @@ def _time(fn: Callable[[], object], repeats: int) -> float:
 
 
 def gpt_operators(stage, cfg: ModelConfig, mbs: int):
-    """[(name, fn, make_inputs, params)] for one GPT stage holding embedding, one layer, head."""
+    """[(name, fn, make_inputs, params)] for one GPT stage holding embedding, one layer, head.
+
+    The layer's operators are the runtime's own units (``TransformerLayer.op_units``, what
+    op-level recompute checkpoints), each fed the input it gets inside the layer: a table row
+    prices exactly the code the runtime runs, fused epilogues included."""
     s, b, h = cfg.seq_length, mbs, cfg.hidden_size
     layer = stage.decoder.layers[0]
-    attn, mlp = layer.self_attention, layer.mlp
     gen = torch.Generator().manual_seed(0)
-
-    def hidden(width=h, grad=True):
-        return lambda: [torch.randn(s, b, width, generator=gen).requires_grad_(grad)]
-
     tokens = torch.randint(0, cfg.vocab_size, (b, s), generator=gen)
     pos = torch.arange(s).unsqueeze(0).expand(b, s)
     labels = torch.randint(0, cfg.vocab_size, (s, b), generator=gen)
-    residual = torch.randn(s, b, h, generator=gen)
-    qkv_width = attn.query_key_value.out_per_rank
-    drop = layer.hidden_dropout
-
-    def core(mixed):
-        q, k, v = attn._split_qkv(mixed)
-        return attn.core_attention(q, k, v, None, None)
-
-    def post_drop(y):
-        return residual + (F.dropout(y, drop, True) if drop > 0 else y)
 
     def head(x):
         logits = F.linear(x, stage.output_weight())
         return vocab_parallel_cross_entropy(logits, labels, None, cfg.vocab_size)
 
     emb = stage.embedding
-    return [
-        ("encoder-embedding", lambda t: emb(t, pos), lambda: [tokens], list(emb.parameters())),
-        ("enc-1st-layernorm", layer.input_layernorm, hidden(), list(layer.input_layernorm.parameters())),
-        ("enc-attention-qkv", attn.query_key_value, hidden(), list(attn.query_key_value.parameters())),
-        ("enc-attention-core", core, hidden(qkv_width), []),
-        ("enc-attention-dense", attn.dense, hidden(attn.np * attn.hn), list(attn.dense.parameters())),
-        ("enc-post-attention-dropout", post_drop, hidden(), []),
-        ("enc-2nd-layernorm", layer.post_attention_layernorm, hidden(),
-         list(layer.post_attention_layernorm.parameters())),
-        ("enc-MLP-GEMM-1", mlp.dense_h_to_4h, hidden(), list(mlp.dense_h_to_4h.parameters())),
-        ("enc-MLP-gelu", lambda x: F.gelu(x, approximate="tanh"), hidden(mlp.dense_h_to_4h.out_per_rank), []),
-        ("enc-MLP-GEMM-2", mlp.dense_4h_to_h, hidden(mlp.dense_h_to_4h.out_per_rank),
-         list(mlp.dense_4h_to_h.parameters())),
-        ("enc-post-MLP-dropout", post_drop, hidden(), []),
-        ("final-layernorm", stage.final_layernorm, hidden(), list(stage.final_layernorm.parameters())),
-        ("gpt-post-process", head, hidden(), [stage.output_weight()]),
-    ]
+    ops = [("encoder-embedding", lambda t: emb(t, pos), lambda: [tokens], list(emb.parameters()))]
+    ops += _layer_operators(layer, torch.randn(s, b, h, generator=gen))
+    ops += [("final-layernorm", stage.final_layernorm, lambda: [torch.randn(s, b, h, generator=gen).requires_grad_()],
+             list(stage.final_layernorm.parameters())),
+            ("gpt-post-process", head, lambda: [torch.randn(s, b, h, generator=gen).requires_grad_()],
+             [stage.output_weight()])]
+    return ops
+
+
+def _layer_operators(layer, x):
+    """One entry per operator unit; inputs are the unit's real inputs (run once without grad),
+    re-made as fresh leaves. A linear that leaves its bias to the next operator hands over
+    (y, bias): y is the activation input, the bias stays a parameter of the next operator."""
+    units = layer.op_units()
+    ins = []
+    with torch.no_grad():
+        hh, r = x, x
+        for names, fn in units:
+            if len(names) != 1:
+                raise ValueError(f"the Aceso profiler times one operator per table row; {'+'.join(names)} run "
+                                 f"as one unit in this layer (gated MLP): profile without --swiglu")
+            ins.append((hh, r))
+            hh, r = fn(hh, r)
+    out = []
+    for (names, fn), (h_in, r_in) in zip(units, ins):
+        def make(h_in=h_in):
+            if isinstance(h_in, tuple):
+                return [h_in[0].clone().requires_grad_()]
+            return [h_in.clone().requires_grad_()]
+
+        def op(y, fn=fn, h_in=h_in, r_in=r_in):
+            hh = (y, h_in[1]) if isinstance(h_in, tuple) else y
+            res = fn(hh, r_in)[0]
+            return res[0] if isinstance(res, tuple) else res   # (y, bias): the activation
+
+        out.append((names[0], op, make, _unit_params(layer, names[0], h_in)))
+    return out
+
+
+def _unit_params(layer, name, h_in):
+    """The parameters an operator uses (weights MB; excluded from activations)."""
+    attn, mlp = layer.self_attention, layer.mlp
+    mods = {"enc-1st-layernorm": [layer.input_layernorm], "enc-attention-qkv": [attn.query_key_value],
+            "enc-attention-dense": [attn.dense], "enc-2nd-layernorm": [layer.post_attention_layernorm],
+            "enc-MLP-GEMM-1": [mlp.dense_h_to_4h], "enc-MLP-GEMM-2": [mlp.dense_4h_to_h]}.get(name, [])
+    # a linear that skips its bias add hands the bias to the next operator, which owns it here
+    ps = [p for m in mods for p in m.parameters() if not (getattr(m, "skip_bias_add", False) and p is m.bias)]
+    if isinstance(h_in, tuple) and h_in[1] is not None:  # the previous linear's bias, added here
+        ps.append(h_in[1])
+    return ps
 
 
 def profile_operator(fn, make_inputs, params, repeats: int) -> OpRow:
@@ -149,12 +172,8 @@ def profile_operator(fn, make_inputs, params, repeats: int) -> OpRow:
 def profile_gpt(cfg: ModelConfig, out_dir: str, *, size: str, mbs_values: Sequence[int] = (1, 2),
                 repeats: int = 5, seed: int = 1234) -> List[str]:
     """Write ``gpt_<size>_mbs<M>_tp1_algo0.csv`` for each micro-batch size; returns the paths."""
-    import dataclasses
     from megatron.models.gpt import GPTStage
     model_parallel_seed(seed, 0, 0)  # dropout inside attention draws from the TP stream
-    # Aceso's tables time bias+GeLU and bias+dropout+residual as operators of their own, so the
-    # linears must add their bias themselves (no fused epilogues) while being profiled.
-    cfg = dataclasses.replace(cfg, bias_gelu_fusion=False, bias_dropout_fusion=False)
     stage = GPTStage(cfg, ParallelState(), layer_start=0, layer_end=1, pre_process=True,
                      post_process=True, seed=seed)
     stage.train()

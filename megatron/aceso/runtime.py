@@ -12,10 +12,13 @@ plans are rewritten per global rank with multi-peer, row-sliced sends and receiv
 Not supported (rejected with a message): op-level TP/DP changes inside a stage, stage cuts
 inside a layer, recompute of the embedding / head operators, and T5.
 
-Per-layer recompute mode from the layer's op flags: ``none`` when no op is recomputed,
-``selective`` when only core-attention ops are (score, softmax, dropout, context; or our
-fused ``enc-attention-core``), otherwise ``full`` (the whole layer is checkpointed). The
-numerics are identical in every mode; only memory and time differ.
+Recompute runs as the search priced it: each layer recomputes exactly the operators its
+``recompute_ops`` flags name (megatron/core/recompute.py), every run of consecutive flagged
+operators one checkpoint segment that keeps its inputs (``none``, ``selective`` = core
+attention and ``full`` = the whole layer are the named special cases). Aceso's four
+core-attention operators (score, softmax, dropout, context) are one fused kernel here, so
+flagging any of them recomputes all four. The numerics are identical in every mode; only
+memory and time differ.
 """
 from __future__ import annotations
 
@@ -23,20 +26,11 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+from megatron.core import recompute as rc
+
 # Layer operator names by ops per layer: Aceso's CUDA tables (13) and our profiler's (10).
-ACESO_GPT_LAYER_OPS = [
-    "enc-1st-layernorm", "enc-attention-qkv", "enc-attention-score", "enc-attention-softmax",
-    "enc-attention-dropout", "enc-attention-context", "enc-attention-dense",
-    "enc-post-attention-dropout", "enc-2nd-layernorm", "enc-MLP-GEMM-1", "enc-MLP-gelu",
-    "enc-MLP-GEMM-2", "enc-post-MLP-dropout",
-]
-OUR_GPT_LAYER_OPS = [
-    "enc-1st-layernorm", "enc-attention-qkv", "enc-attention-core", "enc-attention-dense",
-    "enc-post-attention-dropout", "enc-2nd-layernorm", "enc-MLP-GEMM-1", "enc-MLP-gelu",
-    "enc-MLP-GEMM-2", "enc-post-MLP-dropout",
-]
-CORE_ATTENTION_OPS = {"enc-attention-score", "enc-attention-softmax", "enc-attention-dropout",
-                      "enc-attention-context", "enc-attention-core"}
+ACESO_GPT_LAYER_OPS = list(rc.ACESO_LAYER_OPS)
+OUR_GPT_LAYER_OPS = list(rc.LAYER_OPS)
 HEAD_OPS, TAIL_OPS = 1, 2  # embedding; final layernorm + post-process
 
 
@@ -50,17 +44,15 @@ class AcesoLayout:
     pp: int
     dp: int
     stage_layers: List[int]
-    recompute_layers: List[str]   # per global layer: none | selective | full
+    recompute_layers: List[str]   # per global layer: none | selective | full | '+'-joined operators
     micro_batch_size: int         # per DP rank; the pipeline micro-batch when stage_parallel is set
     global_batch_size: int
     stage_parallel: Optional[List[List[int]]] = None  # [TP, DP] per stage when they differ
 
 
 def layer_mode(names: List[str], flags: List[int]) -> str:
-    rec = {n for n, f in zip(names, flags) if f}
-    if not rec:
-        return "none"
-    return "selective" if rec <= CORE_ATTENTION_OPS else "full"
+    """The layer's recompute setting (megatron/core/recompute.py) for its per-op flags."""
+    return rc.encode(rc.from_flags(names, flags))
 
 
 def gpt_layout(d: Dict[str, Any], num_layers: int, world_size: int) -> AcesoLayout:

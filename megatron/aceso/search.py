@@ -16,7 +16,8 @@ deterministic. Per stage count:
    lowers the iteration time; if none does, recurse from the best few results up to
    ``max_hops`` moves deep;
 3. when a step finds nothing, restart from the best not-yet-started state within
-   ``restart_ratio`` of the best one; stop when none is left or the budget is spent.
+   ``restart_ratio`` of the best one; stop when none is left, the budget is spent, or (with
+   ``patience_trials``) once restarts have run that many trials without improving the best.
 
 Legality: every stage has a power-of-two GPU count, the counts sum to the cluster, a stage
 never straddles a node (larger ones start on a node boundary), TP is within a node and
@@ -86,7 +87,8 @@ class Searcher:
     def __init__(self, pm: PerfModel, num_gpus: int, global_batch: int, *,
                  max_hops: int = 7, width: int = 2, restart_ratio: float = 1.2,
                  budget_trials: Optional[int] = None, budget_seconds: Optional[float] = None,
-                 runnable: bool = False, granularity: str = "layer"):
+                 runnable: bool = False, granularity: str = "layer",
+                 max_micro_batch: Optional[int] = None, patience_trials: Optional[int] = None):
         self.pm = pm
         self.G = num_gpus
         self.gbs = global_batch
@@ -105,6 +107,10 @@ class Searcher:
         self.mbs_local = pm.db.mbs_values
         self.max_hops, self.width, self.restart_ratio = max_hops, width, restart_ratio
         self.budget_trials, self.budget_seconds = budget_trials, budget_seconds
+        # the paper's space: pipeline micro-batch sizes up to 8 (Aceso's --micro-batch-size 1 2 4 8)
+        self.max_micro_batch = max_micro_batch
+        # convergence stop: after a restart, give up once this many trials brought no gain
+        self.patience_trials = patience_trials
         # what --aceso-config runs: stage cuts on layer boundaries, recompute of layer ops only
         self.runnable = runnable
         self.cache: Dict[State, Evaluated] = {}
@@ -117,7 +123,7 @@ class Searcher:
     # ------------------------------------------------------------------ legality
     def legal(self, st: State) -> bool:
         mbs, bounds, tps, dps = st
-        if self.gbs % mbs:
+        if self.gbs % mbs or (self.max_micro_batch is not None and mbs > self.max_micro_batch):
             return False
         r = 0
         for tp, dp in zip(tps, dps):
@@ -419,6 +425,7 @@ class Searcher:
         best: Optional[Evaluated] = None
         started: set = set()
         hops = restarts = 0
+        gained_at = 0  # trial count at the last improvement of the best
         try:
             starts = [e for e in seeds if e is not None and self.legal(e.state)]
             for seed in starts:
@@ -439,7 +446,11 @@ class Searcher:
                     cur = nxt
                     if cur.key < best.key:
                         best = cur
+                        gained_at = self.trials
                     continue
+                if self.patience_trials is not None and restarts and \
+                        self.trials - gained_at >= self.patience_trials:
+                    break  # converged: a restart brought no gain in patience_trials trials
                 # restart from the best unexplored state near the best
                 pool = [e for e in self.cache.values()
                         if e.state not in started and len(e.state[2]) == S and e.key[0] == best.key[0]
@@ -454,9 +465,10 @@ class Searcher:
 
 
 def best_grid(pm: PerfModel, num_gpus: int, global_batch: int,
-              recompute_modes: Sequence[str] = ("none", "full")) -> Tuple[Optional[Evaluated], int]:
+              recompute_modes: Sequence[str] = ("none", "full"),
+              max_micro_batch: Optional[int] = None) -> Tuple[Optional[Evaluated], int]:
     """Best Megatron uniform configuration (pp, tp, dp, micro-batch, full recompute on/off)."""
-    srch = Searcher(pm, num_gpus, global_batch)
+    srch = Searcher(pm, num_gpus, global_batch, max_micro_batch=max_micro_batch)
     best, n = None, 0
     for S in range(1, min(num_gpus, srch.U) + 1):
         for st in srch.grid_states(S):
@@ -496,7 +508,8 @@ def search_all(pm: PerfModel, num_gpus: int, global_batch: int, *,
                max_stages: int = 16, jobs: int = 1, progress=None, **kw) -> List[SearchResult]:
     """One search per stage count (in ``jobs`` processes), each seeded with the best grid point
     of that stage count. Returns the results sorted best first."""
-    probe = Searcher(pm, num_gpus, global_batch)  # the grid cuts by layer
+    probe = Searcher(pm, num_gpus, global_batch,  # the grid cuts by layer
+                     max_micro_batch=kw.get("max_micro_batch"))
     counts = list(range(1, min(num_gpus, probe.U, max_stages) + 1))
     tasks = []
     for S in counts:

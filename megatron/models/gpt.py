@@ -19,6 +19,7 @@ from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import (VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
                                            gather_from_sequence_parallel_region, get_rng_tracker, init_generator,
                                            scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
+from megatron.models.layer_ops import recompute_set, unit_flags
 from megatron.models.packed_attention import packed_segments
 from megatron.models.rotary import rotary_cos_sin
 from megatron.models.transformer import TransformerBlock, TransformerLayer, build_norm
@@ -178,7 +179,13 @@ def build_gpt_stages(cfg, ps: ParallelState) -> dict:
                                seed=cfg.training.seed, recompute_method=cfg.training.recompute_method,
                                recompute_num_layers=cfg.training.recompute_num_layers)
         if cfg.training.recompute_layers is not None:  # --aceso-config: per-layer recompute
-            stages[sid].decoder.layer_recompute = cfg.training.recompute_layers[starts[sid]:starts[sid] + split[sid]]
+            modes = cfg.training.recompute_layers[starts[sid]:starts[sid] + split[sid]]
+            for mode, layer in zip(modes, stages[sid].decoder.layers):
+                try:  # fail at build time, not at the first forward
+                    unit_flags(layer.op_units(), recompute_set(mode))
+                except ValueError as e:
+                    raise ValueError(f"--aceso-config: layer {layer.layer_number}: {e}") from None
+            stages[sid].decoder.layer_recompute = modes
     return stages
 
 

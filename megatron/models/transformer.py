@@ -21,6 +21,7 @@ from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLine
                                            get_rng_tracker)
 from megatron.core.tensor_parallel.mappings import group_rank, group_size
 from megatron.fused_kernels import ops as fused_ops
+from megatron.models.layer_ops import MLP_OPS, recompute_set, run_ops
 from megatron.models.packed_attention import PackedSegments, varlen_core_attention
 
 
@@ -144,6 +145,14 @@ class ParallelAttention(nn.Module):
             ctx = self.core_attention(q, k, v, mask, bias)
         return self.dense(ctx)
 
+    def core_from_mixed(self, mixed, mask, bias, rotary=None):
+        """The ``enc-attention-core`` operator of a self-attention layer: split the QKV GEMM's
+        output into heads (+ rotary), attend. Its only activation input is ``mixed``."""
+        q, k, v = self._split_qkv(mixed)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        return self.core_attention(q, k, v, mask, bias)
+
 
 class ParallelMLP(nn.Module):
     """h -> ffn -> h with GeLU (tanh), or with --swiglu: silu(gate(x)) * up(x) -> h.
@@ -245,12 +254,48 @@ class TransformerLayer(nn.Module):
             x = self._residual(x, self.self_attention(self.input_layernorm(x), mask, bias, recompute=recompute,
                                                       rotary=rotary, kv_extend=kv_extend), kv_cache, 0)
             return self._residual(x, self.mlp(self.post_attention_layernorm(x)), kv_cache, 1)
+        if not self.decoder:  # a sequence of named operators, each recomputable (core/recompute.py)
+            return run_ops(self.op_units(mask, bias, rotary), recompute_set(recompute), x)
         x = self._residual(x, self.self_attention(self.input_layernorm(x), mask, bias, recompute=recompute,
                                                   rotary=rotary))
-        if self.decoder:
-            x = self._residual(x, self.inter_attention(self.pre_cross_attn_layernorm(x), cross_mask,
-                                                       encoder_output=encoder_output, recompute=recompute))
+        x = self._residual(x, self.inter_attention(self.pre_cross_attn_layernorm(x), cross_mask,
+                                                   encoder_output=encoder_output, recompute=recompute))
         return self._residual(x, self.mlp(self.post_attention_layernorm(x)))
+
+    def op_units(self, mask=None, bias=None, rotary=None):
+        """The layer as Aceso's operator sequence (``LAYER_OPS``): [(names, fn(h, residual) ->
+        (h, residual))]. ``h`` may be a (y, bias) pair where a linear leaves its bias to the
+        fused epilogue that follows it. The gated (SwiGLU) MLP is one unit over the three MLP
+        names: its gate and up GEMMs have no row of their own in the op tables."""
+        attn, mlp = self.self_attention, self.mlp
+
+        def ln1(h, r):
+            return self.input_layernorm(h), h
+
+        def add(h, r):
+            x = self._residual(r, h)
+            return x, x
+
+        units = [(("enc-1st-layernorm",), ln1),
+                 (("enc-attention-qkv",), lambda h, r: (attn.query_key_value(h), r)),
+                 (("enc-attention-core",), lambda h, r: (attn.core_from_mixed(h, mask, bias, rotary), r)),
+                 (("enc-attention-dense",), lambda h, r: (attn.dense(h), r)),
+                 (("enc-post-attention-dropout",), add),
+                 (("enc-2nd-layernorm",), lambda h, r: (self.post_attention_layernorm(h), r))]
+        if mlp.swiglu:
+            units.append((MLP_OPS, lambda h, r: (mlp(h), r)))
+        else:  # ParallelMLP.forward's GeLU path, one operator per step
+            if mlp.bias_gelu_fusion:
+                def gelu(h, r):
+                    return fused_ops.bias_gelu(h[1], h[0]), r
+            else:
+                def gelu(h, r):
+                    return F.gelu(h, approximate="tanh"), r
+            units += [(("enc-MLP-GEMM-1",), lambda h, r: (mlp.dense_h_to_4h(h), r)),
+                      (("enc-MLP-gelu",), gelu),
+                      (("enc-MLP-GEMM-2",), lambda h, r: (mlp.dense_4h_to_h(h), r))]
+        units.append((("enc-post-MLP-dropout",), add))
+        return units
 
 
 class TransformerBlock(nn.Module):
@@ -283,7 +328,7 @@ class TransformerBlock(nn.Module):
         for i, layer in enumerate(self.layers):
             if kv_cache is not None:  # token slices: the cache is written once per slice, no replay
                 x = layer(x, mask, encoder_output, cross_mask, recompute=recompute, rotary=rotary, kv_cache=kv_cache)
-            elif self.layer_recompute is not None:
+            elif self.layer_recompute is not None:  # none | selective | full | '+'-joined operators
                 mode = self.layer_recompute[i]
                 if mode == "full" and torch.is_grad_enabled():
                     x = checkpoint(lambda h, e, l=layer: l(h, mask, e, cross_mask, rotary=rotary), x, encoder_output)

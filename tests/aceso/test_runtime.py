@@ -41,14 +41,18 @@ def aceso_dict(stage_layers, tp=1, dp=1, rec=None, mbs=2, gbs=8, layers=4):
 FULL = [1] * K
 NONE = [0] * K
 SELECTIVE = [0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0]   # score, softmax, dropout, context
-PARTIAL = [0] * 9 + [0, 1, 0, 0]                      # GeLU only -> the layer is checkpointed
+PARTIAL = [0] * 9 + [0, 1, 0, 0]                      # GeLU only: exactly that op is recomputed
 
 
 def test_layout_from_config():
     lay = gpt_layout(aceso_dict([1, 3], rec=[FULL, NONE, SELECTIVE, PARTIAL], mbs=4, dp=2), 4, 4)
     assert (lay.tp, lay.pp, lay.dp) == (1, 2, 2)
     assert lay.stage_layers == [1, 3] and lay.micro_batch_size == 2 and lay.global_batch_size == 8
-    assert lay.recompute_layers == ["full", "none", "selective", "full"]
+    assert lay.recompute_layers == ["full", "none", "selective", "enc-MLP-gelu"]
+    two_runs = [0, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1]   # qkv | context, dense | GEMM-2, dropout
+    lay = gpt_layout(aceso_dict([2, 2], rec=[two_runs, NONE, NONE, NONE]), 4, 2)
+    assert lay.recompute_layers[0] == ("enc-attention-qkv+enc-attention-core+enc-attention-dense+"
+                                       "enc-MLP-GEMM-2+enc-post-MLP-dropout")
 
 
 def hetero_dict(stage_layers, stage_parallel, **kw):
@@ -102,7 +106,7 @@ def test_flag_fills_the_config(tmp_path, capsys):
     cfg = parse_args(_args(path), world_size=4)
     assert cfg.parallel.pipeline_model_parallel_size == 2 and cfg.parallel.tensor_model_parallel_size == 2
     assert cfg.parallel.pipeline_stage_layers == [1, 3]
-    assert cfg.training.recompute_layers == ["full", "none", "selective", "full"]
+    assert cfg.training.recompute_layers == ["full", "none", "selective", "enc-MLP-gelu"]
     assert cfg.training.micro_batch_size == 2 and cfg.training.global_batch_size == 8
     with pytest.raises(SystemExit):
         parse_args(_args(path, "--pipeline-model-parallel-size", "4"), world_size=4)
@@ -136,30 +140,45 @@ def test_uneven_stages_with_per_layer_recompute_match_single_process():
 
 
 def test_modes_reach_the_layers(monkeypatch):
-    """Each layer runs in its own mode: `full` checkpoints the layer, `selective` the attention."""
+    """Each layer runs its own setting: `full` checkpoints the layer, an operator set one
+    segment per run of flagged operators (`selective` = the core-attention operator)."""
     import torch
     from megatron.core.parallel_state import ParallelState
     from megatron.core.tensor_parallel.random import model_parallel_seed
-    from megatron.models import transformer
+    from megatron.models import layer_ops, transformer
     from megatron.models.gpt import build_gpt_stages
 
     cfg = tiny_config()
-    cfg.training.recompute_layers = ["full", "none", "selective", "full"]
+    modes = ["full", "none", "selective", "enc-1st-layernorm+enc-MLP-gelu"]
+    cfg.training.recompute_layers = modes
     model_parallel_seed(1234, 0, 0)
     (stage,) = build_gpt_stages(cfg, ParallelState()).values()
-    assert stage.decoder.layer_recompute == ["full", "none", "selective", "full"]
+    assert stage.decoder.layer_recompute == modes
     calls = []
-    real = transformer.checkpoint
 
-    def counting(fn, *a):
-        calls.append(getattr(fn, "__name__", "?"))
-        return real(fn, *a)
+    def counting(module, kind):
+        real = module.checkpoint
 
-    monkeypatch.setattr(transformer, "checkpoint", counting)
+        def fn(f, *a):
+            calls.append(kind)
+            return real(f, *a)
+        monkeypatch.setattr(module, "checkpoint", fn)
+
+    counting(transformer, "layer")
+    counting(layer_ops, "segment")
     tokens = torch.randint(0, 101, (2, 16))
     out = stage({"tokens": tokens, "labels": tokens}, [])
     out[0].sum().backward()
-    assert calls == ["<lambda>", "core_attention", "<lambda>"]
+    assert calls == ["layer", "segment", "segment", "segment"]
+
+
+def test_split_gated_mlp_is_rejected_at_build():
+    from megatron.core.parallel_state import ParallelState
+    from megatron.models.gpt import build_gpt_stages
+    cfg = tiny_config(arch={"swiglu": True})
+    cfg.training.recompute_layers = ["none", "enc-MLP-gelu", "none", "none"]
+    with pytest.raises(ValueError, match="--aceso-config: layer 1: .*splits enc-MLP-GEMM-1"):
+        build_gpt_stages(cfg, ParallelState())
 
 
 def test_flag_fills_a_heterogeneous_layout(tmp_path, capsys):

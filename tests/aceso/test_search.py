@@ -130,3 +130,17 @@ def test_op_granularity_cuts_anywhere_and_is_never_worse_than_grid(pm):
     _legal(best.plan, 4, 8, pm)
     with pytest.raises(ValueError, match="cannot run"):
         Searcher(pm, 4, 512, runnable=True, granularity="op")
+
+
+def test_paper_space_and_convergence_stop(pm):
+    """--paper: pipeline micro-batch <= 8 in the search and the grid; a patience stop ends the
+    search after restarts stop paying, deterministically, never worse than the grid seed."""
+    grid, _ = best_grid(pm, 4, 512, max_micro_batch=8)
+    assert grid.plan.micro_batch <= 8
+    runs = [search_all(pm, 4, 512, max_stages=4, max_micro_batch=8, patience_trials=20) for _ in range(2)]
+    for r in runs[0]:
+        assert r.best.plan.micro_batch <= 8
+    assert [(r.best.state, r.trials) for r in runs[0]] == [(r.best.state, r.trials) for r in runs[1]]
+    assert runs[0][0].best.key <= grid.key
+    longer = search_all(pm, 4, 512, max_stages=4, max_micro_batch=8, patience_trials=200)
+    assert sum(r.trials for r in longer) >= sum(r.trials for r in runs[0])
