@@ -34,7 +34,7 @@ def gpt_flops_per_sample(m: ModelConfig, padded_vocab: int, seq_len: Optional[in
     72 B s L h^2 (1 + s/6h + V/12Lh) per batch."""
     s = seq_len or m.seq_length
     h, p, f = m.hidden_size, m.projection_size, m.ffn_hidden_size
-    mlp_gemms = 3 if getattr(m, "swiglu", False) else 2  # SwiGLU adds the gate projection
+    mlp_gemms = 3 if getattr(m, "gated_mlp", False) else 2  # a gated MLP (SwiGLU, GLU) adds the gate projection
     kv = 2 * getattr(m, "query_groups", m.num_attention_heads) * m.kv_channels  # GQA shrinks K and V
     per_token_layer = 3 * (2 * h * (p + kv) + 4 * s * p + 2 * p * h + 2 * mlp_gemms * h * f)
     return s * (m.num_layers * per_token_layer + 3 * 2 * h * padded_vocab)
