@@ -160,9 +160,12 @@ class MetricsLogger:
                 ratio = out["time_s"] * 1e3 / sim
                 if ratio > 3.0 or ratio < 1 / 3.0:
                     self._drift_warned = True
+                    # TeraPipe plans from its own latency model, DynaPipe from the per-layer cost model.
+                    tool = ("python -m megatron.planner.terapipe_latency --output FILE, then --terapipe-cost-model "
+                            "FILE" if info.get("planner") == "terapipe" else "experiment_scripts/gen_cost_model.sh")
                     print(f"WARNING: measured iteration time is {ratio:.1f}x the planner's simulated time; the cost "
                           "model does not describe this model or device, so plans (and memory) are unreliable: "
-                          "profile it here (experiment_scripts/gen_cost_model.sh)", file=sys.stderr, flush=True)
+                          f"profile it here ({tool})", file=sys.stderr, flush=True)
         if self.writer is not None:
             for key in ("padding_efficiency", "planning_ms", "simulated_ms"):
                 if key in info:
