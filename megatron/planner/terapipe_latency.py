@@ -135,6 +135,7 @@ class SliceLatencyModel:
 
     def save(self, path) -> None:
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(json.dumps(self.to_dict(), indent=1))
         tmp.replace(path)
