@@ -244,3 +244,11 @@ def test_t5_to_hf_refuses_what_hf_cannot_express(trained, tmp_path):
                  "per-layer relative attention bias tables", "non-zero LM-head bias"):
         assert what in msg, msg
     assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("ffn", ["gelu", "gated-gelu_fast", "silu"])
+def test_t5_from_hf_refuses_an_activation_we_do_not_compute(ffn):
+    """HF's plain "gelu" is the exact erf GeLU (ours is the tanh one): refused naming it."""
+    from tools.checkpoint import hf_t5
+    with pytest.raises(ValueError, match=f"feed_forward_proj '{ffn}'.*relu, gated-relu"):
+        hf_t5.from_hf({"feed_forward_proj": ffn}, {})
