@@ -94,3 +94,25 @@ def test_t5_variant_layouts_match_single_process(name, world, kw):
     assert not any("output_layer" in n for n in copies)  # the untied head is nobody's copy
     if kw.get("pp"):
         assert any("word_embeddings" in n for n in copies)
+
+
+def test_cost_model_of_another_activation_is_refused(tmp_path, capsys):
+    """A DynaPipe cost model records the MLP it was profiled with; planning a ReLU model with a
+    GeLU profile is refused naming both, as for the other architecture fields."""
+    import json
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    doc = json.load(open(os.path.join(root, "cost_models", "cpu_tiny_gpt.json")))
+    doc["model"].update(activation_func="gelu", gated_linear_unit=False)
+    path = tmp_path / "cm.json"
+    path.write_text(json.dumps(doc))
+    m = doc["model"]
+    argv = ["--num-layers", "4", "--hidden-size", str(m["hidden_size"]), "--num-attention-heads",
+            str(m["num_attention_heads"]), "--ffn-hidden-size", str(m["ffn_hidden_size"]), "--seq-length", "256",
+            "--pipeline-model-parallel-size", "2", "--data-path", "in", "--targets-data-path", "out",
+            "--tokens-per-global-batch", "1024", "--vocab-size", "100", "--dynapipe", "--dynapipe-cost-model",
+            str(path)]
+    parse_args(argv, world_size=2)  # the profiled architecture: accepted
+    with pytest.raises(SystemExit):
+        parse_args(argv + ["--activation-func", "relu"], world_size=2)
+    assert "activation_func gelu vs relu" in capsys.readouterr().err
