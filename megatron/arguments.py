@@ -103,6 +103,10 @@ def _add_network_size_args(p, model_type: str) -> None:
         g.add_argument("--relative-attention-num-buckets", type=int, default=32, help="T5 relative position buckets")
         g.add_argument("--relative-attention-max-distance", type=int, default=128,
                        help="T5 relative positions beyond this share the last bucket")
+    g.add_argument("--activation-func", default="gelu", choices=["gelu", "relu"],
+                   help="MLP activation without --swiglu: gelu (tanh approximation) or relu (the original T5's)")
+    g.add_argument("--gated-linear-unit", action="store_true",
+                   help="gated MLP act(gate(x)) * up(x) with --activation-func (T5 v1.1 / Flan-T5 gated GeLU)")
 
 
 def _add_regularization_args(p) -> None:
@@ -368,7 +372,8 @@ def _check_cost_model_matches(path: str, model: ModelConfig) -> None:
     run = {"kind": model.model_type, "hidden_size": model.hidden_size,
            "num_attention_heads": model.num_attention_heads, "ffn_hidden_size": model.ffn_hidden_size,
            "kv_channels": model.kv_channels, "normalization": model.normalization, "swiglu": model.swiglu,
-           "add_bias_linear": model.add_bias_linear, "position_embedding_type": model.position_embedding_type,
+           "add_bias_linear": model.add_bias_linear, "activation_func": model.activation_func,
+           "gated_linear_unit": model.gated_linear_unit, "position_embedding_type": model.position_embedding_type,
            "num_query_groups": model.query_groups}
     diffs = [f"{k} {saved[k]} vs {run[k]}" for k in run if k in saved and saved[k] != run[k]]
     if diffs:
@@ -425,7 +430,9 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
             hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
             layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std,
             normalization=args.normalization, swiglu=args.swiglu, add_bias_linear=args.add_bias_linear,
+            activation_func=args.activation_func, gated_linear_unit=args.gated_linear_unit,
             rotary_percent=args.rotary_percent, rotary_base=args.rotary_base, num_query_groups=_query_groups(args),
+            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type or "relative",
             sequence_parallel=args.sequence_parallel,
             relative_attention_num_buckets=args.relative_attention_num_buckets,
@@ -442,6 +449,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
             hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
             layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std,
             normalization=args.normalization, swiglu=args.swiglu, add_bias_linear=args.add_bias_linear,
+            activation_func=args.activation_func, gated_linear_unit=args.gated_linear_unit,
             rotary_percent=args.rotary_percent, rotary_base=args.rotary_base, num_query_groups=_query_groups(args),
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type or "learned_absolute",
@@ -507,6 +515,12 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
                          terapipe=_terapipe_config(args))
     if args.dynapipe and args.dynapipe_cost_model and not args.dynapipe_cost_model_any:
         _check_cost_model_matches(args.dynapipe_cost_model, cfg.model)
+    if cfg.terapipe.enabled and cfg.terapipe.cost_model:
+        from megatron.planner.terapipe_latency import SliceLatencyModel
+        try:  # a missing, malformed or unsound latency model is one line before any process group
+            SliceLatencyModel.load(cfg.terapipe.cost_model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return cfg
 
 

@@ -41,6 +41,11 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = False
     normalization: str = "LayerNorm"  # or "RMSNorm"
     swiglu: bool = False  # gated SiLU MLP (gate and up projections, each ffn_hidden_size wide)
+    # The MLP without --swiglu: act(up(x)), or with gated_linear_unit act(gate(x)) * up(x)
+    # (Megatron-core's TransformerConfig names). "gelu" is the tanh approximation (HF gelu_new);
+    # "relu" is the original T5's, GeLU + gated_linear_unit is T5 v1.1 / Flan-T5's "gated-gelu".
+    activation_func: str = "gelu"  # or "relu"
+    gated_linear_unit: bool = False
     add_bias_linear: bool = True  # --disable-bias-linear sets False
     # --sequence-parallel: norms, dropout and residuals split along the sequence inside TP
     # regions (Megatron's); a no-op at TP=1. Lives here because the layers read it.
@@ -114,6 +119,11 @@ class ModelConfig:
                  f"--make-vocab-size-divisible-by must be positive, got {self.make_vocab_size_divisible_by}")
         _require(self.normalization in ("LayerNorm", "RMSNorm"),
                  f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
+        _require(self.activation_func in ("gelu", "relu"),
+                 f"--activation-func must be gelu or relu, got {self.activation_func!r}")
+        _require(not self.swiglu or (self.activation_func == "gelu" and not self.gated_linear_unit),
+                 "--swiglu is the gated SiLU MLP; it conflicts with --activation-func relu and --gated-linear-unit "
+                 "(use --gated-linear-unit alone for a gated GeLU/ReLU MLP)")
         _require(self.position_embedding_type in ("learned_absolute", "relative", "rope"),
                  f"--position-embedding-type must be learned_absolute, relative or rope, got {self.position_embedding_type!r}")
         if self.position_embedding_type == "rope":
@@ -128,6 +138,11 @@ class ModelConfig:
             _require(self.num_query_groups >= 1 and self.num_attention_heads % self.num_query_groups == 0,
                      f"--num-query-groups ({self.num_query_groups}) must divide --num-attention-heads "
                      f"({self.num_attention_heads})")
+
+    @property
+    def gated_mlp(self) -> bool:
+        """Whether the MLP has a gate projection beside the up projection (SwiGLU or GLU)."""
+        return self.swiglu or self.gated_linear_unit
 
     @property
     def projection_size(self) -> int:

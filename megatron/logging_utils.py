@@ -34,7 +34,7 @@ def gpt_flops_per_sample(m: ModelConfig, padded_vocab: int, seq_len: Optional[in
     72 B s L h^2 (1 + s/6h + V/12Lh) per batch."""
     s = seq_len or m.seq_length
     h, p, f = m.hidden_size, m.projection_size, m.ffn_hidden_size
-    mlp_gemms = 3 if getattr(m, "swiglu", False) else 2  # SwiGLU adds the gate projection
+    mlp_gemms = 3 if getattr(m, "gated_mlp", False) else 2  # a gated MLP (SwiGLU, GLU) adds the gate projection
     kv = 2 * getattr(m, "query_groups", m.num_attention_heads) * m.kv_channels  # GQA shrinks K and V
     per_token_layer = 3 * (2 * h * (p + kv) + 4 * s * p + 2 * p * h + 2 * mlp_gemms * h * f)
     return s * (m.num_layers * per_token_layer + 3 * 2 * h * padded_vocab)
@@ -160,9 +160,12 @@ class MetricsLogger:
                 ratio = out["time_s"] * 1e3 / sim
                 if ratio > 3.0 or ratio < 1 / 3.0:
                     self._drift_warned = True
+                    # TeraPipe plans from its own latency model, DynaPipe from the per-layer cost model.
+                    tool = ("python -m megatron.planner.terapipe_latency --output FILE, then --terapipe-cost-model "
+                            "FILE" if info.get("planner") == "terapipe" else "experiment_scripts/gen_cost_model.sh")
                     print(f"WARNING: measured iteration time is {ratio:.1f}x the planner's simulated time; the cost "
                           "model does not describe this model or device, so plans (and memory) are unreliable: "
-                          "profile it here (experiment_scripts/gen_cost_model.sh)", file=sys.stderr, flush=True)
+                          f"profile it here ({tool})", file=sys.stderr, flush=True)
         if self.writer is not None:
             for key in ("padding_efficiency", "planning_ms", "simulated_ms"):
                 if key in info:

@@ -77,3 +77,34 @@ def test_tool_commands_parse():
     for cmd in tools:
         words = shlex.split(cmd)
         mod.get_args(words[words.index("tools/preprocess_data.py") + 1:])
+
+
+def test_converter_commands_run_as_written_after_make_demo():
+    """Every tools/checkpoint/convert.py command parses with the tool's own parser, and every
+    folder it loads exists after the steps the README gives: the `make demo` checkpoint (the
+    `$CKPT` pattern matches where examples/demo_cpu.sh saves), an earlier command's --save, or
+    an `hf download --local-dir` folder."""
+    import glob
+    import sys
+    sys.path.insert(0, ROOT)
+    from tools.checkpoint.convert import parse_args as convert_args
+    text = open(os.path.join(ROOT, "README.md")).read()
+    m = re.search(r"^CKPT=\$\(ls -d (\S+) \| tail -n 1\)", text, re.M)
+    assert m, "the README must say which checkpoint $CKPT is"
+    demo = open(os.path.join(ROOT, "examples", "demo_cpu.sh")).read()
+    run_dir = re.search(r'RUN_DIR=\$\{RUN_DIR:-(runs/demo-)\$\(date [^)]*\)\}', demo)
+    assert run_dir and '--save "$RUN_DIR/checkpoints"' in demo
+    assert glob.fnmatch.fnmatch(run_dir.group(1) + "20260101-120000/checkpoints", m.group(1))
+    made = {"$CKPT"}
+    convert = [c for c in COMMANDS if "tools/checkpoint/convert.py" in c]
+    assert len(convert) >= 5 and any("--from-hf" in c for c in convert) and any("--to-hf" in c for c in convert)
+    for cmd in COMMANDS:
+        words = shlex.split(cmd, posix=False)  # keep $CKPT as written
+        if words[:2] == ["hf", "download"]:
+            made.add(words[words.index("--local-dir") + 1])
+        elif "tools/checkpoint/convert.py" in words:
+            assert words[0] == "python", cmd
+            args = convert_args(words[words.index("tools/checkpoint/convert.py") + 1:])  # exit 2 on a bad flag
+            assert args.load in made, f"{cmd}: --load {args.load} is produced by no step before it"
+            assert args.save not in made, f"{cmd}: --save {args.save} is already a folder of an earlier step"
+            made.add(args.save)

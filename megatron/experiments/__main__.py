@@ -31,8 +31,10 @@ def build_parser():
     p.add_argument("--config", default=None, help="grid file (default: experiment_configs/a100_sim.json with "
                                                     "--simulate, experiment_configs/cpu_live_smoke.json with --live)")
     p.add_argument("--out", default=str(ROOT / "experiments"), help="results folder (*.jsonl)")
-    p.add_argument("--configs-dir", default=str(ROOT / "experiment_configs"),
-                   help="where best_configs/, control_configs/, ablation_configs/ are written and read")
+    p.add_argument("--configs-dir", default=None,
+                   help="where the grid search writes best_configs/, control_configs/, ablation_configs/ "
+                        "(default: the --out folder); benchmark and ablation read them there, else the shipped "
+                        "ones in experiment_configs/ (inputs: never written unless named here)")
     p.add_argument("--figures-dir", default=str(ROOT / "reproduced_figures"))
     p.add_argument("--fig", default="13,14,15,16,17,18", help="figures to draw (figures command)")
     p.add_argument("--lengths-file", default=None, help="sample lengths, one 'input target' pair per line")
@@ -44,6 +46,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     backend_name = args.backend or _default_backend()
     out = Path(args.out)
+    configs_dir = Path(args.configs_dir) if args.configs_dir else out
     if args.command == "figures":
         from megatron.experiments.figures import draw
         return draw(out, Path(args.figures_dir), [int(x) for x in args.fig.split(",")], backend_name)
@@ -63,19 +66,19 @@ def main(argv=None) -> int:
     try:
         for c in cmds:
             if c == "grid-search":
-                rows = drivers.grid_search(grid, backend, out, args.force, Path(args.configs_dir))
+                rows = drivers.grid_search(grid, backend, out, args.force, configs_dir)
                 print(f"grid search ({backend.name}, {grid.name}): {len(rows)} jobs, "
                       f"{sum(r['status'] == 'ok' for r in rows)} feasible; best configs in "
-                      f"{args.configs_dir}/best_configs/{grid.name}/")
+                      f"{configs_dir}/best_configs/{grid.name}/")
             elif c == "benchmark":
-                res = drivers.benchmark(grid, backend, out, args.force, Path(args.configs_dir))
+                res = drivers.benchmark(grid, backend, out, args.force, configs_dir)
                 print("best throughput\n" + drivers.speedup_table(res["best_throughput"]))
                 print("controlled baseline (DynaPipe's parallelism)\n" + drivers.speedup_table(res["controlled_baseline"]))
             elif c == "ablation":
                 if backend.name == "live":
                     print("ablation: skipped with --live (planner internals; run it with --simulate)")
                     continue
-                print(drivers.ablation_table(drivers.ablation(grid, backend, out, args.force, Path(args.configs_dir))))
+                print(drivers.ablation_table(drivers.ablation(grid, backend, out, args.force, configs_dir)))
             elif c == "table":
                 from megatron.experiments.rows import read_rows
                 rows = [r for r in read_rows(out / "best_throughput.jsonl") if r["grid"] == grid.name]

@@ -107,7 +107,11 @@ def config_paths(grid: Grid, s: Setting, config_dir: Path = CONFIG_DIR) -> Dict[
 
 
 def grid_search(grid: Grid, backend: Backend, out_dir: Path, force: bool = False,
-                config_dir: Path = CONFIG_DIR) -> List[dict]:
+                config_dir: Optional[Path] = None) -> List[dict]:
+    """Rows -> out_dir/grid_search.jsonl; the winners -> config_dir (default: out_dir) /
+    {best,control,ablation}_configs/. The shipped experiment_configs/ are inputs: a run never
+    writes over them unless config_dir names that folder."""
+    config_dir = out_dir if config_dir is None else config_dir
     out = out_dir / "grid_search.jsonl"
     all_rows = []
     for s in _progress(grid.settings(), "grid search"):
@@ -133,10 +137,20 @@ def grid_search(grid: Grid, backend: Backend, out_dir: Path, force: bool = False
 
 # ---- benchmark and ablation --------------------------------------------------------------------
 
+def setting_config_path(grid: Grid, s: Setting, kind: str, config_dir: Path) -> Path:
+    """The config a benchmark / ablation reads: this run's grid search (config_dir), else the
+    shipped one (experiment_configs/, the published search) for the same grid and setting."""
+    path = config_paths(grid, s, config_dir)[kind]
+    shipped = config_paths(grid, s, CONFIG_DIR)[kind]
+    if path.is_file() or not shipped.is_file():
+        return path
+    return shipped
+
+
 def _setting_jobs(grid: Grid, kind: str, experiment: str, config_dir: Path) -> List[Job]:
     jobs = []
     for s in grid.settings():
-        path = config_paths(grid, s, config_dir)[kind]
+        path = setting_config_path(grid, s, kind, config_dir)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: missing; run the grid search first "
                                     f"(experiment_scripts/run_grid_search.sh or `python -m megatron.experiments grid-search`)")
@@ -159,7 +173,8 @@ def _setting_jobs(grid: Grid, kind: str, experiment: str, config_dir: Path) -> L
 
 
 def benchmark(grid: Grid, backend: Backend, out_dir: Path, force: bool = False,
-              config_dir: Path = CONFIG_DIR) -> Dict[str, List[dict]]:
+              config_dir: Optional[Path] = None) -> Dict[str, List[dict]]:
+    config_dir = out_dir if config_dir is None else config_dir
     reuse = [out_dir / "grid_search.jsonl", out_dir / "grid_verify.jsonl"]
     # Both config sets are read and checked before any job runs (a bad control_configs file
     # used to surface only after every best-throughput run).
@@ -172,7 +187,8 @@ def benchmark(grid: Grid, backend: Backend, out_dir: Path, force: bool = False,
 
 
 def ablation(grid: Grid, backend: Backend, out_dir: Path, force: bool = False,
-             config_dir: Path = CONFIG_DIR) -> List[dict]:
+             config_dir: Optional[Path] = None) -> List[dict]:
+    config_dir = out_dir if config_dir is None else config_dir
     if backend.name == "live":
         raise ValueError("the ablation variants (partition algorithm, schedule, ordering, recompute choice) are "
                          "planner internals with no trainer flag: run the ablation with --simulate")

@@ -67,7 +67,7 @@ def _line_figure(plt, rows, value, ylabel, title, path, scale=1.0):
                                           "status", value], data)
     if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(9, 4))
     any_bad = False
     for system, (label, style) in SYSTEM_STYLE.items():
         if system not in systems:
@@ -89,9 +89,10 @@ def _line_figure(plt, rows, value, ylabel, title, path, scale=1.0):
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    # Beside the axes, not on them: inside, "best" still covered a line where every corner holds one.
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -198,6 +199,10 @@ def fig18(plt, rows, out: Path) -> List[Path]:
                          r["predicted_ms"][i], r["measured_ms"][i], pk, mem])
     _write_csv(pt.with_suffix(".csv"), ["experiment", "model", "max_len", "gpus", "pp", "tp", "dp", "iteration",
                                         "predicted_ms", "measured_ms", "predicted_peak_mb", "measured_peak_mb"], data)
+    # The memory panel's own data (the iterations with a predicted peak), as every figure has.
+    _write_csv(pm.with_suffix(".csv"), ["experiment", "model", "max_len", "gpus", "pp", "tp", "dp", "iteration",
+                                        "predicted_peak_mb", "measured_peak_mb"],
+               [d[:8] + d[10:] for d in data if d[10] != ""])
     if plt is None:
         return [pt, pm]
     fig, ax = plt.subplots(figsize=(5, 5))

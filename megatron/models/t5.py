@@ -11,7 +11,9 @@ same way). The first decoder stage receives only the encoder output.
 
 The word embedding (vocab-parallel) is shared by encoder and decoder and tied to the LM head.
 Stage 0, the first decoder stage and the last stage each hold a copy that starts identical
-(same init key) and whose gradients are summed over {0, r, last} (`t5_parallel_state`). With
+(same init key) and whose gradients are summed over {0, r, last} (`t5_parallel_state`); with
+--untie-embeddings-and-output-weights the last stage has its own LM-head table and the sum is
+over {0, r}. With
 learned absolute positions the position table is shared the same way over {0, r}.
 """
 from __future__ import annotations
@@ -211,7 +213,11 @@ class T5Stage(nn.Module):
                                                 total=cfg.decoder_num_layers), **rec)
         if post_process:
             self.decoder_final_layernorm = build_norm(cfg)
-            if not pre_process_decoder:
+            if cfg.untie_embeddings_and_output_weights:  # its own LM-head table (T5 v1.1 / Flan-T5)
+                self.output_layer = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, ps.tp_group,
+                                                           init_std=cfg.init_method_std, seed=seed,
+                                                           key="output_layer", real_vocab_size=cfg.vocab_size)
+            elif not pre_process_decoder:
                 # Same key as the embedding -> identical initial values (kept equal by the grad sum).
                 self.output_layer = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, ps.tp_group,
                                                            init_std=cfg.init_method_std, seed=seed,
@@ -286,7 +292,7 @@ def t5_tied_params(stages: dict) -> tuple:
     if hasattr(stage, "embedding"):
         pos = stage.embedding.position_embeddings
         return [stage.embedding.word_embeddings.weight], ([pos] if pos is not None else [])
-    if hasattr(stage, "output_layer"):
+    if hasattr(stage, "output_layer") and not stage.cfg.untie_embeddings_and_output_weights:
         return [stage.output_layer.weight], []
     return [], []
 
@@ -299,7 +305,8 @@ def t5_parallel_state(cfg, ps: ParallelState):
         return ps, None
     r = t5_split_rank(cfg)
     dp, tp = ps.dp_size, ps.tp_size
-    emb_ranks = sorted({0, r, pp - 1})
+    # An untied LM head is the last stage's own: only the two input embeddings are summed.
+    emb_ranks = sorted({0, r} if cfg.model.untie_embeddings_and_output_weights else {0, r, pp - 1})
     new = ps
     if emb_ranks != [0, pp - 1]:  # otherwise parallel_state's {first, last} group is this one
         new = dataclasses.replace(ps, embedding_group=None, embedding_global_ranks=[])

@@ -154,8 +154,13 @@ class ParallelAttention(nn.Module):
         return self.core_attention(q, k, v, mask, bias)
 
 
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
 class ParallelMLP(nn.Module):
-    """h -> ffn -> h with GeLU (tanh), or with --swiglu: silu(gate(x)) * up(x) -> h.
+    """h -> ffn -> h with GeLU (tanh) or ReLU (--activation-func), or gated: act(gate(x)) * up(x) -> h
+    with act = SiLU (--swiglu) or the --activation-func (--gated-linear-unit; T5 v1.1's gated GeLU).
 
     The SwiGLU gate and up projections are separate column-parallel linears, so each TP rank
     holds matching slices of both for any TP size (one fused [2*ffn, h] weight split along its
@@ -164,12 +169,13 @@ class ParallelMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group, *, seed: int, key: str, out_std: float):
         super().__init__()
         bias = cfg.add_bias_linear
-        self.swiglu = cfg.swiglu
+        self.gated = cfg.gated_mlp  # gate projection present (SwiGLU or a gated GeLU/ReLU)
+        self.act = F.silu if cfg.swiglu else F.relu if cfg.activation_func == "relu" else _gelu_tanh
         sp = cfg.sequence_parallel
         self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp_group,
                                                   init_std=cfg.init_method_std, seed=seed, key=key + ".dense_h_to_4h",
                                                   bias=bias, sequence_parallel=sp)
-        if self.swiglu:
+        if self.gated:
             self.dense_h_to_4h_gate = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp_group,
                                                            init_std=cfg.init_method_std, seed=seed,
                                                            key=key + ".dense_h_to_4h_gate", bias=bias,
@@ -178,23 +184,23 @@ class ParallelMLP(nn.Module):
                                                init_std=out_std, seed=seed, key=key + ".dense_4h_to_h", bias=bias,
                                                sequence_parallel=sp)
         # --no-bias-gelu-fusion: bias added by the linear, then GeLU; otherwise one fused kernel
-        self.bias_gelu_fusion = cfg.bias_gelu_fusion and bias and not self.swiglu
+        self.bias_gelu_fusion = cfg.bias_gelu_fusion and bias and not self.gated and self.act is _gelu_tanh
         self.dense_h_to_4h.skip_bias_add = self.bias_gelu_fusion
 
     def forward(self, x):
-        if self.swiglu:
+        if self.gated:
             if self.dense_h_to_4h.sequence_parallel:
                 # Gather the sequence once for both column-parallel inputs.
                 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
                 x = gather_from_sequence_parallel_region(x, self.dense_h_to_4h.tp_group)
-                return self.dense_4h_to_h(F.silu(F.linear(x, self.dense_h_to_4h_gate.weight,
-                                                          self.dense_h_to_4h_gate.bias))
+                return self.dense_4h_to_h(self.act(F.linear(x, self.dense_h_to_4h_gate.weight,
+                                                            self.dense_h_to_4h_gate.bias))
                                           * F.linear(x, self.dense_h_to_4h.weight, self.dense_h_to_4h.bias))
-            return self.dense_4h_to_h(F.silu(self.dense_h_to_4h_gate(x)) * self.dense_h_to_4h(x))
+            return self.dense_4h_to_h(self.act(self.dense_h_to_4h_gate(x)) * self.dense_h_to_4h(x))
         if self.bias_gelu_fusion:
             h, b = self.dense_h_to_4h(x)
             return self.dense_4h_to_h(fused_ops.bias_gelu(b, h))
-        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
+        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
 
 
 class TransformerLayer(nn.Module):

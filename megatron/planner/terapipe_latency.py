@@ -6,7 +6,9 @@ is a linear regression
 
     t(b, l, c) - t(b, l, 0) = a1 * b*l + a2 * b*c + a3 * b*l*c
 
-fitted on profiled points with c > 0. A stage of `layers` layers costs
+fitted on profiled points with c > 0 by non-negative least squares (`nnls`): more tokens or
+more context never make a slice faster, and an unconstrained fit on noisy CPU timings can
+give negative coefficients that predict negative times. A stage of `layers` layers costs
 ``layers * t(b, l, c) + p2p(b*l)`` with the activation transfer linear in its size.
 
 Sources of a model (file format "megatron-terapipe-latency", version 1, JSON):
@@ -34,15 +36,44 @@ FORMAT_NAME = "megatron-terapipe-latency"
 FORMAT_VERSION = 1
 
 
+def nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin ||A x - y|| subject to x >= 0, exactly, for a handful of columns: the optimum is
+    the unconstrained least-squares solution on its own support (the KKT conditions), so among
+    the supports whose least-squares solution is non-negative the one with the smallest
+    residual is it. 2^n small solves (n = 3 here); scipy is not a dependency."""
+    A, y = np.asarray(A, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    n = A.shape[1]
+    if n > 12:
+        raise ValueError("nnls enumerates supports; use it for at most 12 columns")
+    best, best_res = np.zeros(n), float(np.sum(y * y))
+    for mask in range(1, 2 ** n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        x, *_ = np.linalg.lstsq(A[:, cols], y, rcond=None)
+        if np.any(x < 0):
+            continue
+        res = float(np.sum((A[:, cols] @ x - y) ** 2))
+        if res < best_res - 1e-12 * max(best_res, 1.0):
+            best, best_res = np.zeros(n), res
+            best[cols] = x
+    return best
+
+
 def fit_context(points: Sequence[tuple]) -> tuple:
-    """Least squares of dt on [b*l, b*c, b*l*c]; points are (b, l, c, dt). Returns (a1, a2, a3)."""
+    """Non-negative least squares of dt on [b*l, b*c, b*l*c]; points are (b, l, c, dt).
+    Returns (a1, a2, a3), each >= 0."""
     pts = np.asarray(points, dtype=np.float64)
     if pts.ndim != 2 or pts.shape[1] != 4 or len(pts) < 3:
         raise ValueError("fit_context needs at least 3 points (b, l, c, dt)")
     b, l, c, dt = pts.T
     X = np.stack([b * l, b * c, b * l * c], axis=1)
-    coef, *_ = np.linalg.lstsq(X, dt, rcond=None)
-    return tuple(float(x) for x in coef)
+    return tuple(float(x) for x in nnls(X, dt))
+
+
+def monotone_table(t0) -> np.ndarray:
+    """t(b, l, 0) made non-decreasing in b and in l by running maxima: a measured point that
+    is faster than a smaller slice is timing noise (the profiler records that it did this)."""
+    t = np.array(t0, dtype=np.float64)
+    return np.maximum.accumulate(np.maximum.accumulate(t, axis=0), axis=1)
 
 
 class SliceLatencyModel:
@@ -65,6 +96,26 @@ class SliceLatencyModel:
         out = t0 + a1 * np.multiply(b, l) + a2 * np.multiply(b, c) + a3 * np.multiply(np.multiply(b, l), c)
         return float(out) if np.ndim(out) == 0 else out
 
+    def problems(self) -> list:
+        """Why this model would predict a negative or non-monotone time (empty when sound):
+        the planner compares slicings by these times, so such a model plans nonsense."""
+        bad = []
+        t = self.t0_ms
+        fin = t[np.isfinite(t)]
+        if fin.size and fin.min() < 0:
+            bad.append(f"negative t(b, l, 0) ({fin.min():.3g} ms)")
+        with np.errstate(invalid="ignore"):
+            dec = [name for name, ax in (("micro-batch size", 0), ("slice length", 1))
+                   if np.any(np.diff(t, axis=ax) < 0)]
+        if dec:
+            bad.append("t(b, l, 0) decreases with " + " and ".join(dec))
+        neg = [f"a{i + 1}={a:.3g}" for i, a in enumerate(self.coef) if a < 0]
+        if neg:
+            bad.append("negative context coefficients " + ", ".join(neg))
+        if self.p2p_ms_per_mb < 0 or self.p2p_latency_ms < 0:
+            bad.append("a negative transfer time")
+        return bad
+
     def p2p_ms(self, b, l, bytes_per: int = 2):
         if not self.hidden_size:
             return 0.0 * np.multiply(b, l)
@@ -84,6 +135,7 @@ class SliceLatencyModel:
 
     def save(self, path) -> None:
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(json.dumps(self.to_dict(), indent=1))
         tmp.replace(path)
@@ -98,10 +150,15 @@ class SliceLatencyModel:
             raise ValueError(f"--terapipe-cost-model {path}: not a {FORMAT_NAME} v{FORMAT_VERSION} file (make one "
                              f"with `python -m megatron.planner.terapipe_latency`)")
         try:
-            return cls(doc["mbs"], doc["seq"], doc["t0_ms"], doc["context_coef"], doc.get("p2p_ms_per_mb", 0.0),
-                       doc.get("p2p_latency_ms", 0.0), doc.get("hidden_size", 0), doc.get("meta"))
+            model = cls(doc["mbs"], doc["seq"], doc["t0_ms"], doc["context_coef"], doc.get("p2p_ms_per_mb", 0.0),
+                        doc.get("p2p_latency_ms", 0.0), doc.get("hidden_size", 0), doc.get("meta"))
         except (KeyError, ValueError) as e:
             raise ValueError(f"--terapipe-cost-model {path}: malformed ({e})") from None
+        bad = model.problems()
+        if bad:
+            raise ValueError(f"--terapipe-cost-model {path}: predicts negative or non-monotone times ("
+                             + "; ".join(bad) + "); re-profile it with `python -m megatron.planner.terapipe_latency`")
+        return model
 
 
 # ---------------------------------------------------------------------------- from a table
@@ -119,7 +176,11 @@ def from_cost_model(cost_model, tp: int = 1, recompute: str = "none", p2p_gbps: 
                       f"a3 = quadratic coefficient of t(b,s) = u + v*b*s + w*b*s^2 fitted on the table",
             "fit": {"u": float(u), "v": float(v), "w": float(w)}, "tp": tp}
     # p2p: bandwidth in GB/s -> ms per MB.
-    return SliceLatencyModel(mbs, seq, np.where(np.isfinite(ms), ms, np.inf), (0.0, 0.0, max(float(w), 0.0)),
+    # The table's smallest shapes are launch-bound and slightly non-monotone (3.5 ms at 1x16,
+    # 3.0 ms at 1x128): raised to the running maximum, as a profiled table is.
+    table = np.where(np.isfinite(ms), ms, np.inf)
+    meta["t0"] = f"running maximum over b and l (raised {int(np.sum(monotone_table(table) > table))} table points)"
+    return SliceLatencyModel(mbs, seq, monotone_table(table), (0.0, 0.0, max(float(w), 0.0)),
                              p2p_ms_per_mb=1.0 / (p2p_gbps * 1.024), p2p_latency_ms=0.02, hidden_size=hidden,
                              meta=meta)
 
@@ -161,18 +222,21 @@ def profile_cpu_model(model_cfg, mbs: Sequence[int], seqs: Sequence[int], contex
     torch.manual_seed(seed)
     layer = TransformerLayer(model_cfg, None, layer_number=0, num_layers_total=1, seed=seed, key="profile")
     h = model_cfg.hidden_size
-    t0 = np.array([[time_layer_slice(layer, b, l, 0, h, repeats) for l in seqs] for b in mbs])
+    measured = np.array([[time_layer_slice(layer, b, l, 0, h, repeats) for l in seqs] for b in mbs])
+    t0 = monotone_table(measured)
     pts = []
     for i, b in enumerate(mbs):
         for j, l in enumerate(seqs):
             for c in contexts:
                 if c > 0:
-                    pts.append((b, l, c, time_layer_slice(layer, b, l, c, h, repeats) - t0[i, j]))
+                    pts.append((b, l, c, time_layer_slice(layer, b, l, c, h, repeats) - measured[i, j]))
     coef = fit_context(pts)
     meta = {"origin": "profiled on CPU with megatron.planner.terapipe_latency.profile_cpu_model",
             "model": {"hidden_size": h, "num_attention_heads": model_cfg.num_attention_heads,
                       "ffn_hidden_size": model_cfg.ffn_hidden_size},
-            "contexts": list(contexts), "threads": torch.get_num_threads()}
+            "contexts": list(contexts), "threads": torch.get_num_threads(),
+            "fit": "context term by non-negative least squares; t(b, l, 0) made non-decreasing by running maxima "
+                   f"(raised {int(np.sum(t0 > measured))} of {t0.size} measured points)"}
     return SliceLatencyModel(mbs, seqs, t0, coef, hidden_size=h, meta=meta)
 
 

@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rotary-base", type=float, default=10000.0)
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--activation-func", default="gelu", choices=["gelu", "relu"],
+                   help="MLP activation without --swiglu (as pretrain_*.py)")
+    g.add_argument("--gated-linear-unit", action="store_true",
+                   help="gated MLP act(gate(x)) * up(x) (as pretrain_*.py; T5 v1.1 / Flan-T5)")
     g = p.add_argument_group("grid")
     g.add_argument("--tp", type=_ints("--tp"), default=[1], help="tensor-parallel sizes, e.g. 1,2")
     g.add_argument("--micro-batch-sizes", type=_ints("--micro-batch-sizes"), required=True)
@@ -96,6 +100,7 @@ def spec_from_args(args):
                   max_position_embeddings=args.max_position_embeddings or longest,
                   hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                   seq_length=max(args.seq_lengths), normalization=args.normalization, swiglu=args.swiglu,
+                  activation_func=args.activation_func, gated_linear_unit=args.gated_linear_unit,
                   add_bias_linear=args.add_bias_linear, rotary_percent=args.rotary_percent,
                   rotary_base=args.rotary_base,
                   num_query_groups=args.num_query_groups if args.group_query_attention else None,

@@ -210,6 +210,7 @@ def to_cost_model(spec: ProfileSpec, results: List[dict], meta: dict) -> CostMod
              # The architecture changes per-layer time and memory: planning another with this
              # file is refused (arguments._check_cost_model_matches).
              "normalization": m.normalization, "swiglu": m.swiglu, "add_bias_linear": m.add_bias_linear,
+             "activation_func": m.activation_func, "gated_linear_unit": m.gated_linear_unit,
              "position_embedding_type": m.position_embedding_type, "num_query_groups": m.query_groups}
     meta = dict(meta, units={"time": "ms", "memory": "MB (1e6 bytes)"}, parameters=params,
                 dtype=spec.dtype, profiler={"cpu_threads_per_rank": spec.cpu_threads,"layers_per_measurement": spec.layers, "warmup": spec.warmup,

@@ -1,4 +1,5 @@
 """tools/checkpoint/convert.py: re-split GPT checkpoints between TP/PP layouts, bit for bit."""
+import json
 import os
 import subprocess
 import sys
@@ -90,6 +91,12 @@ def test_hugging_face_round_trip_and_logits(tmp_path, arch):
     assert r.returncode == 0, r.stderr
     diff = float(r.stdout.split("max_abs_logit_diff=")[1].split()[0])
     assert diff < 1e-4, r.stdout
+    # Special token ids name tokens inside the vocabulary (GPT2Config's default 50256 would not).
+    assert "within the vocabulary" not in r.stdout + r.stderr, r.stderr
+    with open(os.path.join(hf, "config.json")) as f:
+        hf_config = json.load(f)
+    for k in ("bos_token_id", "eos_token_id"):
+        assert hf_config.get(k) is None or 0 <= hf_config[k] < hf_config["vocab_size"], hf_config
     assert ("LlamaForCausalLM" if arch == "llama" else "GPT2LMHeadModel") in r.stdout
     r = subprocess.run([sys.executable, TOOL, "--load", hf, "--save", back, "--from-hf", "--verify",
                         "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2",
@@ -99,3 +106,15 @@ def test_hugging_face_round_trip_and_logits(tmp_path, arch):
     again = assemble([p for p, _, _ in run_distributed(_load_params, 4, back, kw)])
     for name in full:  # ours -> HF -> ours is bit-identical
         assert torch.equal(again[name], full[name]), name
+
+
+def test_gpt2_export_names_the_tokenizers_end_of_text():
+    """bos/eos in the exported GPT-2 config: the training tokenizer's eod, GPT-2's 50256 when the
+    vocabulary holds it, else None (never an id outside the vocabulary)."""
+    from tools.checkpoint.hf_gpt2 import boundary_token_id
+    assert boundary_token_id({"data": {}}, 50257) == 50256
+    assert boundary_token_id({"data": {}}, 128) is None
+    assert boundary_token_id({"data": {"tokenizer_type": "NullTokenizer"}}, 128) == 127
+    missing = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "/nonexistent/vocab.json", "merge_file": "x"}
+    assert boundary_token_id({"data": missing}, 50257) == 50256
+    assert boundary_token_id({"data": dict(missing, tokenizer_type="SentencePieceTokenizer")}, 50257) is None

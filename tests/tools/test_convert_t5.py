@@ -4,6 +4,7 @@ round trip with logits parity (skipped without transformers/safetensors)."""
 import contextlib
 import dataclasses
 import io
+import json
 import os
 import subprocess
 import sys
@@ -143,21 +144,28 @@ def test_t5_reshard_moves_the_split_rank(trained, tmp_path):
 
 
 # -- Hugging Face ------------------------------------------------------------------------------
-def _hf_model(folder, gated=True, scale=False, seed=0):
+def _hf_model(folder, ffn="gated-silu", scale=False, seed=0, untied=False):
     """A small random HF T5 saved to `folder`: tiny_t5_config's sizes except d_kv = 16 (a power of 4,
-    so folding 1/sqrt(d_kv) into the query weights is exact both ways) and d_ff = 64."""
+    so folding 1/sqrt(d_kv) into the query weights is exact both ways) and d_ff = 64. `untied`
+    writes an lm_head.weight of its own, as T5 v1.1 / Flan-T5 checkpoints have (transformers 5
+    builds T5 with the head tied but loads a differing lm_head.weight untied)."""
+    from safetensors.torch import load_file, save_file
     from transformers import T5Config, T5ForConditionalGeneration
     torch.manual_seed(seed)
     c = T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
                  relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
-                 feed_forward_proj="gated-silu" if gated else "gelu_pytorch_tanh",
-                 **({} if scale else {"tie_word_embeddings": False}))
+                 feed_forward_proj=ffn, **({} if scale else {"tie_word_embeddings": False}))
     model = T5ForConditionalGeneration(c)
     with torch.no_grad():  # HF initialises norms to 1; make them matter
         for n, prm in model.named_parameters():
             if "layer_norm" in n:
                 prm.uniform_(0.5, 1.5)
     model.save_pretrained(folder)
+    if untied:
+        path = os.path.join(folder, "model.safetensors")
+        sd = load_file(path)
+        sd["lm_head.weight"] = torch.randn(VOCAB, 32, generator=torch.Generator().manual_seed(seed + 7))
+        save_file(sd, path, metadata={"format": "pt"})
 
 
 def _diff(r):
@@ -171,26 +179,42 @@ def _from_hf(hf, out, *extra):
                  "--encoder-seq-length", 16, "--decoder-seq-length", 8, *extra)
 
 
-@pytest.mark.parametrize("gated", [True, False], ids=["gated_silu", "gelu_tanh"])
-def test_t5_hugging_face_round_trip_and_logits(tmp_path, gated):
+# HF feed_forward_proj (and whether lm_head is its own table) -> our model fields.
+HF_FFN = {"gated_silu": ("gated-silu", False, dict(swiglu=True)),
+          "gelu_tanh": ("gelu_pytorch_tanh", False, {}),
+          "relu_t5": ("relu", False, dict(activation_func="relu")),  # the original T5
+          "gated_gelu_untied_flan_t5": ("gated-gelu", True, dict(gated_linear_unit=True,
+                                                                 untie_embeddings_and_output_weights=True))}
+
+
+@pytest.mark.parametrize("name", sorted(HF_FFN))
+def test_t5_hugging_face_round_trip_and_logits(tmp_path, name):
     pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
     from safetensors.torch import load_file
     from tools.checkpoint.reshard import read_full_model
+    ffn, untied, fields = HF_FFN[name]
+    gated = ffn.startswith("gated")
     hf0, ours, hf1, again = (str(tmp_path / x) for x in ("hf0", "ours", "hf1", "again"))
-    _hf_model(hf0, gated)
+    _hf_model(hf0, ffn, untied=untied)
     assert _diff(_from_hf(hf0, ours)) < 1e-4  # HF -> ours TP2 x PP2 (split 1)
-    arch = dict(HF_ARCH, swiglu=gated)
+    (cfg, _, _) = read_full_model(ours)
+    for k, v in fields.items():
+        assert cfg["model"][k] == v, k
+    arch = dict(HF_ARCH, **fields)
     if gated:  # the converted checkpoint loads and trains in our T5 at TP2 x PP2
         out = run_distributed(_resume, 4, ours, dict(tp=2, pp=2, split=1, arch=arch), 1)
         assert _last(out)["iteration"] == 1 and _last(out)["losses"][0] > 0
         _check_copies(out)
-    r = _tool("--load", ours, "--save", hf1, "--to-hf", "--verify", cli=gated)  # the command line once
+    r = _tool("--load", ours, "--save", hf1, "--to-hf", "--verify", cli=name == "gated_silu")  # the CLI once
     assert _diff(r) < 1e-4 and "T5ForConditionalGeneration" in r.stdout
     a, b = load_file(os.path.join(hf0, "model.safetensors")), load_file(os.path.join(hf1, "model.safetensors"))
     for k in a:  # HF -> ours -> HF is bit-identical
         assert torch.equal(a[k], b[k]), k
-    assert set(b) - set(a) <= {"lm_head.weight"} and torch.equal(b["lm_head.weight"], a["shared.weight"])
+    assert set(b) - set(a) <= {"lm_head.weight"}
+    assert torch.equal(b["lm_head.weight"], a["lm_head.weight"] if untied else a["shared.weight"])
+    with open(os.path.join(hf1, "config.json")) as f:
+        assert json.load(f)["feed_forward_proj"] == ffn
     assert _diff(_from_hf(hf1, again)) < 1e-4  # ours (TP2 x PP2) -> HF -> ours is bit-identical
     (_, x, _), (_, y, _) = read_full_model(ours), read_full_model(again)
     _same(y, x)
@@ -201,7 +225,7 @@ def test_t5_hugging_face_scaled_head_is_folded(tmp_path):
     the factor folded into the decoder's final norm, and exports back without it."""
     pytest.importorskip("transformers")
     hf0, ours, hf1 = (str(tmp_path / x) for x in ("hf0", "ours", "hf1"))
-    _hf_model(hf0, gated=True, scale=True, seed=1)
+    _hf_model(hf0, "relu", scale=True, seed=1)  # the original T5: ReLU, scaled tied head
     assert _diff(_from_hf(hf0, ours)) < 1e-4
     assert _diff(_tool("--load", ours, "--save", hf1, "--to-hf", "--verify")) < 1e-4
 
@@ -220,3 +244,11 @@ def test_t5_to_hf_refuses_what_hf_cannot_express(trained, tmp_path):
                  "per-layer relative attention bias tables", "non-zero LM-head bias"):
         assert what in msg, msg
     assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("ffn", ["gelu", "gated-gelu_fast", "silu"])
+def test_t5_from_hf_refuses_an_activation_we_do_not_compute(ffn):
+    """HF's plain "gelu" is the exact erf GeLU (ours is the tanh one): refused naming it."""
+    from tools.checkpoint import hf_t5
+    with pytest.raises(ValueError, match=f"feed_forward_proj '{ffn}'.*relu, gated-relu"):
+        hf_t5.from_hf({"feed_forward_proj": ffn}, {})

@@ -13,7 +13,8 @@ position kept, as with Megatron's converter.
 
 Hugging Face: GPT-2 (learned positions, LayerNorm, GeLU, biases, tied output), Llama (RoPE,
 RMSNorm, SwiGLU, no biases, optional GQA) or T5ForConditionalGeneration (our T5 with relative
-positions, RMSNorm, no linear biases; chosen from the checkpoint):
+positions, RMSNorm, no linear biases; FFN relu (original T5), gated-gelu (T5 v1.1 / Flan-T5,
+untied LM head), gelu-tanh, gated-relu or gated-silu; chosen from the checkpoint):
     python tools/checkpoint/convert.py --load runs/ckpt --save hf_out --to-hf --verify
     python tools/checkpoint/convert.py --load hf_out --save runs/from_hf --from-hf \
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2 --verify
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from tools.checkpoint.reshard import ReshardError, read_full_model, write_resharded  # noqa: E402
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint folder (with latest_checkpointed_iteration.txt)")
     p.add_argument("--save", required=True, help="output folder (must not hold a checkpoint already)")
@@ -41,8 +42,10 @@ def main(argv=None) -> int:
     p.add_argument("--target-pipeline-model-parallel-split-rank", type=int, default=None,
                    help="T5 only: first pipeline rank of the decoder (default: the source's when the pipeline "
                         "size is unchanged, else target pp // 2)")
-    p.add_argument("--to-hf", action="store_true", help="write a Hugging Face GPT-2 folder (safetensors + config)")
-    p.add_argument("--from-hf", action="store_true", help="read a Hugging Face GPT-2 folder")
+    p.add_argument("--to-hf", action="store_true",
+                   help="write a Hugging Face folder (safetensors + config): GPT-2, Llama or T5, from the model")
+    p.add_argument("--from-hf", action="store_true",
+                   help="read a Hugging Face folder (config.json + model.safetensors): gpt2, llama or t5")
     p.add_argument("--verify", action="store_true", help="compare logits of both models on random tokens")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="--from-hf: the vocabulary padding the training run will use (must match its flag)")
@@ -50,6 +53,12 @@ def main(argv=None) -> int:
                    help="--from-hf T5: the training run's --encoder-seq-length (HF T5 has none; it sets the "
                         "checkpoint's max position embeddings, which the run must match)")
     p.add_argument("--decoder-seq-length", type=int, default=None, help="--from-hf T5: as --encoder-seq-length")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Flags, checked for consistency (exit status 2 with one line on a bad combination)."""
+    p = build_parser()
     args = p.parse_args(argv)
     if args.to_hf and args.from_hf:
         p.error("--to-hf and --from-hf are two directions; pick one")
@@ -57,6 +66,11 @@ def main(argv=None) -> int:
         p.error("give --target-tensor-parallel-size and --target-pipeline-parallel-size")
     if not args.to_hf and min(args.target_tensor_parallel_size, args.target_pipeline_parallel_size) < 1:
         p.error("target sizes must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.to_hf or args.from_hf:
         return _hf(args)
     if os.path.exists(os.path.join(args.save, "latest_checkpointed_iteration.txt")):

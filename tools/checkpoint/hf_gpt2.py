@@ -23,6 +23,10 @@ def _check(m: ModelConfig) -> None:
         bad.append(f"--normalization {m.normalization}")
     if m.swiglu:
         bad.append("--swiglu")
+    if m.activation_func != "gelu":
+        bad.append(f"--activation-func {m.activation_func}")
+    if m.gated_linear_unit:
+        bad.append("--gated-linear-unit")
     if not m.add_bias_linear:
         bad.append("--disable-bias-linear")
     if m.query_groups != m.num_attention_heads:
@@ -33,7 +37,27 @@ def _check(m: ModelConfig) -> None:
         bad.append("--kv-channels")
     if bad:
         raise ValueError("the GPT-2 architecture cannot hold a model with " + ", ".join(bad)
-                         + " (Llama export is not implemented yet)")
+                         + " (models with RoPE, RMSNorm, --swiglu and no biases export as Llama)")
+
+
+def boundary_token_id(config: dict, vocab_size: int):
+    """The end-of-text id the exported config names as bos/eos: the training tokenizer's eod when
+    its files are still there, else GPT-2's <|endoftext|> (50256) when the vocabulary holds it,
+    else None (no such token known; HF then has no bos/eos rather than one out of range)."""
+    d = config.get("data") or {}
+    eod = None
+    if d.get("tokenizer_type"):
+        from megatron.tokenizer import build_tokenizer
+        extra = d.get("vocab_extra_ids") or 0
+        try:  # NullTokenizer's --vocab-size N holds ids 0..N-1, then eod and the extra ids
+            eod = build_tokenizer(d["tokenizer_type"], vocab_file=d.get("vocab_file"), merge_file=d.get("merge_file"),
+                                  tokenizer_model=d.get("tokenizer_model"), vocab_size=vocab_size - 1 - extra,
+                                  vocab_extra_ids=extra).eod
+        except (ValueError, OSError):
+            eod = None  # tokenizer files moved or absent
+    if eod is None and d.get("tokenizer_type") in (None, "GPT2BPETokenizer") and vocab_size > 50256:
+        eod = 50256
+    return eod if eod is not None and 0 <= eod < vocab_size else None
 
 
 def _qkv_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -77,6 +101,8 @@ def to_hf(config: dict, full: Dict[str, torch.Tensor]) -> Tuple[dict, Dict[str, 
                  "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
                  "initializer_range": m.init_method_std, "tie_word_embeddings": True,
                  "torch_dtype": "float32"}
+    # GPT2Config's defaults (50256) would name a token outside a smaller vocabulary.
+    hf_config["bos_token_id"] = hf_config["eos_token_id"] = boundary_token_id(config, m.vocab_size)
     return hf_config, {k: v.contiguous().clone() for k, v in sd.items()}
 
 

@@ -10,12 +10,18 @@ What our T5 (megatron/models/t5.py) computes, and how it maps:
   layer, ours has one per layer, so export needs every layer's table equal to layer 0's
   (import copies HF's table into every layer);
 - pre-norm residual blocks with RMSNorm (weight only), final norm per stack, bias-free
-  linears; FFN GeLU-tanh (HF "gelu_pytorch_tanh") or gated SiLU (--swiglu, HF "gated-silu");
-- the word embedding is shared by encoder, decoder and LM head, and the decoder output is NOT
-  scaled by d_model**-0.5: exported configs say `scale_decoder_outputs: false` (transformers 5)
-  and `tie_word_embeddings: false` (how transformers 4 spells it; `lm_head.weight` is then
-  written too, a copy of `shared.weight`). Importing a config that scales folds the factor
-  into the decoder's final norm weight;
+  linears; the FFN is one of (ours -> HF `feed_forward_proj`): ReLU (--activation-func relu,
+  "relu": the original T5), GeLU-tanh ("gelu_pytorch_tanh"; "gelu_new" imports too), gated
+  GeLU-tanh (--gated-linear-unit, "gated-gelu": T5 v1.1 / Flan-T5, wi_0 = gate, wi_1 = up),
+  gated ReLU (--gated-linear-unit --activation-func relu, "gated-relu") or gated SiLU (--swiglu,
+  "gated-silu"). HF's plain "gelu" is the exact erf GeLU, which we do not have: refused;
+- the word embedding is shared by encoder and decoder; the LM head is tied to it, or (with
+  --untie-embeddings-and-output-weights; T5 v1.1 / Flan-T5) a table of its own. The decoder
+  output is NOT scaled by d_model**-0.5: exported configs say `scale_decoder_outputs: false`
+  (transformers 5) and `tie_word_embeddings: false` (how transformers 4 spells it;
+  `lm_head.weight` is always written, a copy of `shared.weight` when tied). Importing a config
+  that scales folds the factor into the decoder's final norm weight; an `lm_head.weight` that
+  differs from `shared.weight` imports as an untied head;
 - our LM head has a vocabulary bias (Megatron's T5); HF has none, so it must be zero to export
   and is zero after import. Vocabulary padding is cut on export and added on import.
 What HF T5 cannot hold is refused with one line naming each difference."""
@@ -69,8 +75,9 @@ def to_hf(config: dict, full: Dict[str, torch.Tensor]) -> Tuple[dict, Dict[str, 
     check(m, full)
     nh, hn, h = m.num_attention_heads, m.kv_channels, m.hidden_size
     qs = hn ** -0.5
+    head = "output_layer.weight" if m.untie_embeddings_and_output_weights else "embedding.word_embeddings.weight"
     sd = {"shared.weight": full["embedding.word_embeddings.weight"],
-          "lm_head.weight": full["embedding.word_embeddings.weight"],
+          "lm_head.weight": full[head],
           "encoder.final_layer_norm.weight": full["encoder_final_layernorm.weight"],
           "decoder.final_layer_norm.weight": full["decoder_final_layernorm.weight"],
           "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight":
@@ -96,7 +103,7 @@ def to_hf(config: dict, full: Dict[str, torch.Tensor]) -> Tuple[dict, Dict[str, 
                 sd[b + "1.layer_norm.weight"] = full[p + "pre_cross_attn_layernorm.weight"]
                 ff = "2"
             f = b + ff + ".DenseReluDense."
-            if m.swiglu:
+            if m.gated_mlp:
                 sd[f + "wi_0.weight"] = full[p + "mlp.dense_h_to_4h_gate.weight"]
                 sd[f + "wi_1.weight"] = full[p + "mlp.dense_h_to_4h.weight"]
             else:
@@ -109,7 +116,7 @@ def to_hf(config: dict, full: Dict[str, torch.Tensor]) -> Tuple[dict, Dict[str, 
                  "relative_attention_num_buckets": m.relative_attention_num_buckets,
                  "relative_attention_max_distance": m.relative_attention_max_distance,
                  "dropout_rate": m.hidden_dropout, "layer_norm_epsilon": m.layernorm_epsilon,
-                 "feed_forward_proj": "gated-silu" if m.swiglu else "gelu_pytorch_tanh",
+                 "feed_forward_proj": _ffn_name(m),
                  # false = no d_model**-0.5 on the decoder output; the head is still the shared table
                  "tie_word_embeddings": False, "scale_decoder_outputs": False, "is_encoder_decoder": True,
                  "decoder_start_token_id": 0,
@@ -117,25 +124,41 @@ def to_hf(config: dict, full: Dict[str, torch.Tensor]) -> Tuple[dict, Dict[str, 
     return hf_config, {k: v.contiguous().clone() for k, v in sd.items()}
 
 
+def _ffn_name(m: ModelConfig) -> str:
+    """HF T5's `feed_forward_proj` for our MLP (see the module docstring)."""
+    if m.swiglu:
+        return "gated-silu"
+    if m.activation_func == "relu":
+        return "gated-relu" if m.gated_linear_unit else "relu"
+    return "gated-gelu" if m.gated_linear_unit else "gelu_pytorch_tanh"
+
+
+# HF `feed_forward_proj` -> our MLP fields. HF's "gated-gelu" means the tanh GeLU (gelu_new);
+# a plain "gelu" is the exact erf GeLU, which our MLP does not compute.
+_FFN = {"relu": dict(activation_func="relu"), "gated-relu": dict(activation_func="relu", gated_linear_unit=True),
+        "gelu_new": {}, "gelu_pytorch_tanh": {}, "gated-gelu": dict(gated_linear_unit=True),
+        "gated-gelu_new": dict(gated_linear_unit=True), "gated-gelu_pytorch_tanh": dict(gated_linear_unit=True),
+        "gated-silu": dict(swiglu=True)}
+
+
 def from_hf(c: dict, sd: Dict[str, torch.Tensor]) -> Tuple[dict, Dict[str, torch.Tensor]]:
     act = c.get("feed_forward_proj", "relu")
-    if act not in ("gelu_pytorch_tanh", "gelu_new", "gated-silu"):
-        raise ValueError(f"feed_forward_proj {act!r}: our T5 MLP is GeLU-tanh (gelu_pytorch_tanh / gelu_new) or "
-                         "gated SiLU (gated-silu, --swiglu); it has no other activation")
-    if "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd["shared.weight"]):
-        raise ValueError("the HF checkpoint has an lm_head untied from shared.weight; our T5 ties the LM head to "
-                         "the word embedding")
+    if act not in _FFN:
+        raise ValueError(f"feed_forward_proj {act!r}: our T5 MLP is one of {', '.join(_FFN)} "
+                         "(HF's plain 'gelu' is the exact erf GeLU, which it does not compute)")
+    untied = "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd["shared.weight"])
     stray = [k for k in sd if re.search(r"block\.[1-9]\d*\.layer\.0\.SelfAttention\.relative_attention_bias", k)]
     if stray:
         raise ValueError(f"{stray[0]}: HF T5 only uses block 0's relative attention bias")
     nh, hn, h = c["num_heads"], c["d_kv"], c["d_model"]
     ne, nd = c["num_layers"], c.get("num_decoder_layers") or c["num_layers"]
-    gated = act == "gated-silu"
+    gated = act.startswith("gated-")
     qs = math.sqrt(hn)
     model = dict(model_type="t5", encoder_num_layers=ne, decoder_num_layers=nd, hidden_size=h, num_attention_heads=nh,
                  kv_channels=hn, ffn_hidden_size=c["d_ff"], vocab_size=c["vocab_size"],
                  layernorm_epsilon=c.get("layer_norm_epsilon", 1e-6), normalization="RMSNorm",
-                 add_bias_linear=False, swiglu=gated, position_embedding_type="relative",
+                 add_bias_linear=False, position_embedding_type="relative", **_FFN[act],
+                 untie_embeddings_and_output_weights=untied,
                  relative_attention_num_buckets=c.get("relative_attention_num_buckets", 32),
                  relative_attention_max_distance=c.get("relative_attention_max_distance", 128),
                  hidden_dropout=c.get("dropout_rate", 0.1), attention_dropout=c.get("dropout_rate", 0.1))
@@ -147,6 +170,8 @@ def from_hf(c: dict, sd: Dict[str, torch.Tensor]) -> Tuple[dict, Dict[str, torch
             "encoder_final_layernorm.weight": sd["encoder.final_layer_norm.weight"],
             "decoder_final_layernorm.weight": dec_norm,
             "lm_head_bias": torch.zeros(c["vocab_size"], dtype=sd["shared.weight"].dtype)}
+    if untied:
+        full["output_layer.weight"] = sd["lm_head.weight"]
     for stack, n in (("encoder", ne), ("decoder", nd)):
         table = sd[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
         for i in range(n):
@@ -198,7 +223,9 @@ def our_logits(model_fields: dict, full: Dict[str, torch.Tensor], enc: torch.Ten
                     post_process=True, encoder_end=True, seed=0)
     padded = m.padded_vocab_size(1)
     sd = dict(full)
-    for name in ("embedding.word_embeddings.weight", "lm_head_bias"):
+    for name in ("embedding.word_embeddings.weight", "lm_head_bias", "output_layer.weight"):
+        if name not in sd:
+            continue
         t = sd[name]
         sd[name] = torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])])
     stage.load_state_dict(sd)

@@ -104,7 +104,7 @@ def read_full_model(root: str, iteration: int = None) -> Tuple[dict, Dict[str, t
         for sid, sd in state["model"].items():
             for name, t in sd.items():
                 if t5:
-                    if name == "output_layer.weight":
+                    if name == "output_layer.weight" and not config["model"].get("untie_embeddings_and_output_weights"):
                         continue  # the last stage's copy of the tied word embedding
                     g = _t5_global(name, layout[sid])
                 else:
@@ -220,8 +220,9 @@ def _shard(name: str, t: torch.Tensor, padded: int, tp: int, r: int) -> torch.Te
 def _write_t5(cfg: dict, model: ModelConfig, full: Dict[str, torch.Tensor], meta: dict, out: str, tp: int,
               pp: int) -> str:
     """T5 stages: embedding on rank 0 and the split rank, the encoder's final norm where the
-    encoder ends, the decoder's final norm, LM-head bias and (unless the split rank is last) a
-    copy of the tied word embedding as `output_layer.weight` on the last rank."""
+    encoder ends, the decoder's final norm, LM-head bias and `output_layer.weight` on the last
+    rank: its own table when untied, else (unless the split rank is last) a copy of the tied
+    word embedding."""
     layout, split = t5_layout(cfg)
     padded = model.padded_vocab_size(tp)
     for p in range(pp):
@@ -244,14 +245,14 @@ def _write_t5(cfg: dict, model: ModelConfig, full: Dict[str, torch.Tensor], meta
                     if not (e1 == model.encoder_num_layers and e1 > e0):
                         continue
                     local = name
-                elif name.startswith("decoder_final_layernorm.") or name == "lm_head_bias":
+                elif name.startswith("decoder_final_layernorm.") or name in ("lm_head_bias", "output_layer.weight"):
                     if p != pp - 1:
                         continue
                     local = name
                 else:
                     raise ReshardError(f"do not know which T5 stage holds {name}")
                 sd[local] = _shard(name, t, padded, tp, r)
-            if pp > 1 and p == pp - 1 and p != split:
+            if pp > 1 and p == pp - 1 and p != split and not model.untie_embeddings_and_output_weights:
                 sd["output_layer.weight"] = _shard("output_layer.weight", full["embedding.word_embeddings.weight"],
                                                    padded, tp, r)
             _save_rank(out, cfg, meta, r, p, pp, sd)
