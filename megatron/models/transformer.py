@@ -271,8 +271,9 @@ class TransformerLayer(nn.Module):
     def op_units(self, mask=None, bias=None, rotary=None):
         """The layer as Aceso's operator sequence (``LAYER_OPS``): [(names, fn(h, residual) ->
         (h, residual))]. ``h`` may be a (y, bias) pair where a linear leaves its bias to the
-        fused epilogue that follows it. The gated (SwiGLU) MLP is one unit over the three MLP
-        names: its gate and up GEMMs have no row of their own in the op tables."""
+        fused epilogue that follows it. A gated MLP (SwiGLU, gated GeLU/ReLU) is one unit over the three MLP
+        names: its gate and up GEMMs have no row of their own in the op tables. ReLU takes the
+        "gelu" op's place (the op tables name the activation after GeLU)."""
         attn, mlp = self.self_attention, self.mlp
 
         def ln1(h, r):
@@ -288,15 +289,15 @@ class TransformerLayer(nn.Module):
                  (("enc-attention-dense",), lambda h, r: (attn.dense(h), r)),
                  (("enc-post-attention-dropout",), add),
                  (("enc-2nd-layernorm",), lambda h, r: (self.post_attention_layernorm(h), r))]
-        if mlp.swiglu:
+        if mlp.gated:  # SwiGLU, gated GeLU/ReLU: gate and up GEMMs have no op rows of their own
             units.append((MLP_OPS, lambda h, r: (mlp(h), r)))
-        else:  # ParallelMLP.forward's GeLU path, one operator per step
+        else:  # ParallelMLP.forward's ungated path (GeLU or ReLU), one operator per step
             if mlp.bias_gelu_fusion:
                 def gelu(h, r):
                     return fused_ops.bias_gelu(h[1], h[0]), r
             else:
                 def gelu(h, r):
-                    return F.gelu(h, approximate="tanh"), r
+                    return mlp.act(h), r
             units += [(("enc-MLP-GEMM-1",), lambda h, r: (mlp.dense_h_to_4h(h), r)),
                       (("enc-MLP-gelu",), gelu),
                       (("enc-MLP-GEMM-2",), lambda h, r: (mlp.dense_4h_to_h(h), r))]
