@@ -15,15 +15,33 @@ from typing import Sequence
 import numpy as np
 
 
-def pack_samples(samples: Sequence[np.ndarray], max_len: int, pad_id: int = 0,
-                 loss_starts: Sequence[int] | None = None) -> dict:
-    """Pack samples next-fit into rows of max_len tokens.
+def next_fit_rows(sizes, capacity: int) -> list:
+    """The one definition of a packed row, shared by the data path, the planners' cost model
+    and the baselines: samples in order, next-fit into rows of `capacity` tokens; a sample that
+    does not fit the current row's free space closes it. `sizes`: tokens per sample (GPT), or
+    (encoder, decoder) pairs (T5: both sides must fit). Sizes are clipped to the capacity;
+    empty samples are skipped. Returns rows as lists of sample indices."""
+    rows, free = [], None
+    for i, s in enumerate(np.minimum(np.asarray(sizes, dtype=np.int64), capacity).tolist()):
+        s = s if isinstance(s, list) else [s]
+        if not any(v > 0 for v in s):
+            continue
+        if free is None or any(v > f for v, f in zip(s, free)):
+            rows.append([])
+            free = [capacity] * len(s)
+        rows[-1].append(i)
+        free = [f - v for f, v in zip(free, s)]
+    return rows
 
-    Samples keep their order; a sample that does not fit in the current row's free
-    space closes the row and starts a new one; samples longer than max_len are
-    truncated to max_len; empty samples are skipped.  Inside each sample,
-    labels[j] = tokens[j + 1] and the sample's last position has no label (loss_mask 0),
-    so no label crosses a sample boundary.  Returns numpy arrays [rows, max_len]:
+
+def pack_samples(samples: Sequence[np.ndarray], max_len: int, pad_id: int = 0,
+                 loss_starts: Sequence[int] | None = None, rows: Sequence[Sequence[int]] | None = None) -> dict:
+    """Pack samples into rows of max_len tokens: next-fit (`next_fit_rows`) unless `rows`
+    (lists of sample indices, each fitting max_len, e.g. a planner's) is given.
+
+    Samples longer than max_len are truncated to max_len; empty samples are skipped.
+    Inside each sample, labels[j] = tokens[j + 1] and the sample's last position has no label
+    (loss_mask 0), so no label crosses a sample boundary.  Returns numpy arrays [rows, max_len]:
     tokens, labels (int64), loss_mask (float32), position_ids (reset to 0 per sample),
     segment_ids (1..k per sample within the row, 0 on padding).
     `loss_starts[i]` (supervised pairs: the input length of sample i) restricts the loss to
@@ -31,20 +49,9 @@ def pack_samples(samples: Sequence[np.ndarray], max_len: int, pad_id: int = 0,
     """
     if max_len <= 0:
         raise ValueError(f"max_len must be positive, got {max_len}")
-    rows: list[list[np.ndarray]] = []
-    starts: list[list[int]] = []
-    free = 0
-    for i, s in enumerate(samples):
-        s = np.asarray(s, dtype=np.int64)[:max_len]
-        if s.size == 0:
-            continue
-        if not rows or s.size > free:
-            rows.append([])
-            starts.append([])
-            free = max_len
-        rows[-1].append(s)
-        starts[-1].append(0 if loss_starts is None else int(loss_starts[i]))
-        free -= s.size
+    samples = [np.asarray(s, dtype=np.int64)[:max_len] for s in samples]
+    if rows is None:
+        rows = next_fit_rows([s.size for s in samples], max_len)
     n = len(rows)
     out = {
         "tokens": np.full((n, max_len), pad_id, dtype=np.int64),
@@ -55,8 +62,12 @@ def pack_samples(samples: Sequence[np.ndarray], max_len: int, pad_id: int = 0,
     }
     for r, row in enumerate(rows):
         pos = 0
-        for k, (s, q) in enumerate(zip(row, starts[r]), start=1):
+        for k, i in enumerate(row, start=1):
+            s = samples[i]
+            q = 0 if loss_starts is None else int(loss_starts[i])
             L = s.size
+            if pos + L > max_len:
+                raise ValueError(f"row {r} holds {pos + L} tokens, more than its {max_len}")
             sl = slice(pos, pos + L)
             out["tokens"][r, sl] = s
             out["labels"][r, pos:pos + L - 1] = s[1:]
