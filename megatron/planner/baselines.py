@@ -170,8 +170,8 @@ class BalancedStream:
     """WLB-LLM's outlier delay over a stream of global batches: documents of more than
     `threshold` x max_len tokens are queued; each iteration takes the queued ones that have
     waited `max_delay` iterations plus the oldest others up to the running mean number of
-    outliers per batch, so long documents spread evenly over iterations. `flush` returns what
-    is left after the last batch (one more iteration), so no document is dropped."""
+    outliers per batch, so long documents spread evenly over iterations. The last batch of a
+    stream (`last=True`) takes everything still queued, so no document is dropped."""
 
     def __init__(self, kind: str, max_len: int, threshold: float = 0.5, max_delay: int = 1):
         self.kind, self.max_len, self.threshold, self.max_delay = kind, max_len, threshold, max_delay
@@ -182,7 +182,7 @@ class BalancedStream:
         tokens = s if self.kind == "gpt" else s[0] + s[1]
         return tokens > self.threshold * self.max_len
 
-    def next(self, batch) -> list:
+    def next(self, batch, last: bool = False) -> list:
         keep = [s for s in batch if not self._long(s)]
         self.queue += [(s, 0) for s in batch if self._long(s)]
         self.seen += sum(1 for s in batch if self._long(s))
@@ -193,9 +193,7 @@ class BalancedStream:
         rest = [x for x in self.queue if x[1] < self.max_delay]
         n_more = max(0, quota - len(take))
         take, rest = take + rest[:n_more], rest[n_more:]
+        if last:
+            take, rest = take + rest, []
         self.queue = [(s, a + 1) for s, a in rest]
         return keep + [s for s, _ in take]
-
-    def flush(self) -> list:
-        out, self.queue = [s for s, _ in self.queue], []
-        return out

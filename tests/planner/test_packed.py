@@ -75,8 +75,9 @@ def test_dynapipe_with_packed_rows_never_loses_to_a_baseline_and_lowers():
 
 def test_balanced_stream_defers_long_documents_a_bounded_time_and_drops_none():
     stream = BalancedStream("gpt", 100, threshold=0.5, max_delay=1)
-    batches = [[90, 5], [80, 70, 60, 5], [10], [20]]
-    out = [stream.next(b) for b in batches] + [stream.flush()]
+    batches = [[90, 5], [80, 70, 60, 5], [10], [95, 85, 75, 20]]
+    out = [stream.next(b, last=k == len(batches) - 1) for k, b in enumerate(batches)]
     assert sorted(x for o in out for x in o) == sorted(x for b in batches for x in b)
-    # running-mean quota: 1, then 2 of the 3 (60 waits), then 60 (waited its one iteration)
-    assert [sorted(x for x in o if x > 50) for o in out] == [[90], [70, 80], [60], [], []]
+    # running-mean quota: 1, then 2 of the 3 (60 waits), then 60 (waited its one iteration),
+    # the last batch takes what is still queued
+    assert [sorted(x for x in o if x > 50) for o in out] == [[90], [70, 80], [60], [75, 85, 95]]
