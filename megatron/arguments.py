@@ -188,6 +188,10 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--dynapipe-cost-model-any", action="store_true",
                    help="use --dynapipe-cost-model even though it was profiled for another model shape "
                         "(for experiments: the planner's times and memory will not describe this model)")
+    g.add_argument("--dynapipe-packed-rows", action="store_true",
+                   help="let DynaPipe also plan micro-batches of packed rows (--seq-length tokens, several samples "
+                        "each, per-document attention as with --pack-dataset) and pick them where the cost model "
+                        "says they are faster (GPT only)")
 
     _add_terapipe_args(p)
 
@@ -419,7 +423,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         dynapipe=args.dynapipe, dynapipe_cost_model=args.dynapipe_cost_model,
         dynapipe_memory_limit=args.dynapipe_memory_limit, dynapipe_planner_workers=args.dynapipe_planner_workers,
         dynapipe_lookahead=args.dynapipe_lookahead, dynapipe_trace_dir=args.dynapipe_trace_dir,
-        dynapipe_trace_iters=args.dynapipe_trace_iters,
+        dynapipe_trace_iters=args.dynapipe_trace_iters, dynapipe_packed_rows=args.dynapipe_packed_rows,
     )
     if args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
         raise ConfigError("--mock-data needs --vocab-size (or a tokenizer) to know the vocabulary")

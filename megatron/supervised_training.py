@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from megatron.config import MegatronConfig
-from megatron.data.packing import collate_supervised_gpt, collate_supervised_t5, concat_pair, pack_samples
+from megatron.data.packing import (collate_supervised_gpt, collate_supervised_t5, concat_pair, next_fit_rows,
+                                   pack_samples)
 from megatron.data.samplers import TokenBudgetSampler
 from megatron.training import FixedBatchPlanner, IterationWork
 from megatron.compression.pipeline import grad_compression_pass
@@ -93,6 +94,31 @@ class _SupervisedSource:
                                f"{consumed_samples} samples were consumed")
         return lo, hi
 
+    def collate_rows(self, rows: List[List[int]]) -> dict:
+        """Packed rows of --seq-length tokens (`pack_samples`), row r holding samples rows[r]
+        (global ids, each row fitting as `next_fit_rows` packs it: a sample takes its length + 1)."""
+        seq = self.cfg.model.seq_length
+        ids = [i for r in rows for i in r]
+        at = {i: k for k, i in enumerate(ids)}
+        seqs, starts = [], []
+        for i in ids:
+            p = self.dataset[i]
+            x, n_in = concat_pair(p["inputs"], p["targets"], seq)  # the fixed collate's truncation
+            seqs.append(x)
+            starts.append(n_in)
+        # Rows hold seq + 1 tokens so that a full-length sample keeps all of its labels.
+        out = pack_samples(seqs, seq + 1, pad_id=self.ids["pad"], loss_starts=starts,
+                           rows=[[at[i] for i in r] for r in rows])
+        mb = _tensors({k: v[:, :seq] for k, v in out.items()})
+        mb["num_real_tokens"] = int((mb["segment_ids"] > 0).sum())
+        return mb
+
+    def microbatches(self, lo: int, group) -> List[dict]:
+        """A DynaPipe group's micro-batches: padded samples, or packed rows where the plan has them."""
+        if group.rows is not None:
+            return [self.collate_rows([[lo + i for i in r] for r in rows]) for rows in group.rows]
+        return [self.collate([lo + i for i in ids], shape) for ids, shape in zip(group.microbatches, group.shapes)]
+
     def collate(self, sample_ids: List[int], shape) -> dict:
         pairs = [self.dataset[i] for i in sample_ids]
         if self.cfg.model.model_type == "gpt":
@@ -151,8 +177,9 @@ class DynaPipeSource(_SupervisedSource):
             raise RuntimeError(f"iteration {iteration}: plan has {len(plan.groups)} data-parallel groups, "
                                f"the job has {self.ps.dp_size}")
         group = plan.groups[self.ps.dp_rank]
-        mbs = [self.collate([lo + i for i in ids], shape) for ids, shape in zip(group.microbatches, group.shapes)]
+        mbs = self.microbatches(lo, group)
         info = {"planner": "dynapipe", "recompute": plan.recompute, "schedule": group.schedule,
+                "packed_rows": group.rows is not None,
                 "microbatch_shapes": [s[0] if len(s) == 1 else s for s in group.shapes],
                 "num_microbatches": [len(g.microbatches) for g in plan.groups],
                 "padding_efficiency": plan.padding_efficiency, "planning_ms": plan.planning_ms,
@@ -210,7 +237,7 @@ class DynaPipeEvalSource(_SupervisedSource):
                                                                validate=k == 0))
             self._plans[k] = plan
         group = plan.groups[self.ps.dp_rank]
-        mbs = [self.collate([lo + i for i in ids], shape) for ids, shape in zip(group.microbatches, group.shapes)]
+        mbs = self.microbatches(lo, group)
         info = {"planner": "dynapipe", "num_microbatches": [len(g.microbatches) for g in plan.groups],
                 "padding_efficiency": plan.padding_efficiency}
         return IterationWork(mbs, group.plans[self.ps.pp_rank], hi - lo, info)
@@ -235,23 +262,11 @@ class BaselineSource(_SupervisedSource):
 
     def _packed_microbatches(self, lo: int, hi: int) -> List[dict]:
         seq, mbs = self.cfg.model.seq_length, self.cfg.training.micro_batch_size
-        seqs, starts = [], []
-        for i in range(lo, hi):
-            p = self.dataset[i]
-            x, n_in = concat_pair(p["inputs"], p["targets"], seq)  # the fixed collate's truncation
-            seqs.append(x)
-            starts.append(n_in)
-        # Rows hold seq + 1 tokens so that a full-length sample keeps all of its labels.
-        rows = pack_samples(seqs, seq + 1, pad_id=self.ids["pad"], loss_starts=starts)
-        rows = {k: v[:, :seq] for k, v in rows.items()}
-        n = rows["tokens"].shape[0]
-        chunks = [list(range(s, min(s + mbs, n))) for s in range(0, n, mbs)]
-        out = []
-        for c in chunks[self.ps.dp_rank::self.ps.dp_size]:
-            mb = _tensors({k: v[c] for k, v in rows.items()})
-            mb["num_real_tokens"] = int((mb["segment_ids"] > 0).sum())
-            out.append(mb)
-        return out
+        # The rows the planners price (`next_fit_rows`): a sample takes its planned length + 1
+        # tokens (concat_pair's sequence) of a row of seq + 1.
+        rows = [[lo + i for i in r] for r in next_fit_rows(self.lengths[lo:hi] + 1, seq + 1)]
+        chunks = [rows[s:s + mbs] for s in range(0, len(rows), mbs)]
+        return [self.collate_rows(c) for c in chunks[self.ps.dp_rank::self.ps.dp_size]]
 
     def next(self, iteration: int, consumed_samples: int) -> IterationWork:
         lo, hi = self._batch(iteration, consumed_samples)
@@ -307,7 +322,8 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   # The simulator then times compressed gradient messages at their real size.
                   grad_compress_rank=cfg.compression.inter_grad_comp_rank if cfg.compression.inter_grad_comp else 0,
                   grad_compress_epilogue_only=cfg.compression.inter_grad_comp_epilogue_only,
-                  sequence_parallel=m.sequence_parallel, num_attention_heads=m.num_attention_heads)
+                  sequence_parallel=m.sequence_parallel, num_attention_heads=m.num_attention_heads,
+                  packed_rows=d.dynapipe_packed_rows, packed_max_len=m.seq_length if d.dynapipe_packed_rows else None)
     if m.model_type == "gpt":
         return DynaPipeConfig(model_kind="gpt", num_layers=m.num_layers, **common)
     return DynaPipeConfig(model_kind="t5", num_layers=m.num_layers, encoder_layers=m.encoder_num_layers,

@@ -56,7 +56,8 @@ def _cfg(world, kind, data, mode, pp=1, tp=1, iters=2, workers=0):
                                 seed=1234, clip_grad=1.0),
         data=DataConfig(data_path=[data[0]], targets_data_path=[data[1]], split="100,0,0",
                         tokenizer_type="NullTokenizer", tokens_per_global_batch=600,
-                        pack_dataset=mode == "packing", dynapipe=mode == "dynapipe",
+                        pack_dataset=mode == "packing", dynapipe=mode in ("dynapipe", "dynapipe_packed"),
+                        dynapipe_packed_rows=mode == "dynapipe_packed",
                         dynapipe_cost_model=GPT_COST_MODEL if kind == "gpt" else T5_COST_MODEL,
                         dynapipe_memory_limit=400.0,
                         dynapipe_planner_workers=workers, dynapipe_lookahead=2),
@@ -120,6 +121,15 @@ def test_gpt_dynapipe_pp2_equals_whole_batch_step(multitask, gpt_reference):
 
 def test_gpt_dynapipe_pp2_dp2_equals_whole_batch_step(multitask, gpt_reference):
     _check(gpt_reference, run_distributed(_train, 4, "gpt", multitask, "dynapipe", 2))
+
+
+def test_gpt_dynapipe_packed_rows_pp2_equals_whole_batch_step(multitask, gpt_reference):
+    """DynaPipe choosing micro-batches of packed rows (several samples per row, per-document
+    attention, as --pack-dataset runs them) still gives the whole-batch step."""
+    outs = run_distributed(_train, 2, "gpt", multitask, "dynapipe_packed", 2)
+    info = [o for o in outs if o["last"]][0]["info"]
+    assert any(i["packed_rows"] for i in info)
+    _check(gpt_reference, outs)
 
 
 def test_gpt_baselines_equal_whole_batch_step(multitask, gpt_reference):
