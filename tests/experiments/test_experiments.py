@@ -185,6 +185,7 @@ def test_log_parser_on_recorded_trainer_lines():
     p = its[1]["planner"]
     assert p["name"] == "dynapipe" and p["num_microbatches"] == [11]
     assert p["simulated_ms"] == 450.9 and p["measured_ms"] == 6250.2 and p["planning_ms"] == 713.1
+    assert p["plan_wait_ms"] == 11.0
     assert p["predicted_peak_mb"] == [122.4, 32.1] and p["measured_peak_mb"] is None
     assert (p["recompute"], p["schedule"], p["padding_efficiency"]) == ("none", "adaptive", 0.949)
     fields = rows_from_log(RECORDED, warmup=1)
