@@ -133,8 +133,8 @@ def packed_time(planner, kind, batch, max_len, name, b, rcs):
         if name == "packing_varlen":
             rows = packed.next_fit(kind, batch, max_len)
             mbs = [rows[k:k + b] for k in range(0, len(rows), b)]
-        else:
-            mbs = packed.balanced(planner, kind, batch, max_len, b, rc=rc)
+        else:  # cost estimated at the first recompute level for all levels, as DynaPipe's search does
+            mbs = packed.balanced(planner, kind, batch, max_len, b)
         groups = packed.contiguous_groups(len(mbs), planner.cfg.data_parallel)
         if groups is None:
             continue

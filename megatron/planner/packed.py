@@ -12,7 +12,7 @@ sides within max_len. Row-building policies:
 * cost-balanced (`balanced`): WLB-LLM's idea (Wang et al., 2025): documents, costliest first,
   each go to the micro-batch of least estimated cost (token part + attention part, from the
   attention split) that has room for it, so micro-batches carry similar work;
-* first-fit decreasing (`dense_rows`): fewest rows, for DynaPipe's variable-size partition.
+* first/best-fit decreasing (`dense_rows`): fewest rows, for DynaPipe's variable-size partition.
 
 `search_packed` is DynaPipe's search over such micro-batches: the baselines' own micro-batches
 (next-fit and balanced, every micro-batch size) and an optimal variable-size partition of
@@ -22,6 +22,7 @@ slower than theirs under the same cost model.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -58,35 +59,49 @@ def next_fit(kind: str, lengths, max_len: int) -> List[List[int]]:
     return next_fit_rows(sizes, cap)
 
 
-def _tuples(sizes) -> list:
-    """Sizes as tuples of Python ints (GPT (tokens,), T5 (input, target)): fast fit checks."""
-    return [tuple(int(v) for v in np.atleast_1d(s)) for s in sizes]
+def _pairs(sizes) -> list:
+    """Sizes as (first, second) Python ints (GPT (tokens, 0), T5 (input, target)): fast fit checks."""
+    a = np.asarray(sizes, dtype=np.int64)
+    return [(int(x), 0) for x in a] if a.ndim == 1 else [(int(x), int(y)) for x, y in a]
 
 
-def _fits(s, f) -> bool:
-    return all(a <= b for a, b in zip(s, f))
-
-
-def _minus(f, s) -> tuple:
-    return tuple(a - b for a, b in zip(f, s))
+def _best_fit_1d(sizes, cap, order) -> List[List[int]]:
+    """Best-fit decreasing for one-sided rows: each sample into the row with least free space
+    that holds it (ties: the earliest row), else a new row."""
+    import bisect
+    rows, free = [], []  # free: sorted (free tokens, row index)
+    for i in order:
+        s = sizes[i]
+        k = bisect.bisect_left(free, (s, -1))
+        if k < len(free):
+            f, r = free.pop(k)
+            rows[r].append(i)
+            bisect.insort(free, (f - s, r))
+        else:
+            rows.append([i])
+            bisect.insort(free, (cap - s, len(rows) - 1))
+    return rows
 
 
 def dense_rows(kind: str, lengths, max_len: int) -> List[List[int]]:
-    """First-fit decreasing (longest documents first): the fewest, fullest rows."""
+    """Longest documents first, each into a row that holds it (GPT: best fit, T5: first fit):
+    the fewest, fullest rows."""
     sizes, cap = row_sizes(kind, lengths, max_len)
     key = sizes if sizes.ndim == 1 else sizes.sum(axis=1)
-    sizes = _tuples(sizes)
+    if sizes.ndim == 1:  # GPT: best fit, by bisection over the rows' free space
+        return _best_fit_1d(sizes.tolist(), cap, np.argsort(-key, kind="stable").tolist())
+    sizes = _pairs(sizes)
     rows, free = [], []
     for i in np.argsort(-key, kind="stable").tolist():
-        s = sizes[i]
-        for r, f in enumerate(free):
-            if _fits(s, f):
+        a, b = sizes[i]
+        for r, (fa, fb) in enumerate(free):
+            if a <= fa and b <= fb:
                 rows[r].append(i)
-                free[r] = _minus(f, s)
+                free[r] = (fa - a, fb - b)
                 break
         else:
             rows.append([i])
-            free.append(_minus((cap,) * len(s), s))
+            free.append((cap - a, cap - b))
     return rows
 
 
@@ -118,32 +133,36 @@ def balanced(planner, kind: str, lengths, max_len: int, b: int, num_microbatches
     sizes, cap = row_sizes(kind, lengths, max_len)
     n0 = num_microbatches or -(-len(next_fit_rows(sizes, cap)) // b)
     cost = document_cost(planner, kind, lengths, max_len, rc).tolist()
-    sizes = _tuples(sizes)
+    sizes = _pairs(sizes)
     mbs = [[] for _ in range(n0)]  # per micro-batch: rows (lists of indices)
     free = [[] for _ in range(n0)]  # per micro-batch: free space per row
-    load = [0.0] * n0
+    heap = [(0.0, m) for m in range(n0)]  # (estimated cost, micro-batch): least loaded first
     for i in sorted(range(len(cost)), key=lambda k: -cost[k]):
-        s = sizes[i]
-        placed = False
-        for m in sorted(range(len(load)), key=load.__getitem__):
-            fits = [r for r, f in enumerate(free[m]) if _fits(s, f)]
+        a, b2 = sizes[i]
+        skipped, placed = [], None
+        while heap:
+            load, m = heapq.heappop(heap)
+            fits = [r for r, (fa, fb) in enumerate(free[m]) if a <= fa and b2 <= fb]
             if fits:
-                r = min(fits, key=lambda r: sum(free[m][r]))
+                r = min(fits, key=lambda r: free[m][r][0] + free[m][r][1])
             elif len(mbs[m]) < b:
                 mbs[m].append([])
-                free[m].append((cap,) * len(s))
+                free[m].append((cap, cap))
                 r = len(mbs[m]) - 1
             else:
+                skipped.append((load, m))
                 continue
             mbs[m][r].append(i)
-            free[m][r] = _minus(free[m][r], s)
-            load[m] += cost[i]
-            placed = True
+            fa, fb = free[m][r]
+            free[m][r] = (fa - a, fb - b2)
+            placed = (load + cost[i], m)
             break
-        if not placed:
+        if placed is None:
             mbs.append([[i]])
-            free.append([_minus((cap,) * len(s), s)])
-            load.append(cost[i])
+            free.append([(cap - a, cap - b2)])
+            placed = (cost[i], len(mbs) - 1)
+        for x in skipped + [placed]:
+            heapq.heappush(heap, x)
     return [[sorted(r) for r in m] for m in mbs if m]
 
 
@@ -168,17 +187,24 @@ def shapes_of(planner, kind: str, lengths, max_len: int, microbatches: List[List
     n = len(microbatches)
     mbs = np.array([len(m) for m in microbatches], float)
     enc = np.full(n, float(max_len))
-    qe = np.array([sum(float(e[i] ** 2) for r in m for i in r) for m in microbatches])
+    # Flattened: each document's index, its micro-batch and its row (rows numbered in order).
+    docs = np.array([i for m in microbatches for r in m for i in r], dtype=np.int64)
+    row_of = np.repeat(np.arange(int(mbs.sum())), [len(r) for m in microbatches for r in m])
+    mb_of = np.repeat(np.arange(n), [sum(len(r) for r in m) for m in microbatches])
+    qe = np.bincount(mb_of, e[docs] ** 2, minlength=n)
     if kind == "gpt":
         dec, qd, qx = None, np.zeros(n), np.zeros(n)
     else:
         # The decoder row holds the row's targets plus the bos/eos the runtime adds, padded;
         # at most a max-length sequence (as the dense packing baseline prices it).
-        extra, pad = planner.cfg.decoder_extra_tokens, planner._pad
-        dec = np.array([min(int(pad(max(sum(d[i] for i in r) for r in m) + extra)), int(pad(max_len)))
-                        for m in microbatches], float)
-        qd = np.array([sum(float((d[i] + extra) ** 2) for r in m for i in r) for m in microbatches])
-        qx = np.array([sum(float(e[i] * (d[i] + extra)) for r in m for i in r) for m in microbatches])
+        extra = planner.cfg.decoder_extra_tokens
+        row_dec = np.bincount(row_of, d[docs], minlength=int(mbs.sum()))
+        first_row = np.concatenate([[0], np.cumsum(mbs[:-1])]).astype(np.int64)
+        longest = np.maximum.reduceat(row_dec, first_row) if n else np.zeros(0)
+        dec = np.minimum(planner._pad(longest + extra), planner._pad(max_len)).astype(float)
+        dd = d[docs] + extra
+        qd = np.bincount(mb_of, dd ** 2, minlength=n)
+        qx = np.bincount(mb_of, e[docs] * dd, minlength=n)
     real = int(np.asarray(lengths, dtype=np.int64).sum())
     return PackedShapes(microbatches, mbs, enc, dec, (qe, qd, qx), real)
 
@@ -193,6 +219,28 @@ def pipeline_costs(planner, rc: str, sh: PackedShapes, idx=None) -> Optional[Pip
     return PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]),
                          grad_comm=np.array(sc["grad_comm"]) if "grad_comm" in sc else None,
                          grad_comm_epilogue_only=planner.cfg.grad_compress_epilogue_only)
+
+
+def pipeline_costs_many(planner, rc: str, shapes: List[PackedShapes]) -> List[Optional[PipelineCosts]]:
+    """`pipeline_costs` of several candidates with one cost-model query."""
+    if not shapes:
+        return []
+    cat = lambda xs: np.concatenate(xs)  # noqa: E731
+    dec = None if shapes[0].dec is None else cat([sh.dec for sh in shapes])
+    sc = planner.stage_costs(rc, cat([sh.mbs for sh in shapes]), cat([sh.enc for sh in shapes]), dec,
+                             packed=tuple(cat([sh.quad[k] for sh in shapes]) for k in range(3)))
+    out, at = [], 0
+    for sh in shapes:
+        cut = slice(at, at + len(sh.mbs))
+        at += len(sh.mbs)
+        part_sc = {k: np.asarray(v)[:, cut] for k, v in sc.items()}
+        if not (np.isfinite(part_sc["fwd"]).all() and np.isfinite(part_sc["peak"]).all()):
+            out.append(None)
+            continue
+        out.append(PipelineCosts(part_sc["fwd"], part_sc["bwd"], part_sc["stored"], part_sc["transient"],
+                                 part_sc["comm"], grad_comm=part_sc.get("grad_comm"),
+                                 grad_comm_epilogue_only=planner.cfg.grad_compress_epilogue_only))
+    return out
 
 
 def contiguous_groups(n: int, dp: int):
@@ -218,11 +266,13 @@ def one_f_one_b_time(planner, rc: str, sh: PackedShapes, groups) -> float:
     return worst
 
 
-def variable_partition(planner, rc: str, kind: str, lengths, max_len: int) -> Optional[List[List[List[int]]]]:
-    """DynaPipe's optimal partition over packed rows: dense rows ordered by attention work,
-    cut into variable-size micro-batches minimising (S-1) * max + sum / DP."""
-    rows = dense_rows(kind, lengths, max_len)
-    one = shapes_of(planner, kind, lengths, max_len, [[r] for r in rows])
+def variable_partition(planner, rc: str, kind: str, lengths, max_len: int, rows=None,
+                       one=None) -> Optional[List[List[List[int]]]]:
+    """DynaPipe's optimal partition over packed rows: dense rows (`rows`, default
+    `dense_rows`; `one`: their single-row shapes) ordered by attention work, cut into
+    variable-size micro-batches minimising (S-1) * max + sum / DP."""
+    rows = dense_rows(kind, lengths, max_len) if rows is None else rows
+    one = shapes_of(planner, kind, lengths, max_len, [[r] for r in rows]) if one is None else one
     order = np.argsort(-(one.quad[0] + one.quad[1] + one.quad[2]), kind="stable")
     N = len(rows)
     M = min(N, 64)
@@ -234,8 +284,9 @@ def variable_partition(planner, rc: str, kind: str, lengths, max_len: int) -> Op
     quad = tuple(c[end] - c[i] for c in cum)
     dec = None
     if one.dec is not None:
-        dmax = one.dec[order]
-        dec = np.array([dmax[a:b].max() for a, b in zip(i, end)])
+        dmax = one.dec[order]  # running maximum over each window [i, i + m)
+        win = np.maximum.accumulate(dmax[np.minimum(np.arange(N)[:, None] + np.arange(M)[None, :], N - 1)], axis=1)
+        dec = win.ravel()
     sc = planner.stage_costs(rc, m.astype(float), np.full(len(i), float(max_len)), dec, packed=quad)
     T = np.where(planner._feasible(sc, "1f1b") & ok, (sc["fwd"] + sc["bwd"]).max(axis=0), np.inf).reshape(N, M)
     try:
@@ -253,15 +304,18 @@ def fixed_size_candidates(planner, kind: str, lengths, max_len: int, sizes=SIZES
     nf = next_fit(kind, lengths, max_len)
     for b in sizes:
         for name, mbs in ((f"packing_varlen/b{b}", [nf[k:k + b] for k in range(0, len(nf), b)]),
-                          (f"packing_balanced/b{b}", balanced(planner, kind, lengths, max_len, b))):
+                          (f"packing_balanced/b{b}", balanced(planner, kind, lengths, max_len, b,
+                                                              num_microbatches=-(-len(nf) // b)))):
             key = repr(mbs)
-            if key not in seen:  # large b: one micro-batch of every row, the same for all
+            if key not in seen:
                 seen.add(key)
                 out.append((name, mbs))
+        if b >= len(nf):  # one micro-batch of every row: larger sizes give the same
+            break
     return out
 
 
-def search_packed(planner, kind: str, lengths, max_len: int, bound: float = np.inf, keep: int = 3):
+def search_packed(planner, kind: str, lengths, max_len: int, bound: float = np.inf, keep: int = 2):
     """Fastest plan over packed-row micro-batches: every candidate is timed under 1F1B in data
     order (what the baselines run); the `keep` best get the full schedule search (1F1B and
     adaptive, micro-batch orders, contiguous and Karmarkar-Karp DP splits), each keeping its
@@ -270,37 +324,44 @@ def search_packed(planner, kind: str, lengths, max_len: int, bound: float = np.i
     cfg, dp = planner.cfg, planner.cfg.data_parallel
     fixed = [(name, shapes_of(planner, kind, lengths, max_len, mbs))
              for name, mbs in fixed_size_candidates(planner, kind, lengths, max_len)]
-    quick = []  # (1F1B time, name, rc, shapes, groups), the `keep` best so far
+    rows = dense_rows(kind, lengths, max_len)
+    one = shapes_of(planner, kind, lengths, max_len, [[r] for r in rows])
+    quick = []  # (1F1B time, name, rc, shapes, groups, costs), the `keep` best so far
+    pending = []  # (lower bound, name, rc, shapes, groups, costs)
     for rc in cfg.recompute_levels:
         if not planner.cm.has(cfg.tensor_parallel, rc):
             continue
         cands = list(fixed)
-        vp = variable_partition(planner, rc, kind, lengths, max_len)
+        vp = variable_partition(planner, rc, kind, lengths, max_len, rows, one)
         if vp is not None:
             cands.append(("partition", shapes_of(planner, kind, lengths, max_len, vp)))
-        for name, sh in cands:
+        all_costs = pipeline_costs_many(planner, rc, [sh for _, sh in cands])
+        for (name, sh), costs in zip(cands, all_costs):
             groups = contiguous_groups(len(sh.mbs), dp)
-            if groups is None:
+            if groups is None or costs is None:
                 continue
-            costs = pipeline_costs(planner, rc, sh)
-            if costs is None:
-                continue
-            worst = 0.0
-            cut = quick[keep - 1][0] if len(quick) >= keep else np.inf
-            for g in groups:  # 1F1B in data order: what the baselines run
-                ch = search(costs.subset(g), planner.available, orders=[list(range(len(g)))],
-                            schedules=("1f1b",), bound=cut)
-                if ch is None:
-                    worst = np.inf
-                    break
-                worst = max(worst, ch.result.makespan)
-            if np.isfinite(worst):
-                quick.append((worst, name, rc, sh, groups))
-                quick.sort(key=lambda x: x[0])
-                quick = quick[:keep]
+            work = costs.fwd + costs.bwd  # no schedule beats a group's busiest stage's total work
+            lb = max(float(work[:, g].sum(axis=1).max()) for g in groups)
+            pending.append((lb, name, rc, sh, groups, costs))
+    # Most promising first, so that the `keep`-th best 1F1B time so far prunes the rest.
+    for lb, name, rc, sh, groups, costs in sorted(pending, key=lambda x: x[0]):
+        cut = quick[keep - 1][0] if len(quick) >= keep else np.inf
+        if lb >= cut:
+            break
+        worst = 0.0
+        for g in groups:  # 1F1B in data order: what the baselines run
+            ch = search(costs.subset(g), planner.available, orders=[list(range(len(g)))],
+                        schedules=("1f1b",), bound=cut)
+            if ch is None:
+                worst = np.inf
+                break
+            worst = max(worst, ch.result.makespan)
+        if np.isfinite(worst):
+            quick.append((worst, name, rc, sh, groups, costs))
+            quick.sort(key=lambda x: x[0])
+            quick = quick[:keep]
     best = None
-    for t, name, rc, sh, groups in quick:
-        costs = pipeline_costs(planner, rc, sh)
+    for t, name, rc, sh, groups, costs in quick:
         splits = [groups]
         times = (costs.fwd + costs.bwd).max(axis=0)
         kk = part.balance_groups(times.tolist(), dp)
