@@ -500,10 +500,6 @@ class MegatronConfig:
         _require(not (self.data.dynapipe_packed_rows and m.model_type == "t5"),
                  "--dynapipe-packed-rows plans packed GPT rows only (packed T5 rows need per-sample encoder/decoder "
                  "segments, not implemented); drop it for T5")
-        _require(not (self.data.pack_dataset and m.model_type == "t5"),
-                 "--pack-dataset packs GPT rows only (a packed T5 row would need per-sample encoder/decoder "
-                 "segment masks, which are not implemented); for T5 use --dynapipe or drop --pack-dataset "
-                 "(fixed micro-batches)")
         if self.terapipe.enabled:
             from megatron.planner.terapipe import check_terapipe_config
             check_terapipe_config(self)

@@ -4,7 +4,8 @@
   chosen for that batch under `--dynapipe-memory-limit`), computed ahead by planner worker
   processes on rank 0 and shipped to every rank over the job's TCP store (`PlanService`).
 * `--pack-dataset`: the packing baseline: samples packed next-fit into rows of --seq-length
-  with a block-diagonal causal mask, --micro-batch-size rows per micro-batch, static 1F1B.
+  (T5: --encoder-seq-length / --decoder-seq-length) with per-document attention,
+  --micro-batch-size rows per micro-batch, static 1F1B.
 * neither: the fixed micro-batch baseline: --micro-batch-size samples per micro-batch in data
   order, padded to the longest sample of the micro-batch, static 1F1B.
 
@@ -23,7 +24,7 @@ import torch
 
 from megatron.config import MegatronConfig
 from megatron.data.packing import (collate_supervised_gpt, collate_supervised_t5, concat_pair, next_fit_rows,
-                                   pack_samples)
+                                   pack_samples, pack_t5_rows)
 from megatron.data.samplers import TokenBudgetSampler
 from megatron.training import FixedBatchPlanner, IterationWork
 from megatron.compression.pipeline import grad_compression_pass
@@ -95,9 +96,20 @@ class _SupervisedSource:
         return lo, hi
 
     def collate_rows(self, rows: List[List[int]]) -> dict:
-        """Packed rows of --seq-length tokens (`pack_samples`), row r holding samples rows[r]
-        (global ids, each row fitting as `next_fit_rows` packs it: a sample takes its length + 1)."""
-        seq = self.cfg.model.seq_length
+        """Packed rows, row r holding samples rows[r] (global ids, each row fitting as
+        `next_fit_rows` packs it). GPT: rows of --seq-length tokens (`pack_samples`; a sample
+        takes its length + 1); T5: (--encoder-seq-length, --decoder-seq-length) rows with
+        per-pair segments (`pack_t5_rows`)."""
+        m = self.cfg.model
+        if m.model_type == "t5":
+            pairs = {i: self.dataset[i] for r in rows for i in r}
+            d = pack_t5_rows(pairs, rows, m.encoder_seq_length, m.decoder_seq_length, self.ids["bos"],
+                             self.ids["eos"], self.ids["pad"])
+            d["loss_mask"] = d["loss_mask"].astype(np.float32)
+            mb = _tensors(d)
+            mb["num_real_tokens"] = int(np.einsum("bii->", d["enc_mask"]) + d["loss_mask"].sum())
+            return mb
+        seq = m.seq_length
         ids = [i for r in rows for i in r]
         at = {i: k for k, i in enumerate(ids)}
         seqs, starts = [], []
@@ -261,16 +273,18 @@ class BaselineSource(_SupervisedSource):
         self.planner, self.shapes_fn, self.pack = planner, shapes_fn, pack
 
     def _packed_microbatches(self, lo: int, hi: int) -> List[dict]:
-        seq, mbs = self.cfg.model.seq_length, self.cfg.training.micro_batch_size
-        # The rows the planners price (`next_fit_rows`): a sample takes its planned length + 1
-        # tokens (concat_pair's sequence) of a row of seq + 1.
-        rows = [[lo + i for i in r] for r in next_fit_rows(self.lengths[lo:hi] + 1, seq + 1)]
+        m, mbs = self.cfg.model, self.cfg.training.micro_batch_size
+        if m.model_type == "t5":  # a pair takes its planned (input, target + bos) lengths
+            rows = next_fit_rows(self.lengths[lo:hi], (m.encoder_seq_length, m.decoder_seq_length))
+        else:  # a sample takes its planned length + 1 tokens (concat_pair's sequence) of a row of seq + 1
+            rows = next_fit_rows(self.lengths[lo:hi] + 1, m.seq_length + 1)
+        rows = [[lo + i for i in r] for r in rows]
         chunks = [rows[s:s + mbs] for s in range(0, len(rows), mbs)]
         return [self.collate_rows(c) for c in chunks[self.ps.dp_rank::self.ps.dp_size]]
 
     def next(self, iteration: int, consumed_samples: int) -> IterationWork:
         lo, hi = self._batch(iteration, consumed_samples)
-        if self.pack and self.cfg.model.model_type == "gpt":
+        if self.pack:
             mbs = self._packed_microbatches(lo, hi)
         else:
             size = self.cfg.training.micro_batch_size
