@@ -191,7 +191,7 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--dynapipe-packed-rows", action="store_true",
                    help="let DynaPipe also plan micro-batches of packed rows (--seq-length tokens, several samples "
                         "each, per-document attention as with --pack-dataset) and pick them where the cost model "
-                        "says they are faster (GPT only)")
+                        "says they are faster (T5: rows of --encoder-seq-length / --decoder-seq-length)")
 
     _add_terapipe_args(p)
 

@@ -497,9 +497,6 @@ class MegatronConfig:
                          "--dynapipe with T5 puts the encoder on the first half of the pipeline: set "
                          f"--pipeline-model-parallel-split-rank {p.pipeline_model_parallel_size // 2}")
 
-        _require(not (self.data.dynapipe_packed_rows and m.model_type == "t5"),
-                 "--dynapipe-packed-rows plans packed GPT rows only (packed T5 rows need per-sample encoder/decoder "
-                 "segments, not implemented); drop it for T5")
         if self.terapipe.enabled:
             from megatron.planner.terapipe import check_terapipe_config
             check_terapipe_config(self)

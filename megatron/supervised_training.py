@@ -95,16 +95,16 @@ class _SupervisedSource:
                                f"{consumed_samples} samples were consumed")
         return lo, hi
 
-    def collate_rows(self, rows: List[List[int]]) -> dict:
+    def collate_rows(self, rows: List[List[int]], shape=None) -> dict:
         """Packed rows, row r holding samples rows[r] (global ids, each row fitting as
         `next_fit_rows` packs it). GPT: rows of --seq-length tokens (`pack_samples`; a sample
         takes its length + 1); T5: (--encoder-seq-length, --decoder-seq-length) rows with
-        per-pair segments (`pack_t5_rows`)."""
+        per-pair segments (`pack_t5_rows`), as long as a plan's `shape` says where given."""
         m = self.cfg.model
         if m.model_type == "t5":
             pairs = {i: self.dataset[i] for r in rows for i in r}
-            d = pack_t5_rows(pairs, rows, m.encoder_seq_length, m.decoder_seq_length, self.ids["bos"],
-                             self.ids["eos"], self.ids["pad"])
+            se, sd = (m.encoder_seq_length, m.decoder_seq_length) if shape is None else (shape[0][1], shape[1][1])
+            d = pack_t5_rows(pairs, rows, se, sd, self.ids["bos"], self.ids["eos"], self.ids["pad"])
             d["loss_mask"] = d["loss_mask"].astype(np.float32)
             mb = _tensors(d)
             mb["num_real_tokens"] = int(np.einsum("bii->", d["enc_mask"]) + d["loss_mask"].sum())
@@ -128,7 +128,8 @@ class _SupervisedSource:
     def microbatches(self, lo: int, group) -> List[dict]:
         """A DynaPipe group's micro-batches: padded samples, or packed rows where the plan has them."""
         if group.rows is not None:
-            return [self.collate_rows([[lo + i for i in r] for r in rows]) for rows in group.rows]
+            return [self.collate_rows([[lo + i for i in r] for r in rows], shape)
+                    for rows, shape in zip(group.rows, group.shapes)]
         return [self.collate([lo + i for i in ids], shape) for ids, shape in zip(group.microbatches, group.shapes)]
 
     def collate(self, sample_ids: List[int], shape) -> dict:
@@ -337,7 +338,10 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   grad_compress_rank=cfg.compression.inter_grad_comp_rank if cfg.compression.inter_grad_comp else 0,
                   grad_compress_epilogue_only=cfg.compression.inter_grad_comp_epilogue_only,
                   sequence_parallel=m.sequence_parallel, num_attention_heads=m.num_attention_heads,
-                  packed_rows=d.dynapipe_packed_rows, packed_max_len=m.seq_length if d.dynapipe_packed_rows else None)
+                  packed_rows=d.dynapipe_packed_rows)
+    if d.dynapipe_packed_rows:  # rows as long as the fixed batches' sequences (T5: both sides)
+        common.update(packed_max_len=m.seq_length if m.model_type == "gpt" else m.encoder_seq_length,
+                      packed_dec_len=None if m.model_type == "gpt" else m.decoder_seq_length)
     if m.model_type == "gpt":
         return DynaPipeConfig(model_kind="gpt", num_layers=m.num_layers, **common)
     return DynaPipeConfig(model_kind="t5", num_layers=m.num_layers, encoder_layers=m.encoder_num_layers,

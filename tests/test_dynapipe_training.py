@@ -162,3 +162,8 @@ def test_t5_dynapipe_pp2_equals_whole_batch_step(multitask):
     assert last["loss"] == pytest.approx(r["loss"], rel=2e-5)
     outs_dp = run_distributed(_train, 4, "t5", multitask, "dynapipe", 2)
     assert [o for o in outs_dp if o["last"]][0]["loss"] == pytest.approx(r["loss"], rel=2e-5)
+    # DynaPipe choosing micro-batches of packed T5 rows (--dynapipe-packed-rows)
+    packed = [o for o in run_distributed(_train, 2, "t5", multitask, "dynapipe_packed", 2) if o["last"]][0]
+    assert any(i["packed_rows"] for i in packed["info"])
+    assert packed["samples"] == r["samples"]
+    assert packed["loss"] == pytest.approx(r["loss"], rel=2e-5)

@@ -89,9 +89,11 @@ class DynaPipeConfig:
     emit_plans: bool = True
     # Also search micro-batches of packed rows run with per-document attention
     # (`megatron.planner.packed`): rows of `packed_max_len` tokens (GPT: the model's
-    # --seq-length). The plan then carries each micro-batch's rows (`GroupPlan.rows`).
+    # --seq-length; T5: encoder rows, `packed_dec_len` decoder rows, default the same). The
+    # plan then carries each micro-batch's rows (`GroupPlan.rows`).
     packed_rows: bool = False
     packed_max_len: Optional[int] = None
+    packed_dec_len: Optional[int] = None
 
     def __post_init__(self):
         if self.model_kind not in ("gpt", "t5"):
@@ -373,10 +375,11 @@ class DynaPipePlanner:
             raise PlanningError(f"iteration {iteration}: no feasible plan ({why})")
         return self._finish(best, iteration, lengths, enc_all, dec_all, t_start, validate)
 
-    def _packed_len(self, lengths) -> int:
-        if self.cfg.packed_max_len:
-            return int(self.cfg.packed_max_len)
-        return int(self._pad(np.asarray(lengths, dtype=np.int64).max()))
+    def _packed_len(self, lengths):
+        """Row length(s) of packed plans: an int, or (encoder, decoder) for T5 with packed_dec_len."""
+        c = self.cfg
+        L = int(c.packed_max_len) if c.packed_max_len else int(self._pad(np.asarray(lengths, dtype=np.int64).max()))
+        return (L, int(c.packed_dec_len)) if c.model_kind == "t5" and c.packed_dec_len else L
 
     def _finish_packed(self, got, iteration, lengths, t_start, validate) -> DynaPipeIterationPlan:
         makespan, rc, sh, groups, _ = got

@@ -5,7 +5,8 @@ DynaPipe's search over them.
 A row is what `megatron.data.packing.next_fit_rows` / `pack_samples` build at run time: a GPT
 sample of planned length l occupies l + 1 tokens (its last label token) of a row of
 max_len + 1, of which the model runs max_len; a T5 row holds (input, target) pairs with both
-sides within max_len. Row-building policies:
+sides within max_len (or, `max_len` = (encoder, decoder) lengths, each side within its own:
+the trainer's --encoder-seq-length / --decoder-seq-length). Row-building policies:
 
 * next-fit in data order (`next_fit`): Megatron-Core THD packing, this project's
   `--pack-dataset`;
@@ -36,25 +37,33 @@ from megatron.planner.simulator import PipelineCosts, simulate
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def row_sizes(kind: str, lengths, max_len: int):
-    """(per-sample row occupancy, row capacity) as the data path packs them."""
+def caps(max_len):
+    """(encoder/GPT, decoder) row lengths from one max length or an (encoder, decoder) pair."""
+    return tuple(int(x) for x in max_len) if np.ndim(max_len) else (int(max_len), int(max_len))
+
+
+def row_sizes(kind: str, lengths, max_len):
+    """(per-sample row occupancy, row capacity) as the data path packs them (T5: capacity is
+    an (encoder, decoder) pair)."""
+    ce, cd = caps(max_len)
     if kind == "gpt":
-        lens = np.minimum(np.asarray(lengths, dtype=np.int64).reshape(-1), max_len)
-        return lens + 1, max_len + 1
-    pairs = np.minimum(np.asarray(lengths, dtype=np.int64).reshape(-1, 2), max_len)
-    return pairs, max_len
+        lens = np.minimum(np.asarray(lengths, dtype=np.int64).reshape(-1), ce)
+        return lens + 1, ce + 1
+    pairs = np.minimum(np.asarray(lengths, dtype=np.int64).reshape(-1, 2), [ce, cd])
+    return pairs, (ce, cd)
 
 
-def doc_lengths(kind: str, lengths, max_len: int):
+def doc_lengths(kind: str, lengths, max_len):
     """(encoder/GPT, decoder) lengths each document runs attention over (decoder 0 for GPT)."""
+    ce, cd = caps(max_len)
     if kind == "gpt":
-        e = np.minimum(np.asarray(lengths, dtype=np.float64).reshape(-1), max_len)
+        e = np.minimum(np.asarray(lengths, dtype=np.float64).reshape(-1), ce)
         return e, np.zeros_like(e)
-    p = np.minimum(np.asarray(lengths, dtype=np.float64).reshape(-1, 2), max_len)
+    p = np.minimum(np.asarray(lengths, dtype=np.float64).reshape(-1, 2), [ce, cd])
     return p[:, 0], p[:, 1]
 
 
-def next_fit(kind: str, lengths, max_len: int) -> List[List[int]]:
+def next_fit(kind: str, lengths, max_len) -> List[List[int]]:
     sizes, cap = row_sizes(kind, lengths, max_len)
     return next_fit_rows(sizes, cap)
 
@@ -83,7 +92,7 @@ def _best_fit_1d(sizes, cap, order) -> List[List[int]]:
     return rows
 
 
-def dense_rows(kind: str, lengths, max_len: int) -> List[List[int]]:
+def dense_rows(kind: str, lengths, max_len) -> List[List[int]]:
     """Longest documents first, each into a row that holds it (GPT: best fit, T5: first fit):
     the fewest, fullest rows."""
     sizes, cap = row_sizes(kind, lengths, max_len)
@@ -101,11 +110,11 @@ def dense_rows(kind: str, lengths, max_len: int) -> List[List[int]]:
                 break
         else:
             rows.append([i])
-            free.append((cap - a, cap - b))
+            free.append((cap[0] - a, cap[1] - b))
     return rows
 
 
-def document_cost(planner, kind: str, lengths, max_len: int, rc: Optional[str] = None) -> np.ndarray:
+def document_cost(planner, kind: str, lengths, max_len, rc: Optional[str] = None) -> np.ndarray:
     """Estimated forward + backward time of each document alone (token part + attention part
     of the attention split; per layer, so only its ratios matter)."""
     tp = planner.cfg.tensor_parallel
@@ -124,7 +133,7 @@ def document_cost(planner, kind: str, lengths, max_len: int, rc: Optional[str] =
     return np.maximum(total, 1e-9)
 
 
-def balanced(planner, kind: str, lengths, max_len: int, b: int, num_microbatches: Optional[int] = None,
+def balanced(planner, kind: str, lengths, max_len, b: int, num_microbatches: Optional[int] = None,
              rc: Optional[str] = None) -> List[List[List[int]]]:
     """Cost-balanced micro-batches of at most `b` rows (WLB-LLM's packing): documents costliest
     first, each into the micro-batch of least estimated cost with a row that has room (the row
@@ -132,6 +141,7 @@ def balanced(planner, kind: str, lengths, max_len: int, b: int, num_microbatches
     Starts from as many micro-batches as next-fit packing makes."""
     sizes, cap = row_sizes(kind, lengths, max_len)
     n0 = num_microbatches or -(-len(next_fit_rows(sizes, cap)) // b)
+    cap = cap if isinstance(cap, tuple) else (cap, cap)
     cost = document_cost(planner, kind, lengths, max_len, rc).tolist()
     sizes = _pairs(sizes)
     mbs = [[] for _ in range(n0)]  # per micro-batch: rows (lists of indices)
@@ -147,7 +157,7 @@ def balanced(planner, kind: str, lengths, max_len: int, b: int, num_microbatches
                 r = min(fits, key=lambda r: free[m][r][0] + free[m][r][1])
             elif len(mbs[m]) < b:
                 mbs[m].append([])
-                free[m].append((cap, cap))
+                free[m].append(cap)
                 r = len(mbs[m]) - 1
             else:
                 skipped.append((load, m))
@@ -159,7 +169,7 @@ def balanced(planner, kind: str, lengths, max_len: int, b: int, num_microbatches
             break
         if placed is None:
             mbs.append([[i]])
-            free.append([(cap - a, cap - b2)])
+            free.append([(cap[0] - a, cap[1] - b2)])
             placed = (cost[i], len(mbs) - 1)
         for x in skipped + [placed]:
             heapq.heappush(heap, x)
@@ -182,11 +192,12 @@ class PackedShapes:
         return float((self.mbs * (self.enc + (0 if self.dec is None else self.dec))).sum())
 
 
-def shapes_of(planner, kind: str, lengths, max_len: int, microbatches: List[List[List[int]]]) -> PackedShapes:
+def shapes_of(planner, kind: str, lengths, max_len, microbatches: List[List[List[int]]]) -> PackedShapes:
     e, d = doc_lengths(kind, lengths, max_len)
+    ce, cd = caps(max_len)
     n = len(microbatches)
     mbs = np.array([len(m) for m in microbatches], float)
-    enc = np.full(n, float(max_len))
+    enc = np.full(n, float(ce))
     # Flattened: each document's index, its micro-batch and its row (rows numbered in order).
     docs = np.array([i for m in microbatches for r in m for i in r], dtype=np.int64)
     row_of = np.repeat(np.arange(int(mbs.sum())), [len(r) for m in microbatches for r in m])
@@ -201,7 +212,7 @@ def shapes_of(planner, kind: str, lengths, max_len: int, microbatches: List[List
         row_dec = np.bincount(row_of, d[docs], minlength=int(mbs.sum()))
         first_row = np.concatenate([[0], np.cumsum(mbs[:-1])]).astype(np.int64)
         longest = np.maximum.reduceat(row_dec, first_row) if n else np.zeros(0)
-        dec = np.minimum(planner._pad(longest + extra), planner._pad(max_len)).astype(float)
+        dec = np.minimum(planner._pad(longest + extra), planner._pad(cd)).astype(float)
         dd = d[docs] + extra
         qd = np.bincount(mb_of, dd ** 2, minlength=n)
         qx = np.bincount(mb_of, e[docs] * dd, minlength=n)
@@ -266,7 +277,7 @@ def one_f_one_b_time(planner, rc: str, sh: PackedShapes, groups) -> float:
     return worst
 
 
-def variable_partition(planner, rc: str, kind: str, lengths, max_len: int, rows=None,
+def variable_partition(planner, rc: str, kind: str, lengths, max_len, rows=None,
                        one=None) -> Optional[List[List[List[int]]]]:
     """DynaPipe's optimal partition over packed rows: dense rows (`rows`, default
     `dense_rows`; `one`: their single-row shapes) ordered by attention work, cut into
@@ -287,7 +298,7 @@ def variable_partition(planner, rc: str, kind: str, lengths, max_len: int, rows=
         dmax = one.dec[order]  # running maximum over each window [i, i + m)
         win = np.maximum.accumulate(dmax[np.minimum(np.arange(N)[:, None] + np.arange(M)[None, :], N - 1)], axis=1)
         dec = win.ravel()
-    sc = planner.stage_costs(rc, m.astype(float), np.full(len(i), float(max_len)), dec, packed=quad)
+    sc = planner.stage_costs(rc, m.astype(float), np.full(len(i), float(caps(max_len)[0])), dec, packed=quad)
     T = np.where(planner._feasible(sc, "1f1b") & ok, (sc["fwd"] + sc["bwd"]).max(axis=0), np.inf).reshape(N, M)
     try:
         p = part.optimal_partition(T, planner.S, planner.cfg.data_parallel)
@@ -297,7 +308,7 @@ def variable_partition(planner, rc: str, kind: str, lengths, max_len: int, rows=
     return [[rows[int(order[k])] for k in range(bnd[j], bnd[j + 1])] for j in range(len(bnd) - 1)]
 
 
-def fixed_size_candidates(planner, kind: str, lengths, max_len: int, sizes=SIZES):
+def fixed_size_candidates(planner, kind: str, lengths, max_len, sizes=SIZES):
     """(name, micro-batches): the baselines' own micro-batches at every size (the balanced
     ones estimated at the first recompute level, as `baselines` does)."""
     out, seen = [], set()
@@ -315,7 +326,7 @@ def fixed_size_candidates(planner, kind: str, lengths, max_len: int, sizes=SIZES
     return out
 
 
-def search_packed(planner, kind: str, lengths, max_len: int, bound: float = np.inf, keep: int = 2):
+def search_packed(planner, kind: str, lengths, max_len, bound: float = np.inf, keep: int = 2):
     """Fastest plan over packed-row micro-batches: every candidate is timed under 1F1B in data
     order (what the baselines run); the `keep` best get the full schedule search (1F1B and
     adaptive, micro-batch orders, contiguous and Karmarkar-Karp DP splits), each keeping its

@@ -81,3 +81,22 @@ def test_balanced_stream_defers_long_documents_a_bounded_time_and_drops_none():
     # running-mean quota: 1, then 2 of the 3 (60 waits), then 60 (waited its one iteration),
     # the last batch takes what is still queued
     assert [sorted(x for x in o if x > 50) for o in out] == [[90], [70, 80], [60], [75, 85, 95]]
+
+
+def test_t5_packed_plan_rows_fit_encoder_and_decoder_lengths():
+    cfg = DynaPipeConfig(cost_model_path=str(CM / "cpu_tiny_t5.json"), model_kind="t5", hidden_size=64,
+                         encoder_layers=2, decoder_layers=2, pipeline_parallel=2, memory_limit_mb=400,
+                         decoder_extra_tokens=0, packed_rows=True, packed_max_len=64, packed_dec_len=32)
+    planner = DynaPipePlanner(cfg)
+    rng = np.random.default_rng(3)
+    lens = [(int(a), int(b)) for a, b in zip(rng.integers(2, 40, 40), rng.integers(2, 12, 40))]
+    plan = planner.plan(lens)
+    rows = packed.next_fit("t5", lens, (64, 32))
+    assert all(sum(lens[i][0] for i in r) <= 64 and sum(lens[i][1] for i in r) <= 32 for r in rows)
+    for g in plan.groups:
+        validate_plans(g.plans)
+        if g.rows is not None:
+            for rows, shape in zip(g.rows, g.shapes):
+                (b, se), (b2, sd) = shape
+                assert b == b2 == len(rows) and se == 64 and sd <= 32
+                assert all(sum(lens[i][0] for i in r) <= se and sum(lens[i][1] for i in r) <= sd for r in rows)
