@@ -139,7 +139,9 @@ class AttentionCost:
                 linear = c["const"] + c["enc_tokens"] * b * s + c["tokens"] * b * d
             else:
                 dense_quad = c["quad"] * b * s * s
-                doc_quad = c["quad"] * np.asarray(quad, float)
+                # A profiled split measures what the per-document kernel pays ("doc_quad");
+                # otherwise the dense rows' fitted s^2 coefficient stands for it.
+                doc_quad = c.get("doc_quad", c["quad"]) * np.asarray(quad, float)
                 linear = c["const"] + c["tokens"] * b * s
             if q in MEMORY_QUANTITIES:
                 doc_quad = 0.0  # flash/varlen kernel: no score matrix kept
@@ -166,7 +168,7 @@ def fit_report(cost_model) -> list:
                     b = float(grid.axes[0][0])
                     f = _features(comp, b, s, s if comp == "decoder" else None)
                     terms = dict(zip(TERMS[comp], f.tolist()))
-                    total = sum(sp.coef[k] * terms[k] for k in sp.coef)
+                    total = sum(sp.coef[k] * terms[k] for k in TERMS[comp])
                     quad = sum(sp.coef[k] * terms[k] for k in QUADRATIC_TERMS if k in sp.coef)
                     rows.append({"tp": tp, "recompute": rc, "component": comp, "quantity": q, "source": sp.source,
                                  "rel_err_median": round(sp.rel_err_median, 4), "rel_err_max": round(sp.rel_err_max, 4),
