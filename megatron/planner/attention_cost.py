@@ -20,10 +20,12 @@ Memory (`stored_mb`, `peak_mb`): a variable-length kernel is a flash kernel, it 
 s^2 score matrix, so every quadratic memory term is dropped (a varlen row's activation memory
 is linear in its tokens).
 
-Where the split comes from: a profiler can measure it and store it in the cost-model file
-(format version 2, optional `attention_split` per component, see cost_models/README.md); for
-tables with only dense rows (the published A100 ones) it is fitted from the grid by
-relative-error least squares, and `fit_report` prints the fit error
+Where the split comes from: the profiler (`--attention-split`) measures what the per-document
+kernel pays (`doc_quad`: packed rows of 1 vs 4 documents) and stores it in the cost-model file
+(format version 2, optional `attention_split` per component, see cost_models/README.md), the
+other terms fitted; for tables with only dense rows (the published A100 ones) everything is
+fitted from the grid by relative-error least squares (`doc_quad` = the dense `quad`), and
+`fit_report` prints the fit error
 (`python -m megatron.planner.attention_cost cost_models/gpt_6.7b_a100.json`).
 """
 from __future__ import annotations
