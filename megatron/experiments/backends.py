@@ -177,7 +177,8 @@ class SimulateBackend(Backend):
         for k, b in enumerate(batches):
             if job.system == "packing_balanced":
                 b = stream.next(b, last=k == len(batches) - 1)
-                mbs = packed.balanced(planner, kind, b, job.setting.max_len, job.micro_batch_size, rc=job.recompute)
+                # cost estimated at the first recompute level, as the baselines and DynaPipe's search do
+                mbs = packed.balanced(planner, kind, b, job.setting.max_len, job.micro_batch_size)
             else:
                 rows = packed.next_fit(kind, b, job.setting.max_len)
                 mbs = [rows[i:i + job.micro_batch_size] for i in range(0, len(rows), job.micro_batch_size)]
