@@ -137,23 +137,25 @@ def test_gpt_baselines_equal_whole_batch_step(multitask, gpt_reference):
     _check(gpt_reference, run_distributed(_train, 2, "gpt", multitask, "fixed", 1, 2))
 
 
-def test_t5_packing_equals_whole_batch_step(multitask):
-    """--pack-dataset for T5: pairs packed into encoder/decoder rows with per-pair masks and
-    positions (learned absolute positions restart per pair) give the whole-batch loss."""
-    ref = run_distributed(_train, 1, "t5", multitask, "whole")
-    outs = run_distributed(_train, 1, "t5", multitask, "packing")
-    info = outs[0]["info"]
-    assert all(i["planner"] == "packing" for i in info)
-    # several pairs per row: fewer rows than pairs in every global batch
-    assert all(sum(s[0] for s in i["microbatch_shapes"]) < n for i, n in zip(info, outs[0]["samples"]))
-    assert outs[0]["samples"] == ref[0]["samples"]
-    assert outs[0]["loss"] == pytest.approx(ref[0]["loss"], rel=2e-5)
+@pytest.fixture(scope="module")
+def t5_reference(multitask):
+    return run_distributed(_train, 1, "t5", multitask, "whole")
+
+
+def test_t5_packing_equals_whole_batch_step(multitask, t5_reference):
+    """--pack-dataset for T5 (PP=2): pairs packed into encoder/decoder rows with per-pair masks
+    and positions (learned absolute positions restart per pair) give the whole-batch loss."""
+    ref = t5_reference
     last = [o for o in run_distributed(_train, 2, "t5", multitask, "packing", 2) if o["last"]][0]
+    assert all(i["planner"] == "packing" for i in last["info"])
+    # several pairs per row: fewer rows than pairs in every global batch
+    assert all(sum(s[0] for s in i["microbatch_shapes"]) < n for i, n in zip(last["info"], last["samples"]))
+    assert last["samples"] == ref[0]["samples"]
     assert last["loss"] == pytest.approx(ref[0]["loss"], rel=2e-5)
 
 
-def test_t5_dynapipe_pp2_equals_whole_batch_step(multitask):
-    ref = run_distributed(_train, 1, "t5", multitask, "whole")
+def test_t5_dynapipe_pp2_equals_whole_batch_step(multitask, t5_reference):
+    ref = t5_reference
     # Stage parameter names differ between PP=1 and PP=2 for T5, so compare the loss trajectory
     # (which after one optimizer step depends on every gradient) and the step's sample counts.
     outs = run_distributed(_train, 2, "t5", multitask, "dynapipe", 2)
