@@ -262,6 +262,10 @@ def _add_dynapipe_args(p) -> None:
     g.add_argument("--dynapipe-trace-iters", type=int, default=4, help="how many iterations --dynapipe-trace-dir traces")
     g.add_argument("--dynapipe-cost-model-any", action="store_true",
                    help="use --dynapipe-cost-model although it was profiled for another model shape (experiments)")
+    g.add_argument("--dynapipe-packed-rows", action="store_true",
+                   help="let DynaPipe also plan micro-batches of packed rows (--seq-length tokens, several samples "
+                        "each, per-document attention as with --pack-dataset) and pick them where the cost model "
+                        "says they are faster (T5: rows of --encoder-seq-length / --decoder-seq-length)")
 
 
 def _add_fused_kernel_args(p: argparse.ArgumentParser) -> None:
@@ -494,7 +498,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         dynapipe=args.dynapipe, dynapipe_cost_model=args.dynapipe_cost_model,
         dynapipe_memory_limit=args.dynapipe_memory_limit, dynapipe_planner_workers=args.dynapipe_planner_workers,
         dynapipe_lookahead=args.dynapipe_lookahead, dynapipe_trace_dir=args.dynapipe_trace_dir,
-        dynapipe_trace_iters=args.dynapipe_trace_iters,
+        dynapipe_trace_iters=args.dynapipe_trace_iters, dynapipe_packed_rows=args.dynapipe_packed_rows,
     )
     if args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
         raise ConfigError("--mock-data needs --vocab-size (or a tokenizer) to know the vocabulary")

@@ -352,6 +352,7 @@ class DataConfig:
     dynapipe_lookahead: int = 4
     dynapipe_trace_dir: Optional[str] = None  # simulated + measured Chrome traces of the first trace_iters iterations
     dynapipe_trace_iters: int = 4
+    dynapipe_packed_rows: bool = False  # DynaPipe may plan micro-batches of packed rows (GPT)
 
     def __post_init__(self):
         if not self.mock_data:
@@ -372,6 +373,8 @@ class DataConfig:
         _require(not self.pack_dataset or bool(self.targets_data_path),
                  "--pack-dataset packs multi-task (inputs, targets) samples into rows: give --targets-data-path "
                  "(pretraining data is already read as full --seq-length sequences)")
+        _require(not self.dynapipe_packed_rows or self.dynapipe,
+                 "--dynapipe-packed-rows is a DynaPipe planner option: it needs --dynapipe")
         _require(self.dynapipe_trace_dir is None or self.dynapipe,
                  "--dynapipe-trace-dir writes the DynaPipe planner's simulated timelines: it needs --dynapipe")
         _require(self.vocab_extra_ids >= 0, f"--vocab-extra-ids must be >= 0, got {self.vocab_extra_ids}")
@@ -516,10 +519,6 @@ class MegatronConfig:
                          "--dynapipe with T5 puts the encoder on the first half of the pipeline: set "
                          f"--pipeline-model-parallel-split-rank {p.pipeline_model_parallel_size // 2}")
 
-        _require(not (self.data.pack_dataset and m.model_type == "t5"),
-                 "--pack-dataset packs GPT rows only (a packed T5 row would need per-sample encoder/decoder "
-                 "segment masks, which are not implemented); for T5 use --dynapipe or drop --pack-dataset "
-                 "(fixed micro-batches)")
         if self.terapipe.enabled:
             try:
                 check_terapipe_config(self)

@@ -4,7 +4,8 @@
   chosen for that batch under `--dynapipe-memory-limit`), computed ahead by planner worker
   processes on rank 0 and shipped to every rank over the job's TCP store (`PlanService`).
 * `--pack-dataset`: the packing baseline: samples packed next-fit into rows of --seq-length
-  with a block-diagonal causal mask, --micro-batch-size rows per micro-batch, static 1F1B.
+  (T5: --encoder-seq-length / --decoder-seq-length) with per-document attention,
+  --micro-batch-size rows per micro-batch, static 1F1B.
 * neither: the fixed micro-batch baseline: --micro-batch-size samples per micro-batch in data
   order, padded to the longest sample of the micro-batch, static 1F1B.
 
@@ -22,7 +23,8 @@ import numpy as np
 import torch
 
 from megatron.config import MegatronConfig
-from megatron.data.packing import collate_supervised_gpt, collate_supervised_t5, concat_pair, pack_samples
+from megatron.data.packing import (collate_supervised_gpt, collate_supervised_t5, concat_pair, next_fit_rows,
+                                   pack_samples, pack_t5_rows)
 from megatron.data.samplers import TokenBudgetSampler
 from megatron.training import FixedBatchPlanner, IterationWork
 from megatron.compression.pipeline import grad_compression_pass
@@ -93,6 +95,43 @@ class _SupervisedSource:
                                f"{consumed_samples} samples were consumed")
         return lo, hi
 
+    def collate_rows(self, rows: List[List[int]], shape=None) -> dict:
+        """Packed rows, row r holding samples rows[r] (global ids, each row fitting as
+        `next_fit_rows` packs it). GPT: rows of --seq-length tokens (`pack_samples`; a sample
+        takes its length + 1); T5: (--encoder-seq-length, --decoder-seq-length) rows with
+        per-pair segments (`pack_t5_rows`), as long as a plan's `shape` says where given."""
+        m = self.cfg.model
+        if m.model_type == "t5":
+            pairs = {i: self.dataset[i] for r in rows for i in r}
+            se, sd = (m.encoder_seq_length, m.decoder_seq_length) if shape is None else (shape[0][1], shape[1][1])
+            d = pack_t5_rows(pairs, rows, se, sd, self.ids["bos"], self.ids["eos"], self.ids["pad"])
+            d["loss_mask"] = d["loss_mask"].astype(np.float32)
+            mb = _tensors(d)
+            mb["num_real_tokens"] = int(np.einsum("bii->", d["enc_mask"]) + d["loss_mask"].sum())
+            return mb
+        seq = m.seq_length
+        ids = [i for r in rows for i in r]
+        at = {i: k for k, i in enumerate(ids)}
+        seqs, starts = [], []
+        for i in ids:
+            p = self.dataset[i]
+            x, n_in = concat_pair(p["inputs"], p["targets"], seq)  # the fixed collate's truncation
+            seqs.append(x)
+            starts.append(n_in)
+        # Rows hold seq + 1 tokens so that a full-length sample keeps all of its labels.
+        out = pack_samples(seqs, seq + 1, pad_id=self.ids["pad"], loss_starts=starts,
+                           rows=[[at[i] for i in r] for r in rows])
+        mb = _tensors({k: v[:, :seq] for k, v in out.items()})
+        mb["num_real_tokens"] = int((mb["segment_ids"] > 0).sum())
+        return mb
+
+    def microbatches(self, lo: int, group) -> List[dict]:
+        """A DynaPipe group's micro-batches: padded samples, or packed rows where the plan has them."""
+        if group.rows is not None:
+            return [self.collate_rows([[lo + i for i in r] for r in rows], shape)
+                    for rows, shape in zip(group.rows, group.shapes)]
+        return [self.collate([lo + i for i in ids], shape) for ids, shape in zip(group.microbatches, group.shapes)]
+
     def collate(self, sample_ids: List[int], shape) -> dict:
         pairs = [self.dataset[i] for i in sample_ids]
         if self.cfg.model.model_type == "gpt":
@@ -151,8 +190,9 @@ class DynaPipeSource(_SupervisedSource):
             raise RuntimeError(f"iteration {iteration}: plan has {len(plan.groups)} data-parallel groups, "
                                f"the job has {self.ps.dp_size}")
         group = plan.groups[self.ps.dp_rank]
-        mbs = [self.collate([lo + i for i in ids], shape) for ids, shape in zip(group.microbatches, group.shapes)]
+        mbs = self.microbatches(lo, group)
         info = {"planner": "dynapipe", "recompute": plan.recompute, "schedule": group.schedule,
+                "packed_rows": group.rows is not None,
                 "microbatch_shapes": [s[0] if len(s) == 1 else s for s in group.shapes],
                 "num_microbatches": [len(g.microbatches) for g in plan.groups],
                 "padding_efficiency": plan.padding_efficiency, "planning_ms": plan.planning_ms,
@@ -210,7 +250,7 @@ class DynaPipeEvalSource(_SupervisedSource):
                                                                validate=k == 0))
             self._plans[k] = plan
         group = plan.groups[self.ps.dp_rank]
-        mbs = [self.collate([lo + i for i in ids], shape) for ids, shape in zip(group.microbatches, group.shapes)]
+        mbs = self.microbatches(lo, group)
         info = {"planner": "dynapipe", "num_microbatches": [len(g.microbatches) for g in plan.groups],
                 "padding_efficiency": plan.padding_efficiency}
         return IterationWork(mbs, group.plans[self.ps.pp_rank], hi - lo, info)
@@ -234,28 +274,18 @@ class BaselineSource(_SupervisedSource):
         self.planner, self.shapes_fn, self.pack = planner, shapes_fn, pack
 
     def _packed_microbatches(self, lo: int, hi: int) -> List[dict]:
-        seq, mbs = self.cfg.model.seq_length, self.cfg.training.micro_batch_size
-        seqs, starts = [], []
-        for i in range(lo, hi):
-            p = self.dataset[i]
-            x, n_in = concat_pair(p["inputs"], p["targets"], seq)  # the fixed collate's truncation
-            seqs.append(x)
-            starts.append(n_in)
-        # Rows hold seq + 1 tokens so that a full-length sample keeps all of its labels.
-        rows = pack_samples(seqs, seq + 1, pad_id=self.ids["pad"], loss_starts=starts)
-        rows = {k: v[:, :seq] for k, v in rows.items()}
-        n = rows["tokens"].shape[0]
-        chunks = [list(range(s, min(s + mbs, n))) for s in range(0, n, mbs)]
-        out = []
-        for c in chunks[self.ps.dp_rank::self.ps.dp_size]:
-            mb = _tensors({k: v[c] for k, v in rows.items()})
-            mb["num_real_tokens"] = int((mb["segment_ids"] > 0).sum())
-            out.append(mb)
-        return out
+        m, mbs = self.cfg.model, self.cfg.training.micro_batch_size
+        if m.model_type == "t5":  # a pair takes its planned (input, target + bos) lengths
+            rows = next_fit_rows(self.lengths[lo:hi], (m.encoder_seq_length, m.decoder_seq_length))
+        else:  # a sample takes its planned length + 1 tokens (concat_pair's sequence) of a row of seq + 1
+            rows = next_fit_rows(self.lengths[lo:hi] + 1, m.seq_length + 1)
+        rows = [[lo + i for i in r] for r in rows]
+        chunks = [rows[s:s + mbs] for s in range(0, len(rows), mbs)]
+        return [self.collate_rows(c) for c in chunks[self.ps.dp_rank::self.ps.dp_size]]
 
     def next(self, iteration: int, consumed_samples: int) -> IterationWork:
         lo, hi = self._batch(iteration, consumed_samples)
-        if self.pack and self.cfg.model.model_type == "gpt":
+        if self.pack:
             mbs = self._packed_microbatches(lo, hi)
         else:
             size = self.cfg.training.micro_batch_size
@@ -307,7 +337,11 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   # The simulator then times compressed gradient messages at their real size.
                   grad_compress_rank=cfg.compression.inter_grad_comp_rank if cfg.compression.inter_grad_comp else 0,
                   grad_compress_epilogue_only=cfg.compression.inter_grad_comp_epilogue_only,
-                  sequence_parallel=m.sequence_parallel, num_attention_heads=m.num_attention_heads)
+                  sequence_parallel=m.sequence_parallel, num_attention_heads=m.num_attention_heads,
+                  packed_rows=d.dynapipe_packed_rows)
+    if d.dynapipe_packed_rows:  # rows as long as the fixed batches' sequences (T5: both sides)
+        common.update(packed_max_len=m.seq_length if m.model_type == "gpt" else m.encoder_seq_length,
+                      packed_dec_len=None if m.model_type == "gpt" else m.decoder_seq_length)
     if m.model_type == "gpt":
         return DynaPipeConfig(model_kind="gpt", num_layers=m.num_layers, **common)
     return DynaPipeConfig(model_kind="t5", num_layers=m.num_layers, encoder_layers=m.encoder_num_layers,

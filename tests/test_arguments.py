@@ -174,15 +174,14 @@ def test_older_spellings_rejected_with_pointer(capsys, extra, needle):
     assert needle in _error(capsys, BASE + extra, 1)
 
 
-def test_pack_dataset_with_t5_is_refused(capsys):
+def test_pack_dataset_and_dynapipe_packed_rows_parse_for_t5():
     t5 = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--encoder-seq-length", "64",
           "--decoder-seq-length", "32", "--data-path", "in", "--targets-data-path", "out",
-          "--tokens-per-global-batch", "512", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
-          "--pack-dataset"]
-    with pytest.raises(SystemExit) as e:
-        parse_args(t5, world_size=1, model_type="t5")
-    assert e.value.code == 2
-    assert "--pack-dataset packs GPT rows only" in capsys.readouterr().err
+          "--tokens-per-global-batch", "512", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    assert parse_args(t5 + ["--pack-dataset"], world_size=1, model_type="t5").data.pack_dataset
+    cfg = parse_args(t5 + ["--dynapipe", "--dynapipe-cost-model", "cost_models/cpu_tiny_t5.json",
+                           "--dynapipe-cost-model-any", "--dynapipe-packed-rows"], world_size=1, model_type="t5")
+    assert cfg.data.dynapipe_packed_rows
 
 
 # -- --help: every option documented, grouped as Megatron-LM groups them (issue 23) --------------

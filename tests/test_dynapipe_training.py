@@ -58,7 +58,8 @@ def _cfg(world, kind, data, mode, pp=1, tp=1, iters=2, workers=0):
                                 seed=1234, clip_grad=1.0),
         data=DataConfig(data_path=[data[0]], targets_data_path=[data[1]], split="100,0,0",
                         tokenizer_type="NullTokenizer", tokens_per_global_batch=600,
-                        pack_dataset=mode == "packing", dynapipe=mode == "dynapipe",
+                        pack_dataset=mode == "packing", dynapipe=mode in ("dynapipe", "dynapipe_packed"),
+                        dynapipe_packed_rows=mode == "dynapipe_packed",
                         dynapipe_cost_model=GPT_COST_MODEL if kind == "gpt" else T5_COST_MODEL,
                         dynapipe_memory_limit=400.0,
                         dynapipe_planner_workers=workers, dynapipe_lookahead=2),
@@ -119,13 +120,39 @@ def test_gpt_dynapipe_pp2_dp2_equals_whole_batch_step(multitask, gpt_reference):
     _check(gpt_reference, run_distributed(_train, 4, "gpt", multitask, "dynapipe", 2))
 
 
+def test_gpt_dynapipe_packed_rows_pp2_equals_whole_batch_step(multitask, gpt_reference):
+    """DynaPipe choosing micro-batches of packed rows (several samples per row, per-document
+    attention, as --pack-dataset runs them) still gives the whole-batch step."""
+    outs = run_distributed(_train, 2, "gpt", multitask, "dynapipe_packed", 2)
+    info = [o for o in outs if o["is_last"]][0]["info"]
+    assert any(i["packed_rows"] for i in info)
+    _check(gpt_reference, outs)
+
+
 def test_gpt_baselines_equal_whole_batch_step(multitask, gpt_reference):
     _check(gpt_reference, run_distributed(_train, 2, "gpt", multitask, "packing", 2))
     _check(gpt_reference, run_distributed(_train, 2, "gpt", multitask, "fixed", 1, 2))
 
 
-def test_t5_dynapipe_pp2_equals_whole_batch_step(multitask):
-    ref = run_distributed(_train, 1, "t5", multitask, "whole")
+@pytest.fixture(scope="module")
+def t5_reference(multitask):
+    return run_distributed(_train, 1, "t5", multitask, "whole")
+
+
+def test_t5_packing_equals_whole_batch_step(multitask, t5_reference):
+    """--pack-dataset for T5 (PP=2): pairs packed into encoder/decoder rows with per-pair masks
+    and positions (learned absolute positions restart per pair) give the whole-batch loss."""
+    ref = t5_reference
+    last = [o for o in run_distributed(_train, 2, "t5", multitask, "packing", 2) if o["is_last"]][0]
+    assert all(i["planner"] == "packing" for i in last["info"])
+    # several pairs per row: fewer rows than pairs in every global batch
+    assert all(sum(s[0] for s in i["microbatch_shapes"]) < n for i, n in zip(last["info"], last["samples"]))
+    assert last["samples"] == ref[0]["samples"]
+    assert last["loss"] == pytest.approx(ref[0]["loss"], rel=2e-5)
+
+
+def test_t5_dynapipe_pp2_equals_whole_batch_step(multitask, t5_reference):
+    ref = t5_reference
     # Stage parameter names differ between PP=1 and PP=2 for T5, so compare the loss trajectory
     # (which after one optimizer step depends on every gradient) and the step's sample counts.
     outs = run_distributed(_train, 2, "t5", multitask, "dynapipe", 2)
@@ -134,3 +161,8 @@ def test_t5_dynapipe_pp2_equals_whole_batch_step(multitask):
     assert last["loss"] == pytest.approx(r["loss"], rel=2e-5)
     outs_dp = run_distributed(_train, 4, "t5", multitask, "dynapipe", 2)
     assert [o for o in outs_dp if o["is_last"]][0]["loss"] == pytest.approx(r["loss"], rel=2e-5)
+    # DynaPipe choosing micro-batches of packed T5 rows (--dynapipe-packed-rows)
+    packed = [o for o in run_distributed(_train, 2, "t5", multitask, "dynapipe_packed", 2) if o["is_last"]][0]
+    assert any(i["packed_rows"] for i in packed["info"])
+    assert packed["samples"] == r["samples"]
+    assert packed["loss"] == pytest.approx(r["loss"], rel=2e-5)

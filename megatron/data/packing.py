@@ -15,15 +15,35 @@ from typing import Sequence
 import numpy as np
 
 
-def pack_samples(samples: Sequence[np.ndarray], max_len: int, pad_id: int = 0,
-                 loss_starts: Sequence[int] | None = None) -> dict:
-    """Pack samples next-fit into rows of max_len tokens.
+def next_fit_rows(sizes, capacity) -> list:
+    """The one definition of a packed row, shared by the data path, the planners' cost model
+    and the baselines: samples in order, next-fit into rows of `capacity` tokens; a sample that
+    does not fit the current row's free space closes it. `sizes`: tokens per sample (GPT), or
+    (encoder, decoder) pairs (T5: both sides must fit; `capacity` one length for both or an
+    (encoder, decoder) pair). Sizes are clipped to the capacity; empty samples are skipped.
+    Returns rows as lists of sample indices."""
+    rows, free = [], None
+    cap = np.asarray(capacity, dtype=np.int64)
+    for i, s in enumerate(np.minimum(np.asarray(sizes, dtype=np.int64), cap).tolist()):
+        s = s if isinstance(s, list) else [s]
+        if not any(v > 0 for v in s):
+            continue
+        if free is None or any(v > f for v, f in zip(s, free)):
+            rows.append([])
+            free = np.broadcast_to(cap, (len(s),)).tolist()
+        rows[-1].append(i)
+        free = [f - v for f, v in zip(free, s)]
+    return rows
 
-    Samples keep their order; a sample that does not fit in the current row's free
-    space closes the row and starts a new one; samples longer than max_len are
-    truncated to max_len; empty samples are skipped.  Inside each sample,
-    labels[j] = tokens[j + 1] and the sample's last position has no label (loss_mask 0),
-    so no label crosses a sample boundary.  Returns numpy arrays [rows, max_len]:
+
+def pack_samples(samples: Sequence[np.ndarray], max_len: int, pad_id: int = 0,
+                 loss_starts: Sequence[int] | None = None, rows: Sequence[Sequence[int]] | None = None) -> dict:
+    """Pack samples into rows of max_len tokens: next-fit (`next_fit_rows`) unless `rows`
+    (lists of sample indices, each fitting max_len, e.g. a planner's) is given.
+
+    Samples longer than max_len are truncated to max_len; empty samples are skipped.
+    Inside each sample, labels[j] = tokens[j + 1] and the sample's last position has no label
+    (loss_mask 0), so no label crosses a sample boundary.  Returns numpy arrays [rows, max_len]:
     tokens, labels (int64), loss_mask (float32), position_ids (reset to 0 per sample),
     segment_ids (1..k per sample within the row, 0 on padding).
     `loss_starts[i]` (supervised pairs: the input length of sample i) restricts the loss to
@@ -31,20 +51,9 @@ def pack_samples(samples: Sequence[np.ndarray], max_len: int, pad_id: int = 0,
     """
     if max_len <= 0:
         raise ValueError(f"max_len must be positive, got {max_len}")
-    rows: list[list[np.ndarray]] = []
-    starts: list[list[int]] = []
-    free = 0
-    for i, s in enumerate(samples):
-        s = np.asarray(s, dtype=np.int64)[:max_len]
-        if s.size == 0:
-            continue
-        if not rows or s.size > free:
-            rows.append([])
-            starts.append([])
-            free = max_len
-        rows[-1].append(s)
-        starts[-1].append(0 if loss_starts is None else int(loss_starts[i]))
-        free -= s.size
+    samples = [np.asarray(s, dtype=np.int64)[:max_len] for s in samples]
+    if rows is None:
+        rows = next_fit_rows([s.size for s in samples], max_len)
     n = len(rows)
     out = {
         "tokens": np.full((n, max_len), pad_id, dtype=np.int64),
@@ -55,8 +64,12 @@ def pack_samples(samples: Sequence[np.ndarray], max_len: int, pad_id: int = 0,
     }
     for r, row in enumerate(rows):
         pos = 0
-        for k, (s, q) in enumerate(zip(row, starts[r]), start=1):
+        for k, i in enumerate(row, start=1):
+            s = samples[i]
+            q = 0 if loss_starts is None else int(loss_starts[i])
             L = s.size
+            if pos + L > max_len:
+                raise ValueError(f"row {r} holds {pos + L} tokens, more than its {max_len}")
             sl = slice(pos, pos + L)
             out["tokens"][r, sl] = s
             out["labels"][r, pos:pos + L - 1] = s[1:]
@@ -158,6 +171,49 @@ def collate_supervised_t5(pairs: Sequence[dict], encoder_seq_length: int, decode
         "dec_mask": dv[:, :, None] & dv[:, None, :] & np.tri(decoder_seq_length, dtype=bool)[None],
         "enc_dec_mask": dv[:, :, None] & ev[:, None, :],
     }
+
+
+def pack_t5_rows(pairs: Sequence[dict], rows: Sequence[Sequence[int]], encoder_seq_length: int,
+                 decoder_seq_length: int, bos: int, eos: int, pad: int) -> dict:
+    """T5 packed rows: row r holds the pairs rows[r] (indices into `pairs`), their inputs one
+    after another on the encoder side and their `[bos] + targets` / `targets + [eos]` on the
+    decoder side, truncated as `collate_supervised_t5` truncates one pair (a pair occupies
+    (len(inputs), len(targets) + 1) tokens, see `next_fit_rows`). Per-document masks: encoder
+    and decoder self-attention block-diagonal (the decoder's also causal), cross-attention
+    only to the same pair's inputs; position ids restart at 0 for every pair (relative
+    position buckets are offset-invariant, so within a pair nothing changes). Padding as in
+    `collate_supervised_t5`."""
+    n = len(rows)
+    out = {"text_enc": np.full((n, encoder_seq_length), pad, dtype=np.int64),
+           "text_dec": np.full((n, decoder_seq_length), pad, dtype=np.int64),
+           "labels": np.full((n, decoder_seq_length), -1, dtype=np.int64),
+           "loss_mask": np.zeros((n, decoder_seq_length), dtype=np.int64),
+           "enc_position_ids": np.zeros((n, encoder_seq_length), dtype=np.int64),
+           "dec_position_ids": np.zeros((n, decoder_seq_length), dtype=np.int64)}
+    seg_e = np.zeros((n, encoder_seq_length), dtype=np.int64)
+    seg_d = np.zeros((n, decoder_seq_length), dtype=np.int64)
+    for r, row in enumerate(rows):
+        pe = pd = 0
+        for k, i in enumerate(row, start=1):
+            inp = np.asarray(pairs[i]["inputs"], dtype=np.int64)[:encoder_seq_length]
+            tgt = np.asarray(pairs[i]["targets"], dtype=np.int64)[:decoder_seq_length - 1]
+            le, ld = inp.size, tgt.size + 1
+            if pe + le > encoder_seq_length or pd + ld > decoder_seq_length:
+                raise ValueError(f"row {r} holds more than ({encoder_seq_length}, {decoder_seq_length}) tokens")
+            out["text_enc"][r, pe:pe + le] = inp
+            out["enc_position_ids"][r, pe:pe + le] = np.arange(le)
+            seg_e[r, pe:pe + le] = k
+            out["text_dec"][r, pd:pd + ld] = np.concatenate([[bos], tgt])
+            out["labels"][r, pd:pd + ld] = np.concatenate([tgt, [eos]])
+            out["loss_mask"][r, pd:pd + ld] = 1
+            out["dec_position_ids"][r, pd:pd + ld] = np.arange(ld)
+            seg_d[r, pd:pd + ld] = k
+            pe, pd = pe + le, pd + ld
+    same = lambda a, b: (a[:, :, None] == b[:, None, :]) & (a[:, :, None] > 0)  # noqa: E731
+    out["enc_mask"] = same(seg_e, seg_e)
+    out["dec_mask"] = same(seg_d, seg_d) & np.tri(decoder_seq_length, dtype=bool)[None]
+    out["enc_dec_mask"] = same(seg_d, seg_e)
+    return out
 
 
 def padding_stats(*valid_masks) -> dict:

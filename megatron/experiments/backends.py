@@ -1,7 +1,8 @@
 """One job = one system at one parallel layout on one setting; a back-end turns it into a result row.
 
-* `SimulateBackend`: the DynaPipe planner (`megatron.planner.dynapipe`) and the packing / fixed
-  baselines (`megatron.planner.baselines`) on the grid's cost model, over batches drawn from the
+* `SimulateBackend`: the DynaPipe planner (`megatron.planner.dynapipe`, also searching micro-batches
+  of packed rows) and the packing / packing_varlen / packing_balanced / fixed baselines
+  (`megatron.planner.baselines`) on the grid's cost model, over batches drawn from the
   multi-task lengths (`lengths.draw_batches`); iteration times are the simulator's makespans.
 * `LiveBackend` (`live.py`): torchrun pretrain_gpt.py / pretrain_t5.py, log lines parsed.
 """
@@ -21,7 +22,7 @@ from megatron.experiments.rows import make_row
 class Job:
     experiment: str
     setting: Setting
-    system: str  # dynapipe | packing | fixed
+    system: str  # dynapipe | packing | packing_varlen | packing_balanced | fixed
     pp: int
     tp: int
     dp: int
@@ -83,14 +84,15 @@ class SimulateBackend(Backend):
 
     def planner(self, grid: Grid, spec: ModelSpec, job: Job, overrides: dict):
         from megatron.planner.dynapipe import DynaPipeConfig, DynaPipePlanner
-        key = (spec.name, job.pp, job.tp, job.dp, tuple(sorted(overrides.items())))
+        key = (spec.name, job.setting.max_len, job.pp, job.tp, job.dp, tuple(sorted(overrides.items())))
         if key not in self._planners:
             cm = str(ROOT / spec.cost_model) if (ROOT / spec.cost_model).is_file() else spec.cost_model
             shape = (dict(num_layers=spec.num_layers) if spec.kind == "gpt" else
                      dict(encoder_layers=spec.encoder_layers, decoder_layers=spec.decoder_layers))
             cfg = DynaPipeConfig(cost_model_path=cm, model_kind=spec.kind, hidden_size=spec.hidden_size,
                                  pipeline_parallel=job.pp, data_parallel=job.dp, tensor_parallel=job.tp,
-                                 memory_limit_mb=grid.memory_limit_mb, emit_plans=False, **shape)
+                                 memory_limit_mb=grid.memory_limit_mb, emit_plans=False,
+                                 packed_rows=True, packed_max_len=job.setting.max_len, **shape)
             cfg = replace(cfg, **overrides)
             try:
                 self._planners[key] = DynaPipePlanner(cfg)
@@ -111,6 +113,8 @@ class SimulateBackend(Backend):
         batches = self.batches(grid, spec, job.setting, job.batches)
         if job.system == "dynapipe" and partition == "dp":
             return self._dynapipe(grid, job, planner, batches)
+        if job.system in ("packing_varlen", "packing_balanced"):
+            return self._packed(grid, job, planner, spec.kind, batches)
         return self._fixed_shapes(grid, job, planner, spec.kind, batches, partition)
 
     def _dynapipe(self, grid, job, planner, batches):
@@ -162,6 +166,35 @@ class SimulateBackend(Backend):
         return job.row(grid, self.name, status="ok", iterations=len(times), iteration_ms=float(np.mean(times)),
                        tokens_per_s=real / (sum(times) / 1e3), padding_efficiency=float(np.mean(eff)),
                        predicted_ms=[round(t, 3) for t in times], recompute=rcs.most_common(1)[0][0])
+
+    def _packed(self, grid, job, planner, kind, batches):
+        """Rows of documents with per-document attention (`megatron.planner.baselines`); the
+        balanced packing defers long documents across the job's batches (`BalancedStream`)."""
+        from megatron.planner import baselines as bl
+        from megatron.planner import packed
+        stream = bl.BalancedStream(kind, job.setting.max_len)
+        times, eff, real = [], [], 0
+        for k, b in enumerate(batches):
+            if job.system == "packing_balanced":
+                b = stream.next(b, last=k == len(batches) - 1)
+                # cost estimated at the first recompute level, as the baselines and DynaPipe's search do
+                mbs = packed.balanced(planner, kind, b, job.setting.max_len, job.micro_batch_size)
+            else:
+                rows = packed.next_fit(kind, b, job.setting.max_len)
+                mbs = [rows[i:i + job.micro_batch_size] for i in range(0, len(rows), job.micro_batch_size)]
+            groups = packed.contiguous_groups(len(mbs), job.dp)
+            sh = packed.shapes_of(planner, kind, b, job.setting.max_len, mbs)
+            t = np.inf if groups is None else packed.one_f_one_b_time(planner, job.recompute, sh, groups)
+            if not np.isfinite(t):
+                return job.row(grid, self.name, status="infeasible", iterations=0,
+                               error=f"no {job.system} micro-batch of {job.micro_batch_size} rows fits "
+                                     f"{grid.memory_limit_mb:.0f} MB at this layout")
+            times.append(t)
+            eff.append(sh.real_tokens / sh.computed_tokens)
+            real += sh.real_tokens
+        return job.row(grid, self.name, status="ok", iterations=len(times), iteration_ms=float(np.mean(times)),
+                       tokens_per_s=real / (sum(times) / 1e3), padding_efficiency=float(np.mean(eff)),
+                       predicted_ms=[round(t, 3) for t in times], recompute=job.recompute)
 
     @staticmethod
     def _candidates(planner, kind, job, batch, partition):

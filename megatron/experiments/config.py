@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
-SYSTEMS = ("dynapipe", "packing", "fixed")
+# packing: the DynaPipe paper's (attention over whole rows); packing_varlen / packing_balanced:
+# per-document attention (next-fit / WLB-LLM cost-balanced), see megatron.planner.baselines.
+SYSTEMS = ("dynapipe", "packing", "packing_varlen", "packing_balanced", "fixed")
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -186,8 +188,8 @@ def write_config(path: Path, doc: dict) -> None:
     tmp.replace(path)
 
 
-SYSTEM_FIELDS = {"dynapipe": ("pp", "tp", "dp"), "packing": ("pp", "tp", "dp", "micro_batch_size", "recompute"),
-                 "fixed": ("pp", "tp", "dp", "micro_batch_size", "recompute")}
+SYSTEM_FIELDS = {"dynapipe": ("pp", "tp", "dp"),
+                 **{s: ("pp", "tp", "dp", "micro_batch_size", "recompute") for s in SYSTEMS[1:]}}
 
 
 def load_setting_config(path, grid: Grid) -> dict:

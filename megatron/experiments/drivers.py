@@ -205,7 +205,8 @@ def speedup_table(rows: List[dict]) -> str:
         if not r["variant"]:
             by.setdefault((r["backend"], r["model"], r["gpus"], r["max_len"]), {})[r["system"]] = r
     lines = [f"{'backend':8s} {'model':10s} {'gpus':>4s} {'max_len':>7s} {'dynapipe tok/s':>14s} "
-             f"{'packing tok/s':>13s} {'fixed tok/s':>11s} {'vs packing':>10s} {'vs fixed':>8s}"]
+             f"{'packing tok/s':>13s} {'fixed tok/s':>11s} {'vs packing':>10s} {'vs fixed':>8s} "
+             f"{'vs varlen':>9s} {'vs balanced':>11s}"]
     for (be, m, g, L), d in sorted(by.items()):
         tp = {k: (v["tokens_per_s"] if v["status"] == "ok" else None) for k, v in d.items()}
 
@@ -215,7 +216,8 @@ def speedup_table(rows: List[dict]) -> str:
         def sp(b):
             return f"{tp['dynapipe'] / tp[b]:.2f}x" if tp.get("dynapipe") and tp.get(b) else "n/a"
         lines.append(f"{be:8s} {m:10s} {g:4d} {L:7d} {f(tp.get('dynapipe'), 14)} {f(tp.get('packing'), 13)} "
-                     f"{f(tp.get('fixed'), 11)} {sp('packing'):>10s} {sp('fixed'):>8s}")
+                     f"{f(tp.get('fixed'), 11)} {sp('packing'):>10s} {sp('fixed'):>8s} "
+                     f"{sp('packing_varlen'):>9s} {sp('packing_balanced'):>11s}")
     return "\n".join(lines)
 
 

@@ -20,7 +20,9 @@ import numpy as np
 
 from megatron.experiments.rows import read_rows
 
-SYSTEM_STYLE = {"dynapipe": ("DynaPipe", "o-"), "packing": ("Megatron + packing", "s--"),
+SYSTEM_STYLE = {"dynapipe": ("DynaPipe", "o-"), "packing": ("Megatron + packing (dense rows, paper)", "s--"),
+                "packing_varlen": ("Megatron + packing, per-document attention", "d--"),
+                "packing_balanced": ("WLB-LLM balanced packing", "v--"),
                 "fixed": ("Megatron, fixed micro-batches", "^:")}
 
 

@@ -45,7 +45,7 @@ def command(grid: Grid, job: Job, spec: ModelSpec) -> List[str]:
         cmd += ["--dynapipe", "--dynapipe-cost-model", cm, "--dynapipe-memory-limit", f"{grid.memory_limit_mb:g}"]
     else:
         cmd += ["--micro-batch-size", str(job.micro_batch_size)] + RECOMPUTE_FLAGS[job.recompute or "none"]
-        if job.system == "packing":
+        if job.system in ("packing", "packing_varlen"):  # the trainer's packing is per-document
             cmd.append("--pack-dataset")
     return cmd
 
@@ -89,6 +89,10 @@ class LiveBackend(Backend):
         if job.variant not in ("", "dynapipe"):
             raise ValueError(f"ablation variant {job.variant!r} changes planner internals that the trainer has "
                              "no flag for; run the ablation with --simulate")
+        if job.system == "packing_balanced":  # recorded, so that the sweep goes on
+            return job.row(grid, self.name, status="infeasible", iterations=0,
+                           error="packing_balanced (WLB-LLM's cost-balanced packing) has no trainer flag; "
+                                 "it is simulated only (--simulate)")
         cmd = command(grid, job, spec)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")

@@ -58,7 +58,9 @@ def parse_log(text: str) -> List[dict]:
                 if k in f:
                     info[k] = f[k]
             if "planning ms" in f:
-                info["planning_ms"] = _float(f["planning ms"])
+                nums = _floats(f["planning ms"])  # "planning ms: P (waited W)"
+                info["planning_ms"] = nums[0] if nums else None
+                info["plan_wait_ms"] = nums[1] if len(nums) > 1 else None
             if "simulated / measured iteration ms" in f:
                 sim, meas = (_floats(f["simulated / measured iteration ms"]) + [None, None])[:2]
                 info["simulated_ms"], info["measured_ms"] = sim, meas

@@ -22,7 +22,7 @@ ROW_FIELDS = {
     "max_len": (int, "max sequence length"),
     "gpus": (int, "devices (PP x TP x DP)"),
     "tokens_per_batch": (int, "global batch token budget"),
-    "system": (str, "dynapipe | packing | fixed"),
+    "system": (str, "dynapipe | packing | packing_varlen | packing_balanced | fixed"),
     "variant": (str, "ablation variant, '' elsewhere"),
     "pp": (int, "pipeline stages"), "tp": (int, "tensor parallel"), "dp": (int, "data parallel"),
     "micro_batch_size": ((int, type(None)), "baselines: samples/rows per micro-batch; dynapipe: None"),

@@ -227,9 +227,11 @@ class T5Stage(nn.Module):
             self.lm_head_bias = nn.Parameter(torch.zeros(self.padded_vocab // ps.tp_size))
             mark_tensor_parallel(self.lm_head_bias, 0)
 
-    def _embed(self, tokens):
+    def _embed(self, tokens, pos=None):
+        """`pos`: position ids (packed rows restart them per pair); default 0..s-1."""
         if self.embedding.position_embeddings is not None:
-            pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+            if pos is None:
+                pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
             return self.embedding(tokens, pos)
         x = self.embedding.word_embeddings(tokens).transpose(0, 1).contiguous()
         d = self.embedding.dropout
@@ -244,7 +246,7 @@ class T5Stage(nn.Module):
         enc_mask, dec_mask, cross_mask = t5_masks(batch)
         enc_out = None
         if self.has_encoder:
-            x = self._embed(batch["text_enc"]) if self.pre_process else inputs[0]
+            x = self._embed(batch["text_enc"], batch.get("enc_position_ids")) if self.pre_process else inputs[0]
             x = self.encoder(x, enc_mask, recompute=self.recompute)
             if self.encoder_end:
                 x = self.encoder_final_layernorm(x)
@@ -254,7 +256,7 @@ class T5Stage(nn.Module):
         if self.pre_process_decoder:
             if enc_out is None:
                 (enc_out,) = inputs
-            y = self._embed(batch["text_dec"])
+            y = self._embed(batch["text_dec"], batch.get("dec_position_ids"))
         else:
             y, enc_out = inputs
         y = self.decoder(y, dec_mask, enc_out, cross_mask, recompute=self.recompute)

@@ -1,7 +1,15 @@
 """Megatron-style baselines for multi-task batches, costed with a DynaPipe planner's cost model.
 
 * packing: samples packed next-fit into rows of `max_len` tokens (T5: both sides must fit),
-  `b` rows per micro-batch, 1F1B;
+  `b` rows per micro-batch, 1F1B, attention over the whole row (the DynaPipe paper's
+  baseline: dense rows costing b * L^2, kept to reproduce its figures);
+* packing_varlen: the same rows run with per-document attention (Megatron-Core THD /
+  `cu_seqlens`, this project's `--pack-dataset`): attention priced on sum l_i^2 and activation
+  memory linear in tokens (flash/varlen kernel), see `megatron.planner.attention_cost`;
+* packing_balanced: WLB-LLM's packing (`megatron.planner.packed.balanced`): documents placed so
+  that micro-batches carry similar estimated (token + attention) cost, per-document attention;
+  across iterations (`BalancedStream`) long outliers are deferred at most a bounded number of
+  iterations so that each iteration gets a similar share of them;
 * fixed: unpacked samples in data order, `b` per micro-batch, each micro-batch padded to its
   longest sample, 1F1B.
 
@@ -16,10 +24,12 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
+from megatron.planner import packed
 from megatron.planner.schedules import one_f_one_b, search
 from megatron.planner.simulator import PipelineCosts, simulate
 
-SIZES = (1, 2, 4, 8, 16, 32, 64)
+SIZES = packed.SIZES
+NAMES = ("packing", "packing_varlen", "packing_balanced", "fixed")
 
 
 def pack_rows(batch, kind, max_len):
@@ -116,19 +126,74 @@ def baseline_time(planner, kind, mb_shapes_per_group, rcs):
     return best
 
 
-def baselines(planner, kind, batch, max_len, sizes=SIZES):
-    """{'packing'|'fixed': (best time, micro-batch size, recompute)} over sizes and levels."""
+def packed_time(planner, kind, batch, max_len, name, b, rcs):
+    """Best 1F1B time (and rc) of the per-document-attention packings at micro-batch size b."""
+    best = (np.inf, None)
+    for rc in rcs:
+        if name == "packing_varlen":
+            rows = packed.next_fit(kind, batch, max_len)
+            mbs = [rows[k:k + b] for k in range(0, len(rows), b)]
+        else:  # cost estimated at the first recompute level for all levels, as DynaPipe's search does
+            mbs = packed.balanced(planner, kind, batch, max_len, b)
+        groups = packed.contiguous_groups(len(mbs), planner.cfg.data_parallel)
+        if groups is None:
+            continue
+        t = packed.one_f_one_b_time(planner, rc, packed.shapes_of(planner, kind, batch, max_len, mbs), groups)
+        if t < best[0]:
+            best = (t, rc)
+    return best
+
+
+def baselines(planner, kind, batch, max_len, sizes=SIZES, names=NAMES):
+    """{name: (best time, micro-batch size, recompute)} over sizes and levels, for each of
+    `names` (see the module docstring)."""
     dp, rcs = planner.cfg.data_parallel, [r for r in planner.cfg.recompute_levels
                                           if planner.cm.has(planner.cfg.tensor_parallel, r)]
     out = {}
-    for name in ("packing", "fixed"):
+    for name in names:
         best = (np.inf, None, None)
         for b in sizes:
-            groups = split_groups(microbatch_shapes(planner, kind, name, batch, max_len, b), dp)
-            if groups is None:
-                continue
-            t, rc = baseline_time(planner, kind, groups, rcs)
+            if name in ("packing_varlen", "packing_balanced"):
+                t, rc = packed_time(planner, kind, batch, max_len, name, b, rcs)
+            else:
+                groups = split_groups(microbatch_shapes(planner, kind, name, batch, max_len, b), dp)
+                if groups is None:
+                    continue
+                t, rc = baseline_time(planner, kind, groups, rcs)
             if t < best[0]:
                 best = (t, b, rc)
         out[name] = best
     return out
+
+
+class BalancedStream:
+    """WLB-LLM's outlier delay over a stream of global batches: documents of more than
+    `threshold` x max_len tokens are queued; each iteration takes the queued ones that have
+    waited `max_delay` iterations plus the oldest others up to the running mean number of
+    outliers per batch, so long documents spread evenly over iterations. The last batch of a
+    stream (`last=True`) takes everything still queued, so no document is dropped."""
+
+    def __init__(self, kind: str, max_len: int, threshold: float = 0.5, max_delay: int = 1):
+        self.kind, self.max_len, self.threshold, self.max_delay = kind, max_len, threshold, max_delay
+        self.queue = []  # (sample, age)
+        self.seen = self.batches = 0
+
+    def _long(self, s) -> bool:
+        tokens = s if self.kind == "gpt" else s[0] + s[1]
+        return tokens > self.threshold * self.max_len
+
+    def next(self, batch, last: bool = False) -> list:
+        keep = [s for s in batch if not self._long(s)]
+        self.queue += [(s, 0) for s in batch if self._long(s)]
+        self.seen += sum(1 for s in batch if self._long(s))
+        self.batches += 1
+        quota = max(1, int(round(self.seen / self.batches)))
+        self.queue.sort(key=lambda x: -x[1])  # oldest first
+        take = [x for x in self.queue if x[1] >= self.max_delay]
+        rest = [x for x in self.queue if x[1] < self.max_delay]
+        n_more = max(0, quota - len(take))
+        take, rest = take + rest[:n_more], rest[n_more:]
+        if last:
+            take, rest = take + rest, []
+        self.queue = [(s, a + 1) for s, a in rest]
+        return keep + [s for s, _ in take]

@@ -25,7 +25,8 @@ from typing import Dict, Iterable, Sequence
 import numpy as np
 
 FORMAT_NAME = "megatron-planner-cost-model"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 adds the optional per-component "attention_split" (see attention_cost.py)
+READ_VERSIONS = (1, 2)
 RECOMPUTE_LEVELS = ("none", "selective", "full")
 QUANTITIES = ("forward_ms", "backward_ms", "stored_mb", "peak_mb")
 # Axes per component: micro-batch size first, then sequence lengths.
@@ -114,6 +115,7 @@ class CostModel:
         self.name = name
         self.model = dict(model)
         self.meta = dict(meta or {})
+        self.attention_splits = {}  # (tp, recompute, component, quantity) -> stored split dict
         self._profiles = {}
         for p in profiles:
             if p.recompute not in RECOMPUTE_LEVELS:
@@ -191,9 +193,9 @@ class CostModel:
     def from_dict(cls, doc: dict) -> "CostModel":
         if doc.get("format") != FORMAT_NAME:
             raise CostModelError(f"not a cost model file (format field is {doc.get('format')!r})")
-        if doc.get("version") != FORMAT_VERSION:
-            raise CostModelError(f"unsupported cost model version {doc.get('version')!r}; this code reads {FORMAT_VERSION}")
-        profiles = []
+        if doc.get("version") not in READ_VERSIONS:
+            raise CostModelError(f"unsupported cost model version {doc.get('version')!r}; this code reads {READ_VERSIONS}")
+        profiles, splits = [], {}
         for i, p in enumerate(doc.get("profiles", [])):
             comps = {}
             for comp, g in p["components"].items():
@@ -207,9 +209,13 @@ class CostModel:
                     raise CostModelError(f"profile {i} {comp}: forward_ms and backward_ms are required")
                 vals = {q: np.where(v == None, np.nan, v).astype(np.float64) for q, v in vals.items()}  # noqa: E711
                 comps[comp] = Grid([g[a] for a in axes_names], vals)
+                for q, sp in (g.get("attention_split") or {}).items():  # measured split (optional)
+                    splits[(int(p["tp"]), p["recompute"], comp, q)] = sp
             profiles.append(Profile(int(p["tp"]), p["recompute"], dict(p["model_state_mb"]), comps))
         meta = {k: v for k, v in doc.items() if k not in ("profiles", "model", "name")}
-        return cls(doc.get("name", "unnamed"), doc.get("model", {}), profiles, meta)
+        cm = cls(doc.get("name", "unnamed"), doc.get("model", {}), profiles, meta)
+        cm.attention_splits = splits
+        return cm
 
     def to_dict(self) -> dict:
         profiles = []
@@ -221,6 +227,10 @@ class CostModel:
                     g[name] = [int(x) if float(x).is_integer() else float(x) for x in ax]
                 for q, v in grid.values.items():
                     g[q] = _nan_to_none(v)
+                split = {q: sp for (t, r, c, q), sp in getattr(self, "attention_splits", {}).items()
+                         if (t, r, c) == (tp, rc, comp)}
+                if split:
+                    g["attention_split"] = split
                 comps[comp] = g
             profiles.append({"tp": tp, "recompute": rc, "model_state_mb": p.model_state_mb, "components": comps})
         doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "name": self.name, "model": self.model}

@@ -24,7 +24,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megatron.planner import packed
 from megatron.planner import partitioner as part
+from megatron.planner.attention_cost import AttentionCost
 from megatron.planner.cost_model import RECOMPUTE_LEVELS, CostModel
 from megatron.planner.schedules import ScheduleChoice, lower_bound, search
 from megatron.planner.simulator import PipelineCosts
@@ -85,6 +87,13 @@ class DynaPipeConfig:
     t5_lexicographic_order: bool = False
     dtype: str = "float32"
     emit_plans: bool = True
+    # Also search micro-batches of packed rows run with per-document attention
+    # (`megatron.planner.packed`): rows of `packed_max_len` tokens (GPT: the model's
+    # --seq-length; T5: encoder rows, `packed_dec_len` decoder rows, default the same). The
+    # plan then carries each micro-batch's rows (`GroupPlan.rows`).
+    packed_rows: bool = False
+    packed_max_len: Optional[int] = None
+    packed_dec_len: Optional[int] = None
 
     def __post_init__(self):
         if self.model_kind not in ("gpt", "t5"):
@@ -129,6 +138,7 @@ class GroupPlan:
     plans: list = field(default_factory=list)  # ExecutionPlan per pipeline rank
     compute_orders: list = field(default_factory=list)  # per rank [(kind, mb, stage)]
     result: object = None  # SimResult (chrome_trace() for a timeline)
+    rows: Optional[list] = None  # packed plans: per micro-batch id, its rows (lists of sample indices)
 
 
 @dataclass
@@ -157,6 +167,7 @@ class DynaPipePlanner:
         self.S = len(self.layout)
         self.available = self._available_memory()
         self._cache = {}
+        self.attention = AttentionCost(self.cm)
 
     # ---- memory -----------------------------------------------------------------------
     def _available_memory(self) -> np.ndarray:
@@ -177,8 +188,11 @@ class DynaPipePlanner:
         return avail
 
     # ---- costs ------------------------------------------------------------------------
-    def stage_costs(self, rc: str, mbs, enc, dec=None) -> dict:
-        """Per-stage arrays (S, *shape): fwd, bwd, stored, transient, peak; and 'comm'."""
+    def stage_costs(self, rc: str, mbs, enc, dec=None, packed=None) -> dict:
+        """Per-stage arrays (S, *shape): fwd, bwd, stored, transient, peak; and 'comm'.
+        `packed`: micro-batches of packed rows run with per-document attention, given as
+        (sum of squared encoder/GPT document lengths, of decoder lengths, of their products)
+        per micro-batch (`megatron.planner.attention_cost`); None: dense rows."""
         tp, out = self.cfg.tensor_parallel, {k: [] for k in ("fwd", "bwd", "stored", "peak")}
         mbs, enc = np.asarray(mbs, float), np.asarray(enc, float)
         if dec is not None:
@@ -194,7 +208,9 @@ class DynaPipePlanner:
             st = enc_out if (dec is not None and self.S > 1 and s >= self.S // 2) else 0.0
             pk = None
             for comp, n in comps:
-                if comp not in layer:
+                if comp not in layer and packed is not None:
+                    layer[comp] = self.attention.packed_layer(comp, tp, rc, mbs, enc, packed[0], dec, packed[1], packed[2])
+                elif comp not in layer:
                     layer[comp] = self.cm.layer(comp, tp, rc, mbs, enc, dec)
                 c = layer[comp]
                 f, b = f + n * c["forward_ms"], b + n * c["backward_ms"]
@@ -346,12 +362,41 @@ class DynaPipePlanner:
             got = self._schedule_groups(rc, order, p, enc_all, dec_all, best[0] if best else np.inf)
             if got is not None and (best is None or got[0] < best[0]):
                 best = (got[0], rc, fit, order, p, got[1])
+        self._enc_all, self._dec_all = enc_all, dec_all
+        if best is not None:
+            best = self._refine(best)
+        if c.packed_rows:
+            got = packed.search_packed(self, c.model_kind, lengths, self._packed_len(lengths),
+                                       best[0] if best is not None else np.inf)
+            if got is not None:
+                return self._finish_packed(got, iteration, lengths, t_start, validate)
         if best is None:
             why = "; ".join(errors[-3:]) or "no schedule fits in memory"
             raise PlanningError(f"iteration {iteration}: no feasible plan ({why})")
-        self._enc_all, self._dec_all = enc_all, dec_all
-        best = self._refine(best)
         return self._finish(best, iteration, lengths, enc_all, dec_all, t_start, validate)
+
+    def _packed_len(self, lengths):
+        """Row length(s) of packed plans: an int, or (encoder, decoder) for T5 with packed_dec_len."""
+        c = self.cfg
+        L = int(c.packed_max_len) if c.packed_max_len else int(self._pad(np.asarray(lengths, dtype=np.int64).max()))
+        return (L, int(c.packed_dec_len)) if c.model_kind == "t5" and c.packed_dec_len else L
+
+    def _finish_packed(self, got, iteration, lengths, t_start, validate) -> DynaPipeIterationPlan:
+        makespan, rc, sh, groups, _ = got
+        planning_ms = (time.perf_counter() - t_start) * 1e3
+        dims = [(int(b), int(e), 0 if sh.dec is None else int(sh.dec[k]))
+                for k, (b, e) in enumerate(zip(sh.mbs, sh.enc))]
+        group_plans = []
+        for g, ch in groups:
+            rows = [sh.rows[i] for i in g]
+            samples = [[i for r in mb for i in r] for mb in rows]
+            gp = self._group_plan(rc, ch, samples, None, None, iteration, validate,
+                                  dims=[dims[i] for i in g], rows=rows)
+            group_plans.append(gp)
+        return DynaPipeIterationPlan(
+            iteration=iteration, recompute=rc, groups=group_plans, makespan_ms=float(makespan),
+            padding_efficiency=sh.real_tokens / sh.computed_tokens, planning_ms=planning_ms,
+            lowering_ms=(time.perf_counter() - t_start) * 1e3 - planning_ms, memory_fallback=False)
 
     def _best_partition(self, rc, fit, orders, enc_all, dec_all, errors):
         best = None
@@ -434,16 +479,22 @@ class DynaPipePlanner:
             padding_efficiency=real / float(computed), planning_ms=planning_ms,
             lowering_ms=(time.perf_counter() - t_start) * 1e3 - planning_ms, memory_fallback=(fit == "single"))
 
-    def _group_plan(self, rc, ch: ScheduleChoice, samples, enc_all, dec_all, iteration, validate=True) -> GroupPlan:
+    def _group_plan(self, rc, ch: ScheduleChoice, samples, enc_all, dec_all, iteration, validate=True,
+                    dims=None, rows=None) -> GroupPlan:
+        """`dims`/`rows` (packed plans): per micro-batch (rows, row length, decoder row length)
+        and its rows, instead of the samples' padded lengths."""
         # Renumber micro-batches so that id k is the k-th one forwarded (the data loader
         # yields them in id order).
         rank_of = {old: new for new, old in enumerate(ch.order)}
         mbs = [samples[old] for old in ch.order]
-        h, t5 = self.cfg.hidden_size, dec_all is not None
+        h, t5 = self.cfg.hidden_size, self.cfg.model_kind == "t5"
         shapes, act = [], []
-        for s in mbs:
-            b, se = len(s), int(enc_all[s].max())
-            sd = int(dec_all[s].max()) if t5 else 0
+        for old, s in zip(ch.order, mbs):
+            if dims is not None:
+                b, se, sd = dims[old]
+            else:
+                b, se = len(s), int(enc_all[s].max())
+                sd = int(dec_all[s].max()) if t5 else 0
             shapes.append(((b, se), (b, sd)) if t5 else ((b, se),))
             act.append((b, se, sd))
         orders = [[(op.kind, rank_of[op.microbatch], op.stage) for op in stage_ops] for stage_ops in ch.orders]
@@ -467,7 +518,8 @@ class DynaPipePlanner:
                                    shapes, activation_shapes, recompute=rc, dtype=self.cfg.dtype,
                                    iteration=iteration, validate=validate)
         return GroupPlan([[int(i) for i in s] for s in mbs], shapes, ch.name, float(ch.result.makespan),
-                         [float(x) for x in ch.result.peak_memory], plans, orders, ch.result)
+                         [float(x) for x in ch.result.peak_memory], plans, orders, ch.result,
+                         None if rows is None else [[[int(i) for i in r] for r in rows[old]] for old in ch.order])
 
 
 def sp_memory_factor(rc: str, tp: int, seq, hidden: int, heads: Optional[int]):

@@ -61,6 +61,19 @@ def layer_workload(block: TransformerBlock, cfg: ModelConfig, recompute: str, mb
                     shared=lambda ins: [ins[1]])
 
 
+def packed_layer_workload(block: TransformerBlock, cfg: ModelConfig, recompute: str, mbs: int, seq: int,
+                          docs: int, device, dtype) -> Workload:
+    """The stack on `mbs` packed rows of `seq` tokens, each holding `docs` equal documents, run
+    by the variable-length kernel (as training runs --pack-dataset rows): attention work
+    mbs * docs * (seq / docs)^2."""
+    from megatron.fused_kernels import ops
+    from megatron.models.packed_attention import PackedSegments
+    seg = torch.arange(seq).div(seq // docs, rounding_mode="floor").clamp(max=docs - 1).add(1).expand(mbs, seq)
+    packed = PackedSegments(ops.cu_seqlens_from_segment_ids(seg).to(device), mbs, seq)
+    return Workload(block, lambda: (_hidden(seq, mbs, cfg, device, dtype),),
+                    lambda x: block(x, packed, recompute=recompute))
+
+
 def postprocess_workload(stage: GPTStage, cfg: ModelConfig, mbs: int, seq: int, device, dtype) -> Workload:
     def make():
         labels = torch.randint(0, cfg.vocab_size, (mbs, seq), device=device)

@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-threads", type=int, default=1,
                    help="torch threads per rank on CPU (default 1, like the CPU trainer's ranks)")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--attention-split", action="store_true",
+                   help="also measure the per-document attention term of a GPT/encoder layer (packed rows of 1 vs 4 "
+                        "documents, variable-length kernel) and store it in the file (attention_split)")
     g = p.add_argument_group("output")
     g.add_argument("--output", required=True, help="cost-model JSON to write")
     g.add_argument("--name", default=None, help="name stored in the file (default: output file stem)")
@@ -119,7 +122,7 @@ def spec_from_args(args):
         layers=args.num_layers_profiled, warmup=args.warmup, iters=args.iters, device=device,
         dtype=args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
         max_seconds=args.max_seconds_per_shape, max_tokens=args.max_tokens, seed=args.seed,
-        cpu_threads=args.cpu_threads, statistic=args.statistic,
+        cpu_threads=args.cpu_threads, statistic=args.statistic, attention_split=args.attention_split,
         name=args.name or Path(args.output).stem)
 
 

@@ -19,6 +19,7 @@ import torch
 from megatron.config import ModelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import get_rng_tracker, model_parallel_seed
+from megatron.planner.attention_cost import fit_grid
 from megatron.planner.cost_model import COMPONENT_AXES, RECOMPUTE_LEVELS, CostModel, Grid, Profile
 from megatron.profiling import components as C
 from megatron.profiling.measure import STATISTICS, ShapeInfeasible, measure
@@ -48,6 +49,10 @@ class ProfileSpec:
     # "min" suits a shared CPU: other processes only ever add time, so the fastest iteration
     # is the best estimate of the uncontended cost. DynaPipe (dedicated GPUs) used the median.
     statistic: str = "median"
+    # Also measure the per-document attention term of a layer (`attention_split` in the file,
+    # see megatron.planner.attention_cost): packed rows of 1 vs `split_docs` documents.
+    attention_split: bool = False
+    split_docs: int = 4
 
     def __post_init__(self):
         def bad(flag, msg):
@@ -189,12 +194,43 @@ def profile_rank(spec: ProfileSpec, ps: ParallelState, agree: Callable[[bool], b
                     return fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree, spec.statistic))
                 post = _sweep(spec, spec.axes("postprocess"), run_post, log, f"tp{tp} postprocess")
             grids[rc]["postprocess"] = post
-    return {"tp": tp, "params": params, "grids": grids}
+        doc_quad = _measure_doc_quad(spec, mods, grids, device, dtype, fits, log) if spec.attention_split else {}
+    return {"tp": tp, "params": params, "grids": grids, "doc_quad": doc_quad}
+
+
+def _measure_doc_quad(spec, mods, grids, device, dtype, fits, log) -> dict:
+    """{recompute: {quantity: ms per squared document token}} of one encoder/GPT layer, measured
+    with the variable-length kernel: the same rows (smallest micro-batch size, longest length
+    the grid measured) holding 1 and `split_docs` documents; their time difference is the
+    attention work that per-document packing removes. Empty without the kernel on this device."""
+    from megatron.fused_kernels import ops
+    from megatron.profiling.measure import time_workload
+    if "encoder" not in mods or not ops.use_fused(torch.zeros(1, device=device)):
+        log("attention split: no variable-length kernel on this device; the planner fits it from the grid")
+        return {}
+    n, K, b = spec.layers, spec.split_docs, spec.micro_batch_sizes[0]
+    out = {}
+    for rc, comps in grids.items():
+        ok = np.isfinite(comps["encoder"]["forward_ms"][0])
+        seqs = [s for s, good in zip(spec.seq_lengths, ok) if good and s % K == 0]
+        if not seqs:
+            continue
+        s = seqs[-1]
+        t = {}
+        for docs in (1, K):
+            w = C.packed_layer_workload(mods["encoder"], spec.model, rc, b, s, docs, device, dtype)
+            t[docs] = fits(lambda: time_workload(w, device, spec.warmup, spec.iters, spec.max_seconds,
+                                                 statistic=spec.statistic))
+        work = b * s * s * (1.0 - 1.0 / K)  # squared document tokens removed by splitting rows
+        out[rc] = {q: max(0.0, (t[1][i] - t[K][i]) / n) / work for i, q in enumerate(("forward_ms", "backward_ms"))}
+        log(f"attention split {rc}: rows of {s} tokens, 1 vs {K} documents: "
+            f"fwd {t[1][0] / n:.3f} vs {t[K][0] / n:.3f} ms, bwd {t[1][1] / n:.3f} vs {t[K][1] / n:.3f} ms per layer")
+    return out
 
 
 def to_cost_model(spec: ProfileSpec, results: List[dict], meta: dict) -> CostModel:
     m = spec.model
-    profiles, params = [], {}
+    profiles, params, splits = [], {}, {}
     for res in results:
         # The format stores 16-bit parameter MB (the planner scales it to weights + grads +
         # optimizer state), whatever dtype the profile ran in.
@@ -203,6 +239,12 @@ def to_cost_model(spec: ProfileSpec, results: List[dict], meta: dict) -> CostMod
         for rc, comps in res["grids"].items():
             grids = {c: Grid(spec.axes(c), comps[c]) for c in COMPONENT_AXES if c in comps}
             profiles.append(Profile(res["tp"], rc, state, grids))
+            for q, value in res.get("doc_quad", {}).get(rc, {}).items():
+                sp = fit_grid(grids["encoder"], "encoder", q)
+                if sp is not None:  # the dense rows' s^2 term stays fitted; documents pay the measured one
+                    sp.coef["doc_quad"] = value
+                    sp.source = f"doc_quad measured (1 vs {spec.split_docs} documents per row), rest fitted"
+                    splits[(res["tp"], rc, "encoder", q)] = sp.to_dict()
     model = {"kind": m.model_type, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
              "ffn_hidden_size": m.ffn_hidden_size, "kv_channels": m.kv_channels, "vocab_size": m.vocab_size,
              "max_position_embeddings": m.max_position_embeddings,
@@ -216,7 +258,9 @@ def to_cost_model(spec: ProfileSpec, results: List[dict], meta: dict) -> CostMod
                 dtype=spec.dtype, profiler={"cpu_threads_per_rank": spec.cpu_threads,"layers_per_measurement": spec.layers, "warmup": spec.warmup,
                                              "iters": spec.iters, "statistic": spec.statistic,
                                              "max_seconds": spec.max_seconds, "max_tokens": spec.max_tokens})
-    return CostModel(spec.name, model, profiles, meta)
+    cm = CostModel(spec.name, model, profiles, meta)
+    cm.attention_splits.update(splits)
+    return cm
 
 
 def describe_device(device: str) -> str:

@@ -82,3 +82,23 @@ def test_collate_supervised_t5():
     assert out["text_enc"][0].tolist() == [5, 6, 0, 0]
     assert out["text_dec"][0].tolist() == [1, 7, 0, 0] and out["labels"][0].tolist() == [7, 2, -1, -1]
     assert out["enc_mask"][0, :, 2].sum() == 0 and out["dec_mask"][0, 0, 1] == False  # noqa: E712
+
+
+def test_t5_packed_rows_keep_pairs_apart():
+    from megatron.data.packing import next_fit_rows, pack_t5_rows
+    pairs = [{"inputs": [5, 6, 7], "targets": [8]}, {"inputs": [9], "targets": [10, 11]},
+             {"inputs": [12, 13, 14, 15], "targets": [16, 17, 18]}]
+    sizes = [(len(p["inputs"]), len(p["targets"]) + 1) for p in pairs]
+    rows = next_fit_rows(sizes, (5, 6))
+    assert rows == [[0, 1], [2]]
+    d = pack_t5_rows(pairs, rows, 5, 6, bos=1, eos=2, pad=0)
+    assert d["text_enc"][0].tolist() == [5, 6, 7, 9, 0]
+    assert d["text_dec"][0].tolist() == [1, 8, 1, 10, 11, 0]
+    assert d["labels"][0].tolist() == [8, 2, 10, 11, 2, -1]
+    assert d["enc_position_ids"][0].tolist() == [0, 1, 2, 0, 0]
+    assert d["dec_position_ids"][0].tolist() == [0, 1, 0, 1, 2, 0]
+    # pair 1's decoder tokens see only pair 1's inputs and earlier pair-1 decoder tokens
+    assert d["enc_dec_mask"][0, 3].tolist() == [False, False, False, True, False]
+    assert d["dec_mask"][0, 4].tolist() == [False, False, True, True, True, False]
+    assert d["enc_mask"][0, 0].tolist() == [True, True, True, False, False]
+    assert not d["enc_mask"][0, 4].any() and d["loss_mask"][0].tolist() == [1, 1, 1, 1, 1, 0]

@@ -104,7 +104,7 @@ def test_simulated_grid_search_picks_best_and_resumes(tmp_path):
     rows = drivers.grid_search(g, be, out, config_dir=cfgs)
     n_jobs = len(drivers.grid_jobs(g, g.settings()[0]))
     n_verify = len(read_rows(out / "grid_verify.jsonl"))
-    assert n_jobs == len(rows) == 3 + 3 * 2 * 2 * 2  # 3 layouts x (dynapipe + 2 x 2 mbs x 2 rc)
+    assert n_jobs == len(rows) == 3 + 3 * 4 * 2 * 2  # 3 layouts x (dynapipe + 4 baselines x 2 mbs x 2 rc)
     assert be.calls == n_jobs + n_verify
     for r in rows:
         validate_row(r)
@@ -117,7 +117,9 @@ def test_simulated_grid_search_picks_best_and_resumes(tmp_path):
         if r["status"] == "ok" and r["tokens_per_s"] > truth.get(job.system, (0, None))[0]:
             truth[job.system] = (r["tokens_per_s"], job)
     best = json.loads((cfgs / "best_configs" / "tiny" / "tiny_gpt_L256_G4.json").read_text())
-    assert set(truth) == {"dynapipe", "packing", "fixed"}
+    assert set(truth) == {"dynapipe", "packing", "packing_varlen", "packing_balanced", "fixed"}
+    # DynaPipe (which also searches packed rows) beats every baseline's best configuration
+    assert all(truth["dynapipe"][0] >= tps for tps, _ in truth.values())
     for system, (tps, job) in truth.items():
         got = best["systems"][system]
         assert (got["pp"], got["tp"], got["dp"]) == (job.pp, job.tp, job.dp)
@@ -143,10 +145,11 @@ def test_simulated_grid_search_picks_best_and_resumes(tmp_path):
 
     # Benchmark + ablation end to end on the written configs, then every figure from the rows.
     res = drivers.benchmark(g, be, out, config_dir=cfgs)
-    assert {r["system"] for r in res["best_throughput"]} == {"dynapipe", "packing", "fixed"}
+    assert {r["system"] for r in res["best_throughput"]} == {"dynapipe", "packing", "packing_varlen",
+                                                             "packing_balanced", "fixed"}
     abl = drivers.ablation(g, be, out, config_dir=cfgs)
     assert {r["variant"] for r in abl} >= {"dynapipe", "partition=token", "schedule=1f1b"}
-    assert "vs packing" in drivers.speedup_table(res["best_throughput"])
+    assert "vs balanced" in drivers.speedup_table(res["best_throughput"])
     pytest.importorskip("matplotlib")
     from megatron.experiments.figures import draw
     figs = tmp_path / "figs"
@@ -182,6 +185,7 @@ def test_log_parser_on_recorded_trainer_lines():
     p = its[1]["planner"]
     assert p["name"] == "dynapipe" and p["num_microbatches"] == [11]
     assert p["simulated_ms"] == 450.9 and p["measured_ms"] == 6250.2 and p["planning_ms"] == 713.1
+    assert p["plan_wait_ms"] == 11.0
     assert p["predicted_peak_mb"] == [122.4, 32.1] and p["measured_peak_mb"] is None
     assert (p["recompute"], p["schedule"], p["padding_efficiency"]) == ("none", "adaptive", 0.949)
     fields = rows_from_log(RECORDED, warmup=1)
@@ -227,13 +231,14 @@ def test_live_failed_run_is_recorded_and_sweep_goes_on(tmp_path, monkeypatch):
                             cluster_sizes=[2]))
     rows = drivers.run_jobs(g, LiveBackend(), drivers.grid_jobs(g, g.settings()[0]), tmp_path / "r.jsonl",
                             False, "t")
-    assert calls == ["dynapipe", "packing", "fixed"]
+    assert calls == ["dynapipe", "packing", "packing_varlen", "fixed"]  # packing_balanced: no trainer flag
     st = {r["system"]: r for r in rows}
     assert st["packing"]["status"] == "failed" and "exit status 3" in st["packing"]["error"]
     assert "boom" in st["packing"]["log_tail"]
     assert st["dynapipe"]["status"] == st["fixed"]["status"] == "ok"
     assert st["dynapipe"]["measured_ms"] == [6250.2, 6989.1, 5335.0]
-    assert len(read_rows(tmp_path / "r.jsonl")) == 3
+    assert st["packing_balanced"]["status"] == "infeasible" and "no trainer flag" in st["packing_balanced"]["error"]
+    assert len(read_rows(tmp_path / "r.jsonl")) == 5
 
 
 @pytest.mark.slow  # torchrun start-up + 3 iterations: ~20 s on a quiet 2-core box, minutes on a loaded one
@@ -342,5 +347,5 @@ def test_line_figures_leave_a_gap_where_a_system_has_no_configuration(tmp_path):
     csv = (tmp_path / "figs" / "fig13_tiny_tiny_gpt_G4.csv").read_text().splitlines()
     assert any(line.startswith("packing,256,") and "no feasible configuration" in line for line in csv)
     if figures_plt is not None:
-        packing = [ys for xs, ys, label in plotted if label == "Megatron + packing"][0]
+        packing = [ys for xs, ys, label in plotted if label == "Megatron + packing (dense rows, paper)"][0]
         assert packing[0] == 1128.0 and packing[1] != packing[1] and packing[2] == 1512.0  # NaN in the middle

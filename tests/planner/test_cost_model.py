@@ -50,9 +50,9 @@ def test_round_trip_and_errors(tmp_path):
     for k in ("forward_ms", "stored_mb"):
         np.testing.assert_allclose(back.layer("encoder", 1, "none", **q)[k], cm.layer("encoder", 1, "none", **q)[k])
     doc = json.loads(path.read_text())
-    doc["version"] = 2
+    doc["version"] = 3
     path.write_text(json.dumps(doc))
-    with pytest.raises(CostModelError, match="unsupported cost model version 2"):
+    with pytest.raises(CostModelError, match="unsupported cost model version 3"):
         CostModel.load(path)
     with pytest.raises(CostModelError, match="does not exist"):
         CostModel.load(tmp_path / "missing.json")

@@ -28,7 +28,7 @@ def _spec(**kw):
 @pytest.fixture(scope="module")
 def gpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("cm") / "tiny.json"
-    run_profile(_spec()).save(path)
+    run_profile(_spec(attention_split=True)).save(path)
     return CostModel.load(path), json.loads(path.read_text())
 
 
@@ -144,3 +144,25 @@ def test_cli_profiles_the_architecture_and_training_refuses_another(tmp_path):
     _check_cost_model_matches(str(out), ModelConfig(**llama))  # the same architecture: accepted
     with pytest.raises(ConfigError, match="swiglu True vs False"):
         _check_cost_model_matches(str(out), ModelConfig(**dict(llama, swiglu=False)))
+
+
+def test_attention_split_measured_with_the_varlen_kernel(gpt):
+    """attention_split=True (--attention-split): the per-document attention term is measured
+    (packed rows of 1 vs 4 documents, variable-length kernel) and stored in the file."""
+    import torch
+
+    from megatron.fused_kernels import ops
+    from megatron.planner.attention_cost import AttentionCost
+    if not ops.use_fused(torch.zeros(1)):
+        pytest.skip("no variable-length kernel built on this machine")
+    cm, doc = gpt
+    ac = AttentionCost(cm)
+    for rc in ("none", "selective", "full"):
+        for q in ("forward_ms", "backward_ms"):
+            sp = ac.split(1, rc, "encoder", q)
+            assert sp.source.startswith("doc_quad measured") and sp.coef["doc_quad"] >= 0.0
+    assert doc["version"] == 2 and "attention_split" in doc["profiles"][0]["components"]["encoder"]
+    # packed rows are priced with it: never above the dense row
+    one = ac.packed_layer("encoder", 1, "none", 1, 128, quad=128.0 ** 2)["forward_ms"]
+    many = ac.packed_layer("encoder", 1, "none", 1, 128, quad=4 * 32.0 ** 2)["forward_ms"]
+    assert float(many) <= float(one) <= float(cm.layer("encoder", 1, "none", 1, 128)["forward_ms"])
