@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.checkpoint_safety import UnsafeCheckpointError, numpy_rng_from_plain, numpy_rng_to_plain, safe_load
 from megatron.core.tensor_parallel.random import get_rng_tracker
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -207,14 +208,16 @@ def remove_stale_files(root: str, max_age_s: float = 3600.0) -> list:
 
 
 def rng_state() -> dict:
-    return {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    # Plain values only (no numpy arrays), so the file loads with torch.load(weights_only=True).
+    return {"random": random.getstate(), "numpy": numpy_rng_to_plain(np.random.get_state()),
+            "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
             "tracker": get_rng_tracker().get_states()}
 
 
 def set_rng_state(st: dict) -> None:
     random.setstate(st["random"])
-    np.random.set_state(st["numpy"])
+    np.random.set_state(numpy_rng_from_plain(st["numpy"]))
     torch.set_rng_state(st["torch"])
     if st.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(st["cuda"])
@@ -416,7 +419,9 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
         print(f"WARNING: loading iteration {iteration} instead of the tracked iteration {tracked}, whose files are "
               f"corrupt; training resumes from the older state", file=sys.stderr, flush=True)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = safe_load(path)
+    except UnsafeCheckpointError as e:
+        raise CheckpointError(f"{ps.describe()}: {e}") from None
     except Exception as e:  # truncated or foreign file without a checksum
         raise CheckpointError(f"{ps.describe()}: cannot read checkpoint {path}: {e}") from e
     problems = config_mismatches(state.get("config", {}), cfg.to_dict())
