@@ -198,6 +198,9 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
+    g.add_argument("--ckpt-format", choices=("torch", "torch_dist"), default="torch",
+                   help="torch: one model_optim_rng.pt per TP/PP rank (Megatron's layout); torch_dist: "
+                        "torch.distributed.checkpoint shards that load at any TP/PP/DP layout")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
@@ -304,6 +307,14 @@ def _check_writable_dir(flag: str, path: Optional[str]) -> None:
         raise ConfigError(f"{flag} {path}: {probe} exists and is not a folder")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {path}: {probe} is not writable by this user; choose a folder you can write")
+
+
+def _check_load_dir(load: Optional[str], save: Optional[str]) -> None:
+    """A --load folder that does not exist is a typo, unless it is also --save (resume or start)."""
+    from megatron.checkpointing import missing_load_dir_message
+    msg = missing_load_dir_message(load, save)
+    if msg:
+        raise ConfigError(msg)
 
 
 def _check_cost_model_matches(path: str, model: ModelConfig) -> None:
@@ -425,9 +436,10 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         raise ConfigError("--mock-data needs --vocab-size (or a tokenizer) to know the vocabulary")
     for flag, d in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
         _check_writable_dir(flag, d)
+    _check_load_dir(args.load, args.save)
     checkpoint = CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
                                   no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
-                                  finetune=args.finetune)
+                                  finetune=args.finetune, ckpt_format=args.ckpt_format)
     logging_cfg = LoggingConfig(log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir)
     compression = CompressionConfig(
         inter_grad_comp=args.inter_grad_comp, inter_grad_comp_rank=args.inter_grad_comp_rank,

@@ -366,6 +366,42 @@ def _listed_in_manifest(root: str, iteration: int, path: str) -> bool:
     return os.path.relpath(path, it_dir) in files
 
 
+def missing_load_dir_message(load: Optional[str], save: Optional[str]) -> Optional[str]:
+    """Why `--load` cannot be used, or None. A folder that does not exist is a typo (training from
+    scratch would hide it), unless it is also --save: the resume-or-start pattern."""
+    if not load or os.path.isdir(load):
+        return None
+    if save and os.path.abspath(save) == os.path.abspath(load):
+        return None
+    if os.path.exists(load):
+        return f"--load {load}: not a folder"
+    return (f"--load {load}: no such folder (mistyped? to resume when a checkpoint exists and start fresh "
+            f"otherwise, give the same folder to --save)")
+
+
+def _saved_layout(it_dir: str):
+    """(TP, PP) a checkpoint iteration folder was saved with, from its file names; None if unknown."""
+    try:
+        names = os.listdir(it_dir)
+    except OSError:
+        return None
+    ranks = [re.match(r"^mp_rank_(\d{2})(?:_(\d{3}))?$", n) for n in names]
+    ranks = [(int(m.group(1)), int(m.group(2) or 0)) for m in ranks if m]
+    if not ranks:
+        return None
+    return max(t for t, _ in ranks) + 1, max(p for _, p in ranks) + 1
+
+
+def convert_hint(root: str, iteration: int, tp: int, pp: int) -> str:
+    """The command that re-splits a checkpoint for this run's layout (and the format that needs none)."""
+    src = _saved_layout(os.path.join(root, f"iter_{iteration:07d}"))
+    saved = f"it was saved at TP {src[0]} x PP {src[1]}, this run is TP {tp} x PP {pp}; " if src else ""
+    out = f"{root.rstrip(os.sep)}_tp{tp}_pp{pp}"
+    return (f"{saved}convert it with: python tools/checkpoint/convert.py --load {root} --save {out} "
+            f"--target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp} (then --load {out}); "
+            f"checkpoints saved with --ckpt-format torch_dist load at any layout without converting")
+
+
 def _older_complete_iterations(root: str, below: int) -> list:
     out = []
     for name in os.listdir(root):
@@ -382,6 +418,9 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
     together to the newest older complete checkpoint, and the bad file is named loudly."""
     cfg, ps = trainer.cfg, trainer.ps
     root = root or cfg.checkpoint.load
+    missing = missing_load_dir_message(root, cfg.checkpoint.save)
+    if missing:
+        raise CheckpointError(missing)
     if ps.rank == 0 and os.path.isdir(root) and os.access(root, os.W_OK):
         for gone in remove_stale_files(root):
             print(f"checkpoint: removed {gone} (left by an interrupted save)", flush=True)
@@ -404,6 +443,8 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
                 hint = f" (it holds {sorted(os.listdir(it_dir))}: was it saved with another TP/PP layout?)"
             what = f"checkpoint file {path} is missing{hint}" if not_in_layout else \
                 f"another rank's checkpoint file under {it_dir} is missing (was it saved with another TP/PP layout?)"
+            if _saved_layout(it_dir) not in (None, (ps.tp_size, ps.pp_size)) and cfg.parallel.stage_parallel is None:
+                what += "; " + convert_hint(root, iteration, ps.tp_size, ps.pp_size)
             raise CheckpointError(f"{ps.describe()}: {what}")
         if problem is not None:
             print(f"CHECKPOINT CORRUPT: {ps.describe()}: {path}: {problem}", file=sys.stderr, flush=True)
@@ -426,6 +467,9 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
         raise CheckpointError(f"{ps.describe()}: cannot read checkpoint {path}: {e}") from e
     problems = config_mismatches(state.get("config", {}), cfg.to_dict())
     if problems:
+        if any(p.startswith(("--tensor-model", "--pipeline-model-parallel-size")) for p in problems) \
+                and cfg.parallel.stage_parallel is None:
+            problems.append(convert_hint(root, iteration, ps.tp_size, ps.pp_size))
         raise CheckpointError(f"checkpoint {path} does not match this run:\n  " + "\n  ".join(problems))
     for sid, m in trainer.stages.items():
         if sid not in state["model"]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 from typing import Any
 
 from megatron.pipeline.instructions import ExecutionPlan
@@ -31,8 +32,8 @@ MAX_RECORD_BYTES = 1 << 30  # far above any real iteration (a few MB); a bigger 
 
 
 def encode(result: Any) -> bytes:
-    from megatron.planner.dynapipe import DynaPipeIterationPlan  # planner layer, same package
-    if isinstance(result, DynaPipeIterationPlan):
+    dynapipe = sys.modules.get("megatron.planner.dynapipe")  # loaded wherever such a plan exists
+    if dynapipe is not None and isinstance(result, dynapipe.DynaPipeIterationPlan):
         head, blobs = _dynapipe_to_json(result)
         kind = KIND_DYNAPIPE
     else:
@@ -57,7 +58,7 @@ def decode(data: bytes) -> Any:
                          f"version {VERSION} kinds 0-1 (planner and trainer out of sync?)")
     # Sizes first, against the bytes present: a forged count cannot make us allocate.
     if nblobs > (len(data) - _HEADER.size) // 4:
-        raise ValueError(f"record claims {nblobs} plan blobs, it has {len(data)} bytes in all")
+        raise ValueError(f"record is truncated: it claims {nblobs} plan blobs and has {len(data)} bytes in all")
     lens = struct.unpack_from(f"<{nblobs}I", data, _HEADER.size)
     start = _HEADER.size + 4 * nblobs
     if start + jlen + sum(lens) != len(data):
