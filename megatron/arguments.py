@@ -311,7 +311,7 @@ def _check_writable_dir(flag: str, path: Optional[str]) -> None:
 
 def _check_load_dir(load: Optional[str], save: Optional[str]) -> None:
     """A --load folder that does not exist is a typo, unless it is also --save (resume or start)."""
-    from megatron.checkpointing import missing_load_dir_message
+    from megatron.checkpoint_hints import missing_load_dir_message
     msg = missing_load_dir_message(load, save)
     if msg:
         raise ConfigError(msg)
@@ -452,6 +452,10 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
                          terapipe=_terapipe_config(args))
     if args.dynapipe and args.dynapipe_cost_model and not args.dynapipe_cost_model_any:
         _check_cost_model_matches(args.dynapipe_cost_model, cfg.model)
+    if cfg.checkpoint.ckpt_format == "torch_dist":
+        from megatron.checkpointing_dist import unsupported
+        if unsupported(cfg):
+            raise ConfigError(unsupported(cfg))
     return cfg
 
 

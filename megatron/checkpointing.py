@@ -37,6 +37,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron import checkpointing_dist
+from megatron.checkpoint_hints import _saved_layout, convert_hint, missing_load_dir_message  # noqa: F401
 from megatron.checkpoint_safety import UnsafeCheckpointError, numpy_rng_from_plain, numpy_rng_to_plain, safe_load
 from megatron.core.tensor_parallel.random import get_rng_tracker
 
@@ -264,6 +266,8 @@ def _write_manifest(root: str, iteration: int) -> None:
 def save_checkpoint(trainer, root: Optional[str] = None) -> str:
     cfg, ps = trainer.cfg, trainer.ps
     root = root or cfg.checkpoint.save
+    if getattr(cfg.checkpoint, "ckpt_format", "torch") == "torch_dist":
+        return _save_dist(trainer, root)
     path = checkpoint_path(root, trainer.iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
     try:
         if ps.rank == 0:
@@ -308,6 +312,106 @@ def save_checkpoint(trainer, root: Optional[str] = None) -> str:
                               f"{e.strerror or e} ({e.filename or root}); check the folder exists, is "
                               f"writable and has free space") from e
     return path
+
+
+def _common_state(trainer) -> dict:
+    opt = trainer.optimizer
+    return {"checkpoint_version": CHECKPOINT_VERSION, "format": "torch_dist",
+            "config": json.loads(json.dumps(trainer.cfg.to_dict(), default=str)),
+            "iteration": trainer.iteration, "consumed_samples": trainer.consumed_samples,
+            "skipped_iters": trainer.skipped_iters, "consumed_tokens": getattr(trainer, "consumed_tokens", 0),
+            "logger": trainer.logger.state_dict() if hasattr(trainer.logger, "state_dict") else {},
+            "opt_param_scheduler": trainer.lr_scheduler.state_dict(),
+            "grad_scaler": opt.grad_scaler.state_dict() if getattr(opt, "grad_scaler", None) else None}
+
+
+def _save_dist(trainer, root: str) -> str:
+    """--ckpt-format torch_dist: DCP shards from every rank, then (rank 0) common.json, the
+    manifest and the tracker, in that order, so the tracker never names an incomplete folder."""
+    ps = trainer.ps
+    it_dir = os.path.join(root, f"iter_{trainer.iteration:07d}")
+    try:
+        if ps.rank == 0:
+            os.makedirs(root, exist_ok=True)
+            remove_stale_files(root)
+            shutil.rmtree(it_dir, ignore_errors=True)  # a complete older save of this iteration: replaced
+        _barrier()
+        checkpointing_dist.save(trainer, it_dir)
+        _barrier()
+        if ps.rank == 0:
+            body = checkpointing_dist.common_bytes(trainer, _common_state(trainer))
+            _atomic_write_bytes(os.path.join(it_dir, checkpointing_dist.COMMON), lambda f: f.write(body))
+            man = json.dumps({"iteration": trainer.iteration, "checkpoint_version": CHECKPOINT_VERSION,
+                              "format": "torch_dist", "files": checkpointing_dist.file_digests(it_dir)},
+                             indent=1, sort_keys=True).encode()
+            _atomic_write_bytes(os.path.join(it_dir, MANIFEST), lambda f: f.write(man))
+            _atomic_write_bytes(os.path.join(root, TRACKER), lambda f: f.write(f"{trainer.iteration}\n".encode()))
+            print(f"saved checkpoint (torch_dist) at iteration {trainer.iteration} to {root}", flush=True)
+        _barrier()
+    except OSError as e:
+        raise CheckpointError(f"{ps.describe()}: cannot write checkpoint under --save {root}: "
+                              f"{e.strerror or e} ({e.filename or root}); check the folder exists, is "
+                              f"writable and has free space") from e
+    return it_dir
+
+
+def _load_dist(trainer, root: str, iteration: int) -> bool:
+    cfg, ps = trainer.cfg, trainer.ps
+    it_dir = os.path.join(root, f"iter_{iteration:07d}")
+    why = checkpointing_dist.unsupported(cfg)
+    if why:
+        raise CheckpointError(f"{it_dir}: {why}")
+    # Every rank checks a share of the files against the manifest; all agree before reading.
+    problem = None
+    try:
+        with open(os.path.join(it_dir, MANIFEST)) as f:
+            files = json.load(f)["files"]
+        for i, name in enumerate(sorted(files)):
+            if i % ps.world_size == ps.rank:
+                got = _sha256_file(os.path.join(it_dir, name)) if os.path.exists(os.path.join(it_dir, name)) else None
+                if got != files[name]["sha256"]:
+                    problem = f"{os.path.join(it_dir, name)} is {'missing' if got is None else 'corrupted'}"
+                    break
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problem = f"{os.path.join(it_dir, MANIFEST)} is missing or unreadable ({e})"
+    if not _all_ok(problem is None):
+        raise CheckpointError(f"{ps.describe()}: torch_dist checkpoint {it_dir} does not verify: "
+                              f"{problem or 'see another rank'}")
+    try:
+        common = checkpointing_dist.read_common(it_dir)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    current = json.loads(json.dumps(cfg.to_dict(), default=str))
+    # Only the model's shape must match: the layout is free (that is what the format is for).
+    problems = [f"{flag}: checkpoint has {common['config'].get(sec, {}).get(key)}, this run has {current.get(sec, {}).get(key)}"
+         for sec, key, flag in MUST_MATCH if sec == "model"
+         and common["config"].get(sec, {}).get(key) != current.get(sec, {}).get(key)]
+    if problems:
+        raise CheckpointError(f"checkpoint {it_dir} does not match this run:\n  " + "\n  ".join(problems))
+    load_optim = not cfg.checkpoint.no_load_optim and not cfg.checkpoint.finetune
+    try:
+        checkpointing_dist.load(trainer, it_dir, common, load_optim,
+                                not cfg.checkpoint.no_load_rng and not cfg.checkpoint.finetune)
+    except (ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{ps.describe()}: cannot read torch_dist checkpoint {it_dir}: {e}") from None
+    if not cfg.checkpoint.finetune:
+        trainer.iteration = common["iteration"]
+        trainer.consumed_samples = common["consumed_samples"]
+        trainer.skipped_iters = common.get("skipped_iters", 0)
+        trainer.consumed_tokens = common.get("consumed_tokens", 0)
+        if hasattr(trainer.logger, "load_state_dict"):
+            trainer.logger.load_state_dict(common.get("logger", {}))
+        if load_optim:
+            trainer.lr_scheduler.load_state_dict(common["opt_param_scheduler"])
+            gs = getattr(trainer.optimizer, "grad_scaler", None)
+            if gs is not None and common.get("grad_scaler"):
+                gs.load_state_dict(common["grad_scaler"])
+        else:
+            trainer.lr_scheduler.num_steps = trainer.iteration
+    _barrier()
+    if ps.rank == 0:
+        print(f"loaded checkpoint (torch_dist) {root} at iteration {trainer.iteration}", flush=True)
+    return True
 
 
 def read_tracker(root: str) -> Optional[int]:
@@ -366,42 +470,6 @@ def _listed_in_manifest(root: str, iteration: int, path: str) -> bool:
     return os.path.relpath(path, it_dir) in files
 
 
-def missing_load_dir_message(load: Optional[str], save: Optional[str]) -> Optional[str]:
-    """Why `--load` cannot be used, or None. A folder that does not exist is a typo (training from
-    scratch would hide it), unless it is also --save: the resume-or-start pattern."""
-    if not load or os.path.isdir(load):
-        return None
-    if save and os.path.abspath(save) == os.path.abspath(load):
-        return None
-    if os.path.exists(load):
-        return f"--load {load}: not a folder"
-    return (f"--load {load}: no such folder (mistyped? to resume when a checkpoint exists and start fresh "
-            f"otherwise, give the same folder to --save)")
-
-
-def _saved_layout(it_dir: str):
-    """(TP, PP) a checkpoint iteration folder was saved with, from its file names; None if unknown."""
-    try:
-        names = os.listdir(it_dir)
-    except OSError:
-        return None
-    ranks = [re.match(r"^mp_rank_(\d{2})(?:_(\d{3}))?$", n) for n in names]
-    ranks = [(int(m.group(1)), int(m.group(2) or 0)) for m in ranks if m]
-    if not ranks:
-        return None
-    return max(t for t, _ in ranks) + 1, max(p for _, p in ranks) + 1
-
-
-def convert_hint(root: str, iteration: int, tp: int, pp: int) -> str:
-    """The command that re-splits a checkpoint for this run's layout (and the format that needs none)."""
-    src = _saved_layout(os.path.join(root, f"iter_{iteration:07d}"))
-    saved = f"it was saved at TP {src[0]} x PP {src[1]}, this run is TP {tp} x PP {pp}; " if src else ""
-    out = f"{root.rstrip(os.sep)}_tp{tp}_pp{pp}"
-    return (f"{saved}convert it with: python tools/checkpoint/convert.py --load {root} --save {out} "
-            f"--target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp} (then --load {out}); "
-            f"checkpoints saved with --ckpt-format torch_dist load at any layout without converting")
-
-
 def _older_complete_iterations(root: str, below: int) -> list:
     out = []
     for name in os.listdir(root):
@@ -430,6 +498,8 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
         if ps.rank == 0:
             print(f"warning: no {TRACKER} under --load {root}; starting from scratch", flush=True)
         return False
+    if checkpointing_dist.is_dist_checkpoint(os.path.join(root, f"iter_{tracked:07d}")):
+        return _load_dist(trainer, root, tracked)
     iteration, path = tracked, None
     for iteration in [tracked] + _older_complete_iterations(root, tracked):
         path = checkpoint_path(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
