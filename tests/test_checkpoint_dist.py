@@ -80,3 +80,22 @@ def test_torch_dist_loads_at_another_layout(tmp_path):
             assert torch.equal(loaded[name], saved[name]), (kw, name)
         loss = out[-1][1]  # the last pipeline stage reports the loss
         assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6), (kw, loss, ref_loss)
+
+
+class _Hostile:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_forged_dcp_index_is_refused_without_running(tmp_path):
+    import pickle
+    it_dir = tmp_path / "iter"
+    it_dir.mkdir()
+    marker = tmp_path / "pwned"
+    (it_dir / ".metadata").write_bytes(pickle.dumps(_Hostile(marker)))
+    with pytest.raises(ValueError, match=r"\.metadata: refused to load: GLOBAL posix\.system"):
+        read_index(str(it_dir))
+    assert not marker.exists()
