@@ -338,12 +338,14 @@ def _save_dist(trainer, root: str) -> str:
         _barrier()
         checkpointing_dist.save(trainer, it_dir)
         _barrier()
+        files = checkpointing_dist.file_digests(it_dir, checkpointing_dist.shard_files(it_dir), ps.rank,
+                                                ps.world_size if dist.is_initialized() else 1)
         if ps.rank == 0:
             body = checkpointing_dist.common_bytes(trainer, _common_state(trainer))
             _atomic_write_bytes(os.path.join(it_dir, checkpointing_dist.COMMON), lambda f: f.write(body))
+            files[checkpointing_dist.COMMON] = {"sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body)}
             man = json.dumps({"iteration": trainer.iteration, "checkpoint_version": CHECKPOINT_VERSION,
-                              "format": "torch_dist", "files": checkpointing_dist.file_digests(it_dir)},
-                             indent=1, sort_keys=True).encode()
+                              "format": "torch_dist", "files": files}, indent=1, sort_keys=True).encode()
             _atomic_write_bytes(os.path.join(it_dir, MANIFEST), lambda f: f.write(man))
             _atomic_write_bytes(os.path.join(root, TRACKER), lambda f: f.write(f"{trainer.iteration}\n".encode()))
             print(f"saved checkpoint (torch_dist) at iteration {trainer.iteration} to {root}", flush=True)

@@ -262,15 +262,27 @@ def load(trainer, it_dir: str, common: dict, load_optim: bool, load_rng: bool) -
               f"from this run's seed", file=sys.stderr, flush=True)
 
 
-def file_digests(it_dir: str) -> Dict[str, dict]:
-    out = {}
-    for name in sorted(os.listdir(it_dir)):
-        full = os.path.join(it_dir, name)
-        if name == "manifest.json" or name.startswith(".tmp-") or not os.path.isfile(full):
-            continue
-        h = hashlib.sha256()
-        with open(full, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-        out[name] = {"sha256": h.hexdigest(), "bytes": os.path.getsize(full)}
-    return out
+def _sha256(path: str) -> bytes:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.digest()
+
+
+def file_digests(it_dir: str, names, rank: int = 0, world: int = 1) -> Dict[str, dict]:
+    """sha256 of `names` in `it_dir`, each rank hashing every world-th file in parallel
+    (collective when world > 1; digests meet in an all-reduce of bytes, not a pickle)."""
+    names = sorted(names)
+    buf = torch.zeros(len(names), 32, dtype=torch.int64)
+    for i, name in enumerate(names):
+        if i % world == rank:
+            buf[i] = torch.tensor(list(_sha256(os.path.join(it_dir, name))), dtype=torch.int64)
+    if world > 1:
+        dist.all_reduce(buf)
+    return {n: {"sha256": bytes(buf[i].tolist()).hex(), "bytes": os.path.getsize(os.path.join(it_dir, n))}
+            for i, n in enumerate(names)}
+
+
+def shard_files(it_dir: str) -> list:
+    return [n for n in os.listdir(it_dir) if n.endswith(".distcp") or n == ".metadata"]

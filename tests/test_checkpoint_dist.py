@@ -99,3 +99,22 @@ def test_forged_dcp_index_is_refused_without_running(tmp_path):
     with pytest.raises(ValueError, match=r"\.metadata: refused to load: GLOBAL posix\.system"):
         read_index(str(it_dir))
     assert not marker.exists()
+
+
+def _load_error(rank, world, ckpt):
+    from megatron.checkpointing import CheckpointError
+    t = make_trainer(_cfg(world, load=ckpt))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(t)
+    return str(e.value)
+
+
+def test_corrupted_shard_is_named(tmp_path):
+    run_distributed(_first_half, 1, str(tmp_path), {})
+    it_dir = tmp_path / f"iter_{TOTAL // 2:07d}"
+    (shard,) = [f for f in os.listdir(it_dir) if f.endswith(".distcp")]
+    data = bytearray((it_dir / shard).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (it_dir / shard).write_bytes(bytes(data))
+    (msg,) = run_distributed(_load_error, 1, str(tmp_path))
+    assert "does not verify" in msg and f"{it_dir / shard} is corrupted" in msg, msg
