@@ -60,7 +60,8 @@ def _worker(rank, world, args, init, root, out):
     set_seeds(cfg.training.seed, ps, torch.device("cpu"))
     trainer = build_gpt_trainer(cfg, ps, torch.device("cpu"))
     trainer.train_step()
-    local = sum(p.numel() for s in trainer.stages.values() for p in s.parameters())
+    local = sum(p.numel() for s in trainer.stages.values() for p in s.parameters()
+                if not getattr(p, "shared_embedding", False))  # the last stage's tied copy: counted once
     n = torch.tensor([local if ps.dp_rank == 0 else 0], dtype=torch.int64)
     dist.all_reduce(n)
     result = {"parameters": int(n)}

@@ -190,14 +190,20 @@ def save(trainer, it_dir: str) -> None:
     sd: Dict[str, torch.Tensor] = {}
     for key, p, here in _params(trainer):
         dim = _dim(p)
-        full = _full(p.detach(), dim, key, ps, vocab)  # collective over TP: every rank gathers alike
         st = opt.state.get(p, {})
-        moments = {k: _full(st[k], dim, key, ps, vocab) for k in ("exp_avg", "exp_avg_sq") if k in st}
+        names = ["model"] + [k for k in ("exp_avg", "exp_avg_sq") if k in st]
+        # One TP gather per parameter for the weight and its moments together (collective:
+        # every TP rank walks the same parameters in the same order).
+        parts = [p.detach()] + [st[k] for k in names[1:]]
+        if all(t.dtype == p.dtype for t in parts):
+            full = _full(torch.stack(parts), None if dim is None else dim + 1, "", ps, vocab)
+        else:  # moments kept in another precision than the weight: gather each as it is
+            full = [_full(t, dim, "", ps, vocab) for t in parts]
         if not here:
             continue
-        sd[f"model.{key}"] = full
-        for k, v in moments.items():
-            sd[f"optimizer.{key}.{k}"] = v
+        for i, n in enumerate(names):
+            t = full[i][:vocab] if _VOCAB.search(key) else full[i]
+            sd[f"model.{key}" if n == "model" else f"optimizer.{key}.{n}"] = t.clone()
         if "step" in st:
             sd[f"optimizer.{key}.step"] = torch.as_tensor(st["step"]).detach().clone().reshape(1)
     sd.update(_rng_tensors(ps.rank))
