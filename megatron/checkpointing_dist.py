@@ -120,13 +120,21 @@ def _dim(p) -> Optional[int]:
     return getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """`t` if it owns its whole storage, else a copy: torch.save (inside DCP) writes a view's
+    entire storage, so a slice of a stacked or flat buffer would store the buffer."""
+    t = t.detach()
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone()
+
+
 def _full(t: torch.Tensor, dim, key: str, ps, vocab: int) -> torch.Tensor:
     if dim is not None and ps.tp_size > 1:
         parts = [torch.empty_like(t) for _ in range(ps.tp_size)]
         dist.all_gather(parts, t.contiguous(), group=ps.tp_group)
         t = torch.cat(parts, dim=dim)
-    t = t.detach().clone()
-    return t[:vocab].clone() if _VOCAB.search(key) else t
+    return t[:vocab] if _VOCAB.search(key) else t
 
 
 def _shard(full: torch.Tensor, like: torch.Tensor, dim, key: str, ps, padded: int) -> torch.Tensor:
@@ -195,15 +203,17 @@ def save(trainer, it_dir: str) -> None:
         # One TP gather per parameter for the weight and its moments together (collective:
         # every TP rank walks the same parameters in the same order).
         parts = [p.detach()] + [st[k] for k in names[1:]]
-        if all(t.dtype == p.dtype for t in parts):
-            full = _full(torch.stack(parts), None if dim is None else dim + 1, "", ps, vocab)
+        if dim is None or ps.tp_size == 1:
+            full = parts  # nothing to gather: the tensors themselves (no copy unless a view)
+        elif all(t.dtype == p.dtype for t in parts):
+            full = _full(torch.stack(parts), dim + 1, "", ps, vocab).unbind(0)
         else:  # moments kept in another precision than the weight: gather each as it is
             full = [_full(t, dim, "", ps, vocab) for t in parts]
         if not here:
             continue
-        for i, n in enumerate(names):
-            t = full[i][:vocab] if _VOCAB.search(key) else full[i]
-            sd[f"model.{key}" if n == "model" else f"optimizer.{key}.{n}"] = t.clone()
+        for n, t in zip(names, full):
+            t = t[:vocab] if _VOCAB.search(key) else t
+            sd[f"model.{key}" if n == "model" else f"optimizer.{key}.{n}"] = _own(t)
         if "step" in st:
             sd[f"optimizer.{key}.step"] = torch.as_tensor(st["step"]).detach().clone().reshape(1)
     sd.update(_rng_tensors(ps.rank))
