@@ -118,3 +118,14 @@ def test_corrupted_shard_is_named(tmp_path):
     (it_dir / shard).write_bytes(bytes(data))
     (msg,) = run_distributed(_load_error, 1, str(tmp_path))
     assert "does not verify" in msg and f"{it_dir / shard} is corrupted" in msg, msg
+
+
+def test_unsupported_combination_is_one_line_at_parse_time(capsys):
+    from megatron.arguments import parse_args
+    from tests.test_arguments import BASE
+    with pytest.raises(SystemExit) as e:
+        parse_args(BASE + ["--ckpt-format", "torch_dist", "--use-distributed-optimizer"], world_size=1)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1
+    assert "--ckpt-format torch_dist does not support --use-distributed-optimizer" in err
+    assert parse_args(BASE + ["--ckpt-format", "torch_dist"], world_size=1).checkpoint.ckpt_format == "torch_dist"
