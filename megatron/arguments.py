@@ -163,6 +163,9 @@ def _add_checkpointing_args(p) -> None:
     g.add_argument("--no-load-rng", action="store_true", help="do not load the random-number state from --load")
     g.add_argument("--finetune", action="store_true",
                    help="load the weights only and start at iteration 0 (no optimizer, RNG or iteration)")
+    g.add_argument("--ckpt-format", choices=("torch", "torch_dist"), default="torch",
+                   help="torch: one model_optim_rng.pt per TP/PP rank (Megatron's layout); torch_dist: "
+                        "torch.distributed.checkpoint shards that load at any TP/PP/DP layout")
 
 
 def _add_mixed_precision_args(p) -> None:
@@ -366,6 +369,14 @@ def _check_writable_dir(flag: str, path: Optional[str]) -> None:
         raise ConfigError(f"{flag} {path}: {probe} is not writable by this user; choose a folder you can write")
 
 
+def _check_load_dir(load: Optional[str], save: Optional[str]) -> None:
+    """A --load folder that does not exist is a typo, unless it is also --save (resume or start)."""
+    from megatron.checkpoint_hints import missing_load_dir_message
+    msg = missing_load_dir_message(load, save)
+    if msg:
+        raise ConfigError(msg)
+
+
 def _check_cost_model_matches(path: str, model: ModelConfig) -> None:
     """A cost model describes one model shape; planning another with it gives meaningless plans."""
     from megatron.planner.cost_model import CostModel, CostModelError
@@ -504,9 +515,10 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         raise ConfigError("--mock-data needs --vocab-size (or a tokenizer) to know the vocabulary")
     for flag, d in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
         _check_writable_dir(flag, d)
+    _check_load_dir(args.load, args.save)
     checkpoint = CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
                                   no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
-                                  finetune=args.finetune)
+                                  finetune=args.finetune, ckpt_format=args.ckpt_format)
     logging_cfg = LoggingConfig(log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir)
     compression = CompressionConfig(
         inter_grad_comp=args.inter_grad_comp, inter_grad_comp_rank=args.inter_grad_comp_rank,
@@ -525,6 +537,10 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
             SliceLatencyModel.load(cfg.terapipe.cost_model)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if cfg.checkpoint.ckpt_format == "torch_dist":
+        from megatron.checkpointing_dist import unsupported
+        if unsupported(cfg):
+            raise ConfigError(unsupported(cfg))
     return cfg
 
 

@@ -37,6 +37,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron import checkpointing_dist
+from megatron.checkpoint_hints import _saved_layout, convert_hint, missing_load_dir_message  # noqa: F401
+from megatron.checkpoint_safety import UnsafeCheckpointError, numpy_rng_from_plain, numpy_rng_to_plain, safe_load
 from megatron.core.tensor_parallel.random import get_rng_tracker
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -207,14 +210,16 @@ def remove_stale_files(root: str, max_age_s: float = 3600.0) -> list:
 
 
 def rng_state() -> dict:
-    return {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    # Plain values only (no numpy arrays), so the file loads with torch.load(weights_only=True).
+    return {"random": random.getstate(), "numpy": numpy_rng_to_plain(np.random.get_state()),
+            "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
             "tracker": get_rng_tracker().get_states()}
 
 
 def set_rng_state(st: dict) -> None:
     random.setstate(st["random"])
-    np.random.set_state(st["numpy"])
+    np.random.set_state(numpy_rng_from_plain(st["numpy"]))
     torch.set_rng_state(st["torch"])
     if st.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(st["cuda"])
@@ -261,6 +266,8 @@ def _write_manifest(root: str, iteration: int) -> None:
 def save_checkpoint(trainer, root: Optional[str] = None) -> str:
     cfg, ps = trainer.cfg, trainer.ps
     root = root or cfg.checkpoint.save
+    if getattr(cfg.checkpoint, "ckpt_format", "torch") == "torch_dist":
+        return _save_dist(trainer, root)
     path = checkpoint_path(root, trainer.iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
     try:
         if ps.rank == 0:
@@ -305,6 +312,108 @@ def save_checkpoint(trainer, root: Optional[str] = None) -> str:
                               f"{e.strerror or e} ({e.filename or root}); check the folder exists, is "
                               f"writable and has free space") from e
     return path
+
+
+def _common_state(trainer) -> dict:
+    opt = trainer.optimizer
+    return {"checkpoint_version": CHECKPOINT_VERSION, "format": "torch_dist",
+            "config": json.loads(json.dumps(trainer.cfg.to_dict(), default=str)),
+            "iteration": trainer.iteration, "consumed_samples": trainer.consumed_samples,
+            "skipped_iters": trainer.skipped_iters, "consumed_tokens": getattr(trainer, "consumed_tokens", 0),
+            "logger": trainer.logger.state_dict() if hasattr(trainer.logger, "state_dict") else {},
+            "opt_param_scheduler": trainer.lr_scheduler.state_dict(),
+            "grad_scaler": opt.grad_scaler.state_dict() if getattr(opt, "grad_scaler", None) else None}
+
+
+def _save_dist(trainer, root: str) -> str:
+    """--ckpt-format torch_dist: DCP shards from every rank, then (rank 0) common.json, the
+    manifest and the tracker, in that order, so the tracker never names an incomplete folder."""
+    ps = trainer.ps
+    it_dir = os.path.join(root, f"iter_{trainer.iteration:07d}")
+    try:
+        if ps.rank == 0:
+            os.makedirs(root, exist_ok=True)
+            remove_stale_files(root)
+            shutil.rmtree(it_dir, ignore_errors=True)  # a complete older save of this iteration: replaced
+        _barrier()
+        checkpointing_dist.save(trainer, it_dir)
+        _barrier()
+        files = checkpointing_dist.file_digests(it_dir, checkpointing_dist.shard_files(it_dir), ps.rank,
+                                                ps.world_size if dist.is_initialized() else 1)
+        if ps.rank == 0:
+            body = checkpointing_dist.common_bytes(trainer, _common_state(trainer))
+            _atomic_write_bytes(os.path.join(it_dir, checkpointing_dist.COMMON), lambda f: f.write(body))
+            files[checkpointing_dist.COMMON] = {"sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body)}
+            man = json.dumps({"iteration": trainer.iteration, "checkpoint_version": CHECKPOINT_VERSION,
+                              "format": "torch_dist", "files": files}, indent=1, sort_keys=True).encode()
+            _atomic_write_bytes(os.path.join(it_dir, MANIFEST), lambda f: f.write(man))
+            _atomic_write_bytes(os.path.join(root, TRACKER), lambda f: f.write(f"{trainer.iteration}\n".encode()))
+            print(f"saved checkpoint (torch_dist) at iteration {trainer.iteration} to {root}", flush=True)
+        _barrier()
+    except OSError as e:
+        raise CheckpointError(f"{ps.describe()}: cannot write checkpoint under --save {root}: "
+                              f"{e.strerror or e} ({e.filename or root}); check the folder exists, is "
+                              f"writable and has free space") from e
+    return it_dir
+
+
+def _load_dist(trainer, root: str, iteration: int) -> bool:
+    cfg, ps = trainer.cfg, trainer.ps
+    it_dir = os.path.join(root, f"iter_{iteration:07d}")
+    why = checkpointing_dist.unsupported(cfg)
+    if why:
+        raise CheckpointError(f"{it_dir}: {why}")
+    # Every rank checks a share of the files against the manifest; all agree before reading.
+    problem = None
+    try:
+        with open(os.path.join(it_dir, MANIFEST)) as f:
+            files = json.load(f)["files"]
+        for i, name in enumerate(sorted(files)):
+            if i % ps.world_size == ps.rank:
+                got = _sha256_file(os.path.join(it_dir, name)) if os.path.exists(os.path.join(it_dir, name)) else None
+                if got != files[name]["sha256"]:
+                    problem = f"{os.path.join(it_dir, name)} is {'missing' if got is None else 'corrupted'}"
+                    break
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problem = f"{os.path.join(it_dir, MANIFEST)} is missing or unreadable ({e})"
+    if not _all_ok(problem is None):
+        raise CheckpointError(f"{ps.describe()}: torch_dist checkpoint {it_dir} does not verify: "
+                              f"{problem or 'see another rank'}")
+    try:
+        common = checkpointing_dist.read_common(it_dir)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    current = json.loads(json.dumps(cfg.to_dict(), default=str))
+    # Only the model's shape must match: the layout is free (that is what the format is for).
+    problems = [f"{flag}: checkpoint has {common['config'].get(sec, {}).get(key)}, this run has {current.get(sec, {}).get(key)}"
+         for sec, key, flag in MUST_MATCH if sec == "model"
+         and common["config"].get(sec, {}).get(key) != current.get(sec, {}).get(key)]
+    if problems:
+        raise CheckpointError(f"checkpoint {it_dir} does not match this run:\n  " + "\n  ".join(problems))
+    load_optim = not cfg.checkpoint.no_load_optim and not cfg.checkpoint.finetune
+    try:
+        checkpointing_dist.load(trainer, it_dir, common, load_optim,
+                                not cfg.checkpoint.no_load_rng and not cfg.checkpoint.finetune)
+    except (ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{ps.describe()}: cannot read torch_dist checkpoint {it_dir}: {e}") from None
+    if not cfg.checkpoint.finetune:
+        trainer.iteration = common["iteration"]
+        trainer.consumed_samples = common["consumed_samples"]
+        trainer.skipped_iters = common.get("skipped_iters", 0)
+        trainer.consumed_tokens = common.get("consumed_tokens", 0)
+        if hasattr(trainer.logger, "load_state_dict"):
+            trainer.logger.load_state_dict(common.get("logger", {}))
+        if load_optim:
+            trainer.lr_scheduler.load_state_dict(common["opt_param_scheduler"])
+            gs = getattr(trainer.optimizer, "grad_scaler", None)
+            if gs is not None and common.get("grad_scaler"):
+                gs.load_state_dict(common["grad_scaler"])
+        else:
+            trainer.lr_scheduler.num_steps = trainer.iteration
+    _barrier()
+    if ps.rank == 0:
+        print(f"loaded checkpoint (torch_dist) {root} at iteration {trainer.iteration}", flush=True)
+    return True
 
 
 def read_tracker(root: str) -> Optional[int]:
@@ -379,6 +488,9 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
     together to the newest older complete checkpoint, and the bad file is named loudly."""
     cfg, ps = trainer.cfg, trainer.ps
     root = root or cfg.checkpoint.load
+    missing = missing_load_dir_message(root, cfg.checkpoint.save)
+    if missing:
+        raise CheckpointError(missing)
     if ps.rank == 0 and os.path.isdir(root) and os.access(root, os.W_OK):
         for gone in remove_stale_files(root):
             print(f"checkpoint: removed {gone} (left by an interrupted save)", flush=True)
@@ -388,6 +500,8 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
         if ps.rank == 0:
             print(f"warning: no {TRACKER} under --load {root}; starting from scratch", flush=True)
         return False
+    if checkpointing_dist.is_dist_checkpoint(os.path.join(root, f"iter_{tracked:07d}")):
+        return _load_dist(trainer, root, tracked)
     iteration, path = tracked, None
     for iteration in [tracked] + _older_complete_iterations(root, tracked):
         path = checkpoint_path(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
@@ -401,6 +515,8 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
                 hint = f" (it holds {sorted(os.listdir(it_dir))}: was it saved with another TP/PP layout?)"
             what = f"checkpoint file {path} is missing{hint}" if not_in_layout else \
                 f"another rank's checkpoint file under {it_dir} is missing (was it saved with another TP/PP layout?)"
+            if _saved_layout(it_dir) not in (None, (ps.tp_size, ps.pp_size)) and cfg.parallel.stage_parallel is None:
+                what += "; " + convert_hint(root, iteration, ps.tp_size, ps.pp_size)
             raise CheckpointError(f"{ps.describe()}: {what}")
         if problem is not None:
             print(f"CHECKPOINT CORRUPT: {ps.describe()}: {path}: {problem}", file=sys.stderr, flush=True)
@@ -416,11 +532,16 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
         print(f"WARNING: loading iteration {iteration} instead of the tracked iteration {tracked}, whose files are "
               f"corrupt; training resumes from the older state", file=sys.stderr, flush=True)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = safe_load(path)
+    except UnsafeCheckpointError as e:
+        raise CheckpointError(f"{ps.describe()}: {e}") from None
     except Exception as e:  # truncated or foreign file without a checksum
         raise CheckpointError(f"{ps.describe()}: cannot read checkpoint {path}: {e}") from e
     problems = config_mismatches(state.get("config", {}), cfg.to_dict())
     if problems:
+        if any(p.startswith(("--tensor-model", "--pipeline-model-parallel-size")) for p in problems) \
+                and cfg.parallel.stage_parallel is None:
+            problems.append(convert_hint(root, iteration, ps.tp_size, ps.pp_size))
         raise CheckpointError(f"checkpoint {path} does not match this run:\n  " + "\n  ".join(problems))
     for sid, m in trainer.stages.items():
         if sid not in state["model"]:

@@ -391,8 +391,11 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    ckpt_format: str = "torch"
 
     def __post_init__(self):
+        _require(self.ckpt_format in ("torch", "torch_dist"),
+                 f"--ckpt-format must be torch or torch_dist, got {self.ckpt_format!r}")
         if self.save_interval is not None:
             _require(self.save_interval > 0, f"--save-interval must be positive, got {self.save_interval}")
             _require(self.save is not None, "--save-interval needs --save DIR")

@@ -47,7 +47,47 @@ def plan_to_dict(plan: Plan, spec: ModelSpec) -> Dict[str, Any]:
     }
 
 
+_PLAN_FIELDS = {"model_name": str, "num_stages": int, "micro_batch_size": int, "global_batch_size": int,
+                "num_gpus": list, "num_ops_in_each_stage": list, "model_parallel_size_of_each_op": list,
+                "data_parallel_size_of_each_op": list, "recompute_ops": list}
+
+
+_LAYOUT_FIELDS = ("num_stages", "num_ops_in_each_stage", "model_parallel_size_of_each_op",
+                  "data_parallel_size_of_each_op")
+
+
+def check_plan_fields(d, required=tuple(_PLAN_FIELDS)) -> None:
+    """Field presence and types first, so a hostile or hand-edited file gets one line, not a traceback."""
+    if not isinstance(d, dict):
+        raise ValueError(f"aceso config: the top level must be a JSON object, got {type(d).__name__}")
+    for k, t in _PLAN_FIELDS.items():
+        if k not in d and k not in required:
+            continue
+        if k not in d:
+            raise ValueError(f"aceso config: missing field '{k}'")
+        if not isinstance(d[k], t) or isinstance(d[k], bool):
+            raise ValueError(f"aceso config: field '{k}' is {type(d[k]).__name__}, expected {t.__name__}")
+    for k in ("num_stages", "micro_batch_size", "global_batch_size"):
+        if k in d and d[k] < 1:
+            raise ValueError(f"aceso config: field '{k}' is {d[k]}, must be >= 1")
+    for k in ("num_gpus", "num_ops_in_each_stage"):
+        if k in d and not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in d[k]):
+            raise ValueError(f"aceso config: field '{k}' must hold positive integers")
+    for k in ("model_parallel_size_of_each_op", "data_parallel_size_of_each_op", "recompute_ops",
+              "algo_of_each_op"):
+        v = d.get(k) or []
+        if not all(isinstance(st, list) and all(isinstance(x, int) and x >= 0 for x in st) for st in v):
+            raise ValueError(f"aceso config: field '{k}' must be one list of non-negative integers per stage")
+    if any(x < 1 for k in ("model_parallel_size_of_each_op", "data_parallel_size_of_each_op") for st in d[k]
+           for x in st):
+        raise ValueError("aceso config: TP and DP sizes must be >= 1")
+    for k in _LAYOUT_FIELDS[1:]:
+        if len(d[k]) != d["num_stages"]:
+            raise ValueError(f"aceso config: '{k}' has {len(d[k])} entries for {d['num_stages']} stages")
+
+
 def plan_from_dict(d: Dict[str, Any], num_ops: int = None) -> Plan:
+    check_plan_fields(d)
     model = f"{d['model_name']}-{str(d['model_size']).replace('_', '.').lower()}"
     n = d["num_stages"]
     for k in ("num_gpus", "num_ops_in_each_stage", "model_parallel_size_of_each_op",
@@ -91,4 +131,11 @@ def save_plan(path: str, plan: Plan, spec: ModelSpec) -> None:
 
 def load_plan(path: str, num_ops: int = None) -> Plan:
     with open(path) as f:
-        return plan_from_dict(json.load(f), num_ops)
+        try:
+            d = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise ValueError(f"{path}: not a JSON Aceso config ({e})") from None
+    try:
+        return plan_from_dict(d, num_ops)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None

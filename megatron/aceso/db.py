@@ -62,8 +62,30 @@ def read_op_csv(path: str) -> List[OpRow]:
             continue
         if len(r) != len(OP_HEADER):
             raise ValueError(f"{path}: row {r!r} has {len(r)} fields, expected {len(OP_HEADER)}")
-        out.append(OpRow(r[0].strip(), *(float(x) for x in r[1:])))
+        out.append(OpRow(r[0].strip(), *_numbers(r[1:], path, r)))
     return out
+
+
+def _pairs(rows, path) -> List[Tuple[float, float]]:
+    out = []
+    for r in rows:
+        if not r or not r[0]:
+            continue
+        if len(r) != 2:
+            raise ValueError(f"{path}: row {r!r} has {len(r)} fields, expected 2 (size, time)")
+        out.append(tuple(_numbers(r, path, r)))
+    return out
+
+
+def _numbers(fields, path, row) -> List[float]:
+    """Finite, non-negative numbers (times, sizes): a forged 'nan' or '-1e9' would steer the search."""
+    try:
+        vals = [float(x) for x in fields]
+    except ValueError:
+        raise ValueError(f"{path}: row {row!r} holds a field that is not a number") from None
+    if not all(math.isfinite(v) and v >= 0 for v in vals):
+        raise ValueError(f"{path}: row {row!r} holds a negative, infinite or NaN value")
+    return vals
 
 
 def write_op_csv(path: str, rows: List[OpRow]) -> None:
@@ -123,7 +145,7 @@ class OpDatabase:
                 with open(os.path.join(root, fn), newline="") as f:
                     rows = [r for r in csv.reader(f)][1:]
                 self._collectives[(m["coll"], int(m["n"]))] = _Curve(
-                    [(float(a), float(b)) for a, b in rows if a])
+                    _pairs(rows, os.path.join(root, fn)))
         # Collective time depends on the message and the devices, not on the model: a model
         # without an all_reduce table (the published T5 sets) borrows the first other model's
         # tables from the same directory; ``borrowed_collectives`` names it.
@@ -136,7 +158,7 @@ class OpDatabase:
                     with open(os.path.join(root, fn), newline="") as f:
                         rows = [r for r in csv.reader(f)][1:]
                     donors.setdefault(f"{m['model']}_{m['size']}", {})[(m["coll"], int(m["n"]))] = \
-                        _Curve([(float(a), float(b)) for a, b in rows if a])
+                        _Curve(_pairs(rows, os.path.join(root, fn)))
             for name, curves in sorted(donors.items()):
                 if any(k[0] == "all_reduce" for k in curves):
                     self.borrowed_collectives = name
@@ -239,7 +261,9 @@ def _read_p2p(path: str) -> Optional[_P2P]:
         return None
     with open(path, newline="") as f:
         rows = [r for r in csv.reader(f) if r]
-    return _P2P([float(x) for x in rows[0]], [float(x) for x in rows[1]])
+    if len(rows) < 2:
+        raise ValueError(f"{path}: expected two rows (sizes, bandwidths), found {len(rows)}")
+    return _P2P(_numbers(rows[0], path, rows[0]), _numbers(rows[1], path, rows[1]))
 
 
 def available_models(root: str) -> List[str]:

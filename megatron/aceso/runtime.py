@@ -120,8 +120,17 @@ def gpt_layout(d: Dict[str, Any], num_layers: int, world_size: int) -> AcesoLayo
 
 
 def load_gpt_layout(path: str, num_layers: int, world_size: int) -> AcesoLayout:
+    from megatron.aceso.config import _LAYOUT_FIELDS, check_plan_fields
     with open(path) as f:
-        return gpt_layout(json.load(f), num_layers, world_size)
+        try:
+            d = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise AcesoConfigError(f"--aceso-config {path}: not a JSON Aceso config ({e})") from None
+    try:
+        check_plan_fields(d, _LAYOUT_FIELDS)
+    except ValueError as e:
+        raise AcesoConfigError(f"--aceso-config {path}: {e}") from None
+    return gpt_layout(d, num_layers, world_size)
 
 
 def apply_to_args(args, model_type: str, world_size: int, defaults: Dict[str, Any]) -> None:

@@ -115,6 +115,8 @@ class _Index:
         off += 8 * n
         self.document_indices = np.frombuffer(self._mmap, np.int64, d, off)
         doc = self.document_indices
+        if n and int(self.sequence_lengths.min()) < 0:
+            raise IndexedDatasetError(f"{path}: negative sequence length in the index (corrupt or forged index)")
         # Megatron's builder always ends the last document at sequence_count, but files
         # written by other scripts may leave trailing sequences outside any document.
         if d == 0 or doc[0] != 0 or doc[-1] > n or (d > 1 and bool((np.diff(doc) < 0).any())):

@@ -218,6 +218,8 @@ def _init_worker(opts: Options, in_pool: bool = False, tokenizer=None) -> None:
 def _parse(path, lineno, raw, keys):
     try:
         obj = json.loads(raw)
+    except RecursionError:
+        return None, f"{path}:{lineno}: JSON nested too deeply to be a document"
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         hint = ("; input must be JSON lines (one object per line), not a JSON array"
                 if raw.lstrip()[:1] == b"[" else "")

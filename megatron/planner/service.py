@@ -8,7 +8,10 @@ of `num_readers` ranks to read iteration i deletes its keys and bumps ``{prefix}
 which is what bounds the look-ahead, so the store holds at most `lookahead` plans.
 
 Records are ``b"P" + iteration(8 bytes) + sha256(32) + payload`` or ``b"E" + iteration +
-message``: a planner exception (or a crashed worker) becomes an error record, and every rank
+message``. The payload is `megatron.planner.wire`'s fixed-schema record (JSON plus the binary
+`ExecutionPlan` format), never a pickle: the store is an unauthenticated port, and nothing read
+from it may run code (only rank 0's own worker pipes carry pickles). A planner exception (or a
+crashed worker) becomes an error record, and every rank
 raises `PlanServiceError` naming the iteration instead of waiting forever. The message holds
 the worker's traceback: for an exception, the one raised in the worker; for a worker that
 died (segfault, abort, killed), what `faulthandler` wrote from that worker's Python stack.
@@ -28,7 +31,6 @@ import glob
 import hashlib
 import multiprocessing as mp
 import os
-import pickle
 import shutil
 import signal
 import tempfile
@@ -38,6 +40,8 @@ import time
 import traceback
 from datetime import timedelta
 from typing import Callable, Optional
+
+from megatron.planner import wire
 
 
 class PlanServiceError(RuntimeError):
@@ -53,7 +57,7 @@ def default_store():
 
 
 def _run(plan_fn, iteration):
-    return pickle.dumps(plan_fn(iteration), protocol=pickle.HIGHEST_PROTOCOL)
+    return wire.encode(plan_fn(iteration))
 
 
 _FAULT_LOG = None
@@ -110,7 +114,8 @@ def _pool_context(start_method: str, plan_fn):
 
 
 class PlanService:
-    """`plan_fn(iteration) -> picklable plan` runs in worker processes on rank 0 only.
+    """`plan_fn(iteration) -> plan` runs in worker processes on rank 0 only; the plan is a
+    `DynaPipeIterationPlan` or a JSON value (`megatron.planner.wire`).
 
     `plan_fn` is pickled to the workers: a module-level function or a functools.partial of
     one (an unpicklable one fails iteration `start_iteration` with that error on every rank).
@@ -203,6 +208,9 @@ class PlanService:
                 f"rank {self.rank}: no plan for iteration {iteration} after {self.timeout_s:.0f}s "
                 f"(is rank 0's plan service running?): {e}") from None
         data = self.store.get(key)
+        if data[:1] not in (b"P", b"E") or len(data) < (41 if data[:1] == b"P" else 9):
+            raise PlanServiceError(f"rank {self.rank}: record of iteration {iteration} under {key} is not a plan "
+                                   f"record ({len(data)} bytes starting {bytes(data[:9])!r}); refusing it")
         kind, it = data[:1], struct.unpack("<q", data[1:9])[0]
         if it != iteration:
             raise PlanServiceError(f"rank {self.rank}: key {key} holds a record for iteration {it}")
@@ -215,8 +223,12 @@ class PlanService:
         first = self.store.compare_set(self._key(iteration, "/digest"), b"", digest)
         if first != digest:
             raise PlanServiceError(f"rank {self.rank} read a different plan for iteration {iteration} than other ranks")
+        try:
+            plan = wire.decode(payload)
+        except ValueError as e:
+            raise PlanServiceError(f"rank {self.rank}: plan of iteration {iteration} refused: {e}") from None
         self._mark_read(iteration)
-        return pickle.loads(payload)
+        return plan
 
     def _mark_read(self, iteration):
         n = self.store.add(self._key(iteration, "/readers"), 1)

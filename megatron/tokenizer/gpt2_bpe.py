@@ -51,6 +51,14 @@ def load_vocab_and_merges(vocab_file: str, merge_file: str):
             encoder = json.load(f)
         except json.JSONDecodeError as exc:
             raise ValueError(f"--vocab-file {vocab_file}: not a GPT-2 JSON vocabulary ({exc})") from None
+        except RecursionError:
+            raise ValueError(f"--vocab-file {vocab_file}: JSON nested too deeply (not a GPT-2 vocabulary)") from None
+    # token -> id, ids distinct and dense enough: a forged id of 10**12 must not size a table.
+    if not isinstance(encoder, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 * len(encoder) + 1024
+            for k, v in encoder.items()) or len(set(encoder.values())) != len(encoder):
+        raise ValueError(f"--vocab-file {vocab_file}: expected a JSON object of token -> distinct id in "
+                         f"[0, {2 * len(encoder) + 1024 if isinstance(encoder, dict) else 0}), not a GPT-2 vocabulary")
     merges = []
     with open_text(merge_file) as f:
         for lineno, line in enumerate(f, 1):

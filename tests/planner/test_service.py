@@ -110,11 +110,12 @@ def test_different_bytes_are_detected():
     store = local_store()
     svc = PlanService(None, 1, 2, store, prefix="t4", timeout_s=2)
     import hashlib
-    import pickle
     import struct
-    for payload in (pickle.dumps("a"), pickle.dumps("b")):
+
+    from megatron.planner import wire
+    for payload in (wire.encode("a"), wire.encode("b")):
         store.set("t4/0", b"P" + struct.pack("<q", 0) + hashlib.sha256(payload).digest() + payload)
-        if payload == pickle.dumps("a"):
+        if payload == wire.encode("a"):
             assert svc.get(0) == "a"
     with pytest.raises(PlanServiceError, match="different plan for iteration 0"):
         svc.get(0)

@@ -142,10 +142,28 @@ def save_hf(out: str, hf_config: dict, sd: Dict[str, torch.Tensor]) -> None:
         json.dump(hf_config, f, indent=1)
 
 
+# Integer fields of the HF configs we read: a forged string or a billion layers is refused up front.
+_INT_FIELDS = ("n_head", "n_layer", "n_embd", "n_positions", "n_inner", "vocab_size", "hidden_size",
+               "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+               "max_position_embeddings", "d_model", "d_ff", "d_kv", "num_layers", "num_decoder_layers",
+               "num_heads", "relative_attention_num_buckets", "relative_attention_max_distance")
+
+
 def load_hf(folder: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    """config.json (checked field types) + model.safetensors (no pickle)."""
     from safetensors.torch import load_file
-    with open(os.path.join(folder, "config.json")) as f:
-        cfg = json.load(f)
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        try:
+            cfg = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise ValueError(f"{path}: not a JSON config ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: the top level must be a JSON object")
+    for k in _INT_FIELDS:
+        v = cfg.get(k)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 < v < 1 << 24):
+            raise ValueError(f"{path}: field {k!r} is {v!r}, expected a positive integer below 2**24")
     return cfg, load_file(os.path.join(folder, "model.safetensors"))
 
 

@@ -17,6 +17,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from megatron.checkpoint_safety import UnsafeCheckpointError, safe_load
 from megatron.checkpointing import (CHECKPOINT_VERSION, TRACKER, _atomic_write_bytes, _write_manifest,
                                     checkpoint_path, read_tracker)
 from megatron.config import ConfigError, ModelConfig
@@ -92,7 +93,10 @@ def read_full_model(root: str, iteration: int = None) -> Tuple[dict, Dict[str, t
         if not m:
             continue
         tp_rank, pp_rank = int(m.group(1)), int(m.group(2) or 0)
-        state = torch.load(os.path.join(it_dir, sub, "model_optim_rng.pt"), map_location="cpu", weights_only=False)
+        try:
+            state = safe_load(os.path.join(it_dir, sub, "model_optim_rng.pt"))
+        except UnsafeCheckpointError as e:
+            raise ReshardError(str(e)) from None
         config = config or state["config"]
         meta = meta or {k: state.get(k) for k in ("iteration", "consumed_samples", "skipped_iters", "consumed_tokens")}
         pp = config["parallel"]["pipeline_model_parallel_size"]

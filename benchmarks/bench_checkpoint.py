@@ -1,0 +1,108 @@
+"""Save and load time of the two checkpoint formats (--ckpt-format torch / torch_dist).
+
+  nice -n 10 python benchmarks/bench_checkpoint.py [--hidden 512] [--layers 12] [--tp 2] [--pp 2]
+
+Builds a GPT of about 50 M parameters (default) on tp x pp gloo ranks on CPU, trains one step
+(so the AdamW state exists), then for each format saves a checkpoint and loads it back into the
+same trainer, --reps times, and prints one JSON line: the best save and load wall time of each
+(slowest rank, between barriers, checksums and manifest included), the bytes on disk and the
+files written. On a shared 2-core machine the numbers are noisy; compare formats within one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _config(args):
+    from megatron.config import (CheckpointConfig, DataConfig, LoggingConfig, MegatronConfig, ModelConfig,
+                                 ParallelConfig, TrainingConfig)
+    return MegatronConfig(
+        model=ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
+                          seq_length=args.seq, vocab_size=args.vocab, hidden_dropout=0.0, attention_dropout=0.0),
+        parallel=ParallelConfig(world_size=args.tp * args.pp, tensor_model_parallel_size=args.tp,
+                                pipeline_model_parallel_size=args.pp, distributed_timeout_minutes=10),
+        training=TrainingConfig(micro_batch_size=1, global_batch_size=1, train_iters=1, lr=1e-4,
+                                eval_interval=10 ** 6),
+        data=DataConfig(mock_data=True), checkpoint=CheckpointConfig(), logging=LoggingConfig(log_interval=10 ** 6))
+
+
+def _timed(fn):
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _worker(rank, world, args, init, root, out):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    from datetime import timedelta
+
+    from megatron.checkpointing import load_checkpoint, save_checkpoint
+    from megatron.core.parallel_state import initialize_model_parallel
+    from megatron.initialize import set_seeds
+    from megatron.pretrain import build_gpt_trainer
+    cfg = _config(args)
+    ps = initialize_model_parallel(args.tp, args.pp, timedelta(minutes=10))
+    set_seeds(cfg.training.seed, ps, torch.device("cpu"))
+    trainer = build_gpt_trainer(cfg, ps, torch.device("cpu"))
+    trainer.train_step()
+    local = sum(p.numel() for s in trainer.stages.values() for p in s.parameters()
+                if not getattr(p, "shared_embedding", False))  # the last stage's tied copy: counted once
+    n = torch.tensor([local if ps.dp_rank == 0 else 0], dtype=torch.int64)
+    dist.all_reduce(n)
+    result = {"parameters": int(n)}
+    for fmt in ("torch", "torch_dist"):
+        d = os.path.join(root, fmt)
+        trainer.cfg.checkpoint.ckpt_format = fmt
+        saves, loads = [], []
+        for _ in range(args.reps):
+            if rank == 0:
+                shutil.rmtree(d, ignore_errors=True)
+            saves.append(_timed(lambda: save_checkpoint(trainer, d)))
+            loads.append(_timed(lambda: load_checkpoint(trainer, d)))
+        files = [os.path.join(p, f) for p, _, fs in os.walk(d) for f in fs]
+        result[fmt] = {"save_s": min(saves), "load_s": min(loads), "bytes": sum(os.path.getsize(f) for f in files),
+                       "files": len(files)}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=2)
+    args = ap.parse_args(argv)
+    world = args.tp * args.pp
+    with tempfile.TemporaryDirectory() as d:
+        init, out, root = os.path.join(d, "init"), os.path.join(d, "out.json"), os.path.join(d, "ckpt")
+        mp.spawn(_worker, args=(world, args, init, root, out), nprocs=world, join=True)
+        with open(out) as f:
+            res = json.load(f)
+    res.update(config=vars(args), dist_over_torch_save=res["torch_dist"]["save_s"] / res["torch"]["save_s"],
+               dist_over_torch_load=res["torch_dist"]["load_s"] / res["torch"]["load_s"])
+    print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()

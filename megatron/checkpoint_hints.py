@@ -1,0 +1,42 @@
+"""One-line advice for a --load that cannot be used as it is (no model, no torch needed)."""
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional
+
+
+def missing_load_dir_message(load: Optional[str], save: Optional[str]) -> Optional[str]:
+    """Why `--load` cannot be used, or None. A folder that does not exist is a typo (training from
+    scratch would hide it), unless it is also --save: the resume-or-start pattern."""
+    if not load or os.path.isdir(load):
+        return None
+    if save and os.path.abspath(save) == os.path.abspath(load):
+        return None
+    if os.path.exists(load):
+        return f"--load {load}: not a folder"
+    return (f"--load {load}: no such folder (mistyped? to resume when a checkpoint exists and start fresh "
+            f"otherwise, give the same folder to --save)")
+
+
+def _saved_layout(it_dir: str):
+    """(TP, PP) a checkpoint iteration folder was saved with, from its file names; None if unknown."""
+    try:
+        names = os.listdir(it_dir)
+    except OSError:
+        return None
+    ranks = [re.match(r"^mp_rank_(\d{2})(?:_(\d{3}))?$", n) for n in names]
+    ranks = [(int(m.group(1)), int(m.group(2) or 0)) for m in ranks if m]
+    if not ranks:
+        return None
+    return max(t for t, _ in ranks) + 1, max(p for _, p in ranks) + 1
+
+
+def convert_hint(root: str, iteration: int, tp: int, pp: int) -> str:
+    """The command that re-splits a checkpoint for this run's layout (and the format that needs none)."""
+    src = _saved_layout(os.path.join(root, f"iter_{iteration:07d}"))
+    saved = f"it was saved at TP {src[0]} x PP {src[1]}, this run is TP {tp} x PP {pp}; " if src else ""
+    out = f"{root.rstrip(os.sep)}_tp{tp}_pp{pp}"
+    return (f"{saved}convert it with: python tools/checkpoint/convert.py --load {root} --save {out} "
+            f"--target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp} (then --load {out}); "
+            f"checkpoints saved with --ckpt-format torch_dist load at any layout without converting")

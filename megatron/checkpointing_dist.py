@@ -1,0 +1,304 @@
+"""`--ckpt-format torch_dist`: checkpoints through `torch.distributed.checkpoint` (DCP) that load
+at any tensor / pipeline / data parallel layout, without the offline converter.
+
+    <dir>/iter_0000100/__R_0.distcp    tensors, one file per writing rank (written in parallel)
+    <dir>/iter_0000100/.metadata       DCP's index: every tensor's name, dtype, shape and chunks
+    <dir>/iter_0000100/common.json     config, counters, scheduler, grad scaler, saved layout
+    <dir>/iter_0000100/manifest.json   every file + sha256 (written last: marks it complete)
+
+Layout independence: every tensor is stored under its global name (`decoder.layers.<global
+index>...`) at its full, unsharded shape, vocabulary tables cut to the real vocabulary. Each rank
+offers its stages' tensors (TP shards gathered over its TP group); DCP's planner de-duplicates
+the copies that TP and DP replicas hold and spreads the writes over the ranks. On load each rank
+reads the full tensors of its own stages and cuts its TP shard, so any TP/PP/DP split of the
+same model finds what it needs. The cost is that a rank holds its stages' full tensors for the
+moment of the save and load (a rank's share of a model, times TP) — DTensor-sharded saving
+would avoid it and is the next step for models whose stage does not fit unsharded.
+
+Nothing is unpickled: tensors load with `weights_only=True` (DCP does this), DCP's own index is
+read with an unpickler that accepts only DCP's metadata classes, and the rest is JSON. What the
+format holds: model, AdamW state (per parameter, resharded like it), RNG states per rank (restored
+only when the layout is the same), counters. Not yet: the distributed optimizer's flat shards,
+Optimus-CC residuals, per-stage TP/DP (Aceso) layouts and T5 (refused when the flags are parsed).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import random
+import re
+import sys
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+COMMON = "common.json"
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_VOCAB = re.compile(r"(word_embeddings|output_layer)\.weight$")
+_TIED = "embedding.word_embeddings.weight"
+
+
+def unsupported(cfg) -> Optional[str]:
+    """Why this run cannot use --ckpt-format torch_dist, or None."""
+    t = cfg.training
+    for on, flag in ((cfg.model.model_type != "gpt", "T5 (pretrain_t5.py)"),
+                     (t.use_distributed_optimizer, "--use-distributed-optimizer"),
+                     (cfg.compression.enabled, "Optimus-CC compression"),
+                     (cfg.parallel.stage_parallel is not None, "--aceso-config (per-stage TP x DP sizes)")):
+        if on:
+            return f"--ckpt-format torch_dist does not support {flag} yet; use --ckpt-format torch"
+    return None
+
+
+# ---- DCP's index, read without running code ---------------------------------------------
+class _MetadataUnpickler(pickle.Unpickler):
+    _ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+        ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "Path"),
+        ("collections", "OrderedDict")}
+
+    def find_class(self, module, name):
+        if (module, name) in self._ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                   torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not part of a DCP index")
+
+
+def _reader(path: str):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            md_path = os.path.join(path, ".metadata")
+            try:
+                with open(md_path, "rb") as f:
+                    md = _MetadataUnpickler(io.BytesIO(f.read())).load()
+            except pickle.UnpicklingError as e:
+                raise ValueError(f"{md_path}: refused to load: {e} (a checkpoint must not carry code)") from None
+            if getattr(md, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return SafeReader(path)
+
+
+def read_index(it_dir: str) -> Dict[str, tuple]:
+    """{tensor name: (shape, dtype)} of a torch_dist iteration folder, without building a model."""
+    md = _reader(it_dir).read_metadata()
+    return {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+
+
+def is_dist_checkpoint(it_dir: str) -> bool:
+    return os.path.exists(os.path.join(it_dir, COMMON))
+
+
+# ---- names and shards ----------------------------------------------------------------------
+def _global(stage, name: str) -> str:
+    m = _LAYER.match(name)
+    return f"decoder.layers.{stage.layer_start + int(m.group(1))}.{m.group(2)}" if m else name
+
+
+def _params(trainer):
+    """(global key, param, saved_here) of this rank's stages. The last stage's tied copy of the
+    word embedding reads the embedding's entry and is not saved twice."""
+    for stage in trainer.stages.values():
+        for name, p in stage.named_parameters():
+            shared = getattr(p, "shared_embedding", False)
+            yield (_TIED if shared else _global(stage, name)), p, not shared
+
+
+def _dim(p) -> Optional[int]:
+    return getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """`t` if it owns its whole storage, else a copy: torch.save (inside DCP) writes a view's
+    entire storage, so a slice of a stacked or flat buffer would store the buffer."""
+    t = t.detach()
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone()
+
+
+def _full(t: torch.Tensor, dim, key: str, ps, vocab: int) -> torch.Tensor:
+    if dim is not None and ps.tp_size > 1:
+        parts = [torch.empty_like(t) for _ in range(ps.tp_size)]
+        dist.all_gather(parts, t.contiguous(), group=ps.tp_group)
+        t = torch.cat(parts, dim=dim)
+    return t[:vocab] if _VOCAB.search(key) else t
+
+
+def _shard(full: torch.Tensor, like: torch.Tensor, dim, key: str, ps, padded: int) -> torch.Tensor:
+    if _VOCAB.search(key):
+        full = torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
+    if dim is not None:
+        per = full.shape[dim] // ps.tp_size
+        full = full.narrow(dim, ps.tp_rank * per, per)
+    if tuple(full.shape) != tuple(like.shape):
+        raise ValueError(f"{key}: checkpoint gives shape {tuple(full.shape)} for this rank, the model has "
+                         f"{tuple(like.shape)}")
+    return full.to(like.dtype).clone()
+
+
+def _rng_tensors(rank: int) -> Dict[str, torch.Tensor]:
+    from megatron.core.tensor_parallel.random import get_rng_tracker
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    out = {f"rng.{rank}.torch": torch.get_rng_state(),
+           f"rng.{rank}.random": torch.tensor([version, *mt], dtype=torch.int64),
+           f"rng.{rank}.numpy": torch.tensor([int(k) for k in keys] + [pos, has_gauss], dtype=torch.int64),
+           f"rng.{rank}.numpy_gauss": torch.tensor([cached], dtype=torch.float64)}
+    if gauss is not None:
+        out[f"rng.{rank}.random_gauss"] = torch.tensor([gauss], dtype=torch.float64)
+    if torch.cuda.is_available():
+        out[f"rng.{rank}.cuda"] = torch.cuda.get_rng_state()
+    for name, st in get_rng_tracker().get_states().items():
+        out[f"rng.{rank}.tracker.{name}"] = st
+    return out
+
+
+def _set_rng(sd: Dict[str, torch.Tensor], rank: int) -> None:
+    from megatron.core.tensor_parallel.random import get_rng_tracker
+    p = f"rng.{rank}."
+    torch.set_rng_state(sd[p + "torch"])
+    r = sd[p + "random"].tolist()
+    gauss = sd.get(p + "random_gauss")
+    random.setstate((r[0], tuple(r[1:]), None if gauss is None else float(gauss[0])))
+    n = sd[p + "numpy"].tolist()
+    np.random.set_state(("MT19937", np.asarray(n[:-2], dtype=np.uint32), n[-2], n[-1],
+                         float(sd[p + "numpy_gauss"][0])))
+    if p + "cuda" in sd and torch.cuda.is_available():
+        torch.cuda.set_rng_state(sd[p + "cuda"])
+    tracker = {k[len(p + "tracker."):]: v for k, v in sd.items() if k.startswith(p + "tracker.")}
+    get_rng_tracker().set_states(tracker)
+
+
+def _layout(ps) -> dict:
+    return {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size, "world": ps.world_size}
+
+
+# ---- save / load ---------------------------------------------------------------------------
+def save(trainer, it_dir: str) -> None:
+    """Every rank: write this rank's part of iteration folder `it_dir` (collective); the caller
+    writes common.json and the manifest once every rank is done."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    cfg, ps = trainer.cfg, trainer.ps
+    vocab = cfg.model.vocab_size
+    opt = trainer.optimizer.optimizer  # torch AdamW (unsupported() refuses the distributed optimizer)
+    sd: Dict[str, torch.Tensor] = {}
+    for key, p, here in _params(trainer):
+        dim = _dim(p)
+        st = opt.state.get(p, {})
+        names = ["model"] + [k for k in ("exp_avg", "exp_avg_sq") if k in st]
+        # One TP gather per parameter for the weight and its moments together (collective:
+        # every TP rank walks the same parameters in the same order).
+        parts = [p.detach()] + [st[k] for k in names[1:]]
+        if dim is None or ps.tp_size == 1:
+            full = parts  # nothing to gather: the tensors themselves (no copy unless a view)
+        elif all(t.dtype == p.dtype for t in parts):
+            full = _full(torch.stack(parts), dim + 1, "", ps, vocab).unbind(0)
+        else:  # moments kept in another precision than the weight: gather each as it is
+            full = [_full(t, dim, "", ps, vocab) for t in parts]
+        if not here:
+            continue
+        for n, t in zip(names, full):
+            t = t[:vocab] if _VOCAB.search(key) else t
+            sd[f"model.{key}" if n == "model" else f"optimizer.{key}.{n}"] = _own(t)
+        if "step" in st:
+            sd[f"optimizer.{key}.step"] = torch.as_tensor(st["step"]).detach().clone().reshape(1)
+    sd.update(_rng_tensors(ps.rank))
+    os.makedirs(it_dir, exist_ok=True)
+    dcp.save(sd, storage_writer=FileSystemWriter(it_dir, thread_count=1))
+
+
+def common_bytes(trainer, common: dict) -> bytes:
+    return json.dumps({**common, "layout": _layout(trainer.ps)}, indent=1, sort_keys=True, allow_nan=False,
+                      default=str).encode()
+
+
+def read_common(it_dir: str) -> dict:
+    path = os.path.join(it_dir, COMMON)
+    try:
+        with open(path) as f:
+            common = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: unreadable ({e})") from None
+    for k, t in (("iteration", int), ("consumed_samples", int), ("config", dict), ("layout", dict)):
+        if not isinstance(common.get(k), t):
+            raise ValueError(f"{path}: field {k!r} is missing or not {t.__name__}")
+    return common
+
+
+def load(trainer, it_dir: str, common: dict, load_optim: bool, load_rng: bool) -> None:
+    """Every rank: fill this rank's stages (and optimizer, RNG) from `it_dir` at its own layout."""
+    import torch.distributed.checkpoint as dcp
+    cfg, ps = trainer.cfg, trainer.ps
+    index = read_index(it_dir)
+    padded = cfg.model.padded_vocab_size(ps.tp_size)
+    sd, targets = {}, []
+    for key, p, _ in _params(trainer):
+        names = [f"model.{key}"] + ([f"optimizer.{key}.{k}" for k in ("exp_avg", "exp_avg_sq", "step")]
+                                    if load_optim else [])
+        for n in names:
+            if n in index and n not in sd:
+                shape, dtype = index[n]
+                sd[n] = torch.empty(shape, dtype=dtype)
+            elif n == names[0] and n not in index:
+                raise ValueError(f"{it_dir} holds no tensor {n} (saved from another model?)")
+        targets.append((key, p))
+    same_layout = common["layout"] == _layout(ps)
+    rng_keys = [k for k in index if k.startswith(f"rng.{ps.rank}.")] if load_rng and same_layout else []
+    for k in rng_keys:
+        shape, dtype = index[k]
+        sd[k] = torch.empty(shape, dtype=dtype)
+    dcp.load(sd, storage_reader=_reader(it_dir))
+    opt = trainer.optimizer.optimizer
+    with torch.no_grad():
+        for key, p in targets:
+            dim = _dim(p)
+            p.copy_(_shard(sd[f"model.{key}"], p, dim, key, ps, padded))
+            if load_optim and f"optimizer.{key}.exp_avg" in sd:
+                opt.state[p] = {"step": sd[f"optimizer.{key}.step"].reshape(()).clone(),
+                                **{k: _shard(sd[f"optimizer.{key}.{k}"], p, dim, key, ps, padded)
+                                   for k in ("exp_avg", "exp_avg_sq")}}
+    if rng_keys:
+        _set_rng(sd, ps.rank)
+    elif load_rng and ps.rank == 0:
+        print(f"note: {it_dir} was saved at layout {common['layout']}, this run is {_layout(ps)}: RNG states start "
+              f"from this run's seed", file=sys.stderr, flush=True)
+
+
+def _sha256(path: str) -> bytes:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.digest()
+
+
+def file_digests(it_dir: str, names, rank: int = 0, world: int = 1) -> Dict[str, dict]:
+    """sha256 of `names` in `it_dir`, each rank hashing every world-th file in parallel
+    (collective when world > 1; digests meet in an all-reduce of bytes, not a pickle)."""
+    names = sorted(names)
+    buf = torch.zeros(len(names), 32, dtype=torch.int64)
+    for i, name in enumerate(names):
+        if i % world == rank:
+            buf[i] = torch.tensor(list(_sha256(os.path.join(it_dir, name))), dtype=torch.int64)
+    if world > 1:
+        dist.all_reduce(buf)
+    return {n: {"sha256": bytes(buf[i].tolist()).hex(), "bytes": os.path.getsize(os.path.join(it_dir, n))}
+            for i, n in enumerate(names)}
+
+
+def shard_files(it_dir: str) -> list:
+    return [n for n in os.listdir(it_dir) if n.endswith(".distcp") or n == ".metadata"]

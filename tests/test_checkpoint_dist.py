@@ -1,0 +1,131 @@
+"""--ckpt-format torch_dist: bit-exact resume at the same layout, and a checkpoint saved at one
+TP/PP layout loads at another (no converter) with the same weights and the same loss."""
+import json
+import os
+
+import pytest
+import torch
+
+from megatron.checkpointing import load_checkpoint, read_tracker, save_checkpoint
+from megatron.checkpointing_dist import read_index
+from tests.dist_harness import run_distributed
+from tests.parity_utils import assemble, make_trainer, shards, tiny_config
+
+TOTAL = 4
+
+
+def _cfg(world, save=None, load=None, iters=TOTAL, dropout=0.1, **kw):
+    cfg = tiny_config(world=world, iters=iters, dropout=dropout, save=save, load=load, **kw)
+    cfg.training.lr_decay_iters = TOTAL
+    cfg.checkpoint.ckpt_format = "torch_dist"
+    return cfg
+
+
+def _straight(rank, world, kw):
+    t = make_trainer(_cfg(world, **kw))
+    t.train()
+    return shards(t), t.consumed_samples
+
+
+def _first_half(rank, world, ckpt, kw):
+    t = make_trainer(_cfg(world, ckpt, iters=TOTAL // 2, **kw))
+    t.train()
+    save_checkpoint(t)
+    return shards(t)
+
+
+def _second_half(rank, world, ckpt, kw):
+    t = make_trainer(_cfg(world, load=ckpt, **kw))
+    assert load_checkpoint(t)
+    assert t.iteration == TOTAL // 2
+    t.train()
+    return shards(t), t.consumed_samples
+
+
+@pytest.mark.parametrize("world,kw", [(1, {}), (4, dict(tp=2, pp=2))])
+def test_torch_dist_resume_is_bit_exact(tmp_path, world, kw):
+    straight = run_distributed(_straight, world, kw)
+    run_distributed(_first_half, world, str(tmp_path), kw)
+    assert read_tracker(str(tmp_path)) == TOTAL // 2
+    it_dir = tmp_path / f"iter_{TOTAL // 2:07d}"
+    index = read_index(str(it_dir))  # readable without a model
+    assert "model.decoder.layers.3.self_attention.query_key_value.weight" in index
+    files = json.load(open(it_dir / "manifest.json"))["files"]
+    assert ".metadata" in files and "common.json" in files
+    assert len([f for f in files if f.endswith(".distcp")]) == world  # every rank wrote its part
+    resumed = run_distributed(_second_half, world, str(tmp_path), kw)
+    for (a, ca), (b, cb) in zip(straight, resumed):
+        assert ca == cb and set(a) == set(b)
+        for name in a:
+            assert torch.equal(a[name][0], b[name][0]), name
+
+
+def _step_after_load(rank, world, ckpt, kw):
+    t = make_trainer(_cfg(world, load=ckpt, **kw))
+    assert load_checkpoint(t)
+    before = shards(t)
+    loss = t.train_step()["loss"]
+    return before, loss
+
+
+def test_torch_dist_loads_at_another_layout(tmp_path):
+    # No dropout: RNG streams are per rank and start afresh at another layout.
+    saved = assemble(run_distributed(_first_half, 2, str(tmp_path), dict(tp=2, dropout=0.0)))
+    (_, ref_loss), _ = run_distributed(_step_after_load, 2, str(tmp_path), dict(tp=2, dropout=0.0))
+    for world, kw in ((1, dict(dropout=0.0)), (2, dict(pp=2, dropout=0.0))):
+        out = run_distributed(_step_after_load, world, str(tmp_path), kw)
+        loaded = assemble([o[0] for o in out])
+        assert set(loaded) == set(saved)
+        for name in saved:
+            assert torch.equal(loaded[name], saved[name]), (kw, name)
+        loss = out[-1][1]  # the last pipeline stage reports the loss
+        assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6), (kw, loss, ref_loss)
+
+
+class _Hostile:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_forged_dcp_index_is_refused_without_running(tmp_path):
+    import pickle
+    it_dir = tmp_path / "iter"
+    it_dir.mkdir()
+    marker = tmp_path / "pwned"
+    (it_dir / ".metadata").write_bytes(pickle.dumps(_Hostile(marker)))
+    with pytest.raises(ValueError, match=r"\.metadata: refused to load: GLOBAL posix\.system"):
+        read_index(str(it_dir))
+    assert not marker.exists()
+
+
+def _load_error(rank, world, ckpt):
+    from megatron.checkpointing import CheckpointError
+    t = make_trainer(_cfg(world, load=ckpt))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(t)
+    return str(e.value)
+
+
+def test_corrupted_shard_is_named(tmp_path):
+    run_distributed(_first_half, 1, str(tmp_path), {})
+    it_dir = tmp_path / f"iter_{TOTAL // 2:07d}"
+    (shard,) = [f for f in os.listdir(it_dir) if f.endswith(".distcp")]
+    data = bytearray((it_dir / shard).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (it_dir / shard).write_bytes(bytes(data))
+    (msg,) = run_distributed(_load_error, 1, str(tmp_path))
+    assert "does not verify" in msg and f"{it_dir / shard} is corrupted" in msg, msg
+
+
+def test_unsupported_combination_is_one_line_at_parse_time(capsys):
+    from megatron.arguments import parse_args
+    from tests.test_arguments import BASE
+    with pytest.raises(SystemExit) as e:
+        parse_args(BASE + ["--ckpt-format", "torch_dist", "--use-distributed-optimizer"], world_size=1)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1
+    assert "--ckpt-format torch_dist does not support --use-distributed-optimizer" in err
+    assert parse_args(BASE + ["--ckpt-format", "torch_dist"], world_size=1).checkpoint.ckpt_format == "torch_dist"
