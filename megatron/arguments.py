@@ -531,7 +531,8 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
                          terapipe=_terapipe_config(args))
     if args.dynapipe and args.dynapipe_cost_model and not args.dynapipe_cost_model_any:
         _check_cost_model_matches(args.dynapipe_cost_model, cfg.model)
-    if cfg.terapipe.enabled and cfg.terapipe.cost_model:
+    if cfg.terapipe.enabled and cfg.terapipe.cost_model and os.path.isfile(cfg.terapipe.cost_model):
+        # (a missing file is named by megatron/startup_checks.py, with the other input files)
         from megatron.planner.terapipe_latency import SliceLatencyModel
         try:  # a missing, malformed or unsound latency model is one line before any process group
             SliceLatencyModel.load(cfg.terapipe.cost_model)

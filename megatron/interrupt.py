@@ -14,16 +14,20 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from typing import Optional
 
 _REPEAT_S = 1.0  # torchrun's forwarded copy arrives within milliseconds of the terminal's SIGINT
-_state: dict = {"at": None, "previous": None}
+_state: dict = {"at": None, "previous": None, "defer": 0, "pending": False}
 
 
 def _handler(signum, frame):
     now = time.monotonic()
     if _state["at"] is None:
         _state["at"] = now
+        if _state["defer"]:
+            _state["pending"] = True  # raised when the deferred section ends
+            return
         raise KeyboardInterrupt
     if now - _state["at"] > _REPEAT_S:
         os._exit(130)  # a second Ctrl-C while shutting down: stop now, quietly
@@ -43,6 +47,24 @@ def uninstall() -> None:
     if _state["previous"] is not None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _state["previous"])
         _state["previous"] = None
+
+
+@contextmanager
+def deferred():
+    """A checkpoint being written finishes before a Ctrl-C takes effect: it is then complete,
+    named and verifiable, instead of a temporary the next run has to clean up (the ranks of a
+    save wait for each other, so every rank finishes it). A second, deliberate Ctrl-C still
+    quits at once."""
+    _state["defer"] += 1
+    try:
+        yield
+    except BaseException:
+        _state["defer"] -= 1
+        raise
+    _state["defer"] -= 1
+    if not _state["defer"] and _state["pending"]:
+        _state["pending"] = False
+        raise KeyboardInterrupt
 
 
 def received() -> bool:

@@ -99,6 +99,12 @@ def supervised_source(cfg: MegatronConfig, ps, tokenizer, planner, shapes_fn):
     return source
 
 
+def _save_whole(trainer) -> None:
+    """save_checkpoint with Ctrl-C held back until the checkpoint is complete and named."""
+    with interrupt.deferred():
+        save_checkpoint(trainer)
+
+
 def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int:
     interrupt.install()
     trainer = None
@@ -129,10 +135,10 @@ def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int
         trainer = build_trainer(cfg, ps, device)
         if cfg.checkpoint.load:
             load_checkpoint(trainer)
-        trainer.train(save_fn=save_checkpoint if cfg.checkpoint.save else None)
+        trainer.train(save_fn=_save_whole if cfg.checkpoint.save else None)
         if cfg.checkpoint.save and (not cfg.checkpoint.save_interval
                                     or trainer.iteration % cfg.checkpoint.save_interval != 0):
-            save_checkpoint(trainer)
+            _save_whole(trainer)
         return 0
     except KeyboardInterrupt:
         return interrupt.report(cfg.checkpoint.save, trainer)

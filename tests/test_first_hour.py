@@ -236,3 +236,18 @@ def test_missing_cost_model_file_is_named(tmp_path):
                         "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--tokens-per-global-batch", "64",
                         "--dynapipe", "--dynapipe-cost-model", "nope.json", "--dynapipe-cost-model-any"])
     assert msg.startswith("--dynapipe-cost-model nope.json: file not found")
+
+
+def test_ctrl_c_during_a_checkpoint_save_waits_for_it():
+    from megatron import interrupt
+    interrupt.install()
+    done = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with interrupt.deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)  # the handler runs here and only notes it
+                done.append("the save finished")
+        assert done == ["the save finished"] and interrupt.received()
+    finally:
+        interrupt.uninstall()
