@@ -57,6 +57,27 @@ def _add_compression_args(p) -> None:
     both("--selective-grad-comp", action="store_true",
          help="compress the DP all-reduce only on the first --selective-grad-comp-way pipeline stages")
     both("--selective-grad-comp-way", type=int, default=None)
+    both("--grad-comp-type", default="PowerSGD", choices=["PowerSGD", "RandomizedSVD"],
+         help="low-rank reducer for --grad-comp: PowerSGD (warm-started power step) or RandomizedSVD (fresh "
+              "Gaussian sketch of width rank+4 each step, truncated to rank by a local SVD)")
+    both("--emb-grad-comp", action="store_true",
+         help="low-rank reducer for the tied-embedding gradient all-reduce between the first and last stage "
+              "(over all DP replicas with --emb-comm-opt)")
+    both("--emb-grad-comp-rank", type=int, default=4, help="rank of --emb-grad-comp")
+    both("--emb-grad-comp-type", default="PowerSGD", choices=["PowerSGD", "RandomizedSVD"],
+         help="reducer of --emb-grad-comp (see --grad-comp-type)")
+    both("--emb-grad-comp-warm-up", type=float, default=0.0,
+         help="fraction of --train-iters that sync the embedding uncompressed first")
+    both("--emb-use-error-feedback", action="store_true",
+         help="keep the per-rank residual of --emb-grad-comp and add it to the next step's gradient")
+    both("--log-compression-stats", action="store_true",
+         help="at each --log-interval print one line (and TensorBoard scalars) per stage and message kind: "
+              "compression ratio, relative error of what was sent, residual/gradient norm, orthogonalisation "
+              "error, compression time; costs a host sync per message and one extra exact all-reduce per "
+              "compressed collective")
+    both("--lep-reset-each-iteration", action="store_true",
+         help="lazy error propagation: drop the pipeline-gradient residual at the end of each iteration instead "
+              "of adding it to the next iteration's first compressed gradient (computed under other weights)")
 
 
 def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
@@ -434,7 +455,11 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         inter_grad_comp_epilogue_only=args.inter_grad_comp_epilogue_only,
         use_error_feedback=args.use_error_feedback, emb_comm_opt=args.emb_comm_opt, grad_comp=args.grad_comp,
         grad_comp_rank=args.grad_comp_rank, grad_comp_warm_up=args.grad_comp_warm_up,
-        selective_grad_comp=args.selective_grad_comp, selective_grad_comp_way=args.selective_grad_comp_way)
+        selective_grad_comp=args.selective_grad_comp, selective_grad_comp_way=args.selective_grad_comp_way,
+        grad_comp_type=args.grad_comp_type, emb_grad_comp=args.emb_grad_comp, emb_grad_comp_rank=args.emb_grad_comp_rank,
+        emb_grad_comp_type=args.emb_grad_comp_type, emb_grad_comp_warm_up=args.emb_grad_comp_warm_up,
+        emb_use_error_feedback=args.emb_use_error_feedback, log_compression_stats=args.log_compression_stats,
+        lep_reset_each_iteration=args.lep_reset_each_iteration)
     cfg = MegatronConfig(model=model, parallel=parallel, training=training, data=data,
                          checkpoint=checkpoint, logging=logging_cfg, compression=compression,
                          terapipe=_terapipe_config(args))

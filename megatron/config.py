@@ -395,6 +395,14 @@ class CompressionConfig:
     grad_comp_warm_up: float = 0.0  # fraction of --train-iters with a plain all-reduce
     selective_grad_comp: bool = False
     selective_grad_comp_way: Optional[int] = None  # pipeline stages [0, K) compress
+    grad_comp_type: str = "PowerSGD"  # or RandomizedSVD (megatron/compression/data_parallel.py)
+    emb_grad_comp: bool = False  # low-rank tied-embedding all-reduce
+    emb_grad_comp_rank: int = 4
+    emb_grad_comp_type: str = "PowerSGD"
+    emb_grad_comp_warm_up: float = 0.0
+    emb_use_error_feedback: bool = False
+    log_compression_stats: bool = False  # megatron/compression/stats.py
+    lep_reset_each_iteration: bool = False  # LEP residuals do not cross the optimizer step
 
     def __post_init__(self):
         _require(self.inter_grad_comp_rank >= 1, f"--inter-grad-comp-rank must be >= 1, got {self.inter_grad_comp_rank}")
@@ -409,9 +417,16 @@ class CompressionConfig:
                      "--selective-grad-comp needs --selective-grad-comp-way K >= 1 (the first K pipeline stages "
                      "compress)")
 
+        _require(self.emb_grad_comp_rank >= 1, f"--emb-grad-comp-rank must be >= 1, got {self.emb_grad_comp_rank}")
+        _require(0.0 <= self.emb_grad_comp_warm_up <= 1.0,
+                 f"--emb-grad-comp-warm-up is a fraction of --train-iters in [0, 1], got {self.emb_grad_comp_warm_up}")
+        for flag, v in (("--grad-comp-type", self.grad_comp_type), ("--emb-grad-comp-type", self.emb_grad_comp_type)):
+            _require(v in ("PowerSGD", "RandomizedSVD"), f"{flag} must be PowerSGD or RandomizedSVD, got {v!r}")
+        _require(not self.emb_use_error_feedback or self.emb_grad_comp, "--emb-use-error-feedback needs --emb-grad-comp")
+
     @property
     def enabled(self) -> bool:
-        return self.inter_grad_comp or self.emb_comm_opt or self.grad_comp
+        return self.inter_grad_comp or self.emb_comm_opt or self.grad_comp or self.emb_grad_comp
 
 
 @dataclass
