@@ -78,6 +78,15 @@ def _add_compression_args(p) -> None:
     both("--lep-reset-each-iteration", action="store_true",
          help="lazy error propagation: drop the pipeline-gradient residual at the end of each iteration instead "
               "of adding it to the next iteration's first compressed gradient (computed under other weights)")
+    both("--mp-grad-comp", action="store_true",
+         help="low-rank tensor-parallel input-gradient all-reduce (backward of column-parallel layers): two "
+              "all-reduces of rank-r factors of the (tokens, hidden) gradient, fixed random sketch; not with "
+              "--sequence-parallel")
+    both("--mp-grad-comp-rank", type=int, default=4, help="rank of --mp-grad-comp")
+    both("--mp-acti-comp", action="store_true",
+         help="low-rank tensor-parallel output all-reduce (forward of row-parallel layers and the embedding): "
+              "CHANGES THE FORWARD (the model computes with the rank-r sum); exact only when the rank covers it")
+    both("--mp-acti-comp-rank", type=int, default=4, help="rank of --mp-acti-comp")
 
 
 def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
@@ -459,7 +468,8 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         grad_comp_type=args.grad_comp_type, emb_grad_comp=args.emb_grad_comp, emb_grad_comp_rank=args.emb_grad_comp_rank,
         emb_grad_comp_type=args.emb_grad_comp_type, emb_grad_comp_warm_up=args.emb_grad_comp_warm_up,
         emb_use_error_feedback=args.emb_use_error_feedback, log_compression_stats=args.log_compression_stats,
-        lep_reset_each_iteration=args.lep_reset_each_iteration)
+        lep_reset_each_iteration=args.lep_reset_each_iteration, mp_grad_comp=args.mp_grad_comp,
+        mp_grad_comp_rank=args.mp_grad_comp_rank, mp_acti_comp=args.mp_acti_comp, mp_acti_comp_rank=args.mp_acti_comp_rank)
     cfg = MegatronConfig(model=model, parallel=parallel, training=training, data=data,
                          checkpoint=checkpoint, logging=logging_cfg, compression=compression,
                          terapipe=_terapipe_config(args))

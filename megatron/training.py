@@ -233,6 +233,8 @@ class Trainer:
             for holder in (self.grad_compressor, self.dp_reducer, self.emb_reducer):
                 if holder is not None:
                     holder.stats = self.compression_stats
+        from megatron.compression.tensor_parallel import install
+        self.tp_compressors = install(cfg, ps, self.compression_stats)  # {} (exact all-reduces) unless asked
 
     def _expected_accumulations(self, plan) -> dict:
         """id(param) -> how many backward passes of this plan accumulate into it."""
