@@ -23,7 +23,7 @@ COMM = re.compile(r"pipeline activations: ([0-9.]+) MB \| pipeline gradients: ([
                   r".*?data-parallel: ([0-9.]+) MB \(uncompressed ([0-9.]+) MB.*?embedding sync: ([0-9.]+) MB")
 STATS = re.compile(r"stage (\d+) (\w+): [0-9.a-z]+x((?: \w+ [0-9.eE+-]+)*) [0-9.]+ ms")
 NAME = re.compile(r"^(.*?)(?:_s(\d+))?$")
-ORDER = ("baseline", "cb", "cb_lep", "cb_lep_reset", "cb_epilogue", "cb_lep_epilogue", "cb_lep_dp", "dp", "dp_rsvd",
+ORDER = ("baseline", "cb", "cb_lep", "cb_lep_carry", "cb_epilogue", "cb_lep_epilogue", "cb_lep_dp", "dp", "dp_rsvd",
          "emb")
 
 
@@ -80,6 +80,16 @@ def main(argv=None) -> int:
         row["compression_stats_mean"] = {k: statistics.fmean(r["stats_mean"][k] for r in seeds.values()
                                                               if k in r["stats_mean"]) for k in sorted(keys)}
         summary[run] = row
+    # A run without compression logs no byte line (before --log-compression-stats printed one):
+    # it sent what the others would have sent uncompressed, when none compresses the embedding.
+    donors = [r for seeds in logs.values() for r in seeds.values() if "pp_grad_raw_mb" in r]
+    for run, row in summary.items():
+        if row["mb_per_iteration"] is None and donors and run == "baseline":
+            d = donors[0]
+            row["mb_per_iteration"] = d["pp_act_mb"] + d["pp_grad_raw_mb"] + d["dp_raw_mb"] + d["emb_mb"]
+            row["mb_per_iteration_note"] = "uncompressed bytes logged by the compressed runs"
+            for r in logs[run].values():
+                r["mb_per_iteration"] = row["mb_per_iteration"]
     base = summary.get("baseline", {}).get("final_loss_mean")
     if base:
         for row in summary.values():

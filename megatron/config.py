@@ -402,7 +402,8 @@ class CompressionConfig:
     emb_grad_comp_warm_up: float = 0.0
     emb_use_error_feedback: bool = False
     log_compression_stats: bool = False  # megatron/compression/stats.py
-    lep_reset_each_iteration: bool = False  # LEP residuals do not cross the optimizer step
+    # LEP residuals normally end with their iteration (measured: carrying them over hurts, README)
+    lep_carry_across_iterations: bool = False
     mp_grad_comp: bool = False  # low-rank TP input-gradient all-reduce (compression/tensor_parallel.py)
     mp_grad_comp_rank: int = 4
     mp_acti_comp: bool = False  # low-rank TP output all-reduce: changes the forward
@@ -420,15 +421,13 @@ class CompressionConfig:
             _require(self.selective_grad_comp_way is not None and self.selective_grad_comp_way >= 1,
                      "--selective-grad-comp needs --selective-grad-comp-way K >= 1 (the first K pipeline stages "
                      "compress)")
-
-        _require(self.emb_grad_comp_rank >= 1, f"--emb-grad-comp-rank must be >= 1, got {self.emb_grad_comp_rank}")
+        for flag, v in (("--emb-grad-comp-rank", self.emb_grad_comp_rank), ("--mp-grad-comp-rank", self.mp_grad_comp_rank),
+                        ("--mp-acti-comp-rank", self.mp_acti_comp_rank)):
+            _require(v >= 1, f"{flag} must be >= 1, got {v}")
         _require(0.0 <= self.emb_grad_comp_warm_up <= 1.0,
                  f"--emb-grad-comp-warm-up is a fraction of --train-iters in [0, 1], got {self.emb_grad_comp_warm_up}")
         for flag, v in (("--grad-comp-type", self.grad_comp_type), ("--emb-grad-comp-type", self.emb_grad_comp_type)):
             _require(v in ("PowerSGD", "RandomizedSVD"), f"{flag} must be PowerSGD or RandomizedSVD, got {v!r}")
-        _require(not self.emb_use_error_feedback or self.emb_grad_comp, "--emb-use-error-feedback needs --emb-grad-comp")
-        _require(self.mp_grad_comp_rank >= 1 and self.mp_acti_comp_rank >= 1,
-                 "--mp-grad-comp-rank and --mp-acti-comp-rank must be >= 1")
 
     @property
     def enabled(self) -> bool:
@@ -573,16 +572,12 @@ class MegatronConfig:
             _require(not c.grad_comp and not c.emb_comm_opt,
                      "--overlap-grad-reduce overlaps the plain data-parallel all-reduce; --grad-comp and "
                      "--emb-comm-opt replace it: drop one of them")
-        if c.emb_grad_comp:
-            _require(pp > 1, "--emb-grad-comp compresses the first/last-stage embedding sync: it needs "
-                     "--pipeline-model-parallel-size > 1")
-            _require(not self.model.untie_embeddings_and_output_weights and not self.training.use_distributed_optimizer,
-                     "--emb-grad-comp needs tied embeddings and no --use-distributed-optimizer")
+        _require(not c.emb_grad_comp or pp > 1, "--emb-grad-comp compresses the first/last-stage embedding sync: it "
+                 "needs --pipeline-model-parallel-size > 1")
         if c.mp_grad_comp or c.mp_acti_comp:
-            _require(p.tensor_model_parallel_size > 1, "--mp-grad-comp/--mp-acti-comp compress tensor-parallel "
-                     "all-reduces: they need --tensor-model-parallel-size > 1")
-            _require(not self.model.sequence_parallel, "--mp-grad-comp/--mp-acti-comp compress all-reduces, which "
-                     "--sequence-parallel replaces by reduce-scatter/all-gather: drop one of them")
+            _require(p.tensor_model_parallel_size > 1 and not self.model.sequence_parallel, "--mp-grad-comp/--mp-acti-"
+                     "comp compress tensor-parallel all-reduces: they need --tensor-model-parallel-size > 1 and no "
+                     "--sequence-parallel (which replaces those all-reduces)")
         if c.grad_comp:
             _require(dp > 1, "--grad-comp compresses the data-parallel all-reduce: it needs a data-parallel size > 1 "
                      "(more ranks than tensor x pipeline parallel)")

@@ -213,7 +213,7 @@ class Trainer:
         if c.inter_grad_comp:
             from megatron.compression.pipeline import PipelineGradCompressor
             self.grad_compressor = PipelineGradCompressor(c.use_error_feedback, seed=cfg.training.seed,
-                                                          reset_each_iteration=c.lep_reset_each_iteration)
+                                                          reset_each_iteration=not c.lep_carry_across_iterations)
             self.extra_checkpoint_state["pipeline_grad_compression"] = PerDataParallelRank(self.grad_compressor, ps)
         if c.grad_comp:
             from megatron.compression.data_parallel import PowerSGDReducer
@@ -327,7 +327,7 @@ class Trainer:
             work.info["measured_peak_mb"] = torch.cuda.max_memory_allocated(self.device) / 1e6 - base_mb
         reduced = self._reduce_gradients()
         comm_bytes = None
-        if self.cfg.compression.enabled:
+        if self.cfg.compression.enabled or self.cfg.compression.log_compression_stats:
             # Whole-job payload bytes this iteration (summed over ranks), for the log.
             comm_bytes = dict(zip(
                 ("pp_act", "pp_grad", "pp_grad_raw", "dp", "dp_raw", "emb"),
