@@ -52,6 +52,24 @@ def parse(path: pathlib.Path) -> dict:
     return out
 
 
+def markdown_table(summary: dict) -> str:
+    """The README's table: final loss per seed and mean, MB per iteration, diagnostics."""
+    seeds = sorted({s for row in summary.values() for s in row["final_loss_per_seed"]}, key=str)
+    head = ["run", *[f"seed {s}" for s in seeds], "mean", "MB / iteration", "sent_err", "residual"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run, row in summary.items():
+        st = row["compression_stats_mean"]
+
+        def stat(name):
+            vals = [v for k, v in st.items() if k.endswith("pp_grad_" + name)]
+            return f"{vals[0]:.2f}" if vals else "-"
+        per = [f"{row['final_loss_per_seed'][s]:.3f}" if s in row["final_loss_per_seed"] else "-" for s in seeds]
+        mb = row.get("mb_per_iteration")
+        lines.append("| " + " | ".join([run, *per, f"{row['final_loss_mean']:.3f}", f"{mb:.2f}" if mb else "-",
+                                        stat("sent_err"), stat("residual")]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -95,6 +113,7 @@ def main(argv=None) -> int:
         for row in summary.values():
             row["final_loss_gap_vs_baseline"] = row["final_loss_mean"] / base - 1.0
     (root / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (root / "table.md").write_text(markdown_table(summary))
     with open(root / "loss_curves.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["iteration", "run", "seed", "loss", "mb_per_iteration"])

@@ -73,8 +73,8 @@ def _add_compression_args(p) -> None:
     both("--log-compression-stats", action="store_true",
          help="at each --log-interval print one line (and TensorBoard scalars) per stage and message kind: "
               "compression ratio, relative error of what was sent, residual/gradient norm, orthogonalisation "
-              "error, compression time; costs a host sync per message and one extra exact all-reduce per "
-              "compressed collective")
+              "error, compression time; costs a device synchronisation per message (its timer) and one extra exact "
+              "all-reduce per compressed collective (the reference sum)")
     both("--lep-carry-across-iterations", action="store_true",
          help="lazy error propagation as published: the last pipeline-gradient residual of an iteration rides on "
               "the next iteration's first compressed gradient (after the optimizer step) instead of being dropped; "
