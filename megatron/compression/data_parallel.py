@@ -81,6 +81,9 @@ class PowerSGDReducer:
         extra = self.oversample if self.method == "RandomizedSVD" else 0
         return lowrank.effective_rank(rows, cols, self.rank + extra)
 
+    def _compressible(self, rows: int, cols: int) -> bool:
+        return lowrank.worth_compressing(rows, cols, self._width(rows, cols))
+
     def reduce(self, params: Sequence[nn.Parameter], iteration: int) -> Tuple[int, int]:
         """Sum the gradients of `params` over the group in place; returns (bytes sent, bytes
         an uncompressed all-reduce would have sent), per rank."""
@@ -96,25 +99,23 @@ class PowerSGDReducer:
         if not self.active(iteration):
             _bucketed_all_reduce(grads, self.dp_group)
             return raw, raw
-        timer = Timer(grads[0].device if grads else "cpu") if self.stats is not None else contextlib.nullcontext()
-        with timer:
-            sent, mats, true = self._reduce(grads, iteration)
+        sent, mats, true, seconds = self._reduce(grads, iteration)
         if self.stats is not None:
-            # One timer covers the whole reduction (the factors of all matrices share two
+            # One timer covers the compressed part (the factors of all matrices share two
             # all-reduces); `ms` in the log is that time per compressed matrix.
             for (i, g, m, p, resid), t in zip(mats, true):
                 self.stats.record(self.stage, self.kind, raw_bytes=g.numel() * g.element_size(),
                                   sent_bytes=4 * p.shape[1] * (m.shape[0] + m.shape[1]),
                                   true=t, decoded=matrix_view(g), residual=resid, p=p)
             if mats:
-                self.stats.add_time(self.stage, self.kind, timer.seconds)
+                self.stats.add_time(self.stage, self.kind, seconds)
         return sent, raw
 
     def _reduce(self, grads, iteration):
         vectors: List[torch.Tensor] = []
         mats = []  # (index, grad, M incl. error, P, residual)
         for i, g in enumerate(grads):
-            if g.dim() < 2 or not lowrank.worth_compressing(g.shape[0], g[0].numel(), self._width(g.shape[0], g[0].numel())):
+            if g.dim() < 2 or not self._compressible(g.shape[0], g[0].numel()):
                 vectors.append(g)
                 continue
             m = matrix_view(g).float()
@@ -131,7 +132,14 @@ class PowerSGDReducer:
         if vectors:
             _bucketed_all_reduce(vectors, self.dp_group)
         if not mats:
-            return sent, mats, true
+            return sent, mats, true, 0.0
+        timer = Timer(mats[0][2].device) if self.stats is not None else contextlib.nullcontext()
+        with timer:
+            sent += self._compress(mats, iteration)
+        return sent, mats, true, getattr(timer, "seconds", 0.0)
+
+    def _compress(self, mats, iteration) -> int:
+        """Replace each matrix's gradient by the group sum's rank-r approximation; returns bytes sent."""
         widths = [self._width(m.shape[0], m.shape[1]) for _, _, m, _, _ in mats]
         if self.method == "RandomizedSVD":
             starts = [lowrank.initial_q(m.shape[1], w, self.state.seed, ("rsvd", i, iteration)).to(m.device)
@@ -153,8 +161,7 @@ class PowerSGDReducer:
                 self.state.error[(i,)] = row[4].detach().cpu()
             row[3] = p
             g.copy_(approx.reshape(g.shape).to(g.dtype))
-        sent += 4 * sum(p.numel() + q.numel() for p, q in zip(ps_, qs))
-        return sent, mats, true
+        return 4 * sum(p.numel() + q.numel() for p, q in zip(ps_, qs))
 
     def state_dict(self) -> dict:
         return self.state.state_dict()

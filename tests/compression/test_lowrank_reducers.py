@@ -120,3 +120,23 @@ def test_low_rank_reducers_are_exact_when_the_rank_covers_the_gradient(comp, pp,
         # Uncompressed, each of the 4 ranks sends the (104 x 32) embedding gradient.
         per_rank = comm["emb"] / 4
         assert 0 < per_rank < 104 * 32 * 4
+
+
+def _stats_run(rank, world, low):
+    import torch.distributed as dist
+    from megatron.compression.stats import CompressionStats, summary
+    g = torch.Generator().manual_seed(rank)
+    grad = (torch.randn(24, 1, generator=g) @ torch.randn(1, 20, generator=g)) if low else torch.randn(24, 20, generator=g)
+    p = nn.Parameter(torch.zeros(24, 20))
+    p.grad = grad
+    red = PowerSGDReducer(4, True, 0, True, dist.group.WORLD, world, seed=1, kind="emb", stage=3)
+    red.stats = CompressionStats()
+    red.reduce([p], 1)
+    return summary(red.stats.snapshot()[(3, "emb")])
+
+
+def test_reducer_stats_measure_against_the_exact_sum():
+    exact = run_distributed(_stats_run, 2, True)[0]  # two rank-1 gradients: the rank-4 sum is exact
+    assert exact["sent_err"] < 1e-5 and exact["orth"] < 1e-5 and exact["ratio"] == pytest.approx(480 / (44 * 4))
+    rough = run_distributed(_stats_run, 2, False)[0]
+    assert 0.3 < rough["sent_err"] < 1 and rough["residual"] > 0.1
