@@ -7,6 +7,13 @@ simulated iteration-time gain on slow inter-node links. Prints one JSON object p
   micro-batch 2, hidden 1024, rank 16): bytes on the wire, encode + decode time here.
 * `dp_powersgd`: one GPT layer's weight gradients (hidden 1024, rank 128): bytes, time of
   the compression arithmetic (the two all-reduces are left out: they are what shrinks).
+* `dp_rsvd`: the same layer with the randomized-SVD reducer (--grad-comp-type RandomizedSVD,
+  sketch width rank + 4): bytes, compression arithmetic, and the relative error of one step
+  on a matrix with a decaying spectrum next to PowerSGD's first (cold) and tenth (warm) step.
+* `emb_grad_comp`: the tied-embedding gradient (vocabulary 50304 x hidden 1024) at ranks 4
+  and 16 (--emb-grad-comp): bytes per all-reduce, compression arithmetic.
+* `tp_grad` / `tp_act`: one tensor-parallel all-reduce of a (1024 x 2 tokens, 1024) tensor at
+  rank 4 and 16 (--mp-grad-comp / --mp-acti-comp): bytes (both factor all-reduces), time.
 * `fused_embedding`: collectives and bytes of the tied-embedding sync.
 * `simulated`: GPT-6.7B on the shipped A100 table (cost_models/gpt_6.7b_a100.json), PP=4 x
   DP=2, 16 micro-batches of 1 x 2048 tokens, 1F1B, pipeline links of 100 and 200 Gb/s:
@@ -71,6 +78,72 @@ def bench_dp(repeats):
     sent = sum((m.shape[0] + m.shape[1]) * r for m in mats) * 4
     return {"bench": "dp_powersgd", "hidden": h, "rank": r, "bytes_uncompressed": raw, "bytes_sent": sent,
             "reduction": raw / sent, "compress_ms_per_layer": ms}
+
+
+def _decaying(rows, cols, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    u, _ = torch.linalg.qr(torch.randn(rows, min(rows, cols), generator=g))
+    v, _ = torch.linalg.qr(torch.randn(cols, min(rows, cols), generator=g))
+    s = torch.arange(1, min(rows, cols) + 1, dtype=torch.float32) ** -1.0
+    return (u * s) @ v.t()
+
+
+def bench_rsvd(repeats):
+    h, r, over = 1024, 128, 4
+    mats = [torch.randn(*shape) for shape in _layer_matrices(h, 4 * h)]
+
+    def step():
+        for i, m in enumerate(mats):
+            p = lowrank.orthonormalize(m @ lowrank.initial_q(m.shape[1], r + over, 0, ("rsvd", i, 1)))
+            lowrank.truncate(p, m.t() @ p, r)
+
+    ms = _time(step, max(1, repeats // 4))
+    raw = sum(m.numel() for m in mats) * 4
+    sent = sum((m.shape[0] + m.shape[1]) * (r + over) for m in mats) * 4
+    m = _decaying(1024, 1024)
+    p = lowrank.orthonormalize(m @ lowrank.initial_q(1024, r + over, 0, "e"))
+    rsvd_err = float(torch.linalg.norm(lowrank.truncate(p, m.t() @ p, r) - m) / torch.linalg.norm(m))
+    q = lowrank.initial_q(1024, r, 0, "e")
+    errs = []
+    for _ in range(10):
+        p, q = lowrank.compress(m, q)
+        errs.append(float(torch.linalg.norm(lowrank.decompress(p, q) - m) / torch.linalg.norm(m)))
+    best = float(torch.linalg.norm(torch.linalg.svdvals(m)[r:]) / torch.linalg.norm(m))
+    return {"bench": "dp_rsvd", "hidden": h, "rank": r, "oversample": over, "bytes_uncompressed": raw,
+            "bytes_sent": sent, "reduction": raw / sent, "compress_ms_per_layer": ms,
+            "rel_error_1_over_k_spectrum": {"rsvd": rsvd_err, "powersgd_step1": errs[0], "powersgd_step10": errs[-1],
+                                            "best_rank_r": best}}
+
+
+def bench_emb(repeats):
+    vocab, h = 50304, 1024
+    g = torch.randn(vocab, h)
+    out = {"bench": "emb_grad_comp", "shape": [vocab, h], "bytes_uncompressed": g.numel() * 4}
+    for r in (4, 16):
+        q = lowrank.initial_q(h, r, 0, "emb")
+        out[f"rank{r}"] = {"bytes_sent": (vocab + h) * r * 4, "reduction": vocab * h / ((vocab + h) * r),
+                           "compress_ms": _time(lambda: lowrank.decompress(*lowrank.compress(g, q)),
+                                                max(1, repeats // 4))}
+    return out
+
+
+def bench_tp(repeats):
+    tokens, h = 2048, 1024
+    x = torch.randn(tokens, h)
+    rows = []
+    for kind in ("grad", "act"):
+        out = {"bench": f"tp_{kind}", "shape": [tokens, h], "bytes_uncompressed": x.numel() * 4}
+        for r in (4, 16):
+            omega = lowrank.initial_q(h, r, 0, ("tp", kind))
+
+            def step():
+                p = lowrank.orthonormalize(x @ omega)
+                lowrank.decompress(p, x.t() @ p)
+
+            out[f"rank{r}"] = {"bytes_sent": (tokens + h) * r * 4, "reduction": tokens * h / ((tokens + h) * r),
+                               "collectives": 2, "compress_ms": _time(step, repeats)}
+        rows.append(out)
+    return rows
 
 
 def bench_fe():
@@ -139,7 +212,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    for row in (bench_cb(args.repeats), bench_dp(args.repeats), bench_fe(), *bench_simulated()):
+    for row in (bench_cb(args.repeats), bench_dp(args.repeats), bench_rsvd(args.repeats), bench_emb(args.repeats),
+                *bench_tp(args.repeats), bench_fe(), *bench_simulated()):
         row["threads"] = args.threads
         print(json.dumps(row), flush=True)
 

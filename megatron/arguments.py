@@ -30,8 +30,8 @@ def _add_compression_args(p) -> None:
     both("--inter-grad-comp-epilogue-only", action="store_true",
          help="compress only the sends of the pipeline drain (after each rank's last forward)")
     both("--use-error-feedback", action="store_true",
-         help="keep compression residuals: lazy error propagation for pipeline gradients, error feedback for "
-              "--grad-comp")
+         help="keep compression residuals: lazy error propagation for pipeline gradients (the residual of one "
+              "micro-batch rides on the next one's gradient within the iteration), error feedback for --grad-comp")
     both("--emb-comm-opt", action="store_true",
          help="one tied-embedding all-reduce per TP rank over the first and last stages of all DP replicas")
     both("--grad-comp", action="store_true", help="PowerSGD for the data-parallel gradient all-reduce")
@@ -42,6 +42,37 @@ def _add_compression_args(p) -> None:
          help="compress the DP all-reduce only on the first --selective-grad-comp-way pipeline stages")
     both("--selective-grad-comp-way", type=int, default=None,
          help="how many leading pipeline stages --selective-grad-comp compresses")
+    both("--grad-comp-type", default="PowerSGD", choices=["PowerSGD", "RandomizedSVD"],
+         help="low-rank reducer for --grad-comp: PowerSGD (warm-started power step) or RandomizedSVD (fresh "
+              "Gaussian sketch of width rank+4 each step, truncated to rank by a local SVD)")
+    both("--emb-grad-comp", action="store_true",
+         help="low-rank reducer for the tied-embedding gradient all-reduce between the first and last stage "
+              "(over all DP replicas with --emb-comm-opt)")
+    both("--emb-grad-comp-rank", type=int, default=4, help="rank of --emb-grad-comp")
+    both("--emb-grad-comp-type", default="PowerSGD", choices=["PowerSGD", "RandomizedSVD"],
+         help="reducer of --emb-grad-comp (see --grad-comp-type)")
+    both("--emb-grad-comp-warm-up", type=float, default=0.0,
+         help="fraction of --train-iters that sync the embedding uncompressed first")
+    both("--emb-use-error-feedback", action="store_true",
+         help="keep the per-rank residual of --emb-grad-comp and add it to the next step's gradient")
+    both("--log-compression-stats", action="store_true",
+         help="at each --log-interval print one line (and TensorBoard scalars) per stage and message kind: "
+              "compression ratio, relative error of what was sent, residual/gradient norm, orthogonalisation "
+              "error, compression time; costs a device synchronisation per message (its timer) and one extra exact "
+              "all-reduce per compressed collective (the reference sum)")
+    both("--lep-carry-across-iterations", action="store_true",
+         help="lazy error propagation as published: the last pipeline-gradient residual of an iteration rides on "
+              "the next iteration's first compressed gradient (after the optimizer step) instead of being dropped; "
+              "measured worse than plain CB here (README, Optimus-CC)")
+    both("--mp-grad-comp", action="store_true",
+         help="low-rank tensor-parallel input-gradient all-reduce (backward of column-parallel layers): two "
+              "all-reduces of rank-r factors of the (tokens, hidden) gradient, fixed random sketch; not with "
+              "--sequence-parallel")
+    both("--mp-grad-comp-rank", type=int, default=4, help="rank of --mp-grad-comp")
+    both("--mp-acti-comp", action="store_true",
+         help="low-rank tensor-parallel output all-reduce (forward of row-parallel layers and the embedding): "
+              "CHANGES THE FORWARD (the model computes with the rank-r sum); exact only when the rank covers it")
+    both("--mp-acti-comp-rank", type=int, default=4, help="rank of --mp-acti-comp")
 
 
 def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
@@ -525,7 +556,12 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         inter_grad_comp_epilogue_only=args.inter_grad_comp_epilogue_only,
         use_error_feedback=args.use_error_feedback, emb_comm_opt=args.emb_comm_opt, grad_comp=args.grad_comp,
         grad_comp_rank=args.grad_comp_rank, grad_comp_warm_up=args.grad_comp_warm_up,
-        selective_grad_comp=args.selective_grad_comp, selective_grad_comp_way=args.selective_grad_comp_way)
+        selective_grad_comp=args.selective_grad_comp, selective_grad_comp_way=args.selective_grad_comp_way,
+        grad_comp_type=args.grad_comp_type, emb_grad_comp=args.emb_grad_comp, emb_grad_comp_rank=args.emb_grad_comp_rank,
+        emb_grad_comp_type=args.emb_grad_comp_type, emb_grad_comp_warm_up=args.emb_grad_comp_warm_up,
+        emb_use_error_feedback=args.emb_use_error_feedback, log_compression_stats=args.log_compression_stats,
+        lep_carry_across_iterations=args.lep_carry_across_iterations, mp_grad_comp=args.mp_grad_comp,
+        mp_grad_comp_rank=args.mp_grad_comp_rank, mp_acti_comp=args.mp_acti_comp, mp_acti_comp_rank=args.mp_acti_comp_rank)
     cfg = MegatronConfig(model=model, parallel=parallel, training=training, data=data,
                          checkpoint=checkpoint, logging=logging_cfg, compression=compression,
                          terapipe=_terapipe_config(args))

@@ -423,6 +423,19 @@ class CompressionConfig:
     grad_comp_warm_up: float = 0.0  # fraction of --train-iters with a plain all-reduce
     selective_grad_comp: bool = False
     selective_grad_comp_way: Optional[int] = None  # pipeline stages [0, K) compress
+    grad_comp_type: str = "PowerSGD"  # or RandomizedSVD (megatron/compression/data_parallel.py)
+    emb_grad_comp: bool = False  # low-rank tied-embedding all-reduce
+    emb_grad_comp_rank: int = 4
+    emb_grad_comp_type: str = "PowerSGD"
+    emb_grad_comp_warm_up: float = 0.0
+    emb_use_error_feedback: bool = False
+    log_compression_stats: bool = False  # megatron/compression/stats.py
+    # LEP residuals normally end with their iteration (measured: carrying them over hurts, README)
+    lep_carry_across_iterations: bool = False
+    mp_grad_comp: bool = False  # low-rank TP input-gradient all-reduce (compression/tensor_parallel.py)
+    mp_grad_comp_rank: int = 4
+    mp_acti_comp: bool = False  # low-rank TP output all-reduce: changes the forward
+    mp_acti_comp_rank: int = 4
 
     def __post_init__(self):
         _require(self.inter_grad_comp_rank >= 1, f"--inter-grad-comp-rank must be >= 1, got {self.inter_grad_comp_rank}")
@@ -436,10 +449,17 @@ class CompressionConfig:
             _require(self.selective_grad_comp_way is not None and self.selective_grad_comp_way >= 1,
                      "--selective-grad-comp needs --selective-grad-comp-way K >= 1 (the first K pipeline stages "
                      "compress)")
+        for flag, v in (("--emb-grad-comp-rank", self.emb_grad_comp_rank), ("--mp-grad-comp-rank", self.mp_grad_comp_rank),
+                        ("--mp-acti-comp-rank", self.mp_acti_comp_rank)):
+            _require(v >= 1, f"{flag} must be >= 1, got {v}")
+        _require(0.0 <= self.emb_grad_comp_warm_up <= 1.0,
+                 f"--emb-grad-comp-warm-up is a fraction of --train-iters in [0, 1], got {self.emb_grad_comp_warm_up}")
+        for flag, v in (("--grad-comp-type", self.grad_comp_type), ("--emb-grad-comp-type", self.emb_grad_comp_type)):
+            _require(v in ("PowerSGD", "RandomizedSVD"), f"{flag} must be PowerSGD or RandomizedSVD, got {v!r}")
 
     @property
     def enabled(self) -> bool:
-        return self.inter_grad_comp or self.emb_comm_opt or self.grad_comp
+        return self.inter_grad_comp or self.emb_comm_opt or self.grad_comp or self.emb_grad_comp
 
 
 @dataclass
@@ -578,6 +598,12 @@ class MegatronConfig:
             _require(not c.grad_comp and not c.emb_comm_opt,
                      "--overlap-grad-reduce overlaps the plain data-parallel all-reduce; --grad-comp and "
                      "--emb-comm-opt replace it: drop one of them")
+        _require(not c.emb_grad_comp or pp > 1, "--emb-grad-comp compresses the first/last-stage embedding sync: it "
+                 "needs --pipeline-model-parallel-size > 1")
+        if c.mp_grad_comp or c.mp_acti_comp:
+            _require(p.tensor_model_parallel_size > 1 and not self.model.sequence_parallel, "--mp-grad-comp/--mp-acti-"
+                     "comp compress tensor-parallel all-reduces: they need --tensor-model-parallel-size > 1 and no "
+                     "--sequence-parallel (which replaces those all-reduces)")
         if c.grad_comp:
             _require(dp > 1, "--grad-comp compresses the data-parallel all-reduce: it needs a data-parallel size > 1 "
                      "(more ranks than tensor x pipeline parallel)")

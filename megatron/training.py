@@ -212,7 +212,8 @@ class Trainer:
         self.extra_checkpoint_state = {}
         if c.inter_grad_comp:
             from megatron.compression.pipeline import PipelineGradCompressor
-            self.grad_compressor = PipelineGradCompressor(c.use_error_feedback, seed=cfg.training.seed)
+            self.grad_compressor = PipelineGradCompressor(c.use_error_feedback, seed=cfg.training.seed,
+                                                          reset_each_iteration=not c.lep_carry_across_iterations)
             self.extra_checkpoint_state["pipeline_grad_compression"] = PerDataParallelRank(self.grad_compressor, ps)
         if c.grad_comp:
             from megatron.compression.data_parallel import PowerSGDReducer
@@ -221,6 +222,19 @@ class Trainer:
         if c.emb_comm_opt:
             from megatron.compression.embedding import build_fused_embedding_group
             self.fused_embedding_group = build_fused_embedding_group(ps)
+        self.emb_reducer = self.compression_stats = None
+        if c.emb_grad_comp:
+            from megatron.compression.embedding import build_embedding_reducer
+            self.emb_reducer = build_embedding_reducer(cfg, ps, self.fused_embedding_group)
+            self.extra_checkpoint_state["embedding_grad_compression"] = PerDataParallelRank(self.emb_reducer, ps)
+        if c.log_compression_stats:
+            from megatron.compression.stats import CompressionStats
+            self.compression_stats = CompressionStats()
+            for holder in (self.grad_compressor, self.dp_reducer, self.emb_reducer):
+                if holder is not None:
+                    holder.stats = self.compression_stats
+        from megatron.compression.tensor_parallel import install
+        self.tp_compressors = install(cfg, ps, self.compression_stats)  # {} (exact all-reduces) unless asked
 
     def _expected_accumulations(self, plan) -> dict:
         """id(param) -> how many backward passes of this plan accumulate into it."""
@@ -251,7 +265,9 @@ class Trainer:
         if self.fused_embedding_group is not None or ps.stage_layouts:
             # Both syncs already sum over every DP replica of the first and last stage: the
             # tied parameters stay out of the data-parallel reduction.
-            if self.fused_embedding_group is not None:
+            if self.emb_reducer is not None:
+                sent["emb"] = self.emb_reducer.reduce(self.tied_params, self.iteration + 1)[0]
+            elif self.fused_embedding_group is not None:
                 from megatron.compression.embedding import fused_embedding_all_reduce
                 sent["emb"] = fused_embedding_all_reduce(self.tied_params, self.fused_embedding_group)
             else:
@@ -261,6 +277,8 @@ class Trainer:
                                                                   vocab_rows)
             tied = {id(p) for p in self.tied_params}
             dp_params = [p for p in dp_params if id(p) not in tied]
+        elif self.emb_reducer is not None:
+            sent["emb"] = self.emb_reducer.reduce(self.tied_params, self.iteration + 1)[0]
         else:
             allreduce_embedding_grads(self.tied_params, ps.embedding_group)
             if ps.embedding_group is not None:
@@ -299,6 +317,8 @@ class Trainer:
         if traced:
             self.executor.trace_events = []
         stats = self.executor.run(work.plan, mbs, self.optimizer.loss_scale / total_tokens)
+        if self.grad_compressor is not None:
+            self.grad_compressor.end_iteration()
         if traced:
             self._write_measured_trace(self.iteration + 1, work)
         if on_cuda and work.info:
@@ -307,7 +327,7 @@ class Trainer:
             work.info["measured_peak_mb"] = torch.cuda.max_memory_allocated(self.device) / 1e6 - base_mb
         reduced = self._reduce_gradients()
         comm_bytes = None
-        if self.cfg.compression.enabled:
+        if self.cfg.compression.enabled or self.cfg.compression.log_compression_stats:
             # Whole-job payload bytes this iteration (summed over ranks), for the log.
             comm_bytes = dict(zip(
                 ("pp_act", "pp_grad", "pp_grad_raw", "dp", "dp_raw", "emb"),
@@ -431,6 +451,9 @@ class Trainer:
             history.append(out)
             self.logger.record(self.iteration, self.consumed_samples, out, self.lr_scheduler.lr(),
                                self.optimizer.loss_scale, self.skipped_iters)
+            if self.compression_stats is not None and self.iteration % cfg.logging.log_interval == 0:
+                self.compression_stats.report(self.iteration, dist.group.WORLD if self.ps.world_size > 1 else None,
+                                              self.logger.active, self.logger.writer)
             if self.valid_source is not None and self.iteration % cfg.training.eval_interval == 0:
                 self.logger.log_validation(self.iteration, self.evaluate(self.valid_source, cfg.training.eval_iters))
             if save_fn and cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0:

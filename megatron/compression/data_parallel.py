@@ -20,6 +20,7 @@ exactly what the compressed sum missed.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import List, Sequence, Tuple
 
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.compression import lowrank
+from megatron.compression.stats import Timer
 from megatron.core.distributed import _bucketed_all_reduce
 
 
@@ -35,15 +37,34 @@ def matrix_view(g: torch.Tensor) -> torch.Tensor:
     return g.reshape(g.shape[0], -1)
 
 
+REDUCERS = ("PowerSGD", "RandomizedSVD")
+
+
 class PowerSGDReducer:
+    """Rank-r reducer over one process group: PowerSGD (warm-started Q, one power step) or,
+    with method="RandomizedSVD", a randomized range finder (Halko et al.): a fresh Gaussian
+    sketch of width r + oversample each step, the same on every rank, Y = sum_k M_k Omega,
+    P = orth(Y), B = sum_k P^T M_k, then the rank-r truncation of P B by an SVD of the small B
+    (local, no extra traffic). rSVD keeps no warm-start state, so every step's approximation is
+    independent of the last: more accurate on a single matrix, no convergence over steps.
+
+    Used for the data-parallel reduction and, over the tied-embedding group, for
+    --emb-grad-comp (`kind` names the message kind in --log-compression-stats)."""
+
     def __init__(self, rank: int, error_feedback: bool, warmup_iters: int, compress: bool, dp_group,
-                 dp_size: int, seed: int = 0):
+                 dp_size: int, seed: int = 0, method: str = "PowerSGD", oversample: int = 4,
+                 kind: str = "dp", stage: int = 0):
+        if method not in REDUCERS:
+            raise ValueError(f"unknown low-rank reducer {method!r}; choose from {', '.join(REDUCERS)}")
         self.rank = rank
         self.error_feedback = error_feedback
         self.warmup_iters = warmup_iters
         self.compress = compress  # False on stages that --selective-grad-comp leaves uncompressed
         self.dp_group, self.dp_size = dp_group, dp_size
+        self.method, self.oversample = method, oversample
+        self.kind, self.stage = kind, stage
         self.state = lowrank.LowRankState(seed)
+        self.stats = None  # a CompressionStats with --log-compression-stats
 
     @classmethod
     def from_config(cls, cfg, ps) -> "PowerSGDReducer":
@@ -51,14 +72,21 @@ class PowerSGDReducer:
         compress = not c.selective_grad_comp or ps.pp_rank < c.selective_grad_comp_way
         warmup = math.ceil(cfg.training.train_iters * c.grad_comp_warm_up)
         return cls(c.grad_comp_rank, c.use_error_feedback, warmup, compress, ps.dp_group, ps.dp_size,
-                   seed=cfg.training.seed)
+                   seed=cfg.training.seed, method=getattr(c, "grad_comp_type", "PowerSGD"), stage=ps.pp_rank)
 
     def active(self, iteration: int) -> bool:
         return self.compress and iteration > self.warmup_iters
 
+    def _width(self, rows: int, cols: int) -> int:
+        extra = self.oversample if self.method == "RandomizedSVD" else 0
+        return lowrank.effective_rank(rows, cols, self.rank + extra)
+
+    def _compressible(self, rows: int, cols: int) -> bool:
+        return lowrank.worth_compressing(rows, cols, self._width(rows, cols))
+
     def reduce(self, params: Sequence[nn.Parameter], iteration: int) -> Tuple[int, int]:
-        """Sum the gradients of `params` over DP in place; returns (bytes sent, bytes an
-        uncompressed all-reduce would have sent), per rank."""
+        """Sum the gradients of `params` over the group in place; returns (bytes sent, bytes
+        an uncompressed all-reduce would have sent), per rank."""
         grads = []
         for p in params:
             if p.requires_grad:
@@ -71,10 +99,23 @@ class PowerSGDReducer:
         if not self.active(iteration):
             _bucketed_all_reduce(grads, self.dp_group)
             return raw, raw
+        sent, mats, true, seconds = self._reduce(grads, iteration)
+        if self.stats is not None:
+            # One timer covers the compressed part (the factors of all matrices share two
+            # all-reduces); `ms` in the log is that time per compressed matrix.
+            for (i, g, m, p, resid), t in zip(mats, true):
+                self.stats.record(self.stage, self.kind, raw_bytes=g.numel() * g.element_size(),
+                                  sent_bytes=4 * p.shape[1] * (m.shape[0] + m.shape[1]),
+                                  true=t, decoded=matrix_view(g), residual=resid, p=p)
+            if mats:
+                self.stats.add_time(self.stage, self.kind, seconds)
+        return sent, raw
+
+    def _reduce(self, grads, iteration):
         vectors: List[torch.Tensor] = []
-        mats: List[Tuple[int, torch.Tensor, torch.Tensor]] = []  # (index, grad, M incl. error)
+        mats = []  # (index, grad, M incl. error, P, residual)
         for i, g in enumerate(grads):
-            if g.dim() < 2 or not lowrank.worth_compressing(g.shape[0], g[0].numel(), self.rank):
+            if g.dim() < 2 or not self._compressible(g.shape[0], g[0].numel()):
                 vectors.append(g)
                 continue
             m = matrix_view(g).float()
@@ -82,26 +123,45 @@ class PowerSGDReducer:
                 e = self.state.take_error((i,), m.shape)
                 if e is not None:
                     m = m + e.to(m.device)
-            mats.append((i, g, m))
+            mats.append([i, g, m, None, None])
+        true = []
+        if self.stats is not None and mats:
+            # Diagnostic only: the exact sum, to measure what the compressed one missed.
+            true = _flat_all_reduce([matrix_view(g).float().clone() for _, g, _, _, _ in mats], self.dp_group)
         sent = sum(v.numel() * v.element_size() for v in vectors)
         if vectors:
             _bucketed_all_reduce(vectors, self.dp_group)
         if not mats:
-            return sent, raw
-        ranks = [lowrank.effective_rank(m.shape[0], m.shape[1], self.rank) for _, _, m in mats]
-        qs = [self.state.q_for((i,), m.shape[1], r, m.device) for (i, _, m), r in zip(mats, ranks)]
-        ps_ = [m @ q for (_, _, m), q in zip(mats, qs)]
-        flat_p = _flat_all_reduce(ps_, self.dp_group)
+            return sent, mats, true, 0.0
+        timer = Timer(mats[0][2].device) if self.stats is not None else contextlib.nullcontext()
+        with timer:
+            sent += self._compress(mats, iteration)
+        return sent, mats, true, getattr(timer, "seconds", 0.0)
+
+    def _compress(self, mats, iteration) -> int:
+        """Replace each matrix's gradient by the group sum's rank-r approximation; returns bytes sent."""
+        widths = [self._width(m.shape[0], m.shape[1]) for _, _, m, _, _ in mats]
+        if self.method == "RandomizedSVD":
+            starts = [lowrank.initial_q(m.shape[1], w, self.state.seed, ("rsvd", i, iteration)).to(m.device)
+                      for (i, _, m, _, _), w in zip(mats, widths)]
+        else:
+            starts = [self.state.q_for((i,), m.shape[1], w, m.device) for (i, _, m, _, _), w in zip(mats, widths)]
+        flat_p = _flat_all_reduce([m @ q for (_, _, m, _, _), q in zip(mats, starts)], self.dp_group)
         ps_ = [lowrank.orthonormalize(p) for p in flat_p]
-        qs = _flat_all_reduce([m.t() @ p for (_, _, m), p in zip(mats, ps_)], self.dp_group)
-        for (i, g, m), p, q in zip(mats, ps_, qs):
-            approx = lowrank.decompress(p, q)
-            self.state.q[(i,)] = q.detach().cpu()
+        qs = _flat_all_reduce([m.t() @ p for (_, _, m, _, _), p in zip(mats, ps_)], self.dp_group)
+        for row, p, q in zip(mats, ps_, qs):
+            i, g, m = row[0], row[1], row[2]
+            if self.method == "RandomizedSVD":
+                approx = lowrank.truncate(p, q, self.rank)
+            else:
+                approx = lowrank.decompress(p, q)
+                self.state.q[(i,)] = q.detach().cpu()
             if self.error_feedback:
-                self.state.error[(i,)] = (m - approx / self.dp_size).detach().cpu()
+                row[4] = m - approx / self.dp_size
+                self.state.error[(i,)] = row[4].detach().cpu()
+            row[3] = p
             g.copy_(approx.reshape(g.shape).to(g.dtype))
-        sent += 4 * sum(p.numel() + q.numel() for p, q in zip(ps_, qs))
-        return sent, raw
+        return 4 * sum(p.numel() + q.numel() for p, q in zip(ps_, qs))
 
     def state_dict(self) -> dict:
         return self.state.state_dict()

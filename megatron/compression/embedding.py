@@ -61,3 +61,21 @@ def fused_embedding_all_reduce(tied_params: List[nn.Parameter], group) -> int:
             g.copy_(flat[off:off + g.numel()].view_as(g))
             off += g.numel()
     return flat.numel() * flat.element_size()
+
+
+def build_embedding_reducer(cfg, ps: ParallelState, fused_group=None):
+    """--emb-grad-comp: the low-rank reducer of data_parallel.py run over the tied-embedding
+    group: the fused group of --emb-comm-opt (first and last stage of every DP replica, per TP
+    rank) or the plain first/last-stage group. Ranks outside the group get a reducer that does
+    nothing (its group is None). The gradients are sums over the group, as uncompressed."""
+    import math
+    from megatron.compression.data_parallel import PowerSGDReducer
+    c = cfg.compression
+    if ps.stage_layouts:
+        raise ValueError("--emb-grad-comp does not support stages with different TP/DP sizes (--aceso-config "
+                         "layouts re-shard the embedding sync): drop --emb-grad-comp")
+    group = fused_group if c.emb_comm_opt else ps.embedding_group
+    size = dist.get_world_size(group) if group is not None else 1
+    warmup = math.ceil(cfg.training.train_iters * c.emb_grad_comp_warm_up)
+    return PowerSGDReducer(c.emb_grad_comp_rank, c.emb_use_error_feedback, warmup, True, group, size,
+                           seed=cfg.training.seed, method=c.emb_grad_comp_type, kind="emb", stage=ps.pp_rank)

@@ -95,3 +95,11 @@ class LowRankState:
         self.seed = sd.get("seed", self.seed)
         self.q = {tuple(k) if isinstance(k, list) else k: v.clone() for k, v in sd.get("q", {}).items()}
         self.error = {tuple(k) if isinstance(k, list) else k: v.clone() for k, v in sd.get("error", {}).items()}
+
+
+def truncate(p: torch.Tensor, q: torch.Tensor, rank: int) -> torch.Tensor:
+    """Best rank-`rank` approximation of P Q^T when P has orthonormal columns (the randomized
+    SVD's last step): P Q^T = P U S V^T with U S V^T the SVD of the small Q^T."""
+    u, s, vh = torch.linalg.svd(q.t(), full_matrices=False)
+    r = min(rank, s.numel())
+    return (p @ u[:, :r]) @ (s[:r, None] * vh[:r])

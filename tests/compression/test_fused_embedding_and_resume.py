@@ -52,8 +52,10 @@ def test_fused_embedding_sync_equals_unfused(tp):
 
 
 TOTAL = 4
+# LEP residuals carried across iterations, so the checkpoint holds pipeline residuals too
+# (by default they end with their iteration and a checkpoint has none).
 CB_ALL = dict(inter_grad_comp=True, inter_grad_comp_rank=2, use_error_feedback=True, grad_comp=True,
-              grad_comp_rank=2, grad_comp_warm_up=0.25, emb_comm_opt=True)
+              grad_comp_rank=2, grad_comp_warm_up=0.25, emb_comm_opt=True, lep_carry_across_iterations=True)
 
 
 def _cfg(save=None, load=None, iters=TOTAL):

@@ -118,12 +118,14 @@ class _BoundaryCodec:
 def _single_with_codec(rank, world, r, lep):
     t = make_trainer(tiny_config(world=1, iters=2))
     stage = t.stages[0]
-    stage.decoder.layers[1].register_forward_hook(_BoundaryCodec(r, lep, t.cfg.training.seed))
+    codec = _BoundaryCodec(r, lep, t.cfg.training.seed)
+    stage.decoder.layers[1].register_forward_hook(codec)
     grads = []
     zero = t.optimizer.zero_grad
 
     def snap():
         grads.append(shards(t, "grad"))
+        codec.comp.end_iteration()  # as the trainer does after each iteration's pipeline
         zero()
 
     t.optimizer.zero_grad = snap

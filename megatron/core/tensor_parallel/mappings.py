@@ -25,6 +25,19 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
+# Optional replacements for the two tensor-parallel all-reduces, installed by a trainer with
+# Optimus-CC's TP compression (megatron/compression/tensor_parallel.py; core does not import
+# it): "grad" = the input-gradient all-reduce of column-parallel layers (backward),
+# "act" = the output all-reduce of row-parallel layers and the vocabulary-parallel embedding
+# (forward). A hook is fn(x, group) -> the (approximate) sum; None keeps the exact all-reduce.
+ALL_REDUCE_HOOKS = {"grad": None, "act": None}
+
+
+def _hooked_all_reduce(kind: str, x: torch.Tensor, group) -> torch.Tensor:
+    hook = ALL_REDUCE_HOOKS[kind]
+    return _all_reduce(x.clone(), group) if hook is None else hook(x, group)
+
+
 def _split_last(x: torch.Tensor, group) -> torch.Tensor:
     n = group_size(group)
     if n == 1:
@@ -50,13 +63,13 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g.clone(), ctx.group), None
+        return _hooked_all_reduce("grad", g, ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+        return _hooked_all_reduce("act", x, group)
 
     @staticmethod
     def backward(ctx, g):
