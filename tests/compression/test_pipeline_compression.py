@@ -212,6 +212,6 @@ def test_dynapipe_plans_carry_compressed_gradients(tmp_path):
     _write(str(tmp_path / "in"), [rng.randint(0, VOCAB, k) for k in lin])
     _write(str(tmp_path / "out"), [rng.randint(0, VOCAB, k) for k in lout])
     data = (str(tmp_path / "in"), str(tmp_path / "out"))
-    plain = [o for o in run_distributed(_dynapipe, 2, data, False) if o["last"]][0]["loss"]
-    comp = [o for o in run_distributed(_dynapipe, 2, data, True) if o["last"]][0]["loss"]
+    plain = [o for o in run_distributed(_dynapipe, 2, data, False) if o["is_last"]][0]["loss"]
+    comp = [o for o in run_distributed(_dynapipe, 2, data, True) if o["is_last"]][0]["loss"]
     assert comp[0] == plain[0] and comp[1] != plain[1]
