@@ -6,9 +6,12 @@ loss), a tensor-parallel size, a recomputation level and a micro-batch shape:
 forward/backward time (ms), activation memory the layer keeps for backward (``stored``,
 MB) and its transient peak (``peak``, MB); plus parameter memory per layer.
 
-Values between measured grid points are interpolated (multi-)linearly. A query past the
-largest measured value of any axis, or touching a grid cell that was never measured (it ran
-out of memory), is infeasible: every returned quantity is ``inf``. Below the smallest value
+Values between measured grid points are interpolated linearly in the micro-batch size and,
+along sequence lengths, in a basis exact for attention's s^2 term (memory) or linearly
+(times); past the largest length a quadratic fit extrapolates where it predicts held-out grid
+points within 2 % (`grid_interp`). A query past the largest micro-batch size, past that, or
+touching a grid cell that was never measured (it ran out of memory), is infeasible: every
+returned quantity is ``inf``. Below the smallest value
 of an axis the cost is clamped to it (a shorter sequence is never more expensive; this
 keeps tiny test shapes usable).
 
@@ -24,6 +27,8 @@ from typing import Dict, Iterable, Sequence
 
 import numpy as np
 
+from megatron.planner import grid_interp as gi
+
 FORMAT_NAME = "megatron-planner-cost-model"
 FORMAT_VERSION = 1
 RECOMPUTE_LEVELS = ("none", "selective", "full")
@@ -33,6 +38,8 @@ COMPONENT_AXES = {
     "encoder": ("mbs", "seq"),
     "decoder": ("mbs", "enc_seq", "dec_seq"),
     "postprocess": ("mbs", "seq"),
+    # Optional (issue 30): the embedding of the first stage (and T5's first decoder stage).
+    "preprocess": ("mbs", "seq"),
 }
 
 
@@ -60,10 +67,43 @@ class Grid:
         self._flat = np.stack([self.values[k] for k in self._names], axis=-1).reshape(-1, len(self._names))
         self._strides = [int(np.prod(shape[a + 1:])) for a in range(len(shape))]
 
+        self.curved = ()
+
+    def set_curved(self, axes: Sequence[int]) -> None:
+        """Give `axes` (sequence lengths) the s^2-aware lookup of `grid_interp`: memory
+        interpolated in a quadratic basis, every quantity extrapolated where a held-out fit
+        allows. A cost model does this for all its length axes; other users of `Grid` (the
+        TeraPipe latency table) keep plain multilinear lookup."""
+        self.curved = tuple(axes)
+        self._groups = []
+        for quad in (False, True):
+            names = [k for k in self._names if k.endswith("_mb") == quad]
+            if not names:
+                continue
+            cols = [self._names.index(k) for k in names]
+            ok = {a: np.stack([gi.extrapolation_ok(self.values[k], self.axes[a], a).reshape(-1) for k in names], -1)
+                  for a in self.curved}
+            self._groups.append((names, quad, self._flat[:, cols], ok))
+
+    def _curved_call(self, flat, out_shape) -> Dict[str, np.ndarray]:
+        out = {}
+        for names, quad, values, ok in self._groups:
+            acc = gi.lookup(self.axes, values, self._strides, ok, flat, self.curved, quad)
+            if quad:  # a quadratic stencil touching a null point: the linear answer instead
+                redo = np.isnan(acc).any(axis=1)
+                if redo.any():
+                    acc[redo] = gi.lookup(self.axes, values, self._strides, ok, [c[redo] for c in flat],
+                                          self.curved, False)
+            acc[np.isnan(acc)] = np.inf
+            out.update({k: acc[:, i].reshape(out_shape) for i, k in enumerate(names)})
+        return {k: out[k] for k in self._names}
+
     def __call__(self, *coords) -> Dict[str, np.ndarray]:
         coords = np.broadcast_arrays(*[np.asarray(c, dtype=np.float64) for c in coords])
         out_shape = coords[0].shape
         flat = [c.ravel() for c in coords]
+        if self.curved:
+            return self._curved_call(flat, out_shape)
         n = flat[0].size
         outside = np.zeros(n, dtype=bool)
         lo_idx, frac = [], []
@@ -119,6 +159,8 @@ class CostModel:
             if p.recompute not in RECOMPUTE_LEVELS:
                 raise CostModelError(f"recompute must be one of {RECOMPUTE_LEVELS}, got {p.recompute!r}")
             self._profiles[(p.tp, p.recompute)] = p
+            for grid in p.components.values():  # every axis after the micro-batch size is a length
+                grid.set_curved(range(1, len(grid.axes)))
 
     @property
     def kind(self) -> str:
@@ -160,6 +202,10 @@ class CostModel:
     def postprocess(self, tp, recompute, mbs, seq) -> Dict[str, np.ndarray]:
         """Output head + loss; `seq` is the length the head runs on (T5: decoder length)."""
         return self._grid(tp, recompute, "postprocess")(mbs, seq)
+
+    def preprocess(self, tp, recompute, mbs, seq) -> Dict[str, np.ndarray]:
+        """Embedding (word + position, dropout) on `seq` tokens; only files that profiled it."""
+        return self._grid(tp, recompute, "preprocess")(mbs, seq)
 
     def param_mb(self, component: str, tp: int) -> float:
         """16-bit parameter memory of one layer (or of the embedding), MB."""

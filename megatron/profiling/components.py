@@ -3,6 +3,8 @@
 * ``encoder``: a stack of `TransformerLayer`s (GPT layer, or T5 encoder layer: not causal);
 * ``decoder``: T5 decoder layers (causal self-attention + cross-attention over the encoder
   output);
+* ``preprocess``: the word (+ position) embedding and its dropout, i.e. what the first stage
+  runs before its layers (T5: also the first decoder stage, on the decoder length);
 * ``postprocess``: final norm + output head + vocab-parallel loss, i.e. a `GPTStage` with no
   layers and only `post_process` (the exact code the last pipeline stage runs).
 
@@ -59,6 +61,15 @@ def layer_workload(block: TransformerBlock, cfg: ModelConfig, recompute: str, mb
                     lambda: (_hidden(dec_seq, mbs, cfg, device, dtype), _hidden(seq, mbs, cfg, device, dtype)),
                     lambda x, enc: block(x, None, enc, None, recompute=recompute),
                     shared=lambda ins: [ins[1]])
+
+
+def preprocess_workload(emb: GPTEmbedding, cfg: ModelConfig, mbs: int, seq: int, device) -> Workload:
+    """The first stage's embedding on [mbs, seq] token ids (nothing owned: ids are not activations)."""
+    def make():
+        tokens = torch.randint(0, cfg.vocab_size, (mbs, seq), device=device)
+        return tokens, torch.arange(seq, device=device).unsqueeze(0).expand_as(tokens)
+
+    return Workload(emb, make, lambda tokens, pos: emb(tokens, pos), owned_input=lambda ins: None)
 
 
 def postprocess_workload(stage: GPTStage, cfg: ModelConfig, mbs: int, seq: int, device, dtype) -> Workload:

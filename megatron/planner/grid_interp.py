@@ -1,0 +1,142 @@
+"""Lookup of a cost-model grid along sequence axes in a basis that knows attention's s^2 term.
+
+A layer's activation memory at a fixed micro-batch size is ``c0 + a*s + c*s^2`` (attention
+scores and their softmax grow with the square of the length), so linear interpolation between
+profiled lengths is high by up to 10 % (issue 30: 77.5 MB predicted at 768 tokens on a
+512/1024 grid where 71.2 MB is kept). Here, along every sequence axis:
+
+* memory (``*_mb``) between grid points: a blend of the two quadratics through the three
+  points around the interval (left and right stencils, weighted by the position in the
+  interval, so the result is continuous); exact for any quadratic, and equal to the grid on
+  grid points. Times stay linear (they are noisy on a shared CPU; a quadratic amplifies noise).
+  Where a stencil touches an unmeasured (null) point, the plain linear answer is used.
+* past the largest length: the quadratic through the last three points, for every quantity,
+  but only on grid lines where that fit predicts the last point from the three before it
+  within `HELDOUT_TOLERANCE` (needs >= 4 points), grows at the last point, and not past
+  `EXTRAPOLATE_FACTOR` times the largest length. Elsewhere the shape stays infeasible.
+
+The micro-batch axis stays linear (memory is exactly linear in it) and is never extrapolated.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import numpy as np
+
+HELDOUT_TOLERANCE = 0.02
+EXTRAPOLATE_FACTOR = 2.0
+
+
+def _lagrange(ax: np.ndarray, j: np.ndarray, x: np.ndarray) -> Tuple[np.ndarray, ...]:
+    x0, x1, x2 = ax[j], ax[j + 1], ax[j + 2]
+    return ((x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2)),
+            (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2)),
+            (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))
+
+
+def linear_stencil(ax: np.ndarray, x: np.ndarray) -> List[Tuple[np.ndarray, np.ndarray]]:
+    """[(index, weight)] of plain linear interpolation; `x` already clipped to the axis."""
+    n = len(x)
+    if len(ax) == 1:
+        return [(np.zeros(n, dtype=np.int64), np.ones(n))]
+    i = np.clip(np.searchsorted(ax, x, side="right") - 1, 0, len(ax) - 2)
+    frac = (x - ax[i]) / (ax[i + 1] - ax[i])
+    return [(i, 1.0 - frac), (i + 1, frac)]
+
+
+def curved_stencil(ax: np.ndarray, x: np.ndarray, inside_quadratic: bool) -> List[Tuple[np.ndarray, np.ndarray]]:
+    """[(index, weight)] along one sequence axis for raw (unclipped) `x`.
+
+    Inside the grid: quadratic blend if `inside_quadratic`, else linear. Past the last point:
+    the quadratic through the last three (the caller decides whether that is allowed). Below
+    the first point: clamped, as everywhere in the cost model."""
+    n_ax, last = len(ax), ax[-1]
+    past = x > last
+    xc = np.clip(x, ax[0], last)
+    if n_ax < 3:
+        return linear_stencil(ax, xc)
+    n = len(x)
+    idx = [np.zeros(n, dtype=np.int64) for _ in range(4)]
+    w = [np.zeros(n) for _ in range(4)]
+    if inside_quadratic:
+        i = np.clip(np.searchsorted(ax, xc, side="right") - 1, 0, n_ax - 2)
+        frac = (xc - ax[i]) / (ax[i + 1] - ax[i])
+        has_a, has_b = i >= 1, i <= n_ax - 3
+        alpha = np.where(has_a & has_b, frac, np.where(has_b, 1.0, 0.0))
+        ja, jb = np.clip(i - 1, 0, n_ax - 3), np.clip(i, 0, n_ax - 3)
+        la, lb = _lagrange(ax, ja, xc), _lagrange(ax, jb, xc)
+        base = i - 1
+        for k in range(3):  # stencil A covers base..base+2, B base+1..base+3
+            w[k] = w[k] + (1.0 - alpha) * la[k]
+            w[k + 1] = w[k + 1] + alpha * lb[k]
+        for k in range(4):
+            idx[k] = np.clip(base + k, 0, n_ax - 1)
+            w[k] = np.where((base + k < 0) | (base + k > n_ax - 1), 0.0, w[k])
+    else:
+        for k, (ii, ww) in enumerate(linear_stencil(ax, xc)):
+            idx[k], w[k] = ii, ww
+    if past.any():
+        j = np.full(n, n_ax - 3)
+        le = _lagrange(ax, j, x)
+        for k in range(4):
+            idx[k] = np.where(past, np.minimum(n_ax - 3 + k, n_ax - 1), idx[k])
+            w[k] = np.where(past, le[k] if k < 3 else 0.0, w[k])
+    return list(zip(idx, w))
+
+
+def extrapolation_ok(values: np.ndarray, ax: np.ndarray, axis: int) -> np.ndarray:
+    """Per grid line along `axis`, whether extrapolating past its end is trusted (the held-out
+    test in the module docstring); broadcast to the grid's shape."""
+    v = np.moveaxis(values, axis, -1)
+    ok = np.zeros(v.shape[:-1], dtype=bool)
+    if len(ax) >= 4:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            w = _lagrange(ax, np.array(len(ax) - 4), np.array(ax[-1]))
+            pred = w[0] * v[..., -4] + w[1] * v[..., -3] + w[2] * v[..., -2]
+            err = np.abs(pred - v[..., -1]) / np.abs(v[..., -1])
+            x0, x1, x2 = ax[-3:]
+            # slope at the last point of the quadratic through the last three
+            y0, y1, y2 = v[..., -3], v[..., -2], v[..., -1]
+            d = (y0 * (2 * x2 - x1 - x2) / ((x0 - x1) * (x0 - x2)) + y1 * (2 * x2 - x0 - x2) / ((x1 - x0) * (x1 - x2))
+                 + y2 * (2 * x2 - x0 - x1) / ((x2 - x0) * (x2 - x1)))
+            curv = y0 / ((x0 - x1) * (x0 - x2)) + y1 / ((x1 - x0) * (x1 - x2)) + y2 / ((x2 - x0) * (x2 - x1))
+            scale = np.abs(y2) / (x2 * x2)
+            ok = (err < HELDOUT_TOLERANCE) & (d >= 0) & (curv >= -1e-6 * scale) & np.isfinite(v[..., -4:]).all(-1)
+    return np.moveaxis(np.broadcast_to(ok[..., None], v.shape), -1, axis)
+
+
+def lookup(axes: Sequence[np.ndarray], flat: np.ndarray, strides: Sequence[int], ok_flat: dict,
+           coords: Sequence[np.ndarray], curved: Sequence[int], quadratic: bool) -> np.ndarray:
+    """(n, q) values of the quantities stored column-wise in `flat` at the points `coords`.
+
+    `curved`: axes that take the sequence treatment; `ok_flat[a]`: (cells, q) extrapolation
+    flags along axis a. Returns inf where the point is infeasible."""
+    n = coords[0].size
+    q = flat.shape[1]
+    stencils, outside, past_axes = [], np.zeros(n, dtype=bool), []
+    for a, (ax, x) in enumerate(zip(axes, coords)):
+        if a in curved:
+            past = x > ax[-1]
+            outside |= x > EXTRAPOLATE_FACTOR * ax[-1]
+            if past.any():
+                past_axes.append((a, past))
+            stencils.append(curved_stencil(ax, x, quadratic))
+        else:
+            outside |= x > ax[-1]
+            stencils.append(linear_stencil(ax, np.clip(x, ax[0], ax[-1])))
+    acc = np.zeros((n, q))
+    trusted = np.ones((n, q), dtype=bool)
+    for combo in np.ndindex(*[len(s) for s in stencils]):
+        w = np.ones(n)
+        lin = np.zeros(n, dtype=np.int64)
+        for a, k in enumerate(combo):
+            ii, ww = stencils[a][k]
+            w = w * ww
+            lin += ii * strides[a]
+        nz = w != 0
+        acc += np.where(nz[:, None], flat[lin] * w[:, None], 0.0)
+        for a, past in past_axes:
+            trusted &= ~(nz & past)[:, None] | ok_flat[a][lin]
+    acc[~trusted] = np.inf
+    acc[outside] = np.inf
+    return acc
