@@ -27,6 +27,7 @@ from typing import Dict, Iterable, Sequence
 
 import numpy as np
 
+from megatron.planner import cost_model_checks as checks
 from megatron.planner import grid_interp as gi
 
 FORMAT_NAME = "megatron-planner-cost-model"
@@ -89,11 +90,12 @@ class Grid:
         out = {}
         for names, quad, values, ok in self._groups:
             acc = gi.lookup(self.axes, values, self._strides, ok, flat, self.curved, quad)
-            if quad:  # a quadratic stencil touching a null point: the linear answer instead
+            # a quadratic stencil touching a null point: the left stencil alone, else linear
+            for fallback in ((True, True), (False, False)) if quad else ():
                 redo = np.isnan(acc).any(axis=1)
                 if redo.any():
                     acc[redo] = gi.lookup(self.axes, values, self._strides, ok, [c[redo] for c in flat],
-                                          self.curved, False)
+                                          self.curved, *fallback)
             acc[np.isnan(acc)] = np.inf
             out.update({k: acc[:, i].reshape(out_shape) for i, k in enumerate(names)})
         return {k: out[k] for k in self._names}
@@ -223,11 +225,13 @@ class CostModel:
     def load(cls, path) -> "CostModel":
         path = Path(path)
         try:
-            doc = json.loads(path.read_text())
+            doc = checks.parse(path.read_text())
         except FileNotFoundError:
             raise CostModelError(f"cost model file {path} does not exist") from None
         except json.JSONDecodeError as e:
             raise CostModelError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise CostModelError(f"{path}: cannot read it as a cost model ({str(e)[:200]})") from None
         try:
             return cls.from_dict(doc)
         except CostModelError as e:
@@ -235,10 +239,9 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, doc: dict) -> "CostModel":
-        if doc.get("format") != FORMAT_NAME:
-            raise CostModelError(f"not a cost model file (format field is {doc.get('format')!r})")
-        if doc.get("version") != FORMAT_VERSION:
-            raise CostModelError(f"unsupported cost model version {doc.get('version')!r}; this code reads {FORMAT_VERSION}")
+        problem = checks.document_problem(doc, COMPONENT_AXES, RECOMPUTE_LEVELS, QUANTITIES, FORMAT_NAME, FORMAT_VERSION)
+        if problem:
+            raise CostModelError(problem)
         profiles = []
         for i, p in enumerate(doc.get("profiles", [])):
             comps = {}

@@ -28,7 +28,7 @@ from megatron.planner import partitioner as part
 from megatron.planner.cost_model import RECOMPUTE_LEVELS, CostModel
 from megatron.planner.schedules import ScheduleChoice, lower_bound, search
 from megatron.planner.simulator import PipelineCosts
-from megatron.planner.stage_memory import compose, postprocess_memory, preprocess_memory
+from megatron.planner.stage_memory import compose, encoder_end_memory, postprocess_memory, preprocess_memory
 
 
 class PlanningError(RuntimeError):
@@ -214,6 +214,8 @@ class DynaPipePlanner:
                                               self.cfg.hidden_size, self.cfg.num_attention_heads)
                     st_l, pk_l = st_l * factor, pk_l * factor
                 parts.append((st_l, pk_l))
+                if comp == "encoder" and dec is not None and (self.S == 1 or s == self.S // 2 - 1):
+                    parts.append(encoder_end_memory(self.cm, mbs, enc, self.cfg.activation_bytes))
             if s == self.S - 1:
                 p = self.cm.postprocess(tp, rc, mbs, head_len)
                 f, b = f + p["forward_ms"], b + p["backward_ms"]
@@ -238,8 +240,7 @@ class DynaPipePlanner:
         return out
 
     def _pre_post(self, which: str, rc: str, mbs, seq):
-        """(stored, peak) MB of the embedding ("pre") or head + loss ("post"); cached per shape
-        arrays are not worth it: both are a grid lookup or a few array operations."""
+        """(stored, peak) MB of the embedding ("pre") or head + loss ("post")."""
         fn = preprocess_memory if which == "pre" else postprocess_memory
         return fn(self.cm, self.cfg.tensor_parallel, rc, mbs, seq, self.cfg.activation_bytes)
 

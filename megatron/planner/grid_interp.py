@@ -9,7 +9,8 @@ profiled lengths is high by up to 10 % (issue 30: 77.5 MB predicted at 768 token
   points around the interval (left and right stencils, weighted by the position in the
   interval, so the result is continuous); exact for any quadratic, and equal to the grid on
   grid points. Times stay linear (they are noisy on a shared CPU; a quadratic amplifies noise).
-  Where a stencil touches an unmeasured (null) point, the plain linear answer is used.
+  Where the right stencil touches an unmeasured (null) point, the left one alone is used, and
+  where that does too, the plain linear answer.
 * past the largest length: the quadratic through the last three points, for every quantity,
   but only on grid lines where that fit predicts the last point from the three before it
   within `HELDOUT_TOLERANCE` (needs >= 4 points), grows at the last point, and not past
@@ -44,10 +45,12 @@ def linear_stencil(ax: np.ndarray, x: np.ndarray) -> List[Tuple[np.ndarray, np.n
     return [(i, 1.0 - frac), (i + 1, frac)]
 
 
-def curved_stencil(ax: np.ndarray, x: np.ndarray, inside_quadratic: bool) -> List[Tuple[np.ndarray, np.ndarray]]:
+def curved_stencil(ax: np.ndarray, x: np.ndarray, inside_quadratic, left_only: bool = False
+                   ) -> List[Tuple[np.ndarray, np.ndarray]]:
     """[(index, weight)] along one sequence axis for raw (unclipped) `x`.
 
-    Inside the grid: quadratic blend if `inside_quadratic`, else linear. Past the last point:
+    Inside the grid: quadratic blend if `inside_quadratic`, else linear; `left_only` keeps
+    only the left stencil where it exists (used when the right one touches a null point). Past the last point:
     the quadratic through the last three (the caller decides whether that is allowed). Below
     the first point: clamped, as everywhere in the cost model."""
     n_ax, last = len(ax), ax[-1]
@@ -62,7 +65,7 @@ def curved_stencil(ax: np.ndarray, x: np.ndarray, inside_quadratic: bool) -> Lis
         i = np.clip(np.searchsorted(ax, xc, side="right") - 1, 0, n_ax - 2)
         frac = (xc - ax[i]) / (ax[i + 1] - ax[i])
         has_a, has_b = i >= 1, i <= n_ax - 3
-        alpha = np.where(has_a & has_b, frac, np.where(has_b, 1.0, 0.0))
+        alpha = np.where(has_a & has_b, 0.0 if left_only else frac, np.where(has_b, 1.0, 0.0))
         ja, jb = np.clip(i - 1, 0, n_ax - 3), np.clip(i, 0, n_ax - 3)
         la, lb = _lagrange(ax, ja, xc), _lagrange(ax, jb, xc)
         base = i - 1
@@ -106,7 +109,7 @@ def extrapolation_ok(values: np.ndarray, ax: np.ndarray, axis: int) -> np.ndarra
 
 
 def lookup(axes: Sequence[np.ndarray], flat: np.ndarray, strides: Sequence[int], ok_flat: dict,
-           coords: Sequence[np.ndarray], curved: Sequence[int], quadratic: bool) -> np.ndarray:
+           coords: Sequence[np.ndarray], curved: Sequence[int], quadratic: bool, left_only: bool = False) -> np.ndarray:
     """(n, q) values of the quantities stored column-wise in `flat` at the points `coords`.
 
     `curved`: axes that take the sequence treatment; `ok_flat[a]`: (cells, q) extrapolation
@@ -120,7 +123,7 @@ def lookup(axes: Sequence[np.ndarray], flat: np.ndarray, strides: Sequence[int],
             outside |= x > EXTRAPOLATE_FACTOR * ax[-1]
             if past.any():
                 past_axes.append((a, past))
-            stencils.append(curved_stencil(ax, x, quadratic))
+            stencils.append(curved_stencil(ax, x, quadratic, left_only))
         else:
             outside |= x > ax[-1]
             stencils.append(linear_stencil(ax, np.clip(x, ax[0], ax[-1])))

@@ -56,39 +56,49 @@ def _shape(cm: CostModel, tp: int):
     return float(h), float(vocab) / tp
 
 
-def preprocess_memory(cm: CostModel, tp: int, rc: str, mbs, seq, activation_bytes: int):
-    """(stored, peak) MB of the embedding for micro-batches of `mbs` x `seq` tokens."""
-    got = _grid_memory(cm, "preprocess", tp, rc, mbs, seq)
+def pre_formula(tokens, h: float, v: float, a: float):
+    """(stored, peak) bytes of the embedding by the formula in the module docstring."""
+    return tokens * (16.0 + h * a), v * h * a + tokens * (16.0 + 4.0 * h * a)
+
+
+def post_formula(tokens, h: float, v: float, a: float):
+    """(stored, peak) bytes of final norm + head + loss by the formula in the module docstring."""
+    a16 = a if a < 4 else 0.0
+    base = tokens * (2.0 * h * a + 17.0)
+    work = np.maximum(np.maximum(tokens * v * (12.0 + a16), tokens * v * 8.0), v * h * a + tokens * v * (4.0 + a16))
+    return base + tokens * 4.0 * v, base + work
+
+
+def _memory(which, cm: CostModel, tp: int, rc: str, mbs, seq, activation_bytes: int):
+    got = _grid_memory(cm, "preprocess" if which == "pre" else "postprocess", tp, rc, mbs, seq)
     if got is not None:
         return got
     shape = _shape(cm, tp)
     tokens = np.asarray(mbs, float) * np.asarray(seq, float)
     if shape is None:
         return tokens * 0.0, tokens * 0.0
-    h, v = shape
-    a = float(activation_bytes)
-    stored = tokens * (16.0 + h * a)
-    peak = v * h * a + tokens * (16.0 + 4.0 * h * a)
+    stored, peak = (pre_formula if which == "pre" else post_formula)(tokens, *shape, float(activation_bytes))
     return stored / MB, peak / MB
+
+
+def preprocess_memory(cm: CostModel, tp: int, rc: str, mbs, seq, activation_bytes: int):
+    """(stored, peak) MB of the embedding for micro-batches of `mbs` x `seq` tokens."""
+    return _memory("pre", cm, tp, rc, mbs, seq, activation_bytes)
 
 
 def postprocess_memory(cm: CostModel, tp: int, rc: str, mbs, seq, activation_bytes: int):
     """(stored, peak) MB of final norm + output head + loss on `mbs` x `seq` tokens."""
-    got = _grid_memory(cm, "postprocess", tp, rc, mbs, seq)
-    if got is not None:
-        return got
-    shape = _shape(cm, tp)
+    return _memory("post", cm, tp, rc, mbs, seq, activation_bytes)
+
+
+def encoder_end_memory(cm: CostModel, mbs, seq, activation_bytes: int):
+    """(stored, peak) MB of T5's encoder-final norm on the last encoder stage: it keeps its
+    input and fp32 mean and inverse deviation per token; while it runs its output is live too.
+    Analytic for every table (the profiles do not run it)."""
     tokens = np.asarray(mbs, float) * np.asarray(seq, float)
-    if shape is None:
-        return tokens * 0.0, tokens * 0.0
-    h, v = shape
-    a = float(activation_bytes)
-    a16 = a if a < 4 else 0.0
-    base = tokens * (2.0 * h * a + 17.0)
-    stored = base + tokens * 4.0 * v
-    work = np.maximum(np.maximum(tokens * v * (12.0 + a16), tokens * v * 8.0),
-                      v * h * a + tokens * v * (4.0 + a16))
-    return stored / MB, (base + work) / MB
+    h, a = float(cm.model.get("hidden_size") or 0), float(activation_bytes)
+    stored = tokens * (h * a + 8.0)
+    return stored / MB, (stored + tokens * h * a) / MB
 
 
 def compose(parts):

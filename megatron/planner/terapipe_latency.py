@@ -30,19 +30,34 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from megatron.planner import cost_model_checks as checks
+
 FORMAT_NAME = "megatron-terapipe-latency"
 FORMAT_VERSION = 1
 
 
 def fit_context(points: Sequence[tuple]) -> tuple:
-    """Least squares of dt on [b*l, b*c, b*l*c]; points are (b, l, c, dt). Returns (a1, a2, a3)."""
+    """Non-negative least squares of dt on [b*l, b*c, b*l*c]; points are (b, l, c, dt).
+    Returns (a1, a2, a3), each >= 0, so the context term never predicts a negative time or one
+    that falls as a slice or its context grows (plain least squares did, on noisy CPU times:
+    issue 23). Three unknowns: every subset of them is tried, the best non-negative fit kept."""
     pts = np.asarray(points, dtype=np.float64)
     if pts.ndim != 2 or pts.shape[1] != 4 or len(pts) < 3:
         raise ValueError("fit_context needs at least 3 points (b, l, c, dt)")
     b, l, c, dt = pts.T
     X = np.stack([b * l, b * c, b * l * c], axis=1)
-    coef, *_ = np.linalg.lstsq(X, dt, rcond=None)
-    return tuple(float(x) for x in coef)
+    best, best_res = np.zeros(3), float(np.sum(dt * dt))
+    for mask in range(1, 8):
+        cols = [i for i in range(3) if mask >> i & 1]
+        sub, *_ = np.linalg.lstsq(X[:, cols], dt, rcond=None)
+        if (sub < 0).any():
+            continue
+        coef = np.zeros(3)
+        coef[cols] = sub
+        res = float(np.sum((X @ coef - dt) ** 2))
+        if res < best_res:
+            best, best_res = coef, res
+    return tuple(float(x) for x in best)
 
 
 class SliceLatencyModel:
@@ -91,12 +106,16 @@ class SliceLatencyModel:
     @classmethod
     def load(cls, path) -> "SliceLatencyModel":
         try:
-            doc = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"--terapipe-cost-model {path}: cannot read it ({e})") from None
-        if doc.get("format") != FORMAT_NAME or doc.get("version") != FORMAT_VERSION:
+            doc = checks.parse(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise ValueError(f"--terapipe-cost-model {path}: cannot read it ({str(e)[:200]})") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME or doc.get("version") != FORMAT_VERSION:
             raise ValueError(f"--terapipe-cost-model {path}: not a {FORMAT_NAME} v{FORMAT_VERSION} file (make one "
                              f"with `python -m megatron.planner.terapipe_latency`)")
+        problem = checks.latency_problem(doc.get("mbs"), doc.get("seq"), doc.get("t0_ms"), doc.get("context_coef"),
+                                         (doc.get("p2p_ms_per_mb", 0.0), doc.get("p2p_latency_ms", 0.0)))
+        if problem:
+            raise ValueError(f"--terapipe-cost-model {path}: {problem}")
         try:
             return cls(doc["mbs"], doc["seq"], doc["t0_ms"], doc["context_coef"], doc.get("p2p_ms_per_mb", 0.0),
                        doc.get("p2p_latency_ms", 0.0), doc.get("hidden_size", 0), doc.get("meta"))
@@ -126,7 +145,8 @@ def from_cost_model(cost_model, tp: int = 1, recompute: str = "none", p2p_gbps: 
 
 # ---------------------------------------------------------------------------- profiling
 def time_layer_slice(layer, b: int, l: int, c: int, hidden: int, repeats: int = 3) -> float:
-    """Median ms of forward + backward of `layer` on a slice of l tokens after c cached ones."""
+    """Fastest ms of forward + backward of `layer` on a slice of l tokens after c cached ones
+    (the minimum: on a shared CPU other processes only ever add time, as in megatron.profiling)."""
     import torch
 
     from megatron.models.sliced_attention import SequenceKVCache
@@ -148,7 +168,7 @@ def time_layer_slice(layer, b: int, l: int, c: int, hidden: int, repeats: int = 
         cache.accumulate(rec)
         times.append((time.perf_counter() - t0) * 1e3)
         del kv
-    return float(np.median(times[1:]))
+    return float(min(times[1:]))
 
 
 def profile_cpu_model(model_cfg, mbs: Sequence[int], seqs: Sequence[int], contexts: Sequence[int],

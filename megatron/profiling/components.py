@@ -18,6 +18,7 @@ import torch
 from megatron.config import ModelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.models.gpt import GPTEmbedding, GPTStage
+from megatron.models.t5 import _layers as t5_layers
 from megatron.models.transformer import TransformerBlock, TransformerLayer
 from megatron.profiling.measure import Workload
 
@@ -30,6 +31,9 @@ def param_bytes(module: torch.nn.Module) -> tuple:
 
 def build_layers(cfg: ModelConfig, ps: ParallelState, component: str, n: int, seed: int) -> TransformerBlock:
     decoder = component == "decoder"
+    if cfg.model_type == "t5":  # T5's own layers: relative position bias per layer, as T5Stage builds them
+        total = cfg.decoder_num_layers if decoder else cfg.encoder_num_layers
+        return TransformerBlock(t5_layers(cfg, ps, 0, n, decoder=decoder, seed=seed, total=max(total, n)))
     causal = cfg.model_type == "gpt" or decoder
     layers = [TransformerLayer(cfg, ps.tp_group, layer_number=i, num_layers_total=n, seed=seed,
                                key=f"{component}.layers.{i}", causal=causal, decoder=decoder)
