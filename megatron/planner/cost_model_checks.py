@@ -92,9 +92,9 @@ def document_problem(doc, component_axes: dict, levels, quantities, fmt: str, ve
     if not isinstance(doc, dict):
         return f"not a cost model file (the top level is a {type(doc).__name__}, not an object)"
     if doc.get("format") != fmt:
-        return f"not a cost model file (format field is {str(doc.get('format'))[:60]!r})"
+        return f"not a cost model file (format field is {repr(doc.get('format'))[:60]})"
     if doc.get("version") != version:
-        return f"unsupported cost model version {str(doc.get('version'))[:20]!r}; this code reads {version}"
+        return f"unsupported cost model version {repr(doc.get('version'))[:20]}; this code reads {version}"
     for key, typ in (("model", dict), ("name", str), ("profiles", list)):
         if key in doc and not isinstance(doc[key], typ):
             return f"{key!r} must be a{'n object' if typ is dict else ' ' + typ.__name__}, got {type(doc[key]).__name__}"

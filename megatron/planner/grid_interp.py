@@ -56,7 +56,8 @@ def curved_stencil(ax: np.ndarray, x: np.ndarray, inside_quadratic, left_only: b
     n_ax, last = len(ax), ax[-1]
     past = x > last
     xc = np.clip(x, ax[0], last)
-    if n_ax < 3:
+    any_past = bool(past.any())
+    if n_ax < 3 or (not inside_quadratic and not any_past):
         return linear_stencil(ax, xc)
     n = len(x)
     idx = [np.zeros(n, dtype=np.int64) for _ in range(4)]
@@ -78,7 +79,7 @@ def curved_stencil(ax: np.ndarray, x: np.ndarray, inside_quadratic, left_only: b
     else:
         for k, (ii, ww) in enumerate(linear_stencil(ax, xc)):
             idx[k], w[k] = ii, ww
-    if past.any():
+    if any_past:
         j = np.full(n, n_ax - 3)
         le = _lagrange(ax, j, x)
         for k in range(4):
@@ -128,7 +129,7 @@ def lookup(axes: Sequence[np.ndarray], flat: np.ndarray, strides: Sequence[int],
             outside |= x > ax[-1]
             stencils.append(linear_stencil(ax, np.clip(x, ax[0], ax[-1])))
     acc = np.zeros((n, q))
-    trusted = np.ones((n, q), dtype=bool)
+    trusted = np.ones((n, q), dtype=bool) if past_axes else None
     for combo in np.ndindex(*[len(s) for s in stencils]):
         w = np.ones(n)
         lin = np.zeros(n, dtype=np.int64)
@@ -137,9 +138,12 @@ def lookup(axes: Sequence[np.ndarray], flat: np.ndarray, strides: Sequence[int],
             w = w * ww
             lin += ii * strides[a]
         nz = w != 0
-        acc += np.where(nz[:, None], flat[lin] * w[:, None], 0.0)
+        vals = flat[lin]
+        # a zero-weight corner must not turn the result into NaN
+        acc += np.where(nz[:, None], vals * w[:, None], 0.0) if np.isnan(vals).any() else vals * w[:, None]
         for a, past in past_axes:
             trusted &= ~(nz & past)[:, None] | ok_flat[a][lin]
-    acc[~trusted] = np.inf
+    if trusted is not None:
+        acc[~trusted] = np.inf
     acc[outside] = np.inf
     return acc

@@ -11,7 +11,8 @@ hidden size, ``v`` the padded vocabulary over TP, ``a16 = a`` for 16-bit activat
 casts its logits to fp32, a copy) and 0 for fp32 (the cast is a no-op):
 
 * pre stored: token ids (8 bytes) + position ids (8, upper bound) + the dropout mask (h x a);
-* pre peak: the embedding weight's dense gradient (v x h x a, once) + 4 x h x a per token;
+* pre peak: the embedding weight's dense gradient (v x h x a, once) + 4 x h x a per token
+  (3 when the micro-batch has one sample: the [b, s, h] -> [s, b, h] transpose is then no copy);
 * post stored: the fp32 softmax (4 v) + the final norm's input and output (2 h a) + 17 bytes
   (int64 local targets, a bool mask, fp32 norm statistics);
 * post peak: stored's 2 h a + 17, plus the largest of: the forward's logits, fp32 copy,
@@ -56,13 +57,19 @@ def _shape(cm: CostModel, tp: int):
     return float(h), float(vocab) / tp
 
 
-def pre_formula(tokens, h: float, v: float, a: float):
+def pre_formula(mbs, seq, h: float, v: float, a: float):
     """(stored, peak) bytes of the embedding by the formula in the module docstring."""
-    return tokens * (16.0 + h * a), v * h * a + tokens * (16.0 + 4.0 * h * a)
+    mbs = np.asarray(mbs, float)
+    tokens = mbs * np.asarray(seq, float)
+    copies = np.where(mbs > 1, 4.0, 3.0)  # [b, s, h] -> [s, b, h] is a copy only when b > 1
+    return tokens * (16.0 + h * a), v * h * a + tokens * (16.0 + copies * h * a)
 
 
-def post_formula(tokens, h: float, v: float, a: float):
+def post_formula(mbs, seq, h: float, v: float, a: float):
     """(stored, peak) bytes of final norm + head + loss by the formula in the module docstring."""
+    tokens = np.asarray(mbs, float) * np.asarray(seq, float)
+
+
     a16 = a if a < 4 else 0.0
     base = tokens * (2.0 * h * a + 17.0)
     work = np.maximum(np.maximum(tokens * v * (12.0 + a16), tokens * v * 8.0), v * h * a + tokens * v * (4.0 + a16))
@@ -74,10 +81,10 @@ def _memory(which, cm: CostModel, tp: int, rc: str, mbs, seq, activation_bytes: 
     if got is not None:
         return got
     shape = _shape(cm, tp)
-    tokens = np.asarray(mbs, float) * np.asarray(seq, float)
     if shape is None:
-        return tokens * 0.0, tokens * 0.0
-    stored, peak = (pre_formula if which == "pre" else post_formula)(tokens, *shape, float(activation_bytes))
+        zero = np.asarray(mbs, float) * np.asarray(seq, float) * 0.0
+        return zero, zero
+    stored, peak = (pre_formula if which == "pre" else post_formula)(mbs, seq, *shape, float(activation_bytes))
     return stored / MB, peak / MB
 
 

@@ -66,7 +66,7 @@ class SliceLatencyModel:
                  meta: Optional[dict] = None):
         from megatron.planner.cost_model import Grid
         self.mbs, self.seq = [float(x) for x in mbs], [float(x) for x in seq]
-        self.t0_ms = np.asarray(t0_ms, dtype=np.float64)
+        self.t0_ms = np.array([[np.nan if x is None else x for x in row] for row in t0_ms], dtype=np.float64)
         self.grid = Grid([self.mbs, self.seq], {"ms": self.t0_ms})
         self.coef = tuple(float(x) for x in context_coef)
         self.p2p_ms_per_mb, self.p2p_latency_ms = float(p2p_ms_per_mb), float(p2p_latency_ms)
@@ -94,7 +94,9 @@ class SliceLatencyModel:
     def to_dict(self) -> dict:
         return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "meta": self.meta,
                 "hidden_size": self.hidden_size, "mbs": self.mbs, "seq": self.seq,
-                "t0_ms": self.t0_ms.tolist(), "context_coef": list(self.coef),
+                # an unmeasured (or infeasible) shape is null: JSON has no NaN/Infinity
+                "t0_ms": [[float(x) if np.isfinite(x) else None for x in row] for row in self.t0_ms],
+                "context_coef": list(self.coef),
                 "p2p_ms_per_mb": self.p2p_ms_per_mb, "p2p_latency_ms": self.p2p_latency_ms}
 
     def save(self, path) -> None:
