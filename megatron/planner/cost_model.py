@@ -70,15 +70,17 @@ class Grid:
 
         self.curved = ()
 
-    def set_curved(self, axes: Sequence[int]) -> None:
+    def set_curved(self, axes: Sequence[int], quadratic_memory: bool = True) -> None:
         """Give `axes` (sequence lengths) the s^2-aware lookup of `grid_interp`: memory
         interpolated in a quadratic basis, every quantity extrapolated where a held-out fit
         allows. A cost model does this for all its length axes; other users of `Grid` (the
-        TeraPipe latency table) keep plain multilinear lookup."""
+        TeraPipe latency table) keep plain multilinear lookup. `quadratic_memory=False` (the
+        embedding, the head and the loss: no attention, so no s^2 term; their peak is the
+        larger of two terms linear in the tokens) keeps memory linear too."""
         self.curved = tuple(axes)
         self._groups = []
         for quad in (False, True):
-            names = [k for k in self._names if k.endswith("_mb") == quad]
+            names = [k for k in self._names if (k.endswith("_mb") and quadratic_memory) == quad]
             if not names:
                 continue
             cols = [self._names.index(k) for k in names]
@@ -161,8 +163,8 @@ class CostModel:
             if p.recompute not in RECOMPUTE_LEVELS:
                 raise CostModelError(f"recompute must be one of {RECOMPUTE_LEVELS}, got {p.recompute!r}")
             self._profiles[(p.tp, p.recompute)] = p
-            for grid in p.components.values():  # every axis after the micro-batch size is a length
-                grid.set_curved(range(1, len(grid.axes)))
+            for comp, grid in p.components.items():  # every axis after the micro-batch size is a length
+                grid.set_curved(range(1, len(grid.axes)), quadratic_memory=comp in ("encoder", "decoder"))
 
     @property
     def kind(self) -> str:

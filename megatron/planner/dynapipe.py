@@ -28,7 +28,8 @@ from megatron.planner import partitioner as part
 from megatron.planner.cost_model import RECOMPUTE_LEVELS, CostModel
 from megatron.planner.schedules import ScheduleChoice, lower_bound, search
 from megatron.planner.simulator import PipelineCosts
-from megatron.planner.stage_memory import compose, encoder_end_memory, postprocess_memory, preprocess_memory
+from megatron.planner.stage_memory import (compose, encoder_end_memory, postprocess_memory, preprocess_memory,
+                                            tied_head_grad_mb, with_tied_head)
 
 
 class PlanningError(RuntimeError):
@@ -199,7 +200,9 @@ class DynaPipePlanner:
             parts = []
             if dec is not None and self.S > 1 and s >= self.S // 2:
                 parts.append((enc_out, enc_out))
+            pre_index = []  # positions of the embeddings in `parts`
             if s == 0:
+                pre_index.append(len(parts))
                 parts.append(self._pre_post("pre", rc, mbs, enc))
             for comp, n in comps:
                 if comp not in layer:
@@ -207,6 +210,7 @@ class DynaPipePlanner:
                 c = layer[comp]
                 f, b = f + n * c["forward_ms"], b + n * c["backward_ms"]
                 if comp == "decoder" and (self.S == 1 or s == self.S // 2):
+                    pre_index.append(len(parts))
                     parts.append(self._pre_post("pre", rc, mbs, dec))
                 st_l, pk_l = n * c["stored_mb"], c["stored_mb"] * (n - 1) + c["peak_mb"]
                 if sp:
@@ -220,6 +224,8 @@ class DynaPipePlanner:
                 p = self.cm.postprocess(tp, rc, mbs, head_len)
                 f, b = f + p["forward_ms"], b + p["backward_ms"]
                 parts.append(self._pre_post("post", rc, mbs, head_len))
+                if pre_index:  # the embedding and the head share their weight on this stage
+                    parts = with_tied_head(parts, pre_index, tied_head_grad_mb(self.cm, tp, self.cfg.activation_bytes))
             st, pk = compose(parts)
             for k, v in zip(("fwd", "bwd", "stored", "peak"), (f, b, st, pk)):
                 out[k].append(np.broadcast_to(v, mbs.shape))

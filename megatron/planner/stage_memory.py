@@ -46,7 +46,9 @@ def _grid_memory(cm: CostModel, component: str, tp: int, rc: str, mbs, seq):
 
 
 def _shape(cm: CostModel, tp: int):
-    h, vocab = cm.model.get("hidden_size"), cm.model.get("padded_vocab_size") or cm.model.get("vocab_size")
+    h, vocab = cm.model.get("hidden_size"), cm.model.get("padded_vocab_size")
+    if not vocab and cm.model.get("vocab_size"):  # Megatron's padding: a multiple of 128 x TP
+        vocab = -(-int(cm.model["vocab_size"]) // (128 * tp)) * 128 * tp
     if not h or not vocab:
         if cm.name not in _warned:
             _warned.add(cm.name)
@@ -106,6 +108,26 @@ def encoder_end_memory(cm: CostModel, mbs, seq, activation_bytes: int):
     h, a = float(cm.model.get("hidden_size") or 0), float(activation_bytes)
     stored = tokens * (h * a + 8.0)
     return stored / MB, (stored + tokens * h * a) / MB
+
+
+def tied_head_grad_mb(cm: CostModel, tp: int, activation_bytes: int) -> float:
+    """MB of the output head's weight gradient, [V/tp, h]. On a stage that also embeds with
+    the same (tied) weight, autograd holds it from the head's backward until the embedding's
+    backward adds its own, at the very end of the stage's backward; then both and their sum
+    are live (measured: a T5 decoder stage or a one-stage GPT peaks at 3 such gradients at
+    small shapes). 0 when the shape is unknown."""
+    shape = _shape(cm, tp)
+    return 0.0 if shape is None else shape[0] * shape[1] * float(activation_bytes) / MB
+
+
+def with_tied_head(parts, pre_index, grad_mb: float):
+    """`parts` of a stage that embeds and runs the tied head: every piece before the head runs
+    its backward with the head's weight gradient held (+1), the embeddings with their own
+    dense gradient and the sum besides (+2)."""
+    out = []
+    for i, (st, pk) in enumerate(parts[:-1]):
+        out.append((st, pk + (2.0 if i in pre_index else 1.0) * grad_mb))
+    return out + [parts[-1]]
 
 
 def compose(parts):

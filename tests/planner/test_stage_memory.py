@@ -44,3 +44,19 @@ def test_a100_last_stage_charges_the_fp32_softmax():
     head_peak = (2 * 4096 * 2 + 17 + 50304 * 14) * 2048 / 1e6
     assert sc["peak"][3, 0] == pytest.approx(float(layer) + head_peak, rel=1e-9)
     assert sc["peak"][3, 0] > sc["peak"][1, 0]
+
+
+def test_simulated_peak_of_the_last_stage_holds_the_loss():
+    """The simulator and the 1F1B schedule see the head's memory through the stage costs."""
+    from megatron.planner.schedules import one_f_one_b
+    from megatron.planner.simulator import PipelineCosts, simulate
+    cfg = DynaPipeConfig(cost_model_path=str(CM / "gpt_6.7b_a100.json"), hidden_size=4096, num_layers=32,
+                         pipeline_parallel=4, tensor_parallel=1)
+    p = DynaPipePlanner(cfg)
+    sc = p.stage_costs("full", np.full(4, 1.0), np.full(4, 2048.0))
+    costs = PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]))
+    res = simulate(costs, one_f_one_b(4, list(range(4))))
+    # the last stage runs one micro-batch at a time under 1F1B: its peak is one stage peak,
+    # which now includes the fp32 logits and softmax of 2048 x 50304 entries
+    assert res.peak_memory[3] == pytest.approx(float(sc["peak"][3, 0]), rel=1e-9)
+    assert res.peak_memory[3] > 2048 * 50304 * 12 / 1e6
