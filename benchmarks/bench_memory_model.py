@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from megatron.planner.cost_model import CostModel  # noqa: E402
 from megatron.profiling.memory_rows import dynapipe_rows, model_config  # noqa: E402
 
-GPT_SHAPES = [(1, 96), (2, 128), (4, 192), (1, 384), (2, 512), (8, 64)]
+GPT_SHAPES = [(1, 96), (2, 128), (4, 192), (1, 384), (2, 512), (8, 64), (1, 768)]  # 768: past the grid
 T5_SHAPES = [(1, 96, 48), (2, 64, 32), (4, 128, 64), (2, 48, 24)]
 QUICK_GPT, QUICK_T5 = [(1, 96), (2, 192)], [(2, 48, 24)]
 

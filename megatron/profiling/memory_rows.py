@@ -11,6 +11,7 @@ timed. Beside each measurement: what `DynaPipePlanner.stage_costs` predicts for 
 """
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 import torch
@@ -116,12 +117,15 @@ def dynapipe_rows(cm: CostModel, settings=("none", "selective", "full"), shapes=
                     owned = sum(t.untyped_storage().nbytes() for t in acts)  # the planner's peak includes them
                     pred_st, pred_pk = float(sc["stored"][s]) * MB, float(sc["peak"][s]) * MB
                     meas_pk = m.peak + owned
+                    # a shape the model has no answer for (past the grid, the fit not trusted): null
+                    fin = lambda x: round(x) if math.isfinite(x) else None  # noqa: E731
+                    rel = lambda p, m: round(p / m - 1, 4) if math.isfinite(p) else None  # noqa: E731
                     row = dict(planner="dynapipe", model=kind, setting=rc, role=role, mbs=mbs, seq=seq,
                                hidden=cfg.hidden_size, layers=layers, device=dev.type,
-                               measured_bytes=m.stored, predicted_bytes=round(pred_st),
-                               error=round(pred_st / m.stored - 1, 4),
-                               measured_peak_bytes=meas_pk, predicted_peak_bytes=round(pred_pk),
-                               peak_error=round(pred_pk / meas_pk - 1, 4),
+                               measured_bytes=m.stored, predicted_bytes=fin(pred_st),
+                               error=rel(pred_st, m.stored),
+                               measured_peak_bytes=meas_pk, predicted_peak_bytes=fin(pred_pk),
+                               peak_error=rel(pred_pk, meas_pk),
                                backward_working_set_bytes=m.backward_peak,
                                # where the single micro-batch's peak falls: the published DynaPipe
                                # simulator charges a layer's peak only while its forward runs
@@ -137,7 +141,8 @@ def dynapipe_rows(cm: CostModel, settings=("none", "selective", "full"), shapes=
                                      lambda b, a, m=mod: m(b, a)[0])
                         f, bwd = time_workload(w, dev, 1, time_iters, None, statistic="min")
                         pred_ms = float(sc["fwd"][s] + sc["bwd"][s])
-                        row.update(measured_ms=round(f + bwd, 3), predicted_ms=round(pred_ms, 3),
-                                   time_ratio=round((f + bwd) / pred_ms, 3))
+                        ok = math.isfinite(pred_ms)
+                        row.update(measured_ms=round(f + bwd, 3), predicted_ms=round(pred_ms, 3) if ok else None,
+                                   time_ratio=round((f + bwd) / pred_ms, 3) if ok else None)
                     yield row
 

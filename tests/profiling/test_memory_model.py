@@ -28,6 +28,13 @@ def test_gpt_stages_within_5_percent_on_and_off_the_grid():
     _check(list(dynapipe_rows(cm, SETTINGS, shapes=[(2, 64), (1, 96)])))
 
 
+def test_gpt_memory_past_the_grid_where_the_fit_is_trusted():
+    """768 tokens on a 16..512 grid: stored memory extrapolated by the held-out-checked fit."""
+    cm = CostModel.load(CM / "cpu_tiny_gpt.json")
+    rows = list(dynapipe_rows(cm, ("selective",), shapes=[(1, 768)], roles=["middle"]))
+    assert abs(rows[0]["error"]) < 0.02 and abs(rows[0]["peak_error"]) < 0.02
+
+
 def test_t5_stages_within_5_percent():
     cm = CostModel.load(CM / "cpu_tiny_t5.json")
     _check(list(dynapipe_rows(cm, SETTINGS, shapes=[(2, 48, 24)])))
