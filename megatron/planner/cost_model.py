@@ -43,6 +43,11 @@ COMPONENT_AXES = {
     "preprocess": ("mbs", "seq"),
 }
 
+# Length axes whose memory grows with their square (self-attention scores): the T5 decoder's
+# cross-attention is linear in the encoder length; embedding, head and loss have no s^2 term
+# (their peak is the larger of two terms linear in the tokens).
+S2_AXES = {"encoder": (1,), "decoder": (2,), "postprocess": (), "preprocess": ()}
+
 
 class CostModelError(ValueError):
     pass
@@ -70,17 +75,18 @@ class Grid:
 
         self.curved = ()
 
-    def set_curved(self, axes: Sequence[int], quadratic_memory: bool = True) -> None:
+    def set_curved(self, axes: Sequence[int], quadratic_axes: Sequence[int] | None = None) -> None:
         """Give `axes` (sequence lengths) the s^2-aware lookup of `grid_interp`: memory
         interpolated in a quadratic basis, every quantity extrapolated where a held-out fit
         allows. A cost model does this for all its length axes; other users of `Grid` (the
-        TeraPipe latency table) keep plain multilinear lookup. `quadratic_memory=False` (the
-        embedding, the head and the loss: no attention, so no s^2 term; their peak is the
-        larger of two terms linear in the tokens) keeps memory linear too."""
+        TeraPipe latency table) keep plain multilinear lookup. `quadratic_axes` (default: all
+        of `axes`) are those whose memory has an s^2 term; the others stay linear inside the
+        grid (fewer stencil points)."""
         self.curved = tuple(axes)
+        quad_axes = tuple(self.curved if quadratic_axes is None else quadratic_axes)
         self._groups = []
-        for quad in (False, True):
-            names = [k for k in self._names if (k.endswith("_mb") and quadratic_memory) == quad]
+        for quad in ((), quad_axes) if quad_axes else ((),):
+            names = [k for k in self._names if k.endswith("_mb") == bool(quad)] if quad_axes else list(self._names)
             if not names:
                 continue
             cols = [self._names.index(k) for k in names]
@@ -89,15 +95,22 @@ class Grid:
             self._groups.append((names, quad, self._flat[:, cols], ok))
 
     def _curved_call(self, flat, out_shape) -> Dict[str, np.ndarray]:
-        out = {}
+        out, prepared = {}, {}
+
+        def prep(rows, *mode):  # stencils depend on the mode only: share them between groups
+            if rows is None:
+                if mode not in prepared:
+                    prepared[mode] = gi.prepare(self.axes, flat, self.curved, *mode)
+                return prepared[mode]
+            return gi.prepare(self.axes, [c[rows] for c in flat], self.curved, *mode)
+
         for names, quad, values, ok in self._groups:
-            acc = gi.lookup(self.axes, values, self._strides, ok, flat, self.curved, quad)
+            acc = gi.lookup(values, self._strides, ok, prep(None, quad, False))
             # a quadratic stencil touching a null point: the left stencil alone, else linear
-            for fallback in ((True, True), (False, False)) if quad else ():
+            for mode in ((quad, True), ((), False)) if quad else ():
                 redo = np.isnan(acc).any(axis=1)
                 if redo.any():
-                    acc[redo] = gi.lookup(self.axes, values, self._strides, ok, [c[redo] for c in flat],
-                                          self.curved, *fallback)
+                    acc[redo] = gi.lookup(values, self._strides, ok, prep(redo, *mode))
             acc[np.isnan(acc)] = np.inf
             out.update({k: acc[:, i].reshape(out_shape) for i, k in enumerate(names)})
         return {k: out[k] for k in self._names}
@@ -164,7 +177,7 @@ class CostModel:
                 raise CostModelError(f"recompute must be one of {RECOMPUTE_LEVELS}, got {p.recompute!r}")
             self._profiles[(p.tp, p.recompute)] = p
             for comp, grid in p.components.items():  # every axis after the micro-batch size is a length
-                grid.set_curved(range(1, len(grid.axes)), quadratic_memory=comp in ("encoder", "decoder"))
+                grid.set_curved(range(1, len(grid.axes)), quadratic_axes=S2_AXES[comp])
 
     @property
     def kind(self) -> str:

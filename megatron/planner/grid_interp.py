@@ -110,14 +110,12 @@ def extrapolation_ok(values: np.ndarray, ax: np.ndarray, axis: int) -> np.ndarra
     return np.moveaxis(np.broadcast_to(ok[..., None], v.shape), -1, axis)
 
 
-def lookup(axes: Sequence[np.ndarray], flat: np.ndarray, strides: Sequence[int], ok_flat: dict,
-           coords: Sequence[np.ndarray], curved: Sequence[int], quadratic: bool, left_only: bool = False) -> np.ndarray:
-    """(n, q) values of the quantities stored column-wise in `flat` at the points `coords`.
-
-    `curved`: axes that take the sequence treatment; `ok_flat[a]`: (cells, q) extrapolation
-    flags along axis a. Returns inf where the point is infeasible."""
+def prepare(axes: Sequence[np.ndarray], coords: Sequence[np.ndarray], curved: Sequence[int], quadratic,
+            left_only: bool = False):
+    """(stencils, outside, past_axes) for `lookup`: per axis [(index, weight)], points with no
+    answer, and [(axis, mask of points past its end)]. `quadratic`: the curved axes that
+    interpolate in the quadratic basis (empty: all linear inside the grid)."""
     n = coords[0].size
-    q = flat.shape[1]
     stencils, outside, past_axes = [], np.zeros(n, dtype=bool), []
     for a, (ax, x) in enumerate(zip(axes, coords)):
         if a in curved:
@@ -125,26 +123,35 @@ def lookup(axes: Sequence[np.ndarray], flat: np.ndarray, strides: Sequence[int],
             outside |= x > EXTRAPOLATE_FACTOR * ax[-1]
             if past.any():
                 past_axes.append((a, past))
-            stencils.append(curved_stencil(ax, x, quadratic, left_only))
+            stencils.append(curved_stencil(ax, x, bool(quadratic) and a in quadratic, left_only))
         else:
             outside |= x > ax[-1]
             stencils.append(linear_stencil(ax, np.clip(x, ax[0], ax[-1])))
-    acc = np.zeros((n, q))
-    trusted = np.ones((n, q), dtype=bool) if past_axes else None
-    for combo in np.ndindex(*[len(s) for s in stencils]):
-        w = np.ones(n)
-        lin = np.zeros(n, dtype=np.int64)
-        for a, k in enumerate(combo):
-            ii, ww = stencils[a][k]
-            w = w * ww
-            lin += ii * strides[a]
-        nz = w != 0
-        vals = flat[lin]
-        # a zero-weight corner must not turn the result into NaN
-        acc += np.where(nz[:, None], vals * w[:, None], 0.0) if np.isnan(vals).any() else vals * w[:, None]
+    return stencils, outside, past_axes
+
+
+def lookup(flat: np.ndarray, strides: Sequence[int], ok_flat: dict, prepared) -> np.ndarray:
+    """(n, q) values of the quantities stored column-wise in `flat` at the points `prepare`d.
+    `ok_flat[a]`: (cells, q) extrapolation flags along axis a. inf where infeasible."""
+    stencils, outside, past_axes = prepared
+    n, q = len(outside), flat.shape[1]
+    # All stencil corners at once: (corners, n) flat indices and weights, one gather.
+    lin = np.zeros((1, n), dtype=np.int64)
+    w = np.ones((1, n))
+    for a, st in enumerate(stencils):
+        idx = np.stack([ii for ii, _ in st])  # (k, n)
+        wa = np.stack([ww for _, ww in st])
+        lin = (lin[:, None, :] + idx[None, :, :] * strides[a]).reshape(-1, n)
+        w = (w[:, None, :] * wa[None, :, :]).reshape(-1, n)
+    vals = flat[lin]  # (corners, n, q)
+    nz = w != 0
+    if np.isnan(vals).any():  # a zero-weight corner must not turn the result into NaN
+        vals = np.where(nz[:, :, None], vals, 0.0)
+    acc = np.einsum("cn,cnq->nq", w, vals)
+    if past_axes:
+        trusted = np.ones((n, q), dtype=bool)
         for a, past in past_axes:
-            trusted &= ~(nz & past)[:, None] | ok_flat[a][lin]
-    if trusted is not None:
+            trusted &= (~(nz & past)[:, :, None] | ok_flat[a][lin]).all(axis=0)
         acc[~trusted] = np.inf
     acc[outside] = np.inf
     return acc
