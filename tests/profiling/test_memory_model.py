@@ -22,10 +22,10 @@ def _check(rows, tol=0.05):
 
 
 def test_gpt_stages_within_5_percent_on_and_off_the_grid():
-    """First (embedding), middle, last (head + loss) and whole-model stages; seq 96 lies between
-    the table's 64 and 128, where the s^2 term made linear interpolation 5-10 % high."""
+    """First (embedding), middle, last (head + loss) and whole-model stages; seq 48 lies between
+    the table's 32 and 64, where the s^2 term made linear interpolation 5-10 % high."""
     cm = CostModel.load(CM / "cpu_tiny_gpt.json")
-    _check(list(dynapipe_rows(cm, SETTINGS, shapes=[(2, 64), (1, 96)])))
+    _check(list(dynapipe_rows(cm, SETTINGS, shapes=[(2, 48)])))  # (2, 64) is checked on the grid below
 
 
 def test_gpt_memory_past_the_grid_where_the_fit_is_trusted():
