@@ -212,7 +212,8 @@ class DynaPipePlanner:
                 if comp == "decoder" and (self.S == 1 or s == self.S // 2):
                     pre_index.append(len(parts))
                     parts.append(self._pre_post("pre", rc, mbs, dec))
-                st_l, pk_l = n * c["stored_mb"], c["stored_mb"] * (n - 1) + c["peak_mb"]
+                st_l = n * c["stored_mb"]
+                pk_l = c["stored_mb"] * (n - 1) + c["peak_mb"] if n > 1 else c["peak_mb"]  # no inf * 0
                 if sp:
                     factor = sp_memory_factor(rc, tp, enc if dec is None else np.maximum(enc, dec),
                                               self.cfg.hidden_size, self.cfg.num_attention_heads)
