@@ -89,10 +89,10 @@ class Grid:
             names = [k for k in self._names if k.endswith("_mb") == bool(quad)] if quad_axes else list(self._names)
             if not names:
                 continue
-            cols = [self._names.index(k) for k in names]
-            ok = {a: np.stack([gi.extrapolation_ok(self.values[k], self.axes[a], a).reshape(-1) for k in names], -1)
+            cols = [np.ascontiguousarray(self.values[k]).reshape(-1) for k in names]
+            ok = {a: [gi.extrapolation_ok(self.values[k], self.axes[a], a).reshape(-1) for k in names]
                   for a in self.curved}
-            self._groups.append((names, quad, self._flat[:, cols], ok))
+            self._groups.append((names, quad, cols, ok))
 
     def _curved_call(self, flat, out_shape) -> Dict[str, np.ndarray]:
         out, prepared = {}, {}

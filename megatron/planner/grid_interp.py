@@ -130,12 +130,14 @@ def prepare(axes: Sequence[np.ndarray], coords: Sequence[np.ndarray], curved: Se
     return stencils, outside, past_axes
 
 
-def lookup(flat: np.ndarray, strides: Sequence[int], ok_flat: dict, prepared) -> np.ndarray:
-    """(n, q) values of the quantities stored column-wise in `flat` at the points `prepare`d.
-    `ok_flat[a]`: (cells, q) extrapolation flags along axis a. inf where infeasible."""
+def lookup(cols: Sequence[np.ndarray], strides: Sequence[int], ok_cols: dict, prepared) -> np.ndarray:
+    """(n, q) values of the quantities `cols` (one flat, C-ordered array each) at the points
+    `prepare`d. `ok_cols[a]`: per quantity, the flat extrapolation flags along axis a. inf
+    where infeasible."""
     stencils, outside, past_axes = prepared
-    n, q = len(outside), flat.shape[1]
-    # All stencil corners at once: (corners, n) flat indices and weights, one gather.
+    n, q = len(outside), len(cols)
+    # All stencil corners at once: (corners, n) flat indices and weights, one gather per
+    # quantity (1-D gathers are several times faster than gathering rows of a 2-D table).
     lin = np.zeros((1, n), dtype=np.int64)
     w = np.ones((1, n))
     for a, st in enumerate(stencils):
@@ -143,15 +145,20 @@ def lookup(flat: np.ndarray, strides: Sequence[int], ok_flat: dict, prepared) ->
         wa = np.stack([ww for _, ww in st])
         lin = (lin[:, None, :] + idx[None, :, :] * strides[a]).reshape(-1, n)
         w = (w[:, None, :] * wa[None, :, :]).reshape(-1, n)
-    vals = flat[lin]  # (corners, n, q)
-    nz = w != 0
-    if np.isnan(vals).any():  # a zero-weight corner must not turn the result into NaN
-        vals = np.where(nz[:, :, None], vals, 0.0)
-    acc = np.einsum("cn,cnq->nq", w, vals)
+    nz = None
+    acc = np.empty((n, q))
+    for j, col in enumerate(cols):
+        vals = col[lin]  # (corners, n)
+        if np.isnan(vals).any():  # a zero-weight corner must not turn the result into NaN
+            nz = w != 0 if nz is None else nz
+            vals = np.where(nz, vals, 0.0)
+        acc[:, j] = np.einsum("cn,cn->n", w, vals)
     if past_axes:
-        trusted = np.ones((n, q), dtype=bool)
+        nz = w != 0 if nz is None else nz
         for a, past in past_axes:
-            trusted &= (~(nz & past)[:, :, None] | ok_flat[a][lin]).all(axis=0)
-        acc[~trusted] = np.inf
+            blocked = nz & past
+            for j in range(q):
+                bad = (blocked & ~ok_cols[a][j][lin]).any(axis=0)
+                acc[bad, j] = np.inf
     acc[outside] = np.inf
     return acc
