@@ -6,9 +6,12 @@ loss), a tensor-parallel size, a recomputation level and a micro-batch shape:
 forward/backward time (ms), activation memory the layer keeps for backward (``stored``,
 MB) and its transient peak (``peak``, MB); plus parameter memory per layer.
 
-Values between measured grid points are interpolated (multi-)linearly. A query past the
-largest measured value of any axis, or touching a grid cell that was never measured (it ran
-out of memory), is infeasible: every returned quantity is ``inf``. Below the smallest value
+Values between measured grid points are interpolated linearly in the micro-batch size and,
+along sequence lengths, in a basis exact for attention's s^2 term (memory) or linearly
+(times); past the largest length a quadratic fit extrapolates where it predicts held-out grid
+points within 2 % (`grid_interp`). A query past the largest micro-batch size, past that, or
+touching a grid cell that was never measured (it ran out of memory), is infeasible: every
+returned quantity is ``inf``. Below the smallest value
 of an axis the cost is clamped to it (a shorter sequence is never more expensive; this
 keeps tiny test shapes usable).
 
@@ -24,6 +27,9 @@ from typing import Dict, Iterable, Sequence
 
 import numpy as np
 
+from megatron.planner import cost_model_checks as checks
+from megatron.planner import grid_interp as gi
+
 FORMAT_NAME = "megatron-planner-cost-model"
 FORMAT_VERSION = 2  # 2 adds the optional per-component "attention_split" (see attention_cost.py)
 READ_VERSIONS = (1, 2)
@@ -34,7 +40,14 @@ COMPONENT_AXES = {
     "encoder": ("mbs", "seq"),
     "decoder": ("mbs", "enc_seq", "dec_seq"),
     "postprocess": ("mbs", "seq"),
+    # Optional (issue 30): the embedding of the first stage (and T5's first decoder stage).
+    "preprocess": ("mbs", "seq"),
 }
+
+# Length axes whose memory grows with their square (self-attention scores): the T5 decoder's
+# cross-attention is linear in the encoder length; embedding, head and loss have no s^2 term
+# (their peak is the larger of two terms linear in the tokens).
+S2_AXES = {"encoder": (1,), "decoder": (2,), "postprocess": (), "preprocess": ()}
 
 
 class CostModelError(ValueError):
@@ -61,10 +74,54 @@ class Grid:
         self._flat = np.stack([self.values[k] for k in self._names], axis=-1).reshape(-1, len(self._names))
         self._strides = [int(np.prod(shape[a + 1:])) for a in range(len(shape))]
 
+        self.curved = ()
+
+    def set_curved(self, axes: Sequence[int], quadratic_axes: Sequence[int] | None = None) -> None:
+        """Give `axes` (sequence lengths) the s^2-aware lookup of `grid_interp`: memory
+        interpolated in a quadratic basis, every quantity extrapolated where a held-out fit
+        allows. A cost model does this for all its length axes; other users of `Grid` (the
+        TeraPipe latency table) keep plain multilinear lookup. `quadratic_axes` (default: all
+        of `axes`) are those whose memory has an s^2 term; the others stay linear inside the
+        grid (fewer stencil points)."""
+        self.curved = tuple(axes)
+        quad_axes = tuple(self.curved if quadratic_axes is None else quadratic_axes)
+        self._groups = []
+        for quad in ((), quad_axes) if quad_axes else ((),):
+            names = [k for k in self._names if k.endswith("_mb") == bool(quad)] if quad_axes else list(self._names)
+            if not names:
+                continue
+            cols = [np.ascontiguousarray(self.values[k]).reshape(-1) for k in names]
+            ok = {a: [gi.extrapolation_ok(self.values[k], self.axes[a], a).reshape(-1) for k in names]
+                  for a in self.curved}
+            self._groups.append((names, quad, cols, ok))
+
+    def _curved_call(self, flat, out_shape) -> Dict[str, np.ndarray]:
+        out, prepared = {}, {}
+
+        def prep(rows, *mode):  # stencils depend on the mode only: share them between groups
+            if rows is None:
+                if mode not in prepared:
+                    prepared[mode] = gi.prepare(self.axes, flat, self.curved, *mode)
+                return prepared[mode]
+            return gi.prepare(self.axes, [c[rows] for c in flat], self.curved, *mode)
+
+        for names, quad, values, ok in self._groups:
+            acc = gi.lookup(values, self._strides, ok, prep(None, quad, False))
+            # a quadratic stencil touching a null point: the left stencil alone, else linear
+            for mode in ((quad, True), ((), False)) if quad else ():
+                redo = np.isnan(acc).any(axis=1)
+                if redo.any():
+                    acc[redo] = gi.lookup(values, self._strides, ok, prep(redo, *mode))
+            acc[np.isnan(acc)] = np.inf
+            out.update({k: acc[:, i].reshape(out_shape) for i, k in enumerate(names)})
+        return {k: out[k] for k in self._names}
+
     def __call__(self, *coords) -> Dict[str, np.ndarray]:
         coords = np.broadcast_arrays(*[np.asarray(c, dtype=np.float64) for c in coords])
         out_shape = coords[0].shape
         flat = [c.ravel() for c in coords]
+        if self.curved:
+            return self._curved_call(flat, out_shape)
         n = flat[0].size
         outside = np.zeros(n, dtype=bool)
         lo_idx, frac = [], []
@@ -121,6 +178,8 @@ class CostModel:
             if p.recompute not in RECOMPUTE_LEVELS:
                 raise CostModelError(f"recompute must be one of {RECOMPUTE_LEVELS}, got {p.recompute!r}")
             self._profiles[(p.tp, p.recompute)] = p
+            for comp, grid in p.components.items():  # every axis after the micro-batch size is a length
+                grid.set_curved(range(1, len(grid.axes)), quadratic_axes=S2_AXES[comp])
 
     @property
     def kind(self) -> str:
@@ -163,6 +222,10 @@ class CostModel:
         """Output head + loss; `seq` is the length the head runs on (T5: decoder length)."""
         return self._grid(tp, recompute, "postprocess")(mbs, seq)
 
+    def preprocess(self, tp, recompute, mbs, seq) -> Dict[str, np.ndarray]:
+        """Embedding (word + position, dropout) on `seq` tokens; only files that profiled it."""
+        return self._grid(tp, recompute, "preprocess")(mbs, seq)
+
     def param_mb(self, component: str, tp: int) -> float:
         """16-bit parameter memory of one layer (or of the embedding), MB."""
         p = self._profiles.get((tp, "none")) or self.profile(tp, self.levels(tp)[0])
@@ -179,11 +242,13 @@ class CostModel:
     def load(cls, path) -> "CostModel":
         path = Path(path)
         try:
-            doc = json.loads(path.read_text())
+            doc = checks.parse(path.read_text())
         except FileNotFoundError:
             raise CostModelError(f"cost model file {path} does not exist") from None
         except json.JSONDecodeError as e:
             raise CostModelError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise CostModelError(f"{path}: cannot read it as a cost model ({str(e)[:200]})") from None
         try:
             return cls.from_dict(doc)
         except CostModelError as e:
@@ -191,10 +256,9 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, doc: dict) -> "CostModel":
-        if doc.get("format") != FORMAT_NAME:
-            raise CostModelError(f"not a cost model file (format field is {doc.get('format')!r})")
-        if doc.get("version") not in READ_VERSIONS:
-            raise CostModelError(f"unsupported cost model version {doc.get('version')!r}; this code reads {READ_VERSIONS}")
+        problem = checks.document_problem(doc, COMPONENT_AXES, RECOMPUTE_LEVELS, QUANTITIES, FORMAT_NAME, READ_VERSIONS)
+        if problem:
+            raise CostModelError(problem)
         profiles, splits = [], {}
         for i, p in enumerate(doc.get("profiles", [])):
             comps = {}

@@ -30,6 +30,8 @@ from megatron.planner.attention_cost import AttentionCost
 from megatron.planner.cost_model import RECOMPUTE_LEVELS, CostModel
 from megatron.planner.schedules import ScheduleChoice, lower_bound, search
 from megatron.planner.simulator import PipelineCosts
+from megatron.planner.stage_memory import (compose, encoder_end_memory, postprocess_memory, preprocess_memory,
+                                            tied_head_grad_mb, with_tied_head)
 
 
 class PlanningError(RuntimeError):
@@ -203,10 +205,19 @@ class DynaPipePlanner:
         # A T5 decoder stage keeps the encoder output it received (all of [enc, b, h], the same
         # on every TP rank) until the micro-batch's backward: every decoder layer reads it.
         enc_out = mbs * enc * self.cfg.hidden_size * self.cfg.activation_bytes / 1e6
+        sp = self.cfg.sequence_parallel and tp > 1
+        head_len = enc if dec is None else dec  # the output head runs on the decoder sequence
         for s, comps in enumerate(self.layout):
             f = b = 0.0
-            st = enc_out if (dec is not None and self.S > 1 and s >= self.S // 2) else 0.0
-            pk = None
+            # Pieces in forward order, (stored, peak) each; `compose` stacks them. The first
+            # stage also embeds, the last runs the head and the loss (stage_memory.py).
+            parts = []
+            if dec is not None and self.S > 1 and s >= self.S // 2:
+                parts.append((enc_out, enc_out))
+            pre_index = []  # positions of the embeddings in `parts`
+            if s == 0:
+                pre_index.append(len(parts))
+                parts.append(self._pre_post("pre", rc, mbs, enc))
             for comp, n in comps:
                 if comp not in layer and packed is not None:
                     layer[comp] = self.attention.packed_layer(comp, tp, rc, mbs, enc, packed[0], dec, packed[1], packed[2])
@@ -214,16 +225,25 @@ class DynaPipePlanner:
                     layer[comp] = self.cm.layer(comp, tp, rc, mbs, enc, dec)
                 c = layer[comp]
                 f, b = f + n * c["forward_ms"], b + n * c["backward_ms"]
-                peak = st + c["stored_mb"] * (n - 1) + c["peak_mb"]
-                pk = peak if pk is None else np.maximum(pk, peak)
-                st = st + n * c["stored_mb"]
+                if comp == "decoder" and (self.S == 1 or s == self.S // 2):
+                    pre_index.append(len(parts))
+                    parts.append(self._pre_post("pre", rc, mbs, dec))
+                st_l = n * c["stored_mb"]
+                pk_l = c["stored_mb"] * (n - 1) + c["peak_mb"] if n > 1 else c["peak_mb"]  # no inf * 0
+                if sp:
+                    factor = sp_memory_factor(rc, tp, enc if dec is None else np.maximum(enc, dec),
+                                              self.cfg.hidden_size, self.cfg.num_attention_heads)
+                    st_l, pk_l = st_l * factor, pk_l * factor
+                parts.append((st_l, pk_l))
+                if comp == "encoder" and dec is not None and (self.S == 1 or s == self.S // 2 - 1):
+                    parts.append(encoder_end_memory(self.cm, mbs, enc, self.cfg.activation_bytes))
             if s == self.S - 1:
-                p = self.cm.postprocess(tp, rc, mbs, enc if dec is None else dec)
+                p = self.cm.postprocess(tp, rc, mbs, head_len)
                 f, b = f + p["forward_ms"], b + p["backward_ms"]
-            if self.cfg.sequence_parallel and tp > 1:
-                factor = sp_memory_factor(rc, tp, enc if dec is None else np.maximum(enc, dec),
-                                          self.cfg.hidden_size, self.cfg.num_attention_heads)
-                st, pk = st * factor, pk * factor
+                parts.append(self._pre_post("post", rc, mbs, head_len))
+                if pre_index:  # the embedding and the head share their weight on this stage
+                    parts = with_tied_head(parts, pre_index, tied_head_grad_mb(self.cm, tp, self.cfg.activation_bytes))
+            st, pk = compose(parts)
             for k, v in zip(("fwd", "bwd", "stored", "peak"), (f, b, st, pk)):
                 out[k].append(np.broadcast_to(v, mbs.shape))
         out = {k: np.stack(v) for k, v in out.items()}
@@ -241,6 +261,11 @@ class DynaPipePlanner:
             grad = np.minimum(raw, low) * 8 / (self.cfg.bandwidth_gbps * 1e6)
             out["grad_comm"] = np.broadcast_to(grad + self.cfg.link_latency_ms, out["fwd"].shape)
         return out
+
+    def _pre_post(self, which: str, rc: str, mbs, seq):
+        """(stored, peak) MB of the embedding ("pre") or head + loss ("post")."""
+        fn = preprocess_memory if which == "pre" else postprocess_memory
+        return fn(self.cm, self.cfg.tensor_parallel, rc, mbs, seq, self.cfg.activation_bytes)
 
     def _feasible(self, sc: dict, fit: str) -> np.ndarray:
         S = self.S

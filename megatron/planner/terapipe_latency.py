@@ -32,6 +32,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from megatron.planner import cost_model_checks as checks
+
 FORMAT_NAME = "megatron-terapipe-latency"
 FORMAT_VERSION = 1
 
@@ -60,7 +62,9 @@ def nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def fit_context(points: Sequence[tuple]) -> tuple:
     """Non-negative least squares of dt on [b*l, b*c, b*l*c]; points are (b, l, c, dt).
-    Returns (a1, a2, a3), each >= 0."""
+    Returns (a1, a2, a3), each >= 0, so the context term never predicts a negative time or one
+    that falls as a slice or its context grows (plain least squares did, on noisy CPU times:
+    issue 23). Solved exactly by `nnls`."""
     pts = np.asarray(points, dtype=np.float64)
     if pts.ndim != 2 or pts.shape[1] != 4 or len(pts) < 3:
         raise ValueError("fit_context needs at least 3 points (b, l, c, dt)")
@@ -82,7 +86,7 @@ class SliceLatencyModel:
                  meta: Optional[dict] = None):
         from megatron.planner.cost_model import Grid
         self.mbs, self.seq = [float(x) for x in mbs], [float(x) for x in seq]
-        self.t0_ms = np.asarray(t0_ms, dtype=np.float64)
+        self.t0_ms = np.array([[np.nan if x is None else x for x in row] for row in t0_ms], dtype=np.float64)
         self.grid = Grid([self.mbs, self.seq], {"ms": self.t0_ms})
         self.coef = tuple(float(x) for x in context_coef)
         self.p2p_ms_per_mb, self.p2p_latency_ms = float(p2p_ms_per_mb), float(p2p_latency_ms)
@@ -130,7 +134,9 @@ class SliceLatencyModel:
     def to_dict(self) -> dict:
         return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "meta": self.meta,
                 "hidden_size": self.hidden_size, "mbs": self.mbs, "seq": self.seq,
-                "t0_ms": self.t0_ms.tolist(), "context_coef": list(self.coef),
+                # an unmeasured (or infeasible) shape is null: JSON has no NaN/Infinity
+                "t0_ms": [[float(x) if np.isfinite(x) else None for x in row] for row in self.t0_ms],
+                "context_coef": list(self.coef),
                 "p2p_ms_per_mb": self.p2p_ms_per_mb, "p2p_latency_ms": self.p2p_latency_ms}
 
     def save(self, path) -> None:
@@ -143,12 +149,16 @@ class SliceLatencyModel:
     @classmethod
     def load(cls, path) -> "SliceLatencyModel":
         try:
-            doc = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"--terapipe-cost-model {path}: cannot read it ({e})") from None
-        if doc.get("format") != FORMAT_NAME or doc.get("version") != FORMAT_VERSION:
+            doc = checks.parse(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise ValueError(f"--terapipe-cost-model {path}: cannot read it ({str(e)[:200]})") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME or doc.get("version") != FORMAT_VERSION:
             raise ValueError(f"--terapipe-cost-model {path}: not a {FORMAT_NAME} v{FORMAT_VERSION} file (make one "
                              f"with `python -m megatron.planner.terapipe_latency`)")
+        problem = checks.latency_problem(doc.get("mbs"), doc.get("seq"), doc.get("t0_ms"), doc.get("context_coef"),
+                                         (doc.get("p2p_ms_per_mb", 0.0), doc.get("p2p_latency_ms", 0.0)))
+        if problem:
+            raise ValueError(f"--terapipe-cost-model {path}: {problem}")
         try:
             model = cls(doc["mbs"], doc["seq"], doc["t0_ms"], doc["context_coef"], doc.get("p2p_ms_per_mb", 0.0),
                         doc.get("p2p_latency_ms", 0.0), doc.get("hidden_size", 0), doc.get("meta"))
@@ -187,7 +197,8 @@ def from_cost_model(cost_model, tp: int = 1, recompute: str = "none", p2p_gbps: 
 
 # ---------------------------------------------------------------------------- profiling
 def time_layer_slice(layer, b: int, l: int, c: int, hidden: int, repeats: int = 3) -> float:
-    """Median ms of forward + backward of `layer` on a slice of l tokens after c cached ones."""
+    """Fastest ms of forward + backward of `layer` on a slice of l tokens after c cached ones
+    (the minimum: on a shared CPU other processes only ever add time, as in megatron.profiling)."""
     import torch
 
     from megatron.models.sliced_attention import SequenceKVCache
@@ -209,7 +220,7 @@ def time_layer_slice(layer, b: int, l: int, c: int, hidden: int, repeats: int = 
         cache.accumulate(rec)
         times.append((time.perf_counter() - t0) * 1e3)
         del kv
-    return float(np.median(times[1:]))
+    return float(min(times[1:]))
 
 
 def profile_cpu_model(model_cfg, mbs: Sequence[int], seqs: Sequence[int], contexts: Sequence[int],

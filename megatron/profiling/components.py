@@ -3,6 +3,8 @@
 * ``encoder``: a stack of `TransformerLayer`s (GPT layer, or T5 encoder layer: not causal);
 * ``decoder``: T5 decoder layers (causal self-attention + cross-attention over the encoder
   output);
+* ``preprocess``: the word (+ position) embedding and its dropout, i.e. what the first stage
+  runs before its layers (T5: also the first decoder stage, on the decoder length);
 * ``postprocess``: final norm + output head + vocab-parallel loss, i.e. a `GPTStage` with no
   layers and only `post_process` (the exact code the last pipeline stage runs).
 
@@ -16,6 +18,7 @@ import torch
 from megatron.config import ModelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.models.gpt import GPTEmbedding, GPTStage
+from megatron.models.t5 import _layers as t5_layers
 from megatron.models.transformer import TransformerBlock, TransformerLayer
 from megatron.profiling.measure import Workload
 
@@ -28,6 +31,9 @@ def param_bytes(module: torch.nn.Module) -> tuple:
 
 def build_layers(cfg: ModelConfig, ps: ParallelState, component: str, n: int, seed: int) -> TransformerBlock:
     decoder = component == "decoder"
+    if cfg.model_type == "t5":  # T5's own layers: relative position bias per layer, as T5Stage builds them
+        total = cfg.decoder_num_layers if decoder else cfg.encoder_num_layers
+        return TransformerBlock(t5_layers(cfg, ps, 0, n, decoder=decoder, seed=seed, total=max(total, n)))
     causal = cfg.model_type == "gpt" or decoder
     layers = [TransformerLayer(cfg, ps.tp_group, layer_number=i, num_layers_total=n, seed=seed,
                                key=f"{component}.layers.{i}", causal=causal, decoder=decoder)
@@ -72,6 +78,15 @@ def packed_layer_workload(block: TransformerBlock, cfg: ModelConfig, recompute: 
     packed = PackedSegments(ops.cu_seqlens_from_segment_ids(seg).to(device), mbs, seq)
     return Workload(block, lambda: (_hidden(seq, mbs, cfg, device, dtype),),
                     lambda x: block(x, packed, recompute=recompute))
+
+
+def preprocess_workload(emb: GPTEmbedding, cfg: ModelConfig, mbs: int, seq: int, device) -> Workload:
+    """The first stage's embedding on [mbs, seq] token ids (nothing owned: ids are not activations)."""
+    def make():
+        tokens = torch.randint(0, cfg.vocab_size, (mbs, seq), device=device)
+        return tokens, torch.arange(seq, device=device).unsqueeze(0).expand_as(tokens)
+
+    return Workload(emb, make, lambda tokens, pos: emb(tokens, pos), owned_input=lambda ins: None)
 
 
 def postprocess_workload(stage: GPTStage, cfg: ModelConfig, mbs: int, seq: int, device, dtype) -> Workload:

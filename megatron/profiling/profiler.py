@@ -87,7 +87,9 @@ class ProfileSpec:
 
     @property
     def components(self) -> List[str]:
-        return ["encoder", "decoder", "postprocess"] if self.model.model_type == "t5" else ["encoder", "postprocess"]
+        if self.model.model_type == "t5":
+            return ["encoder", "decoder", "preprocess", "postprocess"]
+        return ["encoder", "preprocess", "postprocess"]
 
     def axes(self, component: str) -> List[List[int]]:
         enc, dec = self.seq_lengths, self.decoder_seq_lengths
@@ -95,6 +97,8 @@ class ProfileSpec:
             return [self.micro_batch_sizes, enc, dec]
         if component == "postprocess" and self.model.model_type == "t5":
             return [self.micro_batch_sizes, dec]  # the head runs on the decoder sequence
+        if component == "preprocess" and self.model.model_type == "t5":
+            return [self.micro_batch_sizes, sorted(set(enc) | set(dec))]  # encoder and decoder embeddings
         return [self.micro_batch_sizes, enc]
 
 
@@ -169,12 +173,14 @@ def profile_rank(spec: ProfileSpec, ps: ParallelState, agree: Callable[[bool], b
         return res
 
     with _seeded(spec.seed, ps.tp_rank, device.type):
-        mods = {c: C.build_layers(cfg, ps, c, n, spec.seed).to(device, dtype) for c in spec.components if c != "postprocess"}
+        mods = {c: C.build_layers(cfg, ps, c, n, spec.seed).to(device, dtype)
+                for c in spec.components if c not in ("preprocess", "postprocess")}
         head = C.build_postprocess(cfg, ps, spec.seed).to(device, dtype)
+        emb = C.build_embedding(cfg, ps, spec.seed).to(device, dtype)
         params = {c: C.param_bytes(m.layers[0]) for c, m in mods.items()}
-        params["embedding"] = C.param_bytes(C.build_embedding(cfg, ps, spec.seed).to(dtype=dtype))
+        params["embedding"] = C.param_bytes(emb)
         grids = {}
-        post = None
+        post = pre = None
         for rc in spec.recompute:
             grids[rc] = {}
             for comp, block in mods.items():
@@ -193,7 +199,13 @@ def profile_rank(spec: ProfileSpec, ps: ParallelState, agree: Callable[[bool], b
                     w = C.postprocess_workload(head, cfg, mbs, seq, device, dtype)
                     return fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree, spec.statistic))
                 post = _sweep(spec, spec.axes("postprocess"), run_post, log, f"tp{tp} postprocess")
+            if pre is None:  # nor is the embedding
+                def run_pre(mbs, seq):
+                    w = C.preprocess_workload(emb, cfg, mbs, seq, device)
+                    return fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree, spec.statistic))
+                pre = _sweep(spec, spec.axes("preprocess"), run_pre, log, f"tp{tp} preprocess")
             grids[rc]["postprocess"] = post
+            grids[rc]["preprocess"] = pre
         doc_quad = _measure_doc_quad(spec, mods, grids, device, dtype, fits, log) if spec.attention_split else {}
     return {"tp": tp, "params": params, "grids": grids, "doc_quad": doc_quad}
 

@@ -8,6 +8,7 @@ from megatron.pipeline.validator import validate_plans
 from megatron.planner.dynapipe import DynaPipeConfig, DynaPipePlanner, PlanningError, plan_batch
 from megatron.planner.partitioner import objective, optimal_partition, order_by_length
 from megatron.planner.simulator import PipelineCosts, simulate
+from megatron.planner.stage_memory import encoder_end_memory, postprocess_memory, preprocess_memory
 
 CM = Path(__file__).resolve().parents[2] / "cost_models"
 
@@ -187,6 +188,15 @@ def test_t5_decoder_stages_hold_the_encoder_output():
     for s, comps in enumerate(planner.layout):
         layers = sum(n * planner.cm.layer(comp, tp, "none", mbs, enc, dec)["stored_mb"] for comp, n in comps)
         held = 2 * 512 * 1024 * 2 / 1e6 if s >= S // 2 else 0.0  # [enc, b, h] in 16-bit
+        # the embeddings (encoder on stage 0, decoder on the first decoder stage), head + loss last
+        if s == 0:
+            held += preprocess_memory(planner.cm, tp, "none", mbs, enc, 2)[0][0]
+        if s == S // 2 - 1:  # the encoder-final norm
+            held += encoder_end_memory(planner.cm, mbs, enc, 2)[0][0]
+        if s == S // 2:
+            held += preprocess_memory(planner.cm, tp, "none", mbs, dec, 2)[0][0]
+        if s == S - 1:
+            held += postprocess_memory(planner.cm, tp, "none", mbs, dec, 2)[0][0]
         assert sc["stored"][s, 0] == pytest.approx(layers[0] + held, rel=1e-12)
 
 
