@@ -377,9 +377,21 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = 100
     tensorboard_dir: Optional[str] = None
+    # --profile: torch.profiler Chrome trace of iterations [start, end) on these ranks
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: tuple = (0,)
+    profile_dir: Optional[str] = None
 
     def __post_init__(self):
         _require(self.log_interval > 0, f"--log-interval must be positive, got {self.log_interval}")
+        if self.profile:
+            _require(1 <= self.profile_step_start < self.profile_step_end,
+                     f"--profile-step-start ({self.profile_step_start}) must be >= 1 and below --profile-step-end "
+                     f"({self.profile_step_end})")
+            _require(bool(self.profile_dir or self.tensorboard_dir),
+                     "--profile writes its trace into --profile-dir or --tensorboard-dir: give one of them")
 
 
 @dataclass

@@ -117,8 +117,13 @@ def real_tokens(mb: dict) -> int:
     return int(mb["text_enc"].numel() + mb["text_dec"].numel())
 
 
-def _all_reduce_sum(values: List[float], group, size: int) -> List[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+def _all_reduce_sum(values, group, size: int, device: Optional[torch.device] = None) -> List[float]:
+    """Sum of `values` (floats, or a float64 tensor already on the device) over `group`, read
+    back with one host sync. The collective runs on `device`: NCCL has no CPU tensors."""
+    if torch.is_tensor(values):
+        t = values.to(device=device or values.device, dtype=torch.float64)
+    else:
+        t = torch.tensor(values, dtype=torch.float64, device=device)
     if group is not None and size > 1:
         dist.all_reduce(t, group=group)
     return t.tolist()
@@ -283,9 +288,11 @@ class Trainer:
         ps = self.ps
         work = self.batch_source.next(self.iteration + 1, self.consumed_samples)
         mbs = work.microbatches
-        local_tokens = float(sum(float(mb["loss_mask"].sum()) for mb in mbs))
-        local_real = float(sum(real_tokens(mb) for mb in mbs))
-        total_tokens, total_real = _all_reduce_sum([local_tokens, local_real], ps.dp_group, ps.dp_size)
+        # The loss multiplier needs the global batch's loss-token count before the first forward:
+        # one host read per step (of host data, normally), never one per micro-batch.
+        local = torch.stack([torch.stack([mb["loss_mask"].sum(dtype=torch.float64) for mb in mbs]).sum().cpu(),
+                             torch.tensor(float(sum(real_tokens(mb) for mb in mbs)), dtype=torch.float64)])
+        total_tokens, total_real = _all_reduce_sum(local, ps.dp_group, ps.dp_size, self._collective_device())
         if total_tokens <= 0:
             raise RuntimeError(f"iteration {self.iteration + 1}: the global batch has no loss tokens "
                                "(every loss_mask entry is 0); check the data and --split")
@@ -313,7 +320,7 @@ class Trainer:
                 ("pp_act", "pp_grad", "pp_grad_raw", "dp", "dp_raw", "emb"),
                 _all_reduce_sum([stats.act_bytes, stats.grad_bytes, stats.grad_bytes_raw, reduced["dp"],
                                  reduced["dp_raw"], reduced["emb"]], dist.group.WORLD if ps.world_size > 1 else None,
-                                ps.world_size)))
+                                ps.world_size, self._collective_device())))
         applied, grad_norm = self.optimizer.step()
         if applied:
             self.lr_scheduler.step()
@@ -326,13 +333,20 @@ class Trainer:
             self.consecutive_skipped += 1
             self._check_consecutive_skips()
         self.optimizer.zero_grad()
-        loss_sum, loss_tokens = _all_reduce_sum([stats.loss_sum, stats.loss_tokens], ps.dp_group, ps.dp_size)
+        totals = stats.loss_totals if stats.loss_totals is not None else torch.zeros(2, dtype=torch.float64)
+        loss_sum, loss_tokens = _all_reduce_sum(totals, ps.dp_group, ps.dp_size, self._collective_device())
         self.iteration += 1
         self.consumed_samples += work.num_samples
         self.consumed_tokens += int(total_real)
         return {"consumed_tokens": self.consumed_tokens, "loss": loss_sum / loss_tokens if loss_tokens else float("nan"), "grad_norm": grad_norm,
                 "applied": applied, "tokens": total_tokens, "real_tokens": total_real, "num_microbatches": len(mbs),
                 "num_samples": work.num_samples, "planner": work.info, "comm_bytes": comm_bytes}
+
+    def _collective_device(self) -> torch.device:
+        """Where small reductions run: the device under NCCL, the host otherwise."""
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return self.device
+        return torch.device("cpu")
 
     def _tracing(self) -> bool:
         """--dynapipe-trace-dir: the first --dynapipe-trace-iters iterations of this run get a
@@ -395,19 +409,19 @@ class Trainer:
             return None
         for m in self.modules:
             m.eval()
-        loss_sum = loss_tokens = 0.0
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         consumed = 0
         try:
             for _ in range(iters):
                 work = source.next(self.iteration, consumed)
                 consumed += work.num_samples
                 stats = self.executor.run(work.plan, work.microbatches, 1.0, forward_only=True)
-                loss_sum += stats.loss_sum
-                loss_tokens += stats.loss_tokens
+                if stats.loss_totals is not None:
+                    totals += stats.loss_totals
         finally:
             for m in self.modules:
                 m.train()
-        loss_sum, loss_tokens = _all_reduce_sum([loss_sum, loss_tokens], self.ps.dp_group, self.ps.dp_size)
+        loss_sum, loss_tokens = _all_reduce_sum(totals, self.ps.dp_group, self.ps.dp_size, self._collective_device())
         return loss_sum / loss_tokens if loss_tokens else None
 
     # -- loop ----------------------------------------------------------------------------
@@ -424,10 +438,21 @@ class Trainer:
         history = []
         for m in self.modules:
             m.train()
+        from megatron.profiling.step_trace import StepProfiler
+        profiler = StepProfiler(cfg.logging, self.ps.rank, self.device)
+        try:
+            return self._train_loop(save_fn, history, profiler)
+        finally:
+            profiler.close()
+
+    def _train_loop(self, save_fn: Optional[Callable], history: List[dict], profiler) -> List[dict]:
+        cfg = self.cfg
         while self.iteration < cfg.training.train_iters:
+            profiler.before_step(self.iteration + 1)
             t0 = time.perf_counter()
             out = self.train_step()
             out["time_s"] = time.perf_counter() - t0
+            profiler.after_step(self.iteration)
             history.append(out)
             self.logger.record(self.iteration, self.consumed_samples, out, self.lr_scheduler.lr(),
                                self.optimizer.loss_scale, self.skipped_iters)

@@ -137,7 +137,9 @@ class _BiasDropoutAdd(torch.autograd.Function):
 def dropout_keep_mask(x, p: float, rng: Optional[str] = None):
     """The keep-mask F.dropout(x, p) would draw (same generator call), as bool."""
     def draw():
-        return torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)  # same draws as a float mask
+        # Same draws as a float (or bool) mask; drawing bytes and viewing them as bool is the
+        # cheapest of the three on CPU (bool bernoulli_ goes through a slower path).
+        return torch.empty_like(x, dtype=torch.uint8).bernoulli_(1 - p).view(torch.bool)
     if rng is None:
         return draw()
     from megatron.core.tensor_parallel import get_rng_tracker
