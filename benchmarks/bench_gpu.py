@@ -15,6 +15,9 @@ Rows:
   dense bf16 peak from PEAK_TFLOPS (the peak used is printed; unknown devices give null unless
   --peak-tflops is given). On CUDA the micro-batch size is the largest of --micro-batch-size,
   /2, /4, ... whose first steps fit in memory on both sides.
+* `precision` (per model, plain model only): fp32 parameters with autocast (this project's
+  --bf16) against Megatron's bf16 parameters with fp32 main gradients and parameters: step
+  time and bytes of parameters, gradients and optimizer state (the decision in the README).
 * `packed` (per model): our step on rows packed from the shipped multi-task lengths
   (block-diagonal attention over `segment_ids`) against full rows of one sequence each, in
   real (non-padding) tokens per second.
@@ -262,6 +265,82 @@ def packed_row(model: str, size: dict, mbs: int, args, device, scaled: bool) -> 
             "target": 0.9, "steps": args.steps}
 
 
+def precision_row(model: str, size: dict, mbs: int, args, device, scaled: bool) -> dict:
+    """The two mixed-precision designs on the plain model, bf16 compute in both: today's (fp32
+    parameters and gradients, autocast casts weights per micro-batch) and Megatron's (bf16
+    parameters, fp32 main gradients accumulated per micro-batch, fp32 main parameters in the
+    optimizer, copied back to bf16 after the step). Step time and parameter + gradient +
+    optimizer-state bytes of each."""
+    gbs = mbs * size["gbs_mult"]
+    cfg = MegatronConfig(model=model_config(model, size), parallel=ParallelConfig(),
+                         training=TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, bf16=True),
+                         data=DataConfig(mock_data=True))
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, size["vocab"], (mbs, size["seq"] + 1), generator=g) for _ in range(gbs // mbs)]
+    batches = [(to_device(b[:, :-1].contiguous(), device), to_device(b[:, 1:].contiguous(), device)) for b in batches]
+    ones = torch.ones(mbs, size["seq"], device=device)
+    denom = float(gbs * size["seq"])
+    kw = {"fused": True} if device.type == "cuda" else {}
+    clock, res = Clock(device), {}
+    for policy in ("fp32_params_autocast", "bf16_params_fp32_main"):
+        torch.manual_seed(0)
+        plain, _ = build_plain(cfg, device)
+        if policy == "fp32_params_autocast":
+            params = list(plain.parameters())
+            opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, **kw)
+
+            def step():
+                for t, l in batches:
+                    with torch.autocast(device.type, dtype=torch.bfloat16):
+                        loss = plain(t, l, ones, denom)
+                    loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            grads = lambda: 4 * sum(p.numel() for p in params)
+        else:
+            plain.to(torch.bfloat16)
+            params = list(plain.parameters())
+            main = [p.detach().float().requires_grad_(True) for p in params]
+            opt = torch.optim.AdamW(main, lr=1e-4, weight_decay=0.01, **kw)
+
+            def step():
+                for m in main:
+                    m.grad = torch.zeros_like(m)
+                for t, l in batches:
+                    plain(t, l, ones, denom).backward()
+                    for p, m in zip(params, main):  # fp32 accumulation of the micro-batch gradients
+                        m.grad.add_(p.grad)
+                        p.grad = None
+                torch.nn.utils.clip_grad_norm_(main, 1.0)
+                opt.step()
+                with torch.no_grad():
+                    for p, m in zip(params, main):
+                        p.copy_(m)
+            grads = lambda: sum(4 * m.numel() + 2 * m.numel() for m in main)  # fp32 main + one bf16 micro-batch
+        times, peaks = [], []
+        for i in range(args.warmup + args.steps):
+            dt, peak = clock.run(step)
+            if i >= args.warmup:
+                times.append(dt)
+                peaks.append(peak)
+        state = sum(p.numel() * p.element_size() for p in params) + grads()
+        state += sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                     if torch.is_tensor(v) and v.dim() > 0)
+        if policy != "fp32_params_autocast":
+            state += sum(m.numel() * 4 for m in main)
+        res[policy] = {"step_s": round(statistics.median(times), 5), "state_bytes": state,
+                       "state_bytes_per_param": round(state / sum(p.numel() for p in params), 2),
+                       "peak_mem_bytes": peaks[-1]}
+        del plain, opt
+    a, b = res["fp32_params_autocast"], res["bf16_params_fp32_main"]
+    return {"benchmark": "gpu_step", "row": "precision", "model": model, "scaled_down": scaled,
+            **_device_fields(device), "dtype": "bf16", "micro_batch_size": mbs, "global_batch_size": gbs,
+            **res, "megatron_over_autocast_step": round(b["step_s"] / a["step_s"], 4),
+            "ours_step_s": None, "plain_step_s": None, "tokens_per_s": None, "mfu": None,
+            "peak_mem_bytes": a["peak_mem_bytes"], "steps": args.steps}
+
+
 def _device_fields(device) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"device": device.type, "device_name": name, "torch": torch.__version__,
@@ -284,7 +363,7 @@ def _fit(fn, mbs: int, device):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="gpt,llama", help="comma-separated: gpt, llama")
-    p.add_argument("--rows", default="step,packed", help="comma-separated: step, packed")
+    p.add_argument("--rows", default="step,packed,precision", help="comma-separated: step, packed, precision")
     p.add_argument("--steps", type=int, default=None, help="timed steps per side (default 10 on CUDA, 3 on CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3 on CUDA, 1 on CPU)")
     p.add_argument("--micro-batch-size", type=int, default=None,
@@ -303,7 +382,7 @@ def main(argv=None):
     rows = []
     for model in args.models.split(","):
         for kind in args.rows.split(","):
-            fn = step_row if kind == "step" else packed_row
+            fn = {"step": step_row, "packed": packed_row, "precision": precision_row}[kind]
             row = _fit(lambda m: fn(model, size, m, args, device, scaled), mbs, device)
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -409,6 +409,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         max_consecutive_skipped_iters=args.max_consecutive_skipped_iters,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_grad_reduce=args.overlap_grad_reduce, ddp_bucket_size=args.ddp_bucket_size,
+        overlap_param_gather=args.overlap_param_gather,
         recompute_layers=getattr(args, "recompute_layers", None),
     )
     data = DataConfig(
@@ -481,7 +482,12 @@ def parse_args(argv: Optional[Sequence[str]] = None, model_type: str = "gpt",
 
 
 def _add_profile_args(p: argparse.ArgumentParser) -> None:
-    """Megatron-LM's profiling flags (torch.profiler; see megatron/profiling/step_trace.py)."""
+    """Megatron-LM's profiling flags (torch.profiler; see megatron/profiling/step_trace.py) and
+    the distributed optimizer's parameter-gather overlap."""
+    g = p.add_argument_group("communication overlap")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: all-gather the updated parameters asynchronously; "
+                        "each module's next forward waits only for the buckets holding its parameters")
     g = p.add_argument_group("profiling")
     g.add_argument("--profile", action="store_true",
                    help="write a torch.profiler Chrome trace (CPU and CUDA activities) of some iterations")

@@ -238,6 +238,7 @@ class TrainingConfig:
     max_consecutive_skipped_iters: int = 100  # 0 = never stop
     use_distributed_optimizer: bool = False  # Adam state sharded over data parallelism (ZeRO-1)
     overlap_grad_reduce: bool = False  # DP all-reduce of a bucket starts during the backward passes
+    overlap_param_gather: bool = False  # distributed optimizer: next forward waits only for its buckets
     ddp_bucket_size: Optional[int] = None  # elements per DP communication bucket (None: 40M)
     recompute_layers: Optional[List[str]] = None  # per layer none|selective|full (--aceso-config)
 
@@ -286,9 +287,9 @@ class TrainingConfig:
         _require(self.adam_eps > 0, f"--adam-eps must be positive, got {self.adam_eps}")
         _require(self.ddp_bucket_size is None or self.ddp_bucket_size >= 1,
                  f"--ddp-bucket-size must be >= 1 elements, got {self.ddp_bucket_size}")
-        _require(not (self.overlap_grad_reduce and self.use_distributed_optimizer),
-                 "--overlap-grad-reduce is implemented for the all-reduce path; with --use-distributed-optimizer "
-                 "the reduce-scatter runs after the backward passes (drop one of the two flags)")
+        _require(not self.overlap_param_gather or self.use_distributed_optimizer,
+                 "--overlap-param-gather overlaps the distributed optimizer's parameter all-gather: add "
+                 "--use-distributed-optimizer or drop it")
         if self.recompute_layers is not None:
             _require(self.recompute_granularity is None and
                      all(m in ("none", "selective", "full") for m in self.recompute_layers),

@@ -176,9 +176,18 @@ class Trainer:
         self.valid_source = valid_source
         t = cfg.training
         self.lr_scheduler = LRScheduler(t)
+        self.sequence_parallel_params = [p for m in self.modules for p in m.parameters()
+                                         if getattr(p, "sequence_parallel", False)]
+        from megatron.core.distributed import BUCKET_NUMEL, OverlappedGradReducer
+        self.bucket_numel = t.ddp_bucket_size or BUCKET_NUMEL
         if t.use_distributed_optimizer:
             from megatron.core.distributed_optimizer import DistributedOptimizer
-            self.optimizer = DistributedOptimizer(self.modules, t, ps, self.lr_scheduler, device)
+            # Gradients the tied-embedding / sequence-parallel syncs still change after the backward.
+            late = list(tied_params) + [p for params, _ in self.extra_tied_groups for p in params] \
+                + self.sequence_parallel_params
+            overlap = t.overlap_grad_reduce or t.overlap_param_gather
+            self.optimizer = DistributedOptimizer(self.modules, t, ps, self.lr_scheduler, device,
+                                                  bucket_numel=self.bucket_numel if overlap else None, late_params=late)
         else:
             self.optimizer = MegatronOptimizer(self.modules, t, ps, self.lr_scheduler, device)
         comm = None
@@ -187,14 +196,11 @@ class Trainer:
         autocast = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else None
         self.comm_dtype_name = t.params_dtype_name
         self._setup_compression(cfg, ps)
-        self.sequence_parallel_params = [p for m in self.modules for p in m.parameters()
-                                         if getattr(p, "sequence_parallel", False)]
-        from megatron.core.distributed import BUCKET_NUMEL, OverlappedGradReducer
-        self.bucket_numel = t.ddp_bucket_size or BUCKET_NUMEL
         self.overlap_reducer = None
         if t.overlap_grad_reduce and ps.dp_size > 1:
-            self.overlap_reducer = OverlappedGradReducer(self.optimizer.params, ps.dp_group, ps.dp_size,
-                                                         self.bucket_numel)
+            self.overlap_reducer = OverlappedGradReducer(
+                self.optimizer.params, ps.dp_group, ps.dp_size, self.bucket_numel,
+                optimizer=self.optimizer if t.use_distributed_optimizer else None)
         self.executor = PipelineExecutor(stages, comm, rank_desc=ps.describe(), autocast_dtype=autocast,
                                          device=device, comm_dtype=DTYPES[self.comm_dtype_name],
                                          grad_compressor=self.grad_compressor)
@@ -444,6 +450,14 @@ class Trainer:
             return self._train_loop(save_fn, history, profiler)
         finally:
             profiler.close()
+            self._params_up_to_date()
+
+    def _params_up_to_date(self) -> None:
+        """--overlap-param-gather leaves the last step's all-gathers in flight: finish them
+        before anything reads the parameters outside a forward (evaluation, checkpoints)."""
+        finish = getattr(self.optimizer, "finish_param_gather", None)
+        if finish is not None:
+            finish()
 
     def _train_loop(self, save_fn: Optional[Callable], history: List[dict], profiler) -> List[dict]:
         cfg = self.cfg
@@ -457,8 +471,10 @@ class Trainer:
             self.logger.record(self.iteration, self.consumed_samples, out, self.lr_scheduler.lr(),
                                self.optimizer.loss_scale, self.skipped_iters)
             if self.valid_source is not None and self.iteration % cfg.training.eval_interval == 0:
+                self._params_up_to_date()
                 self.logger.log_validation(self.iteration, self.evaluate(self.valid_source, cfg.training.eval_iters))
             if save_fn and cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0:
+                self._params_up_to_date()
                 save_fn(self)
             if cfg.training.exit_interval and self.iteration % cfg.training.exit_interval == 0:
                 print_rank_last(self.ps, f"exiting at iteration {self.iteration} (--exit-interval)")

@@ -10,8 +10,9 @@ REQUIRED = ("device", "model", "ours_step_s", "plain_step_s", "tokens_per_s", "m
 
 def test_cpu_rows():
     rows = main(["--models", "gpt,llama", "--rows", "step", "--steps", "1", "--warmup", "0"])
-    rows += main(["--models", "gpt", "--rows", "packed", "--steps", "1", "--warmup", "0"])
-    assert [(r["model"], r["row"]) for r in rows] == [("gpt", "step"), ("llama", "step"), ("gpt", "packed")]
+    rows += main(["--models", "gpt", "--rows", "packed,precision", "--steps", "1", "--warmup", "0"])
+    assert [(r["model"], r["row"]) for r in rows] == [("gpt", "step"), ("llama", "step"), ("gpt", "packed"),
+                                                      ("gpt", "precision")]
     for r in rows:
         assert all(k in r for k in REQUIRED), r
         assert r["device"] == "cpu" and r["scaled_down"] and r["mfu"] is None and r["peak_mem_bytes"] is None
@@ -22,6 +23,11 @@ def test_cpu_rows():
     packed = rows[2]
     assert 0 < packed["packed"]["real_tokens"] <= packed["rows_per_step"] * packed["seq"]
     assert packed["unpacked"]["real_tokens"] == packed["rows_per_step"] * packed["seq"]
+    prec = rows[3]
+    # fp32 weight + grad + 2 Adam moments; Megatron's: bf16 weight and micro-batch grad, fp32 main grad,
+    # fp32 main weight, 2 Adam moments
+    assert prec["fp32_params_autocast"]["state_bytes_per_param"] == 16.0
+    assert prec["bf16_params_fp32_main"]["state_bytes_per_param"] == 20.0
 
 
 @pytest.mark.parametrize("name,peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
