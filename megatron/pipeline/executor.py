@@ -206,6 +206,13 @@ class PipelineExecutor:
                 batch = slice_batch(self.microbatches[seq], offset, length)
             else:
                 batch = self.microbatches[ins.microbatch]
+            if self.device.type == "cuda" and torch.is_tensor(batch.get("segment_ids")) \
+                    and batch["segment_ids"].device.type == "cpu" and "cu_seqlens" not in batch:
+                # Packed rows: segment boundaries from the host copy, so no forward reads them
+                # back from the GPU.
+                from megatron.models.packed_attention import host_segments
+                batch = dict(batch)
+                batch["cu_seqlens"], batch["max_seqlen"] = host_segments(batch["segment_ids"])
             self.data[ins.microbatch] = {k: self._to_device(v) for k, v in batch.items()}
 
     def _to_device(self, v):
