@@ -5,7 +5,10 @@ the speed-up, and the bytes autograd saves for backward (the activation memory a
     python benchmarks/bench_kernels.py [--threads 1 2] [--reps 7] [--compile] [--quick]
 
 The last lines time a whole GPT training step (forward + backward) on packed 2048-token rows,
-fused vs --no-*-fusion.
+fused vs --no-*-fusion. On a CUDA machine `gpu_benches` adds rows (bf16): packed attention
+through dense-masked SDPA, per-sample SDPA, torch's flash varlen kernel (what the model uses on
+CUDA), FlexAttention with a block mask, and the project's own CUDA kernel when built; and
+bias-dropout-add eager vs fused. GPU rows time with CUDA synchronisation.
 """
 from __future__ import annotations
 
@@ -208,6 +211,74 @@ def training_step_bench(args, threads):
     print(json.dumps(res), flush=True)
 
 
+def gpu_benches(args):
+    """CUDA rows; nothing runs without a GPU."""
+    dev = torch.device("cuda")
+
+    def timed_cuda(fn, inputs, backward, reps):
+        def once():
+            xs = [x.detach().requires_grad_(x.is_floating_point()) if backward else x for x in inputs]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.set_grad_enabled(backward):
+                out = fn(*xs)
+                if backward:
+                    out.backward(torch.ones_like(out))
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+        once()
+        return 1000 * statistics.median(once() for _ in range(reps))
+
+    def row(name, shape, impls, inputs, base):
+        res = {"kernel": name, "device": torch.cuda.get_device_name(), "shape": shape}
+        for label, fn in impls.items():
+            try:
+                res[label] = {"fwd_ms": round(timed_cuda(fn, inputs, False, args.reps), 3),
+                              "fwd_bwd_ms": round(timed_cuda(fn, inputs, True, args.reps), 3)}
+            except Exception as e:  # a kernel this torch / device lacks
+                res[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+        for label, r in list(res.items()):
+            if isinstance(r, dict) and "fwd_bwd_ms" in r and "fwd_bwd_ms" in res.get(base, {}):
+                r["speedup_fwd_bwd_vs_" + base] = round(res[base]["fwd_bwd_ms"] / r["fwd_bwd_ms"], 2)
+        print(json.dumps(res), flush=True)
+
+    total, heads, d = 8 * 2048, 16, 128
+    lens = np.concatenate([packed_row(2048, 10, seed) for seed in range(8)])
+    seg = torch.from_numpy(np.repeat(np.arange(1, len(lens) + 1), lens))[None]
+    cu = ops.cu_seqlens_from_segment_ids(seg).to(dev)
+    longest = int(lens.max())
+    q, k, v = (torch.randn(total, heads, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    rows4 = lambda z: z.view(8, 2048, heads, d).transpose(1, 2)  # [8, h, 2048, d]
+    dense_mask = packed_attention_mask(seg.view(8, 2048)).to(dev)  # True = attend, causal within samples
+    impls = {
+        "dense_masked_sdpa": lambda q, k, v: F.scaled_dot_product_attention(
+            rows4(q), rows4(k), rows4(v), attn_mask=dense_mask),
+        "torch_varlen": lambda q, k, v: ops.varlen_attention(q, k, v, cu, causal=True, max_seqlen_q=longest),
+    }
+    if fused_kernels.has_cuda_kernels():
+        impls["project_cuda_kernel"] = lambda q, k, v: ops._VarlenAttention.apply(
+            q, k, v, cu, cu, 1 / math.sqrt(d), True, 0.0, 0)
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        doc = seg.view(8, 2048).to(dev)
+
+        def causal_doc(b, h, qi, ki):
+            return (doc[b, qi] == doc[b, ki]) & (qi >= ki)
+        block = create_block_mask(causal_doc, 8, None, 2048, 2048, device=dev)
+        flex = torch.compile(flex_attention)
+        impls["flex_attention"] = lambda q, k, v: flex(rows4(q), rows4(k), rows4(v), block_mask=block)
+    except Exception as e:
+        print(json.dumps({"kernel": "flex_attention", "error": str(e)[:200]}), flush=True)
+    row("packed_attention_cuda", {"rows": 8, "seq": 2048, "samples": int(len(lens)), "heads": heads, "head_dim": d},
+        impls, [q, k, v], "dense_masked_sdpa")
+
+    x, b, r = (torch.randn(8192, 2048, device=dev, dtype=torch.bfloat16), torch.randn(2048, device=dev,
+               dtype=torch.bfloat16), torch.randn(8192, 2048, device=dev, dtype=torch.bfloat16))
+    row("bias_dropout_add_cuda", [8192, 2048],
+        {"eager": lambda t, bb, rr: rr + F.dropout(t + bb, 0.1, True),
+         "fused": lambda t, bb, rr: ops.bias_dropout_add(t, bb, rr, 0.1, True)}, [x, b, r], "eager")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -219,6 +290,8 @@ def main():
     if not fused_kernels.load():
         print(json.dumps({"error": f"fused kernels unavailable: {fused_kernels.unavailable_reason()}"}))
         sys.exit(1)
+    if torch.cuda.is_available():
+        gpu_benches(args)
     for t in args.threads:
         torch.set_num_threads(t)
         kernel_benches(args, t)

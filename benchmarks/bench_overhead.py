@@ -15,51 +15,20 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.plain_gpt import PlainGPT
 from megatron.batching import gpt_microbatch
 from megatron.config import (DataConfig, LoggingConfig, MegatronConfig, ModelConfig, ParallelConfig,
                              TrainingConfig)
 from megatron.core.parallel_state import ParallelState
 from megatron.initialize import set_seeds
 from megatron.pretrain import build_gpt_trainer
-
-
-class PlainBlock(nn.Module):
-    def __init__(self, h, heads, ffn):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.fc1, self.fc2 = nn.Linear(h, ffn), nn.Linear(ffn, h)
-        self.heads = heads
-
-    def forward(self, x):  # [b, s, h]
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
-        x = x + self.proj(a)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
-
-
-class PlainGPT(nn.Module):
-    def __init__(self, vocab, h, heads, ffn, layers, seq):
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(seq, h)
-        self.blocks = nn.ModuleList(PlainBlock(h, heads, ffn) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(h)
-
-    def forward(self, tokens, labels, loss_mask, denom):
-        pos = torch.arange(tokens.shape[1]).unsqueeze(0)
-        x = self.wte(tokens) + self.wpe(pos)
-        for blk in self.blocks:
-            x = blk(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight).float()
-        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction="none")
-        return (loss * loss_mask.view(-1)).sum() / denom
 
 
 def main():

@@ -3,7 +3,9 @@
   python benchmarks/bench_overlap.py [--hidden 512] [--layers 4] [--iters 8] [--dp 2] [--pp 1]
 
 Trains the same GPT for --iters steps with the plain all-reduce after the pipeline and with
-`--overlap-grad-reduce` (buckets of --bucket elements), on gloo over loopback with one CPU
+`--overlap-grad-reduce` (buckets of --bucket elements); with --distributed-optimizer, one
+reduce-scatter after the pipeline against bucketed reduce-scatters during the backward passes
+plus `--overlap-param-gather`. On gloo over loopback with one CPU
 thread per rank, and prints one JSON line: median step time of each and their ratio, plus how
 many buckets were launched during the backward passes. On a GPU cluster the same flag hides
 the all-reduce behind backward compute on other streams; on CPU both compete for cores, so
@@ -33,7 +35,9 @@ def _config(args, overlap):
         parallel=ParallelConfig(world_size=world, pipeline_model_parallel_size=args.pp, distributed_timeout_minutes=5),
         training=TrainingConfig(micro_batch_size=args.mbs, global_batch_size=args.mbs * args.dp * args.microbatches,
                                 train_iters=args.iters, lr=1e-4, overlap_grad_reduce=overlap,
-                                ddp_bucket_size=args.bucket, eval_interval=10 ** 6),
+                                ddp_bucket_size=args.bucket, eval_interval=10 ** 6,
+                                use_distributed_optimizer=args.distributed_optimizer,
+                                overlap_param_gather=overlap and args.distributed_optimizer),
         data=DataConfig(mock_data=True), logging=LoggingConfig(log_interval=10 ** 6))
 
 
@@ -81,6 +85,9 @@ def main(argv=None):
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--bucket", type=int, default=2_000_000)
+    ap.add_argument("--distributed-optimizer", action="store_true",
+                    help="both runs use --use-distributed-optimizer; the overlapped one adds --overlap-param-gather "
+                         "(bucketed reduce-scatters during backward, asynchronous parameter all-gathers)")
     args = ap.parse_args(argv)
     world = args.dp * args.pp
     with tempfile.TemporaryDirectory() as d:
@@ -88,7 +95,8 @@ def main(argv=None):
         mp.spawn(_worker, args=(world, args, init, out), nprocs=world, join=True)
         with open(out) as f:
             res = json.load(f)
-    res.update(config=vars(args), overlap_over_plain=res["overlap"]["median_step_ms"] / res["plain"]["median_step_ms"])
+    res.update(optimizer="distributed" if args.distributed_optimizer else "plain", config=vars(args),
+               overlap_over_plain=res["overlap"]["median_step_ms"] / res["plain"]["median_step_ms"])
     print(json.dumps(res), flush=True)
 
 

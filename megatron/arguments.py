@@ -529,6 +529,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         max_consecutive_skipped_iters=args.max_consecutive_skipped_iters,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_grad_reduce=args.overlap_grad_reduce, ddp_bucket_size=args.ddp_bucket_size,
+        overlap_param_gather=args.overlap_param_gather,
         recompute_layers=getattr(args, "recompute_layers", None),
     )
     data = DataConfig(
@@ -550,7 +551,11 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
     checkpoint = CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
                                   no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
                                   finetune=args.finetune, ckpt_format=args.ckpt_format)
-    logging_cfg = LoggingConfig(log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir)
+    _check_writable_dir("--profile-dir", args.profile_dir)
+    logging_cfg = LoggingConfig(log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
+                                profile=args.profile, profile_step_start=args.profile_step_start,
+                                profile_step_end=args.profile_step_end, profile_ranks=tuple(args.profile_ranks),
+                                profile_dir=args.profile_dir)
     compression = CompressionConfig(
         inter_grad_comp=args.inter_grad_comp, inter_grad_comp_rank=args.inter_grad_comp_rank,
         inter_grad_comp_epilogue_only=args.inter_grad_comp_epilogue_only,
@@ -607,6 +612,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, model_type: str = "gpt",
     try:
         return config_from_args(args, model_type, world_size)
     except ConfigError as e:
+<<<<<<< HEAD
         exit_with_error(model_type, e)
 
 
@@ -615,3 +621,29 @@ def exit_with_error(model_type: str, error) -> None:
     if os.environ.get("RANK", "0") == "0":
         print(f"pretrain_{model_type}.py: error: {error}", file=sys.stderr, flush=True)
     raise SystemExit(2)
+=======
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
+            print(f"pretrain_{model_type}.py: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def _add_profile_args(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's profiling flags (torch.profiler; see megatron/profiling/step_trace.py) and
+    the distributed optimizer's parameter-gather overlap."""
+    g = p.add_argument_group("communication overlap")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: all-gather the updated parameters asynchronously; "
+                        "each module's next forward waits only for the buckets holding its parameters")
+    g = p.add_argument_group("profiling")
+    g.add_argument("--profile", action="store_true",
+                   help="write a torch.profiler Chrome trace (CPU and CUDA activities) of some iterations")
+    g.add_argument("--profile-step-start", type=int, default=10,
+                   help="first profiled iteration (1-based)")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="profiling stops before this iteration")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0],
+                   help="global ranks that write a trace")
+    g.add_argument("--profile-dir", default=None,
+                   help="folder for the traces (default: --tensorboard-dir)")
+>>>>>>> gpu

@@ -255,6 +255,7 @@ class TrainingConfig:
     max_consecutive_skipped_iters: int = 100  # 0 = never stop
     use_distributed_optimizer: bool = False  # Adam state sharded over data parallelism (ZeRO-1)
     overlap_grad_reduce: bool = False  # DP all-reduce of a bucket starts during the backward passes
+    overlap_param_gather: bool = False  # distributed optimizer: next forward waits only for its buckets
     ddp_bucket_size: Optional[int] = None  # elements per DP communication bucket (None: 40M)
     recompute_layers: Optional[List[str]] = None  # per layer none|selective|full|op+op (--aceso-config)
 
@@ -303,9 +304,9 @@ class TrainingConfig:
         _require(self.adam_eps > 0, f"--adam-eps must be positive, got {self.adam_eps}")
         _require(self.ddp_bucket_size is None or self.ddp_bucket_size >= 1,
                  f"--ddp-bucket-size must be >= 1 elements, got {self.ddp_bucket_size}")
-        _require(not (self.overlap_grad_reduce and self.use_distributed_optimizer),
-                 "--overlap-grad-reduce is implemented for the all-reduce path; with --use-distributed-optimizer "
-                 "the reduce-scatter runs after the backward passes (drop one of the two flags)")
+        _require(not self.overlap_param_gather or self.use_distributed_optimizer,
+                 "--overlap-param-gather overlaps the distributed optimizer's parameter all-gather: add "
+                 "--use-distributed-optimizer or drop it")
         if self.recompute_layers is not None:
             from megatron.core.recompute import decode  # pure Python: the one definition of a setting
             _require(self.recompute_granularity is None,
@@ -405,9 +406,21 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = 100
     tensorboard_dir: Optional[str] = None
+    # --profile: torch.profiler Chrome trace of iterations [start, end) on these ranks
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: tuple = (0,)
+    profile_dir: Optional[str] = None
 
     def __post_init__(self):
         _require(self.log_interval > 0, f"--log-interval must be positive, got {self.log_interval}")
+        if self.profile:
+            _require(1 <= self.profile_step_start < self.profile_step_end,
+                     f"--profile-step-start ({self.profile_step_start}) must be >= 1 and below --profile-step-end "
+                     f"({self.profile_step_end})")
+            _require(bool(self.profile_dir or self.tensorboard_dir),
+                     "--profile writes its trace into --profile-dir or --tensorboard-dir: give one of them")
 
 
 @dataclass

@@ -117,8 +117,13 @@ def real_tokens(mb: dict) -> int:
     return int(mb["text_enc"].numel() + mb["text_dec"].numel())
 
 
-def _all_reduce_sum(values: List[float], group, size: int) -> List[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+def _all_reduce_sum(values, group, size: int, device: Optional[torch.device] = None) -> List[float]:
+    """Sum of `values` (floats, or a float64 tensor already on the device) over `group`, read
+    back with one host sync. The collective runs on `device`: NCCL has no CPU tensors."""
+    if torch.is_tensor(values):
+        t = values.to(device=device or values.device, dtype=torch.float64)
+    else:
+        t = torch.tensor(values, dtype=torch.float64, device=device)
     if group is not None and size > 1:
         dist.all_reduce(t, group=group)
     return t.tolist()
@@ -171,9 +176,18 @@ class Trainer:
         self.valid_source = valid_source
         t = cfg.training
         self.lr_scheduler = LRScheduler(t)
+        self.sequence_parallel_params = [p for m in self.modules for p in m.parameters()
+                                         if getattr(p, "sequence_parallel", False)]
+        from megatron.core.distributed import BUCKET_NUMEL, OverlappedGradReducer
+        self.bucket_numel = t.ddp_bucket_size or BUCKET_NUMEL
         if t.use_distributed_optimizer:
             from megatron.core.distributed_optimizer import DistributedOptimizer
-            self.optimizer = DistributedOptimizer(self.modules, t, ps, self.lr_scheduler, device)
+            # Gradients the tied-embedding / sequence-parallel syncs still change after the backward.
+            late = list(tied_params) + [p for params, _ in self.extra_tied_groups for p in params] \
+                + self.sequence_parallel_params
+            overlap = t.overlap_grad_reduce or t.overlap_param_gather
+            self.optimizer = DistributedOptimizer(self.modules, t, ps, self.lr_scheduler, device,
+                                                  bucket_numel=self.bucket_numel if overlap else None, late_params=late)
         else:
             self.optimizer = MegatronOptimizer(self.modules, t, ps, self.lr_scheduler, device)
         comm = None
@@ -182,14 +196,11 @@ class Trainer:
         autocast = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else None
         self.comm_dtype_name = t.params_dtype_name
         self._setup_compression(cfg, ps)
-        self.sequence_parallel_params = [p for m in self.modules for p in m.parameters()
-                                         if getattr(p, "sequence_parallel", False)]
-        from megatron.core.distributed import BUCKET_NUMEL, OverlappedGradReducer
-        self.bucket_numel = t.ddp_bucket_size or BUCKET_NUMEL
         self.overlap_reducer = None
         if t.overlap_grad_reduce and ps.dp_size > 1:
-            self.overlap_reducer = OverlappedGradReducer(self.optimizer.params, ps.dp_group, ps.dp_size,
-                                                         self.bucket_numel)
+            self.overlap_reducer = OverlappedGradReducer(
+                self.optimizer.params, ps.dp_group, ps.dp_size, self.bucket_numel,
+                optimizer=self.optimizer if t.use_distributed_optimizer else None)
         self.executor = PipelineExecutor(stages, comm, rank_desc=ps.describe(), autocast_dtype=autocast,
                                          device=device, comm_dtype=DTYPES[self.comm_dtype_name],
                                          grad_compressor=self.grad_compressor)
@@ -301,9 +312,11 @@ class Trainer:
         ps = self.ps
         work = self.batch_source.next(self.iteration + 1, self.consumed_samples)
         mbs = work.microbatches
-        local_tokens = float(sum(float(mb["loss_mask"].sum()) for mb in mbs))
-        local_real = float(sum(real_tokens(mb) for mb in mbs))
-        total_tokens, total_real = _all_reduce_sum([local_tokens, local_real], ps.dp_group, ps.dp_size)
+        # The loss multiplier needs the global batch's loss-token count before the first forward:
+        # one host read per step (of host data, normally), never one per micro-batch.
+        local = torch.stack([torch.stack([mb["loss_mask"].sum(dtype=torch.float64) for mb in mbs]).sum().cpu(),
+                             torch.tensor(float(sum(real_tokens(mb) for mb in mbs)), dtype=torch.float64)])
+        total_tokens, total_real = _all_reduce_sum(local, ps.dp_group, ps.dp_size, self._collective_device())
         if total_tokens <= 0:
             raise RuntimeError(f"iteration {self.iteration + 1}: the global batch has no loss tokens "
                                "(every loss_mask entry is 0); check the data and --split")
@@ -333,7 +346,7 @@ class Trainer:
                 ("pp_act", "pp_grad", "pp_grad_raw", "dp", "dp_raw", "emb"),
                 _all_reduce_sum([stats.act_bytes, stats.grad_bytes, stats.grad_bytes_raw, reduced["dp"],
                                  reduced["dp_raw"], reduced["emb"]], dist.group.WORLD if ps.world_size > 1 else None,
-                                ps.world_size)))
+                                ps.world_size, self._collective_device())))
         applied, grad_norm = self.optimizer.step()
         if applied:
             self.lr_scheduler.step()
@@ -346,13 +359,20 @@ class Trainer:
             self.consecutive_skipped += 1
             self._check_consecutive_skips()
         self.optimizer.zero_grad()
-        loss_sum, loss_tokens = _all_reduce_sum([stats.loss_sum, stats.loss_tokens], ps.dp_group, ps.dp_size)
+        totals = stats.loss_totals if stats.loss_totals is not None else torch.zeros(2, dtype=torch.float64)
+        loss_sum, loss_tokens = _all_reduce_sum(totals, ps.dp_group, ps.dp_size, self._collective_device())
         self.iteration += 1
         self.consumed_samples += work.num_samples
         self.consumed_tokens += int(total_real)
         return {"consumed_tokens": self.consumed_tokens, "loss": loss_sum / loss_tokens if loss_tokens else float("nan"), "grad_norm": grad_norm,
                 "applied": applied, "tokens": total_tokens, "real_tokens": total_real, "num_microbatches": len(mbs),
                 "num_samples": work.num_samples, "planner": work.info, "comm_bytes": comm_bytes}
+
+    def _collective_device(self) -> torch.device:
+        """Where small reductions run: the device under NCCL, the host otherwise."""
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return self.device
+        return torch.device("cpu")
 
     def _tracing(self) -> bool:
         """--dynapipe-trace-dir: the first --dynapipe-trace-iters iterations of this run get a
@@ -415,19 +435,19 @@ class Trainer:
             return None
         for m in self.modules:
             m.eval()
-        loss_sum = loss_tokens = 0.0
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         consumed = 0
         try:
             for _ in range(iters):
                 work = source.next(self.iteration, consumed)
                 consumed += work.num_samples
                 stats = self.executor.run(work.plan, work.microbatches, 1.0, forward_only=True)
-                loss_sum += stats.loss_sum
-                loss_tokens += stats.loss_tokens
+                if stats.loss_totals is not None:
+                    totals += stats.loss_totals
         finally:
             for m in self.modules:
                 m.train()
-        loss_sum, loss_tokens = _all_reduce_sum([loss_sum, loss_tokens], self.ps.dp_group, self.ps.dp_size)
+        loss_sum, loss_tokens = _all_reduce_sum(totals, self.ps.dp_group, self.ps.dp_size, self._collective_device())
         return loss_sum / loss_tokens if loss_tokens else None
 
     # -- loop ----------------------------------------------------------------------------
@@ -444,10 +464,29 @@ class Trainer:
         history = []
         for m in self.modules:
             m.train()
+        from megatron.profiling.step_trace import StepProfiler
+        profiler = StepProfiler(cfg.logging, self.ps.rank, self.device)
+        try:
+            return self._train_loop(save_fn, history, profiler)
+        finally:
+            profiler.close()
+            self._params_up_to_date()
+
+    def _params_up_to_date(self) -> None:
+        """--overlap-param-gather leaves the last step's all-gathers in flight: finish them
+        before anything reads the parameters outside a forward (evaluation, checkpoints)."""
+        finish = getattr(self.optimizer, "finish_param_gather", None)
+        if finish is not None:
+            finish()
+
+    def _train_loop(self, save_fn: Optional[Callable], history: List[dict], profiler) -> List[dict]:
+        cfg = self.cfg
         while self.iteration < cfg.training.train_iters:
+            profiler.before_step(self.iteration + 1)
             t0 = time.perf_counter()
             out = self.train_step()
             out["time_s"] = time.perf_counter() - t0
+            profiler.after_step(self.iteration)
             history.append(out)
             self.logger.record(self.iteration, self.consumed_samples, out, self.lr_scheduler.lr(),
                                self.optimizer.loss_scale, self.skipped_iters)
@@ -455,8 +494,10 @@ class Trainer:
                 self.compression_stats.report(self.iteration, dist.group.WORLD if self.ps.world_size > 1 else None,
                                               self.logger.active, self.logger.writer)
             if self.valid_source is not None and self.iteration % cfg.training.eval_interval == 0:
+                self._params_up_to_date()
                 self.logger.log_validation(self.iteration, self.evaluate(self.valid_source, cfg.training.eval_iters))
             if save_fn and cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0:
+                self._params_up_to_date()
                 save_fn(self)
             if cfg.training.exit_interval and self.iteration % cfg.training.exit_interval == 0:
                 print_rank_last(self.ps, f"exiting at iteration {self.iteration} (--exit-interval)")

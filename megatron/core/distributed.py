@@ -102,12 +102,22 @@ class OverlappedGradReducer:
     sequence-parallel sums gives the same result as after them.
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], dp_group, dp_size: int, bucket_numel: int = BUCKET_NUMEL):
+    def __init__(self, params: Iterable[nn.Parameter], dp_group, dp_size: int, bucket_numel: int = BUCKET_NUMEL,
+                 optimizer=None):
+        """`optimizer`: a `DistributedOptimizer` whose buckets this reducer reduce-scatters
+        (`launch_reduce` / `complete_reduce`) instead of all-reducing its own; its late buckets
+        (gradients other syncs still change) are left to the optimizer's step."""
         self.params = [p for p in params if p.requires_grad]
         self.dp_group, self.dp_size = dp_group, dp_size
+        self.optimizer = optimizer
         self.buckets: List[List[nn.Parameter]] = []
+        self.late: set = set()
+        if optimizer is not None:
+            self.buckets = [list(b.params) for b in optimizer.buckets]
+            self.late = set(optimizer.late_buckets)
+            self.params = [p for b in self.buckets for p in b]
         cur, size = [], 0
-        for p in reversed(self.params):
+        for p in reversed(self.params if optimizer is None else []):
             if cur and (size + p.numel() > bucket_numel or p.dtype != cur[0].dtype):
                 self.buckets.append(cur)
                 cur, size = [], 0
@@ -129,7 +139,8 @@ class OverlappedGradReducer:
         """`expected_per_param`: id(param) -> number of gradient accumulations this iteration."""
         self.expected = expected_per_param
         self.seen = {}
-        self.pending = [sum(1 for p in b if expected_per_param.get(id(p), 0) > 0) for b in self.buckets]
+        self.pending = [sum(1 for p in b if expected_per_param.get(id(p), 0) > 0) if i not in self.late else -1
+                        for i, b in enumerate(self.buckets)]
         self.works = [None] * len(self.buckets)
         self.next_bucket = 0
         self.overlapped = 0
@@ -152,6 +163,9 @@ class OverlappedGradReducer:
 
     def _launch(self, i: int) -> None:
         grads = [p.grad for p in self.buckets[i]]
+        if self.optimizer is not None:
+            self.works[i] = self.optimizer.launch_reduce(i, grads)
+            return
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.works[i] = (dist.all_reduce(flat, group=self.dp_group, async_op=True), flat)
 
@@ -160,6 +174,14 @@ class OverlappedGradReducer:
         if not (self.dp_size > 1 and self.dp_group is not None):
             return
         self.active = False
+        if self.optimizer is not None:
+            # Reduce-scattered buckets go to the optimizer; it reduces the rest in its step,
+            # after the tied-embedding / sequence-parallel syncs, in bucket order.
+            for i, work in enumerate(self.works):
+                if work is not None:
+                    self.optimizer.complete_reduce(i, work)
+            self.works = [None] * len(self.buckets)
+            return
         for i, bucket in enumerate(self.buckets):
             for p in bucket:
                 if p.grad is None:

@@ -1,7 +1,12 @@
 """Megatron's distributed optimizer (ZeRO-1): Adam state sharded over the data-parallel group.
 
-All trainable parameters are laid out in one flat fp32 buffer, weight-decayed ones first, padded
-to a multiple of the DP size and cut into DP equal shards. Per step:
+Trainable parameters are laid out in flat fp32 buckets, weight-decayed ones first in each,
+each bucket padded to a multiple of the DP size and cut into DP equal chunks; a rank's shard is
+its chunk of every bucket. Without overlap there is one bucket (the whole model). With
+--overlap-grad-reduce the buckets follow the backward order (last layers first) so that
+`OverlappedGradReducer` reduce-scatters each one while the backward passes still run; with
+--overlap-param-gather the updated buckets are all-gathered asynchronously after the step and
+each module's next forward waits only for the buckets holding its parameters. Per step:
   1. gradients are reduce-scattered (summed), so each rank holds the reduced gradient of its
      shard only: this replaces the data-parallel all-reduce;
   2. inf/nan check, global gradient norm and clipping on the shards (each element is counted
@@ -13,11 +18,13 @@ optimizer's tensors; the parameters are not one persistent flat buffer to take v
 per parameter a rank holds 4 (weight) + 4 (gradient) + 12 / DP bytes instead of 4 + 4 + 8; the
 DynaPipe planner's memory model counts exactly that. step() also builds flat copies of the
 parameters and gradients for the collectives (transient, 2 x the parameter bytes).
+Checkpoints store moments by position in one DP- and bucket-independent order (all decayed
+parameters, then the rest), so any DP size or bucketing resumes from them.
 """
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,10 +33,52 @@ from torch import nn
 from megatron.core.optimizer import MegatronOptimizer, counts_for_norm
 
 
+class _Bucket:
+    """Parameters (decayed first) in one flat range, padded to a multiple of the DP size."""
+
+    def __init__(self, params: list, decayed: set, dp: int, dp_rank: int):
+        self.params = [p for p in params if id(p) in decayed] + [p for p in params if id(p) not in decayed]
+        self.numel = sum(p.numel() for p in self.params)
+        self.n_decay = sum(p.numel() for p in self.params if id(p) in decayed)
+        self.chunk = math.ceil(self.numel / dp)
+        self.padded = self.chunk * dp
+        self.lo = dp_rank * self.chunk
+        self.split = min(max(self.n_decay - self.lo, 0), self.chunk)  # decayed elements of this rank's chunk
+
+    def flat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        parts = [t.reshape(-1) for t in tensors]
+        if self.padded > self.numel:
+            parts.append(parts[0].new_zeros(self.padded - self.numel))
+        return torch.cat(parts)
+
+    def grads(self) -> torch.Tensor:
+        return self.flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
+
+
+def make_buckets(params: list, bucket_numel: Optional[int]) -> List[list]:
+    """One bucket of everything, or buckets of about `bucket_numel` elements in backward order."""
+    if not bucket_numel:
+        return [list(params)]
+    out, cur, size = [], [], 0
+    for p in reversed(params):
+        if cur and size + p.numel() > bucket_numel:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(p)
+        size += p.numel()
+    if cur:
+        out.append(cur)
+    return out
+
+
 class DistributedOptimizer(MegatronOptimizer):
     reduces_data_parallel_grads = True
 
-    def __init__(self, modules: List[nn.Module], cfg, ps, lr_scheduler, device=torch.device("cpu")):
+    def __init__(self, modules: List[nn.Module], cfg, ps, lr_scheduler, device=torch.device("cpu"),
+                 bucket_numel: Optional[int] = None, late_params: Sequence[nn.Parameter] = ()):
+        """`bucket_numel`: bucket size for --overlap-grad-reduce / --overlap-param-gather (None:
+        one bucket). `late_params`: gradients that other syncs (tied embeddings, sequence-parallel
+        norms) still change after the backward; they get a bucket of their own, reduced last."""
         super().__init__(modules, cfg, ps, lr_scheduler, device)
         decay, no_decay = [], []
         for m in modules:
@@ -37,71 +86,136 @@ class DistributedOptimizer(MegatronOptimizer):
                 if p.requires_grad:
                     (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
         self.ordered = decay + no_decay
-        self.n_decay = sum(p.numel() for p in decay)
-        self.numel = sum(p.numel() for p in self.ordered)
+        decayed = {id(p) for p in decay}
+        # Position of each parameter in the canonical (checkpoint) order.
+        self.canon: Dict[int, int] = {}
+        off = 0
+        for p in self.ordered:
+            self.canon[id(p)] = off
+            off += p.numel()
+        self.numel = off
         dp = max(ps.dp_size, 1)
-        self.shard = math.ceil(self.numel / dp)
-        self.padded = self.shard * dp
-        self.lo = ps.dp_rank * self.shard
-        self.hi = min(self.lo + self.shard, self.numel)
+        late = {id(p) for p in late_params}
+        early = [p for m in modules for p in m.parameters() if p.requires_grad and id(p) not in late]
+        lists = make_buckets(early, bucket_numel) if bucket_numel else [self.ordered]
+        if bucket_numel and late:
+            lists.append([p for p in self.ordered if id(p) in late])
+        self.buckets = [_Bucket(b, decayed, dp, ps.dp_rank) for b in lists if b]
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        self.late_buckets = {self.bucket_of[k] for k in late} if bucket_numel else set()
+        self.shard = sum(b.chunk for b in self.buckets)
         # Which shard elements count towards the global gradient norm on this rank.
-        counts = torch.cat([torch.full((p.numel(),), counts_for_norm(p, ps.tp_rank), dtype=torch.bool)
-                            for p in self.ordered] + [torch.zeros(self.padded - self.numel, dtype=torch.bool)])
-        self.norm_mask = counts[self.lo:self.lo + self.shard].to(device)
-        flat = self._flat_params()
-        split = min(max(self.n_decay - self.lo, 0), self.shard)  # decayed elements of this shard
-        self.main = [flat[self.lo:self.lo + split].clone(), flat[self.lo + split:self.lo + self.shard].clone()]
-        self.split = split
+        masks = []
+        for b in self.buckets:
+            counts = torch.cat([torch.full((p.numel(),), counts_for_norm(p, ps.tp_rank), dtype=torch.bool)
+                                for p in b.params] + [torch.zeros(b.padded - b.numel, dtype=torch.bool)])
+            masks.append(counts[b.lo:b.lo + b.chunk])
+        self.norm_mask = torch.cat(masks).to(device)
+        self.main: List[torch.Tensor] = []  # per bucket: decayed part, undecayed part (may be empty)
+        for b in self.buckets:
+            flat = b.flat([p.detach() for p in b.params])
+            self.main += [flat[b.lo:b.lo + b.split].clone(), flat[b.lo + b.split:b.lo + b.chunk].clone()]
         groups = []
-        for t, wd in zip(self.main, (cfg.weight_decay, 0.0)):
-            t.requires_grad_(True)
-            groups.append({"params": [t], "weight_decay": wd})
+        for k, wd in ((0, cfg.weight_decay), (1, 0.0)):
+            ts = self.main[k::2]
+            for t in ts:
+                t.requires_grad_(True)
+            groups.append({"params": ts, "weight_decay": wd})
         kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
         if device.type == "cuda":
             kwargs["fused"] = True
         self.optimizer = torch.optim.AdamW(groups, **kwargs)
+        self.reduced: List[Optional[torch.Tensor]] = [None] * len(self.buckets)  # from the overlapped reducer
+        self.overlap_param_gather = bool(getattr(cfg, "overlap_param_gather", False)) and dp > 1
+        self.gathers: List[Optional[tuple]] = [None] * len(self.buckets)
+        self._hooks = []
+        # Modules that own parameters wait for their buckets when called. A parameter used
+        # without calling its module (a tied or untied output weight in F.linear) would be
+        # read stale, so the modules not called in the first step (before any gather is in
+        # flight) have their buckets waited for at the start of the stage's forward.
+        self._owner_buckets: Dict[int, tuple] = {}
+        self._called: set = set()
+        self._uncovered: Optional[tuple] = None
+        if self.overlap_param_gather:
+            for m in modules:
+                self._hooks.append(m.register_forward_pre_hook(lambda mod, args: self._wait_buckets(self._uncovered or ())))
+                for sub in m.modules():
+                    own = tuple(sorted({self.bucket_of[id(p)] for p in sub.parameters(recurse=False)
+                                        if id(p) in self.bucket_of}))
+                    if own:
+                        self._owner_buckets[id(sub)] = own
+                        self._hooks.append(sub.register_forward_pre_hook(
+                            lambda mod, args, own=own, key=id(sub): self._on_forward(key, own)))
 
-    def _flat_params(self) -> torch.Tensor:
-        parts = [p.detach().reshape(-1) for p in self.ordered]
-        pad = self.padded - self.numel
-        if pad:
-            parts.append(parts[0].new_zeros(pad))
-        return torch.cat(parts)
+    def _on_forward(self, key: int, own: tuple) -> None:
+        self._called.add(key)
+        self._wait_buckets(own)
 
-    def _flat_grads(self) -> torch.Tensor:
-        parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.ordered]
-        pad = self.padded - self.numel
-        if pad:
-            parts.append(parts[0].new_zeros(pad))
-        return torch.cat(parts)
+    # -- collectives on one bucket ---------------------------------------------------------
+    def launch_reduce(self, i: int, grads: Sequence[torch.Tensor]):
+        """Start bucket i's reduce-scatter (the overlapped reducer calls this during backward)."""
+        b = self.buckets[i]
+        flat = b.flat(grads)
+        if self.ps.dp_size == 1 or self.ps.dp_group is None:
+            return None, flat[b.lo:b.lo + b.chunk].clone()
+        out = flat.new_empty(b.chunk)
+        return dist.reduce_scatter_tensor(out, flat, group=self.ps.dp_group, async_op=True), out
 
-    def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
-        ps = self.ps
-        if ps.dp_size == 1 or ps.dp_group is None:
-            return flat[self.lo:self.lo + self.shard].clone()
-        out = flat.new_empty(self.shard)
-        dist.reduce_scatter_tensor(out, flat, group=ps.dp_group)
-        return out
+    def complete_reduce(self, i: int, handle) -> None:
+        work, out = handle
+        if work is not None:
+            work.wait()
+        self.reduced[i] = out
 
-    def _all_gather(self, shard: torch.Tensor) -> torch.Tensor:
-        ps = self.ps
-        if ps.dp_size == 1 or ps.dp_group is None:
-            return shard
-        out = shard.new_empty(self.padded)
-        dist.all_gather_into_tensor(out, shard.contiguous(), group=ps.dp_group)
-        return out
+    def _reduced_grad(self, i: int) -> torch.Tensor:
+        if self.reduced[i] is None:
+            self.complete_reduce(i, self.launch_reduce(i, [p.grad if p.grad is not None else torch.zeros_like(p)
+                                                            for p in self.buckets[i].params]))
+        g, self.reduced[i] = self.reduced[i], None
+        return g
+
+    def _gather(self, i: int, shard: torch.Tensor, async_op: bool):
+        b = self.buckets[i]
+        if self.ps.dp_size == 1 or self.ps.dp_group is None:
+            return None, shard
+        out = shard.new_empty(b.padded)
+        return dist.all_gather_into_tensor(out, shard.contiguous(), group=self.ps.dp_group, async_op=async_op), out
+
+    def _write_params(self, i: int, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in self.buckets[i].params:
+                n = p.numel()
+                p.copy_(flat[offset:offset + n].view_as(p))
+                offset += n
+
+    def _wait_buckets(self, indices) -> None:
+        for i in indices:
+            pending = self.gathers[i]
+            if pending is not None:
+                self.gathers[i] = None
+                work, flat = pending
+                if work is not None:
+                    work.wait()
+                self._write_params(i, flat)
+
+    def finish_param_gather(self) -> None:
+        """Bring every parameter up to date (before a checkpoint, an evaluation or the next step)."""
+        self._wait_buckets(range(len(self.buckets)))
 
     def step(self):
+        self.finish_param_gather()
         # The parameters are the source of truth (a checkpoint load or a converter may have
         # changed them since the last step): refresh this rank's shard from them.
-        flat = self._flat_params()
         with torch.no_grad():
-            self.main[0].copy_(flat[self.lo:self.lo + self.split])
-            self.main[1].copy_(flat[self.lo + self.split:self.lo + self.shard])
-        grad = self._reduce_scatter(self._flat_grads())
+            for i, b in enumerate(self.buckets):
+                flat = b.flat([p.detach() for p in b.params])
+                self.main[2 * i].copy_(flat[b.lo:b.lo + b.split])
+                self.main[2 * i + 1].copy_(flat[b.lo + b.split:b.lo + b.chunk])
+        grad = torch.cat([self._reduced_grad(i) for i in range(len(self.buckets))])
         if self.grad_scaler is not None:
             grad.mul_(1.0 / self.grad_scaler.scale)
-            flag = torch.tensor([0.0 if torch.isfinite(grad).all() else 1.0])
+            flag = torch.isfinite(grad).all().logical_not().float().reshape(1)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             found_inf = bool(flag.item())
@@ -109,35 +223,57 @@ class DistributedOptimizer(MegatronOptimizer):
             if found_inf:
                 self.zero_grad()
                 return False, None
-        sq = grad.double().pow(2).masked_fill(~self.norm_mask, 0.0).sum().cpu().reshape(1)
+        sq = grad.double().pow(2).masked_fill(~self.norm_mask, 0.0).sum().reshape(1)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sq)  # DP shards and TP / PP ranks together: every element once
-        norm = math.sqrt(float(sq))
+        norm = math.sqrt(sq.item())
         if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
             grad.mul_(self.cfg.clip_grad / (norm + 1e-6))
-        self.main[0].grad = grad[:self.split].clone()
-        self.main[1].grad = grad[self.split:].clone()
+        off = 0
+        for i, b in enumerate(self.buckets):
+            self.main[2 * i].grad = grad[off:off + b.split].clone()
+            self.main[2 * i + 1].grad = grad[off + b.split:off + b.chunk].clone()
+            off += b.chunk
         lr = self.lr_scheduler.lr()
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.optimizer.step()
-        flat = self._all_gather(torch.cat([self.main[0].detach(), self.main[1].detach()]))
-        offset = 0
-        with torch.no_grad():
-            for p in self.ordered:
-                n = p.numel()
-                p.copy_(flat[offset:offset + n].view_as(p))
-                offset += n
+        if self.overlap_param_gather and self._uncovered is None:
+            self._uncovered = tuple(sorted({b for key, own in self._owner_buckets.items() if key not in self._called
+                                            for b in own}))
+        # Forward order (first layers first): the next forward needs those first.
+        for i in reversed(range(len(self.buckets))):
+            shard = torch.cat([self.main[2 * i].detach(), self.main[2 * i + 1].detach()])
+            pending = self._gather(i, shard, self.overlap_param_gather)
+            if self.overlap_param_gather:
+                self.gathers[i] = pending
+            else:
+                self._write_params(i, pending[1])
         return True, norm
 
-    # Checkpoints hold each DP rank's shard with its range; `load_state_dict` accepts the
-    # shards of any DP size (the flat layout does not depend on DP) and takes its own range.
+    def _pieces(self):
+        """(canonical start, canonical end, offset in this rank's shard) of its real elements."""
+        out, base = [], 0
+        for b in self.buckets:
+            pos = 0
+            for p in b.params:
+                a, e = max(pos, b.lo), min(pos + p.numel(), b.lo + b.chunk)
+                if a < e:
+                    c = self.canon[id(p)] + a - pos
+                    out.append((c, c + e - a, base + a - b.lo))
+                pos += p.numel()
+            base += b.chunk
+        return out
+
+    # Checkpoints hold each DP rank's moments with where they sit in the canonical order;
+    # `load_state_dict` accepts the shards of any DP size or bucketing and takes its own pieces.
     def state_dict(self):
+        self.finish_param_gather()
         st = self.optimizer.state
         moments = {k: torch.cat([st[t][k] if t in st else torch.zeros_like(t) for t in self.main]).detach()
                    for k in ("exp_avg", "exp_avg_sq")}
         step = max((float(st[t]["step"]) for t in self.main if t in st), default=0.0)
-        return {"distributed": True, "numel": self.numel, "range": (self.lo, self.lo + self.shard),
+        return {"distributed": True, "numel": self.numel, "pieces": self._pieces(),
                 "moments": moments, "step": step,
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None}
 
@@ -146,15 +282,26 @@ class DistributedOptimizer(MegatronOptimizer):
         if not all(s.get("distributed") for s in shards):
             raise ValueError("the checkpoint's optimizer state was not saved by --use-distributed-optimizer; "
                              "load it with --no-load-optim or train without the flag")
-        full = {k: torch.zeros(max(self.padded, max(s["range"][1] for s in shards))) for k in ("exp_avg", "exp_avg_sq")}
-        for s in shards:
-            a, b = s["range"]
+        self.finish_param_gather()
+        # Older checkpoints: one contiguous "range" of the canonical order (padding past the end).
+        pieces = [s["pieces"] if "pieces" in s else [(s["range"][0], s["range"][1], 0)] for s in shards]
+        size = max([self.numel] + [e for ps_ in pieces for _, e, _ in ps_])
+        full = {k: torch.zeros(size) for k in ("exp_avg", "exp_avg_sq")}
+        for s, ps_ in zip(shards, pieces):
+            for a, e, off in ps_:
+                for k in full:
+                    full[k][a:e] = s["moments"][k][off:off + e - a]
+        mine = {k: torch.zeros(self.shard) for k in full}
+        for a, e, off in self._pieces():
             for k in full:
-                full[k][a:b] = s["moments"][k]
+                mine[k][off:off + e - a] = full[k][a:e]
         step = shards[0]["step"]
-        for t, (a, b) in zip(self.main, ((self.lo, self.lo + self.split), (self.lo + self.split, self.lo + self.shard))):
-            self.optimizer.state[t] = {"step": torch.tensor(step), "exp_avg": full["exp_avg"][a:b].clone().to(t.device),
-                                       "exp_avg_sq": full["exp_avg_sq"][a:b].clone().to(t.device)}
+        off = 0
+        for t in self.main:
+            n = t.numel()
+            self.optimizer.state[t] = {"step": torch.tensor(step),
+                                       **{k: mine[k][off:off + n].clone().to(t.device) for k in mine}}
+            off += n
         if self.grad_scaler is not None and shards[0].get("grad_scaler"):
             self.grad_scaler.load_state_dict(shards[0]["grad_scaler"])
 

@@ -41,10 +41,11 @@ def counts_for_norm(p: nn.Parameter, tp_rank: int) -> bool:
 
 
 def global_grad_norm_sq(params: Iterable[nn.Parameter], ps: ParallelState) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is not None and counts_for_norm(p, ps.tp_rank):
-            total += p.grad.detach().double().pow(2).sum().cpu()
+    """Squared global norm (float64, on the host). Summed on the gradients' device and read
+    back once: a per-parameter read would stall the host once per parameter."""
+    sq = [p.grad.detach().double().pow(2).sum() for p in params
+          if p.grad is not None and counts_for_norm(p, ps.tp_rank)]
+    total = torch.stack(sq).sum().cpu() if sq else torch.zeros((), dtype=torch.float64)
     if ps.stage_layouts:
         # Stages have their own DP sizes, so no group holds exactly one model replica: every
         # stage's DP rank 0 speaks for its (identical, already reduced) replicas.
@@ -81,11 +82,9 @@ class MegatronOptimizer:
             p.grad = None
 
     def _found_inf(self) -> bool:
-        flag = torch.zeros((), dtype=torch.float32)
-        for p in self.params:
-            if p.grad is not None and not torch.isfinite(p.grad).all():
-                flag.fill_(1.0)
-                break
+        # One device-side reduction and one read back, not one per parameter.
+        bad = [torch.isfinite(p.grad).all().logical_not() for p in self.params if p.grad is not None]
+        flag = torch.stack(bad).any().float().cpu() if bad else torch.zeros((), dtype=torch.float32)
         if dist.is_initialized() and dist.get_world_size() > 1:
             # Grads are already DP-reduced, but every rank must agree to skip together.
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -103,7 +102,7 @@ class MegatronOptimizer:
             if found_inf:
                 self.zero_grad()
                 return False, None
-        norm = math.sqrt(float(global_grad_norm_sq(self.params, self.ps)))
+        norm = math.sqrt(global_grad_norm_sq(self.params, self.ps).item())
         if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
             coef = self.cfg.clip_grad / (norm + 1e-6)
             for p in self.params:

@@ -137,7 +137,9 @@ class _BiasDropoutAdd(torch.autograd.Function):
 def dropout_keep_mask(x, p: float, rng: Optional[str] = None):
     """The keep-mask F.dropout(x, p) would draw (same generator call), as bool."""
     def draw():
-        return torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)  # same draws as a float mask
+        # Same draws as a float (or bool) mask; drawing bytes and viewing them as bool is the
+        # cheapest of the three on CPU (bool bernoulli_ goes through a slower path).
+        return torch.empty_like(x, dtype=torch.uint8).bernoulli_(1 - p).view(torch.bool)
     if rng is None:
         return draw()
     from megatron.core.tensor_parallel import get_rng_tracker
@@ -236,16 +238,47 @@ def _long_segments_via_sdpa(q, k, v, cu, causal: bool, scale: float):
     return torch.cat([p for _, p in pieces], 0)
 
 
+def torch_varlen_attn():
+    """torch's own flash-attention kernel for packed segments (`torch.nn.attention.varlen`,
+    CUDA only), or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def use_torch_varlen(q: torch.Tensor, dropout_p: float) -> bool:
+    """Packed attention goes to torch's flash kernel on CUDA in fp16/bf16 without dropout (it
+    has no dropout); everything else keeps the project's kernels or the eager reference."""
+    return q.is_cuda and dropout_p == 0 and q.dtype in (torch.float16, torch.bfloat16) and \
+        torch_varlen_attn() is not None
+
+
+def max_seqlen(cu_seqlens: torch.Tensor) -> int:
+    """Longest segment (a host read: pass it precomputed where the tensor lives on a GPU)."""
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+
+
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, causal: bool = True,
                      scale: Optional[float] = None, dropout_p: float = 0.0, seed: Optional[int] = None,
-                     fused: Optional[bool] = None):
+                     fused: Optional[bool] = None, max_seqlen_q: Optional[int] = None,
+                     max_seqlen_k: Optional[int] = None):
     """With dropout_p > 0 the fused kernel derives its mask from `seed` (drawn from the current
     default generator when None: inside `get_rng_tracker().fork()` that is the TP stream, which
     `tensor_parallel.checkpoint` replays). Without dropout, self-attention segments of
-    `LONG_SEGMENT` tokens or more run through SDPA (faster there)."""
+    `LONG_SEGMENT` tokens or more run through SDPA (faster there). On CUDA (fp16/bf16, no
+    dropout) torch's flash varlen kernel runs; `max_seqlen_q/k` spare it a device read."""
     self_attention = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if fused is not False and use_torch_varlen(q, dropout_p):
+        mq = max_seqlen_q if max_seqlen_q is not None else max_seqlen(cu_seqlens_q)
+        mk = max_seqlen_k if max_seqlen_k is not None else (mq if self_attention else max_seqlen(cu_seqlens_k))
+        # window (-1, 0): causal, bottom-right aligned as this module's kernels
+        return torch_varlen_attn()(q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), mq, mk,
+                                   scale=scale, window_size=(-1, 0) if causal else (-1, -1),
+                                   enable_gqa=k.shape[1] != q.shape[1])
     if use_fused(q, fused):
         if dropout_p == 0 and self_attention and q.shape[0] >= LONG_SEGMENT:
             out = _long_segments_via_sdpa(q, k, v, cu_seqlens_q, bool(causal), scale)

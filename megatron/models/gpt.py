@@ -117,7 +117,8 @@ class GPTStage(nn.Module):
         else:
             (x,) = inputs
         # packed rows: the variable-length kernel's segments, else the dense block-diagonal mask
-        mask = packed_segments(self.cfg, batch.get("segment_ids"), x, self.training) or self.attention_mask(batch)
+        mask = packed_segments(self.cfg, batch.get("segment_ids"), x, self.training, batch.get("cu_seqlens"),
+                               batch.get("max_seqlen")) or self.attention_mask(batch)
         rotary = None
         if self.cfg.position_embedding_type == "rope":
             if pos is None:  # [s, b, h] hidden states of an unpacked batch (s/tp of them under SP)

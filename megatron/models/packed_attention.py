@@ -21,18 +21,34 @@ class PackedSegments:
     cu_seqlens: torch.Tensor  # int64 [nseg + 1] over the flattened [b, s] tokens
     batch: int
     seq: int
+    max_seqlen: Optional[int] = None  # longest segment, known on the host (torch's flash kernel needs it)
+
+
+def host_segments(segment_ids: torch.Tensor) -> tuple:
+    """(cu_seqlens, longest segment) of host segment ids, computed before the batch goes to a
+    GPU so that no forward has to read them back from the device."""
+    cu = ops.cu_seqlens_from_segment_ids(segment_ids)
+    return cu, ops.max_seqlen(cu)
 
 
 def packed_segments(cfg, segment_ids: Optional[torch.Tensor], device_tensor: torch.Tensor,
-                    training: bool) -> Optional[PackedSegments]:
+                    training: bool, cu_seqlens: Optional[torch.Tensor] = None,
+                    max_seqlen: Optional[int] = None) -> Optional[PackedSegments]:
     """The varlen description of a packed batch, or None when the dense-mask path must run:
-    no segment ids, --no-masked-softmax-fusion, or no fused kernel for this device."""
+    no segment ids, --no-masked-softmax-fusion, or no kernel for this device (torch's flash
+    varlen kernel counts on CUDA, but it has no dropout: training with attention dropout there
+    needs the project's CUDA kernel). `cu_seqlens` / `max_seqlen` precomputed on the host
+    (`host_segments`) are used as given."""
     if segment_ids is None or not getattr(cfg, "masked_softmax_fusion", False):
         return None
     if not ops.use_fused(device_tensor):
-        return None
+        dropout = training and getattr(cfg, "attention_dropout", 0.0) > 0
+        if not (device_tensor.is_cuda and ops.torch_varlen_attn() is not None and not dropout):
+            return None
     seg = torch.as_tensor(segment_ids)
-    return PackedSegments(ops.cu_seqlens_from_segment_ids(seg).to(device_tensor.device), seg.shape[0], seg.shape[1])
+    if cu_seqlens is None:
+        cu_seqlens = ops.cu_seqlens_from_segment_ids(seg)
+    return PackedSegments(cu_seqlens.to(device_tensor.device), seg.shape[0], seg.shape[1], max_seqlen)
 
 
 def varlen_core_attention(q, k, v, packed: PackedSegments, causal: bool, dropout_p: float):
@@ -42,5 +58,5 @@ def varlen_core_attention(q, k, v, packed: PackedSegments, causal: bool, dropout
         raise ValueError(f"packed segments describe [{packed.batch}, {packed.seq}] rows, attention got [{b}, {s}]")
     flat = lambda t: t.transpose(0, 1).reshape(b * s, t.shape[2], t.shape[3])
     out = ops.varlen_attention(flat(q), flat(k), flat(v), packed.cu_seqlens, causal=causal,
-                               dropout_p=dropout_p)
+                               dropout_p=dropout_p, max_seqlen_q=packed.max_seqlen)
     return out.view(b, s, np_ * hn).transpose(0, 1)

@@ -63,8 +63,9 @@ class PlanExecutionError(RuntimeError):
 
 @dataclass
 class ExecutionStats:
-    loss_sum: float = 0.0  # sum of masked per-token losses on the last stage (unscaled)
-    loss_tokens: float = 0.0
+    # [sum of masked per-token losses (unscaled), loss tokens] on the last stage, float64 on the
+    # device, summed there so that no micro-batch waits for the host; None on other stages.
+    loss_totals: Optional[torch.Tensor] = None
     forward_passes: int = 0
     backward_passes: int = 0
     peak_live_records: int = 0
@@ -73,6 +74,14 @@ class ExecutionStats:
     act_bytes: int = 0
     grad_bytes: int = 0
     grad_bytes_raw: int = 0
+
+    @property
+    def loss_sum(self) -> float:  # reading it waits for the device
+        return float(self.loss_totals[0]) if self.loss_totals is not None else 0.0
+
+    @property
+    def loss_tokens(self) -> float:
+        return float(self.loss_totals[1]) if self.loss_totals is not None else 0.0
 
 
 def _run_backward(outputs: List[torch.Tensor], grads: List[Optional[torch.Tensor]]) -> None:
@@ -197,8 +206,22 @@ class PipelineExecutor:
                 batch = slice_batch(self.microbatches[seq], offset, length)
             else:
                 batch = self.microbatches[ins.microbatch]
-            self.data[ins.microbatch] = {k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v)
-                                         for k, v in batch.items()}
+            if self.device.type == "cuda" and torch.is_tensor(batch.get("segment_ids")) \
+                    and batch["segment_ids"].device.type == "cpu" and "cu_seqlens" not in batch:
+                # Packed rows: segment boundaries from the host copy, so no forward reads them
+                # back from the GPU.
+                from megatron.models.packed_attention import host_segments
+                batch = dict(batch)
+                batch["cu_seqlens"], batch["max_seqlen"] = host_segments(batch["segment_ids"])
+            self.data[ins.microbatch] = {k: self._to_device(v) for k, v in batch.items()}
+
+    def _to_device(self, v):
+        """Host tensors reach the GPU from pinned memory without blocking the host."""
+        if not torch.is_tensor(v) or v.device == self.device:
+            return v
+        if self.device.type == "cuda" and v.device.type == "cpu" and not v.is_pinned():
+            v = v.pin_memory()
+        return v.to(self.device, non_blocking=True)
 
     def _forward(self, ins: I.ForwardPass):
         stage = self.stages[ins.stage]
@@ -232,8 +255,9 @@ class PipelineExecutor:
             losses = outputs[0]
             mask = batch["loss_mask"].to(losses.dtype)
             loss_sum = (losses.float() * mask).sum()
-            self.stats.loss_sum += float(loss_sum.detach())
-            self.stats.loss_tokens += float(mask.sum())
+            pair = torch.stack([loss_sum.detach(), mask.sum()]).double()
+            acc = self.stats.loss_totals
+            self.stats.loss_totals = pair if acc is None else acc + pair
             outputs = [loss_sum * self.loss_multiplier]
         elif ins.output_buffer_ids:
             outputs = [o if o.dtype == self.comm_dtype else o.to(self.comm_dtype) for o in outputs]

@@ -56,10 +56,13 @@ def _save(rank, world, ckpt):
     return True
 
 
-def _resume(rank, world, ckpt):
+def _resume(rank, world, ckpt, buckets=False):
     cfg = tiny_config(world=world, iters=4, load=ckpt)
     cfg.training.use_distributed_optimizer = True
     cfg.training.lr_decay_iters = 4
+    if buckets:  # another layout of the shards: small buckets, overlapped
+        cfg.training.overlap_grad_reduce = cfg.training.overlap_param_gather = True
+        cfg.training.ddp_bucket_size = 3000
     t = make_trainer(cfg)
     assert load_checkpoint(t)
     t.train()
@@ -75,10 +78,11 @@ def _straight(rank, world):
     return shards(t, "param")
 
 
-@pytest.mark.parametrize("resume_world", [2, 1], ids=["same_dp", "dp2_to_dp1"])
-def test_checkpoint_resumes_also_at_another_dp_size(tmp_path, resume_world):
+@pytest.mark.parametrize("resume_world,buckets", [(2, False), (1, False), (2, True)],
+                         ids=["same_dp", "dp2_to_dp1", "one_bucket_to_overlapped_buckets"])
+def test_checkpoint_resumes_also_at_another_dp_size(tmp_path, resume_world, buckets):
     straight = assemble(run_distributed(_straight, 2))
     run_distributed(_save, 2, str(tmp_path))
-    resumed = assemble(run_distributed(_resume, resume_world, str(tmp_path)))
+    resumed = assemble(run_distributed(_resume, resume_world, str(tmp_path), buckets))
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], atol=2e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
