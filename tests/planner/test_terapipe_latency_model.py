@@ -74,11 +74,10 @@ def test_unsound_model_is_refused_in_one_line_naming_the_file(tmp_path):
         parse_args(_pretrain_gpt_args(bad), world_size=2)
     msg = err.getvalue().strip()
     assert e.value.code == 2 and len(msg.splitlines()) == 1, msg
-    assert str(bad) in msg and "negative context coefficients a1=-0.0235, a3=-0.000116" in msg
-    assert "decreases with micro-batch size and slice length" in msg
+    # the first check to see it (megatron/planner/cost_model_checks.py) names the first bad point
+    assert str(bad) in msg and "negative context time" in msg
     assert "python -m megatron.planner.terapipe_latency" in msg
-    # and the planner's own reader refuses it too
-    with pytest.raises(ValueError, match="predicts negative or non-monotone times"):
+    with pytest.raises(ValueError, match="negative context time"):  # the planner's own reader too
         SliceLatencyModel.load(bad)
 
 
