@@ -25,8 +25,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, tp, port, spec, results, timeout_s):
-    from megatron.profiling.profiler import profile_rank
+def _rank_main(rank, tp, port, spec, results, timeout_s, profile_rank):
     try:
         cuda = spec.device.startswith("cuda")
         if cuda:
@@ -56,15 +55,17 @@ def _rank_main(rank, tp, port, spec, results, timeout_s):
             dist.destroy_process_group()
 
 
-def run_tp_ranks(spec, tp: int, log, timeout_s: float = 3600.0) -> dict:
-    """`profile_rank(spec)` on `tp` ranks; returns rank 0's result. Raises RuntimeError with the
+def run_tp_ranks(spec, tp: int, log, profile_rank, timeout_s: float = 3600.0) -> dict:
+    """`profile_rank(spec, ps, agree=, log=)` (a module-level function: it travels to spawned
+    processes by name; the profiler passes its own, so this module does not import it) on `tp`
+    ranks; returns rank 0's result. Raises RuntimeError with the
     failing rank's traceback, or naming the dead rank."""
     if spec.device.startswith("cuda") and torch.cuda.device_count() < tp:
         raise RuntimeError(f"--tp {tp} needs {tp} GPUs, this machine has {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, tp, port, spec, results, timeout_s), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, tp, port, spec, results, timeout_s, profile_rank), daemon=True)
              for r in range(tp)]
     for p in procs:
         p.start()

@@ -289,7 +289,7 @@ def run_profile(spec: ProfileSpec, log: Callable[[str], None] = lambda s: None) 
     results = []
     for tp in spec.tps:
         if tp > 1:
-            results.append(run_tp_ranks(spec, tp, log))
+            results.append(run_tp_ranks(spec, tp, log, profile_rank))
             continue
         threads = torch.get_num_threads()
         if not spec.device.startswith("cuda"):
