@@ -145,11 +145,7 @@ def _atomic_write_bytes(path: str, write_fn) -> str:
 
 
 def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return checkpointing_dist.sha256_digest(path).hex()
 
 
 def _is_stale_temporary(name: str, age_s: float, max_age_s: float) -> bool:
@@ -308,10 +304,14 @@ def save_checkpoint(trainer, root: Optional[str] = None) -> str:
             print(f"saved checkpoint at iteration {trainer.iteration} to {root}", flush=True)
         _barrier()
     except OSError as e:
-        raise CheckpointError(f"{ps.describe()}: cannot write checkpoint under --save {root}: "
-                              f"{e.strerror or e} ({e.filename or root}); check the folder exists, is "
-                              f"writable and has free space") from e
+        raise _write_error(ps, root, e) from e
     return path
+
+
+def _write_error(ps, root: str, e: OSError) -> CheckpointError:
+    return CheckpointError(f"{ps.describe()}: cannot write checkpoint under --save {root}: "
+                           f"{e.strerror or e} ({e.filename or root}); check the folder exists, is "
+                           f"writable and has free space")
 
 
 def _common_state(trainer) -> dict:
@@ -351,9 +351,7 @@ def _save_dist(trainer, root: str) -> str:
             print(f"saved checkpoint (torch_dist) at iteration {trainer.iteration} to {root}", flush=True)
         _barrier()
     except OSError as e:
-        raise CheckpointError(f"{ps.describe()}: cannot write checkpoint under --save {root}: "
-                              f"{e.strerror or e} ({e.filename or root}); check the folder exists, is "
-                              f"writable and has free space") from e
+        raise _write_error(ps, root, e) from e
     return it_dir
 
 

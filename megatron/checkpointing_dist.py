@@ -278,7 +278,8 @@ def load(trainer, it_dir: str, common: dict, load_optim: bool, load_rng: bool) -
               f"from this run's seed", file=sys.stderr, flush=True)
 
 
-def _sha256(path: str) -> bytes:
+def sha256_digest(path: str) -> bytes:
+    """sha256 of a file, read in 4 MiB chunks (both checkpoint formats' manifests use it)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -293,7 +294,7 @@ def file_digests(it_dir: str, names, rank: int = 0, world: int = 1) -> Dict[str,
     buf = torch.zeros(len(names), 32, dtype=torch.int64)
     for i, name in enumerate(names):
         if i % world == rank:
-            buf[i] = torch.tensor(list(_sha256(os.path.join(it_dir, name))), dtype=torch.int64)
+            buf[i] = torch.tensor(list(sha256_digest(os.path.join(it_dir, name))), dtype=torch.int64)
     if world > 1:
         dist.all_reduce(buf)
     return {n: {"sha256": bytes(buf[i].tolist()).hex(), "bytes": os.path.getsize(os.path.join(it_dir, n))}
