@@ -17,7 +17,8 @@ after the first `--skip`; DynaPipe plans in-process, so its planning time is als
 `measured_minus_planning_ms_median`), and the simulator's prediction for the same iterations from the CPU
 table: DynaPipe's own (`simulated_ms` in its log line), and for --pack-dataset the planner's
 price of exactly the rows the trainer builds (`megatron.planner.packed`, 1F1B, no recompute).
-A last object compares the orderings (`ordering_agrees`: predicted vs measured without
+`error` is predicted / (measured - planning) - 1 of the medians: the time model's error on
+this machine (issue 25 asks for 20 %). A last object compares the orderings (`ordering_agrees`: predicted vs measured without
 planning). Machine load moves the measured
 numbers (shared 2-core box): compare the ordering, not the absolute values.
 
@@ -152,6 +153,8 @@ def main(argv=None):
                "measured_ms_median": round(statistics.median(measured), 1),
                "measured_minus_planning_ms_median": round(statistics.median(step), 1),
                "predicted_ms_median": round(statistics.median(predicted), 2),
+               # the time model's claim (issue 25: within 20 %) against the step without planning
+               "error": round(statistics.median(predicted) / statistics.median(step) - 1, 3),
                "loss_last": timed[-1]["loss"]}
         results[name] = res
         print(json.dumps(res), flush=True)
