@@ -14,12 +14,16 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._ranks import run_ranks  # noqa: E402
 
 
 def _config(args):
@@ -45,10 +49,7 @@ def _timed(fn):
     return float(t)
 
 
-def _worker(rank, world, args, init, root, out):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+def _worker(rank, world, args, root):
     from datetime import timedelta
 
     from megatron.checkpointing import load_checkpoint, save_checkpoint
@@ -77,10 +78,7 @@ def _worker(rank, world, args, init, root, out):
         files = [os.path.join(p, f) for p, _, fs in os.walk(d) for f in fs]
         result[fmt] = {"save_s": min(saves), "load_s": min(loads), "bytes": sum(os.path.getsize(f) for f in files),
                        "files": len(files)}
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(result, f)
-    dist.destroy_process_group()
+    return result
 
 
 def main(argv=None):
@@ -95,10 +93,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     world = args.tp * args.pp
     with tempfile.TemporaryDirectory() as d:
-        init, out, root = os.path.join(d, "init"), os.path.join(d, "out.json"), os.path.join(d, "ckpt")
-        mp.spawn(_worker, args=(world, args, init, root, out), nprocs=world, join=True)
-        with open(out) as f:
-            res = json.load(f)
+        res = run_ranks(_worker, world, args, os.path.join(d, "ckpt"), what="checkpoint benchmark")[0]
     res.update(config=vars(args), dist_over_torch_save=res["torch_dist"]["save_s"] / res["torch"]["save_s"],
                dist_over_torch_load=res["torch_dist"]["load_s"] / res["torch"]["load_s"])
     print(json.dumps(res), flush=True)

@@ -17,12 +17,15 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
+import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._ranks import run_ranks  # noqa: E402
 
 
 def _config(args, overlap):
@@ -41,10 +44,7 @@ def _config(args, overlap):
         data=DataConfig(mock_data=True), logging=LoggingConfig(log_interval=10 ** 6))
 
 
-def _worker(rank, world, args, init, out):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+def _worker(rank, world, args):
     from datetime import timedelta
 
     from megatron.core.parallel_state import initialize_model_parallel
@@ -68,10 +68,7 @@ def _worker(rank, world, args, init, out):
             "median_step_ms": statistics.median(times[1:]) * 1e3,
             "buckets": len(red.buckets) if red else None,
             "launched_during_backward": red.overlapped if red else None}
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(result, f)
-    dist.destroy_process_group()
+    return result
 
 
 def main(argv=None):
@@ -90,11 +87,7 @@ def main(argv=None):
                          "(bucketed reduce-scatters during backward, asynchronous parameter all-gathers)")
     args = ap.parse_args(argv)
     world = args.dp * args.pp
-    with tempfile.TemporaryDirectory() as d:
-        init, out = os.path.join(d, "init"), os.path.join(d, "out.json")
-        mp.spawn(_worker, args=(world, args, init, out), nprocs=world, join=True)
-        with open(out) as f:
-            res = json.load(f)
+    res = run_ranks(_worker, world, args, what="overlap benchmark")[0]
     res.update(optimizer="distributed" if args.distributed_optimizer else "plain", config=vars(args),
                overlap_over_plain=res["overlap"]["median_step_ms"] / res["plain"]["median_step_ms"])
     print(json.dumps(res), flush=True)

@@ -63,12 +63,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
-import traceback
 import weakref
 from datetime import timedelta
 
@@ -77,8 +74,10 @@ if __name__ == "__main__":  # before torch is imported: one thread per rank (not
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as tmp  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._ranks import run_ranks  # noqa: E402
 from megatron.planner.static import analytic_bubble, static_orders  # noqa: E402
 
 SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved")
@@ -180,70 +179,50 @@ def _per_microbatch_times(records, kind):
     return statistics.median(per_mb.values())
 
 
-def _rank_main(rank, world, port, cfg, warmup, iters, results, timeout_s):
-    torch.set_num_threads(1)  # forked ranks: one intra-op thread each (libgomp is not fork-safe)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
-        from megatron.core.parallel_state import initialize_model_parallel
-        from megatron.initialize import set_seeds
-        from megatron.pretrain import build_gpt_trainer
-        ps = initialize_model_parallel(1, world, timedelta(seconds=timeout_s))
-        device = torch.device("cpu")
-        set_seeds(cfg.training.seed, ps, device)
-        trainer = build_gpt_trainer(cfg, ps, device)
-        for m in trainer.modules:
-            m.train()
-        params = {p.untyped_storage().data_ptr() for m in trainer.modules for p in m.parameters()}
-        state = {"compute": []}
-        _instrument(trainer, state)
-        peak_records, meter = 0, None
-        iter_s, run_s, compute = [], [], []
-        for it in range(warmup + iters):
-            if it == warmup - 1:
-                meter = state["meter"] = SavedActivationMeter(params)
-            state["compute"] = []
-            dist.barrier()  # all ranks start the iteration together
-            t0 = time.perf_counter()
-            trainer.train_step()
-            dt = time.perf_counter() - t0
-            state.pop("meter", None)
-            peak_records = max(peak_records, state["stats"].peak_live_records)
-            if it >= warmup:
-                iter_s.append(dt)
-                run_s.append(state["run_s"])
-                compute += [(k, (it, mb), s, t) for k, mb, s, t in state["compute"]]
-        def per_iter_total(kinds):  # median over timed iterations of the summed handler time
-            totals = [sum(t for k, (i, _), _s, t in compute if k in kinds and i == it)
-                      for it in range(warmup, warmup + iters)]
-            return statistics.median(totals)
+def _rank_main(rank, world, cfg, warmup, iters, timeout_s):
+    from megatron.core.parallel_state import initialize_model_parallel
+    from megatron.initialize import set_seeds
+    from megatron.pretrain import build_gpt_trainer
+    ps = initialize_model_parallel(1, world, timedelta(seconds=timeout_s))
+    device = torch.device("cpu")
+    set_seeds(cfg.training.seed, ps, device)
+    trainer = build_gpt_trainer(cfg, ps, device)
+    for m in trainer.modules:
+        m.train()
+    params = {p.untyped_storage().data_ptr() for m in trainer.modules for p in m.parameters()}
+    state = {"compute": []}
+    _instrument(trainer, state)
+    peak_records, meter = 0, None
+    iter_s, run_s, compute = [], [], []
+    for it in range(warmup + iters):
+        if it == warmup - 1:
+            meter = state["meter"] = SavedActivationMeter(params)
+        state["compute"] = []
+        dist.barrier()  # all ranks start the iteration together
+        t0 = time.perf_counter()
+        trainer.train_step()
+        dt = time.perf_counter() - t0
+        state.pop("meter", None)
+        peak_records = max(peak_records, state["stats"].peak_live_records)
+        if it >= warmup:
+            iter_s.append(dt)
+            run_s.append(state["run_s"])
+            compute += [(k, (it, mb), s, t) for k, mb, s, t in state["compute"]]
 
-        out = {"rank": rank, "iter_s": iter_s, "run_s": run_s,
-               "compute_s": per_iter_total(("F", "B")), "wait_s": per_iter_total(("wait",)),
-               "other_s": per_iter_total(("other",)),
-               "t_f": _per_microbatch_times(compute, "F"), "t_b": _per_microbatch_times(compute, "B"),
-               "peak_live_records": peak_records,
-               "peak_saved_bytes": meter.peak if meter is not None else 0}
-        results.put((rank, "ok", out))
-    except BaseException:  # noqa: BLE001 - the parent reports it with the rank's traceback
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
+    def per_iter_total(kinds):  # median over timed iterations of the summed handler time
+        totals = [sum(t for k, (i, _), _s, t in compute if k in kinds and i == it)
+                  for it in range(warmup, warmup + iters)]
+        return statistics.median(totals)
+
+    return {"rank": rank, "iter_s": iter_s, "run_s": run_s,
+            "compute_s": per_iter_total(("F", "B")), "wait_s": per_iter_total(("wait",)),
+            "other_s": per_iter_total(("other",)),
+            "t_f": _per_microbatch_times(compute, "F"), "t_b": _per_microbatch_times(compute, "B"),
+            "peak_live_records": peak_records,
+            "peak_saved_bytes": meter.peak if meter is not None else 0}
 
 
 # -- parent side -------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def available_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -291,35 +270,6 @@ def gpt_config(pp, schedule, vpp_layers, *, hidden, heads, layers, seq, vocab, m
         data=DataConfig(mock_data=True), logging=LoggingConfig(log_interval=10 ** 9))
 
 
-def _launch(world, cfg, warmup, iters, timeout_s):
-    ctx = tmp.get_context("fork")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, cfg, warmup, iters, results, timeout_s),
-                         daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    out, deadline = {}, time.monotonic() + timeout_s
-    try:
-        while len(out) < world:
-            try:
-                rank, status, payload = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                missing = sorted(set(range(world)) - set(out))
-                raise RuntimeError(f"pipeline benchmark timed out after {timeout_s:.0f}s; ranks {missing} "
-                                   "did not report") from None
-            if status != "ok":
-                raise RuntimeError(f"pipeline benchmark rank {rank} failed:\n{payload}")
-            out[rank] = payload
-    finally:
-        for p in procs:  # a failed rank leaves its peers blocked in gloo: end them
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
-                p.join()
-    return [out[r] for r in range(world)]
-
-
 def run_benchmark(schedule: str, pp: int, *, hidden=256, heads=8, layers=8, seq=128, vocab=1024,
                   micro_batch_size=2, num_microbatches=8, warmup=2, iters=5, timeout_s=600.0) -> dict:
     """Measure one (schedule, PP) configuration; returns the JSON-ready result line."""
@@ -336,7 +286,8 @@ def run_benchmark(schedule: str, pp: int, *, hidden=256, heads=8, layers=8, seq=
     m = num_microbatches
     cfg = gpt_config(pp, schedule, vpp_layers, hidden=hidden, heads=heads, layers=layers, seq=seq, vocab=vocab,
                      micro_batch_size=micro_batch_size, num_microbatches=m, train_iters=warmup + iters)
-    ranks = _launch(pp, cfg, warmup, iters, timeout_s)
+    ranks = run_ranks(_rank_main, pp, cfg, warmup, iters, timeout_s, timeout_s=timeout_s,
+                      what="pipeline benchmark")
 
     # An iteration ends when its slowest rank does: per-iteration max over ranks, then median.
     iter_ms = statistics.median(max(r["iter_s"][i] for r in ranks) for i in range(iters)) * 1e3
