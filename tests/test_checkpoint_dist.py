@@ -6,58 +6,31 @@ import os
 import pytest
 import torch
 
-from megatron.checkpointing import load_checkpoint, read_tracker, save_checkpoint
+from megatron.checkpointing import load_checkpoint
 from megatron.checkpointing_dist import read_index
 from tests.dist_harness import run_distributed
-from tests.parity_utils import assemble, make_trainer, shards, tiny_config
-
-TOTAL = 4
-
-
-def _cfg(world, save=None, load=None, iters=TOTAL, dropout=0.1, **kw):
-    cfg = tiny_config(world=world, iters=iters, dropout=dropout, save=save, load=load, **kw)
-    cfg.training.lr_decay_iters = TOTAL
-    cfg.checkpoint.ckpt_format = "torch_dist"
-    return cfg
+from tests.parity_utils import assemble, make_trainer, shards
+from tests.resume_harness import TOTAL, assert_resume_bit_exact, first_half, resume_cfg
 
 
-def _straight(rank, world, kw):
-    t = make_trainer(_cfg(world, **kw))
-    t.train()
-    return shards(t), t.consumed_samples
+def _cfg(world, save=None, load=None, **kw):
+    return resume_cfg(world, save, load, fmt="torch_dist", **kw)
 
 
 def _first_half(rank, world, ckpt, kw):
-    t = make_trainer(_cfg(world, ckpt, iters=TOTAL // 2, **kw))
-    t.train()
-    save_checkpoint(t)
-    return shards(t)
-
-
-def _second_half(rank, world, ckpt, kw):
-    t = make_trainer(_cfg(world, load=ckpt, **kw))
-    assert load_checkpoint(t)
-    assert t.iteration == TOTAL // 2
-    t.train()
-    return shards(t), t.consumed_samples
+    return first_half(rank, world, ckpt, dict(kw, fmt="torch_dist"))
 
 
 @pytest.mark.parametrize("world,kw", [(1, {}), (4, dict(tp=2, pp=2))])
 def test_torch_dist_resume_is_bit_exact(tmp_path, world, kw):
-    straight = run_distributed(_straight, world, kw)
-    run_distributed(_first_half, world, str(tmp_path), kw)
-    assert read_tracker(str(tmp_path)) == TOTAL // 2
-    it_dir = tmp_path / f"iter_{TOTAL // 2:07d}"
-    index = read_index(str(it_dir))  # readable without a model
-    assert "model.decoder.layers.3.self_attention.query_key_value.weight" in index
-    files = json.load(open(it_dir / "manifest.json"))["files"]
-    assert ".metadata" in files and "common.json" in files
-    assert len([f for f in files if f.endswith(".distcp")]) == world  # every rank wrote its part
-    resumed = run_distributed(_second_half, world, str(tmp_path), kw)
-    for (a, ca), (b, cb) in zip(straight, resumed):
-        assert ca == cb and set(a) == set(b)
-        for name in a:
-            assert torch.equal(a[name][0], b[name][0]), name
+    def check_saved(path):
+        it_dir = path / f"iter_{TOTAL // 2:07d}"
+        index = read_index(str(it_dir))  # readable without a model
+        assert "model.decoder.layers.3.self_attention.query_key_value.weight" in index
+        files = json.load(open(it_dir / "manifest.json"))["files"]
+        assert ".metadata" in files and "common.json" in files
+        assert len([f for f in files if f.endswith(".distcp")]) == world  # every rank wrote its part
+    assert_resume_bit_exact(tmp_path, world, dict(kw, fmt="torch_dist"), check_saved)
 
 
 def _step_after_load(rank, world, ckpt, kw):

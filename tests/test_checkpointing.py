@@ -6,51 +6,21 @@ import torch
 
 from megatron.checkpointing import (TRACKER, CheckpointError, checkpoint_path, load_checkpoint, read_tracker,
                                     save_checkpoint)
-from tests.dist_harness import RankFailed, run_distributed
-from tests.parity_utils import make_trainer, shards, tiny_config
+from tests.dist_harness import run_distributed
+from tests.parity_utils import make_trainer, tiny_config
+from tests.resume_harness import TOTAL, assert_resume_bit_exact, first_half, resume_cfg, second_half
 
-TOTAL = 4
-
-
-def _cfg(world, ckpt_dir=None, load=None, iters=TOTAL, **kw):
-    cfg = tiny_config(world=world, iters=iters, dropout=0.1, save=ckpt_dir, load=load, **kw)
-    cfg.training.lr_decay_iters = TOTAL  # same schedule whether or not the run is split
-    return cfg
+def _cfg(world, ckpt_dir=None, load=None, **kw):
+    return resume_cfg(world, ckpt_dir, load, **kw)
 
 
-def _straight(rank, world, kw):
-    t = make_trainer(_cfg(world, **kw))
-    t.train()
-    return shards(t), t.consumed_samples
-
-
-def _first_half(rank, world, ckpt, kw):
-    t = make_trainer(_cfg(world, ckpt, iters=TOTAL // 2, **kw))
-    t.train()
-    save_checkpoint(t)
-    return True
-
-
-def _second_half(rank, world, ckpt, kw):
-    t = make_trainer(_cfg(world, load=ckpt, **kw))
-    assert load_checkpoint(t)
-    assert t.iteration == TOTAL // 2
-    t.train()
-    return shards(t), t.consumed_samples
+_first_half, _second_half = first_half, second_half
 
 
 @pytest.mark.parametrize("world,kw", [(1, {}), (4, dict(tp=2, pp=2)),
                                      (4, dict(pp=2, stage_parallel=[[2, 1], [1, 2]], stage_layers=[1, 3]))])
 def test_resume_is_bit_exact(tmp_path, world, kw):
-    straight = run_distributed(_straight, world, kw)
-    run_distributed(_first_half, world, str(tmp_path), kw)
-    assert read_tracker(str(tmp_path)) == TOTAL // 2
-    resumed = run_distributed(_second_half, world, str(tmp_path), kw)
-    for (a, ca), (b, cb) in zip(straight, resumed):
-        assert ca == cb
-        assert set(a) == set(b)
-        for name in a:
-            assert torch.equal(a[name][0], b[name][0]), name
+    assert_resume_bit_exact(tmp_path, world, kw)
 
 
 def _load_expect_error(rank, world, ckpt, kw):
