@@ -113,12 +113,25 @@ class SliceLatencyModel:
                    if np.any(np.diff(t, axis=ax) < 0)]
         if dec:
             bad.append("t(b, l, 0) decreases with " + " and ".join(dec))
-        neg = [f"a{i + 1}={a:.3g}" for i, a in enumerate(self.coef) if a < 0]
-        if neg:
-            bad.append("negative context coefficients " + ", ".join(neg))
+        bad += self._context_problems()
         if self.p2p_ms_per_mb < 0 or self.p2p_latency_ms < 0:
             bad.append("a negative transfer time")
         return bad
+
+    def _context_problems(self) -> list:
+        """The context term a1 b l + a2 b c + a3 b l c is linear in each of l and c, and so are its
+        slopes: its value and slopes at the corners of [shortest, longest slice] x [0, longest
+        context] bound them on the whole grid (contexts run up to the longest sequence)."""
+        a1, a2, a3 = self.coef
+        lmax = max(self.seq) if self.seq else 0.0
+        for l in (min(self.seq, default=0.0), lmax):
+            for c in (0.0, lmax):
+                if a1 * l + a2 * c + a3 * l * c < 0:
+                    return [f"context_coef {list(self.coef)} predicts a negative context time at l={l:g}, c={c:g}"]
+                if a2 + a3 * l < 0 or a1 + a3 * c < 0:
+                    return [f"context_coef {list(self.coef)} predicts a time that falls as the context or the "
+                            f"slice grows (at l={l:g}, c={c:g})"]
+        return []
 
     def p2p_ms(self, b, l, bytes_per: int = 2):
         if not self.hidden_size:

@@ -74,7 +74,7 @@ def test_unsound_model_is_refused_in_one_line_naming_the_file(tmp_path):
         parse_args(_pretrain_gpt_args(bad), world_size=2)
     msg = err.getvalue().strip()
     assert e.value.code == 2 and len(msg.splitlines()) == 1, msg
-    # the first check to see it (megatron/planner/cost_model_checks.py) names the first bad point
+    # SliceLatencyModel.problems() names the first bad corner of the context term
     assert str(bad) in msg and "negative context time" in msg
     assert "python -m megatron.planner.terapipe_latency" in msg
     with pytest.raises(ValueError, match="negative context time"):  # the planner's own reader too
