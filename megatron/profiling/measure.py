@@ -22,6 +22,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from megatron.profiling.memory_probe import probe
+
 
 class ShapeInfeasible(Exception):
     """The shape does not fit (out of memory, or past a configured cap); recorded as null."""
@@ -62,11 +64,6 @@ def _ensure_grads(module: torch.nn.Module) -> None:
             p.grad = torch.zeros_like(p)
 
 
-def _storage_key(t: torch.Tensor):
-    s = t.untyped_storage()
-    return s.data_ptr(), s.nbytes()
-
-
 STATISTICS = {"median": statistics.median, "min": min}
 
 
@@ -98,51 +95,13 @@ def time_workload(w: Workload, device: torch.device, warmup: int, iters: int,
 
 
 def memory_workload(w: Workload, device: torch.device) -> tuple:
-    """(stored bytes, peak bytes) of one forward+backward."""
-    params = {_storage_key(p) for p in w.module.parameters()}
+    """(stored bytes, peak bytes) of one forward+backward, by `memory_probe.probe` (the one
+    meter of the profiler and of benchmarks/bench_memory_model.py). An input the workload owns
+    (the layer's own input activation) counts in the peak: it was allocated before the probe."""
     inputs = w.make_inputs()
-    skip = params | {_storage_key(t) for t in w.shared(inputs)}
-    seen = {}
-
-    def pack(t):
-        k = _storage_key(t)
-        if k not in skip:
-            seen[k] = k[1]  # ints only: holding the tensor would delay its free and skew the peak
-        return t
-
+    m = probe(lambda: w.run(*inputs), device, exclude=[*w.module.parameters(), *w.shared(inputs)])
     owned = w.owned_input(inputs)
-    base_extra = owned.untyped_storage().nbytes() if owned is not None else 0
-    if device.type == "cuda":
-        _sync(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start = torch.cuda.memory_allocated(device)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = w.run(*inputs)
-        out.backward(torch.ones_like(out))
-        _sync(device)
-        peak = torch.cuda.max_memory_allocated(device) - start
-    else:
-        peak = _cpu_peak(lambda: _cpu_step(w, inputs, pack))
-    return sum(seen.values()), peak + base_extra
-
-
-def _cpu_step(w, inputs, pack):
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = w.run(*inputs)
-    out.backward(torch.ones_like(out))
-
-
-def _cpu_peak(step: Callable[[], None]) -> int:
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()  # negative for frees
-        peak = max(peak, live)
-    return peak
+    return m.stored, m.peak + (owned.untyped_storage().nbytes() if owned is not None else 0)
 
 
 def measure(w: Workload, device: torch.device, warmup: int, iters: int,

@@ -12,9 +12,10 @@ Three numbers per run, all in bytes, all relative to the memory live before the 
 
 CUDA reads the caching allocator's counters (`max_memory_allocated`). A CPU has no allocator
 counters, so each phase runs under `torch.profiler` with memory events and the running sum of
-allocations and frees is replayed (as `measure._cpu_peak` does).
+allocations and frees is replayed.
 
-This is the measuring side of `benchmarks/bench_memory_model.py`: the planners' memory models
+This is the measuring side of the profiler (`measure.memory_workload`, which writes the cost
+models' memory columns) and of `benchmarks/bench_memory_model.py`: the planners' memory models
 are claims about these numbers.
 """
 from __future__ import annotations
@@ -24,7 +25,11 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from megatron.profiling.measure import _storage_key
+
+
+def _storage_key(t: torch.Tensor):
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
 
 
 @dataclass
