@@ -87,6 +87,7 @@ def checkpoint_path(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_si
 MANIFEST = "manifest.json"
 _TMP_PREFIX = ".tmp-"
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
+_STAGED_RE = re.compile(r"^(iter_\d{7})\.(saving|replaced)$")
 
 
 def _file_mode() -> int:
@@ -190,9 +191,18 @@ def remove_stale_files(root: str, max_age_s: float = 3600.0) -> list:
                     removed.append(full)
                 except OSError:
                     pass
-    for name in os.listdir(root):
-        m = _ITER_RE.match(name)
+    for name in sorted(os.listdir(root)):  # (".replaced" sorts before ".saving")
         full = os.path.join(root, name)
+        m = _STAGED_RE.match(name)
+        if m:  # a torch_dist re-save of one iteration that did not finish (see _save_dist)
+            it_dir = os.path.join(root, m.group(1))
+            if m.group(2) == "replaced" and not os.path.isdir(it_dir):
+                os.replace(full, it_dir)  # killed between the two renames: the old save is the checkpoint
+            else:
+                shutil.rmtree(full, ignore_errors=True)
+            removed.append(full)
+            continue
+        m = _ITER_RE.match(name)
         if not m or not os.path.isdir(full) or os.path.exists(os.path.join(full, MANIFEST)):
             continue
         it = int(m.group(1))
@@ -330,23 +340,31 @@ def _save_dist(trainer, root: str) -> str:
     manifest and the tracker, in that order, so the tracker never names an incomplete folder."""
     ps = trainer.ps
     it_dir = os.path.join(root, f"iter_{trainer.iteration:07d}")
+    # A complete save of this iteration may exist (a final save after an interval save): the new
+    # one is written beside it and swapped in by two renames, so a crash never leaves neither.
     try:
         if ps.rank == 0:
             os.makedirs(root, exist_ok=True)
             remove_stale_files(root)
-            shutil.rmtree(it_dir, ignore_errors=True)  # a complete older save of this iteration: replaced
         _barrier()
-        checkpointing_dist.save(trainer, it_dir)
+        stage = it_dir + ".saving" if os.path.isdir(it_dir) else it_dir  # decided after the cleanup,
+        _barrier()  # and by every rank before any creates it_dir
+        checkpointing_dist.save(trainer, stage)
         _barrier()
-        files = checkpointing_dist.file_digests(it_dir, checkpointing_dist.shard_files(it_dir), ps.rank,
+        files = checkpointing_dist.file_digests(stage, checkpointing_dist.shard_files(stage), ps.rank,
                                                 ps.world_size if dist.is_initialized() else 1)
         if ps.rank == 0:
             body = checkpointing_dist.common_bytes(trainer, _common_state(trainer))
-            _atomic_write_bytes(os.path.join(it_dir, checkpointing_dist.COMMON), lambda f: f.write(body))
+            _atomic_write_bytes(os.path.join(stage, checkpointing_dist.COMMON), lambda f: f.write(body))
             files[checkpointing_dist.COMMON] = {"sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body)}
             man = json.dumps({"iteration": trainer.iteration, "checkpoint_version": CHECKPOINT_VERSION,
                               "format": "torch_dist", "files": files}, indent=1, sort_keys=True).encode()
-            _atomic_write_bytes(os.path.join(it_dir, MANIFEST), lambda f: f.write(man))
+            _atomic_write_bytes(os.path.join(stage, MANIFEST), lambda f: f.write(man))
+            if stage != it_dir:
+                os.replace(it_dir, it_dir + ".replaced")
+                os.replace(stage, it_dir)
+                _fsync_dir(root)
+                shutil.rmtree(it_dir + ".replaced", ignore_errors=True)
             _atomic_write_bytes(os.path.join(root, TRACKER), lambda f: f.write(f"{trainer.iteration}\n".encode()))
             print(f"saved checkpoint (torch_dist) at iteration {trainer.iteration} to {root}", flush=True)
         _barrier()
@@ -355,28 +373,32 @@ def _save_dist(trainer, root: str) -> str:
     return it_dir
 
 
-def _load_dist(trainer, root: str, iteration: int) -> bool:
+def _load_dist(trainer, root: str, tracked: int) -> bool:
+    """The newest torch_dist checkpoint at or below the tracked iteration that verifies (every
+    rank checks a share of its files against the manifest; all agree), as the torch format does."""
+    ps = trainer.ps
+    why = checkpointing_dist.unsupported(trainer.cfg)
+    if why:
+        raise CheckpointError(f"{os.path.join(root, f'iter_{tracked:07d}')}: {why}")
+    first = None
+    for iteration in [tracked] + _older_complete_iterations(root, tracked):
+        problem = checkpointing_dist.verify(os.path.join(root, f"iter_{iteration:07d}"), MANIFEST, ps.rank,
+                                            ps.world_size)
+        if _all_ok(problem is None):
+            if iteration != tracked and ps.rank == 0:
+                print(f"WARNING: loading iteration {iteration} instead of the tracked iteration {tracked}, whose "
+                      f"files do not verify; training resumes from the older state", file=sys.stderr, flush=True)
+            return _read_dist(trainer, root, iteration)
+        if problem:
+            print(f"CHECKPOINT CORRUPT: {ps.describe()}: {problem}", file=sys.stderr, flush=True)
+            first = first or problem
+    raise CheckpointError(f"{ps.describe()}: no torch_dist checkpoint under --load {root} verifies (tracked iteration "
+                          f"{tracked} and every older complete one failed; {first or 'see the other ranks'})")
+
+
+def _read_dist(trainer, root: str, iteration: int) -> bool:
     cfg, ps = trainer.cfg, trainer.ps
     it_dir = os.path.join(root, f"iter_{iteration:07d}")
-    why = checkpointing_dist.unsupported(cfg)
-    if why:
-        raise CheckpointError(f"{it_dir}: {why}")
-    # Every rank checks a share of the files against the manifest; all agree before reading.
-    problem = None
-    try:
-        with open(os.path.join(it_dir, MANIFEST)) as f:
-            files = json.load(f)["files"]
-        for i, name in enumerate(sorted(files)):
-            if i % ps.world_size == ps.rank:
-                got = _sha256_file(os.path.join(it_dir, name)) if os.path.exists(os.path.join(it_dir, name)) else None
-                if got != files[name]["sha256"]:
-                    problem = f"{os.path.join(it_dir, name)} is {'missing' if got is None else 'corrupted'}"
-                    break
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        problem = f"{os.path.join(it_dir, MANIFEST)} is missing or unreadable ({e})"
-    if not _all_ok(problem is None):
-        raise CheckpointError(f"{ps.describe()}: torch_dist checkpoint {it_dir} does not verify: "
-                              f"{problem or 'see another rank'}")
     try:
         common = checkpointing_dist.read_common(it_dir)
     except ValueError as e:

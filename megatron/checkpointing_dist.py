@@ -101,6 +101,24 @@ def is_dist_checkpoint(it_dir: str) -> bool:
     return os.path.exists(os.path.join(it_dir, COMMON))
 
 
+def verify(it_dir: str, manifest: str, rank: int = 0, world: int = 1) -> Optional[str]:
+    """This rank's share of the files of `it_dir` checked against its manifest: the first
+    problem, or None (the caller makes every rank agree)."""
+    if not is_dist_checkpoint(it_dir):
+        return f"{it_dir} is not a complete torch_dist checkpoint (no {COMMON})"
+    try:
+        with open(os.path.join(it_dir, manifest)) as f:
+            files = json.load(f)["files"]
+        for name in sorted(files)[rank::world]:
+            path = os.path.join(it_dir, name)
+            got = sha256_digest(path).hex() if os.path.exists(path) else None
+            if got != files[name]["sha256"]:
+                return f"{path} is {'missing' if got is None else 'corrupted'}"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{os.path.join(it_dir, manifest)} is missing or unreadable ({e})"
+    return None
+
+
 # ---- names and shards ----------------------------------------------------------------------
 def _global(stage, name: str) -> str:
     m = _LAYER.match(name)

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from megatron.checkpointing import load_checkpoint
+from megatron.checkpointing import load_checkpoint, save_checkpoint
 from megatron.checkpointing_dist import read_index
 from tests.dist_harness import run_distributed
 from tests.parity_utils import assemble, make_trainer, shards
@@ -90,7 +90,48 @@ def test_corrupted_shard_is_named(tmp_path):
     data[len(data) // 2] ^= 0xFF
     (it_dir / shard).write_bytes(bytes(data))
     (msg,) = run_distributed(_load_error, 1, str(tmp_path))
-    assert "does not verify" in msg and f"{it_dir / shard} is corrupted" in msg, msg
+    assert "no torch_dist checkpoint" in msg and f"{it_dir / shard} is corrupted" in msg, msg
+
+
+def _continue_and_save(rank, world, ckpt, kw):
+    t = make_trainer(_cfg(world, save=ckpt, load=ckpt, **kw))
+    assert load_checkpoint(t)
+    t.train()
+    save_checkpoint(t)
+    return t.iteration
+
+
+def _loaded_iteration(rank, world, ckpt, kw):
+    t = make_trainer(_cfg(world, load=ckpt, **kw))
+    assert load_checkpoint(t)
+    return t.iteration
+
+
+def test_corrupted_newest_falls_back_to_the_older_checkpoint(tmp_path, capfd):
+    run_distributed(_first_half, 2, str(tmp_path), dict(pp=2))
+    assert run_distributed(_continue_and_save, 2, str(tmp_path), dict(pp=2)) == [TOTAL, TOTAL]
+    it_dir = tmp_path / f"iter_{TOTAL:07d}"
+    shard = sorted(f for f in os.listdir(it_dir) if f.endswith(".distcp"))[-1]
+    data = bytearray((it_dir / shard).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (it_dir / shard).write_bytes(bytes(data))
+    assert run_distributed(_loaded_iteration, 2, str(tmp_path), dict(pp=2)) == [TOTAL // 2, TOTAL // 2]
+    err = capfd.readouterr().err
+    assert f"{it_dir / shard} is corrupted" in err and f"loading iteration {TOTAL // 2} instead" in err
+
+
+def test_saving_one_iteration_twice_never_leaves_it_missing(tmp_path):
+    from megatron.checkpointing import remove_stale_files
+    run_distributed(_first_half, 1, str(tmp_path), {})
+    run_distributed(_first_half, 1, str(tmp_path), {})  # replaces the complete save beside it
+    it = f"iter_{TOTAL // 2:07d}"
+    assert sorted(os.listdir(tmp_path)) == [it, "latest_checkpointed_iteration.txt"]
+    assert run_distributed(_loaded_iteration, 1, str(tmp_path), {}) == [TOTAL // 2]
+    # killed between the swap's two renames: the old save is put back, a half-written new one removed
+    os.replace(tmp_path / it, tmp_path / f"{it}.replaced")
+    (tmp_path / f"{it}.saving").mkdir()
+    assert sorted(os.path.basename(p) for p in remove_stale_files(str(tmp_path))) == [f"{it}.replaced", f"{it}.saving"]
+    assert run_distributed(_loaded_iteration, 1, str(tmp_path), {}) == [TOTAL // 2]
 
 
 def test_unsupported_combination_is_one_line_at_parse_time(capsys):
