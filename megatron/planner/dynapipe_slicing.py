@@ -46,6 +46,7 @@ from megatron.terapipe_options import SLICE_GRID, uniform_slices
 AUTO_SLICES = (1, 2, 4, 8, 16)
 COST_SLICE_TOKENS = 1024  # slice length the sliced partition costs a long micro-batch with
 MIN_SLICE_TOKENS = 16     # the smallest slice the tables are measured at
+SLICED_COST_PARTITIONS = True  # also slice partitions cut with sliced costs (False: the post-pass alone)
 
 
 # ---------------------------------------------------------------------------- costs
@@ -243,6 +244,8 @@ def _slicing_sets(planner, rc, shapes, fixed: int, cap: int, k_eff: float):
 def _candidate_partitions(planner, cands, orders, enc_all):
     """(rc, order, partition) to slice: DynaPipe's own per level, and the sliced-cost ones."""
     out = [(rc, order, p) for _, _, rc, fit, order, p in cands if rc != "full"]
+    if not SLICED_COST_PARTITIONS:
+        return out
     sliced = planner.__dict__.setdefault("_sliced_costs", _SlicedCostPlanner(planner))  # caches across iterations
     for rc in planner.cfg.recompute_levels:
         if rc == "full" or not planner.cm.has(planner.cfg.tensor_parallel, rc):
