@@ -65,3 +65,31 @@ def test_dynapipe_terapipe_auto_equals_plain_dynapipe(multitask, plain_dynapipe)
     DynaPipe's); the step is still the whole batch's."""
     outs = run_distributed(_train, 2, multitask, "auto")
     assert_parity(plain_dynapipe, outs)
+
+
+def test_dynapipe_terapipe_refusals_name_the_flag(multitask):  # noqa: F811
+    from megatron.config import ConfigError, TeraPipeConfig
+    cfg = _cfg(2, "gpt", multitask, "dynapipe", pp=2)
+    ok = dataclasses.replace(cfg, terapipe=TeraPipeConfig(enabled=True, slices="auto", with_dynapipe=True))
+    assert ok.terapipe.enabled and ok.data.dynapipe  # multi-task data and auto without a latency model
+    with pytest.raises(ConfigError, match="--terapipe-slices 16,48 with --dynapipe"):
+        dataclasses.replace(cfg, terapipe=TeraPipeConfig(enabled=True, slices="16,48", with_dynapipe=True))
+    packed = _cfg(2, "gpt", multitask, "dynapipe_packed", pp=2)
+    with pytest.raises(ConfigError, match="--dynapipe-packed-rows with --terapipe"):
+        dataclasses.replace(packed, terapipe=TeraPipeConfig(enabled=True, slices="2", with_dynapipe=True))
+
+
+def test_dynapipe_terapipe_flags_reach_the_planner():
+    from megatron.arguments import parse_args
+    from megatron.supervised_training import dynapipe_planner_config
+    base = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
+            "--max-position-embeddings", "64", "--micro-batch-size", "1", "--data-path", "x",
+            "--targets-data-path", "y", "--dynapipe", "--dynapipe-cost-model", "cost_models/cpu_tiny_gpt.json",
+            "--dynapipe-cost-model-any", "--tokenizer-type", "NullTokenizer", "--vocab-size", "97",
+            "--pipeline-model-parallel-size", "2", "--tokens-per-global-batch", "600", "--terapipe"]
+
+    class PS:
+        pp_size, dp_size, tp_size = 2, 1, 1
+    for spec, want in (("auto", -1), ("3", 3)):
+        cfg = parse_args(base + ["--terapipe-slices", spec], world_size=2)
+        assert dynapipe_planner_config(cfg, PS).token_slices == want
