@@ -131,7 +131,7 @@ def write(rows: List[dict], out: Path) -> List[Path]:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("max sequence length")
         ax.set_ylabel("simulated tokens / s")
-        ax.set_title("GPT-6.7B, 8 x A100 (simulated): composing DynaPipe and TeraPipe")
+        ax.set_title("GPT-6.7B, 8 x A100, simulated")
         ax.legend()
         fig.tight_layout()
         png = out / "dynapipe_slicing.png"

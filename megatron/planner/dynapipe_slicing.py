@@ -38,7 +38,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from megatron.planner import partitioner as part
-from megatron.planner.schedules import _adaptive, _lists, _replay, ScheduleInfeasible
+from megatron.planner.schedules import _adaptive, _lists, _replay, ScheduleInfeasible, lower_bound
 from megatron.planner.simulator import Op, PipelineCosts, SimulationError, simulate
 from megatron.planner.terapipe import lower_sliced, plan_slices
 from megatron.terapipe_options import SLICE_GRID, uniform_slices
@@ -201,7 +201,8 @@ def search_group(planner, rc: str, shapes, slicings, mb_orders, bound=np.inf) ->
     if not (np.isfinite(sc["fwd"]).all() and np.isfinite(sc["bwd"]).all()):
         return None
     costs = PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], sc["comm"])
-    if float((costs.fwd + costs.bwd).sum(axis=1).max()) >= bound:
+    floor = lower_bound(costs)  # no order of these units beats it: skip what cannot win, stop at it
+    if floor >= bound:
         return None
     agg = {k: np.stack([sc[k][:, u].sum(axis=1) for u in units_of], axis=1) for k in ("fwd", "bwd", "stored")}
     trans = np.stack([sc["transient"][:, u].max(axis=1) for u in units_of], axis=1)
@@ -210,11 +211,14 @@ def search_group(planner, rc: str, shapes, slicings, mb_orders, bound=np.inf) ->
     lists = _lists(costs)
     best = None
     for order in mb_orders:
-        cands = [(f"1f1b-{f}", one_f_one_b_capped(S, order, f)) for f in range(S, 0, -1)]
-        try:
+        if best is not None and best.makespan <= floor * (1.0 + 1e-9):
+            break
+        cands = []
+        try:  # first: usually the winner, so its makespan prunes the 1F1B replays
             cands.append(("adaptive", _adaptive(mb_costs, order, avail)[0]))
         except ScheduleInfeasible:
             pass
+        cands += [(f"1f1b-{f}", one_f_one_b_capped(S, order, f)) for f in range(S, 0, -1)]
         for name, ops in cands:
             unit_ops = expand(ops, units_of)
             try:
@@ -230,14 +234,18 @@ def search_group(planner, rc: str, shapes, slicings, mb_orders, bound=np.inf) ->
 def _slicing_sets(planner, rc, shapes, fixed: int, cap: int, k_eff: float):
     if fixed > 0:
         return [[uniform_slicing(L, fixed, cap) for _, L in shapes]]
-    out = []
+    cache = planner.__dict__.setdefault("_dp_slicings", {})  # per shape, kept across iterations
+    dp = []
+    for b, L in shapes:
+        key = (rc, b, L, round(k_eff, 1))
+        if key not in cache:
+            cache[key] = dp_slicing(planner, rc, b, L, round(k_eff, 1), cap)
+        dp.append(cache[key])
+    out = [dp]  # first: it wins most often (bench_dynapipe_slicing), so its makespan prunes the rest
     for n in AUTO_SLICES:
         sl = [uniform_slicing(L, n, cap) for _, L in shapes]
         if sl not in out:
             out.append(sl)
-    dp = [dp_slicing(planner, rc, b, L, k_eff, cap) for b, L in shapes]
-    if dp not in out:
-        out.append(dp)
     return out
 
 
