@@ -121,3 +121,39 @@ def test_past_the_table_only_slices_fit():
         _a100(8, 1).plan(batch, validate=False)
     plan = _a100(8, 1, token_slices=-1).plan(batch, validate=False)
     assert max(ln for _, _, ln in plan.groups[0].token_slices) <= 8192
+
+
+def _sliced_dynapipe_plans(rng):
+    """Plans as plan_sliced lowers them: variable micro-batches, a capped 1F1B order, every
+    F(m) / B(m) expanded into its slices."""
+    from megatron.pipeline.lowering import ComputeOp
+    pp, m = rng.choice([2, 3, 4]), rng.randint(1, 4)
+    shapes = [(rng.randint(1, 3), 8 * rng.randint(1, 6)) for _ in range(m)]
+    slicings = [ds.uniform_slices(L, rng.randint(1, L // 8)) for _, L in shapes]
+    units, units_of, rows = [], [], []
+    for k, ((b, _), sl) in enumerate(zip(shapes, slicings)):
+        units_of.append(list(range(len(units), len(units) + len(sl))))
+        units += [(k, off, ln) for off, ln in zip(ds.offsets(sl), sl)]
+        rows += [b] * len(sl)
+    orders = ds.expand(ds.one_f_one_b_capped(pp, list(range(m)), rng.randint(1, pp)), units_of)
+    return lower_sliced([[ComputeOp(*o) for o in ops] for ops in orders], units, rows, 8)
+
+
+def test_mutants_of_sliced_dynapipe_plans_rejected():
+    """The validator refuses harmful mutants (tests/pipeline/test_plan_fuzz.py's) of plans
+    carrying variable shapes and token slices at once."""
+    import random
+
+    from megatron.pipeline.validator import PlanValidationError, validate_plans
+    from tests.pipeline.test_plan_fuzz import _mutate, _mutate_attribute
+    rng, tried = random.Random(11), 0
+    while tried < 150:
+        plans = _sliced_dynapipe_plans(rng)
+        validate_plans(plans)
+        kind = (_mutate if tried % 2 else _mutate_attribute)(rng, plans)
+        if kind is None:
+            continue
+        tried += 1
+        with pytest.raises(PlanValidationError):
+            validate_plans(plans)
+            pytest.fail(f"mutant #{tried} ({kind}) was accepted")
