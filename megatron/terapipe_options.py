@@ -86,9 +86,9 @@ def check_dynapipe_slicing(cfg) -> None:
                          "(N uniform slices per micro-batch); lengths l1,l2,... cannot fit micro-batches whose "
                          "length the planner picks per iteration")
     if d.dynapipe_packed_rows:
-        raise ValueError("--dynapipe-packed-rows with --terapipe: a token slice of a packed row would need "
-                         "per-document attention to the cached keys of earlier slices, which the sliced attention "
-                         "does not mask; drop one of them")
+        raise ValueError("--dynapipe-packed-rows with --terapipe: token slices run the sliced causal attention, "
+                         "which masks by token position only, so a slice of a packed row would attend across its "
+                         "documents (the executor refuses segment ids in slices); drop one of them")
     if m.sequence_parallel:
         raise ValueError("--terapipe with --sequence-parallel would split each token slice over TP ranks; drop "
                          "--sequence-parallel (TeraPipe already bounds activation memory by slicing the sequence)")
