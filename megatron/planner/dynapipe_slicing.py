@@ -302,7 +302,9 @@ def plan_sliced(planner, best, cands, orders, lengths, iteration: int, t_start: 
         if fixed <= 0 and best is not None:
             return None
         raise PlanningError(f"iteration {iteration}: no plan with {fixed if fixed > 0 else 'planned'} token slices "
-                            f"per micro-batch fits memory_limit_mb={c.memory_limit_mb}")
+                            f"per micro-batch fits memory_limit_mb={c.memory_limit_mb} without full recompute (a "
+                            f"sliced layer replayed would write its keys/values twice); use --terapipe-slices auto "
+                            f"(keeps unsliced full-recompute plans) or raise --dynapipe-memory-limit")
     if fixed <= 0 and all(len(s) == 1 for _, g in win[2] for s in g.slicings):
         return None  # unsliced won: the plain DynaPipe plan is the same schedule
     planning_ms = (time.perf_counter() - t_start) * 1e3
