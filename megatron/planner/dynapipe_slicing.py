@@ -99,6 +99,8 @@ class _SlicedCostPlanner:
         self._cache = {}
 
     def __getattr__(self, name):  # everything but the costs comes from the real planner
+        if name == "base":  # not set yet (e.g. while unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.base, name)
 
     def stage_costs(self, rc, mbs, enc, dec=None, packed=None):
@@ -306,7 +308,7 @@ def plan_sliced(planner, best, cands, orders, lengths, iteration: int, t_start: 
                             f"sliced layer replayed would write its keys/values twice); use --terapipe-slices auto "
                             f"(keeps unsliced full-recompute plans) or raise --dynapipe-memory-limit")
     if fixed <= 0 and all(len(s) == 1 for _, g in win[2] for s in g.slicings):
-        return None  # unsliced won: the plain DynaPipe plan is the same schedule
+        return None  # one slice everywhere won: run DynaPipe's own unsliced plan (no K/V cache copies)
     planning_ms = (time.perf_counter() - t_start) * 1e3
     makespan, rc, groups = win
     group_plans = [_group_plan(planner, rc, samples, g, iteration, validate) for samples, g in groups]
