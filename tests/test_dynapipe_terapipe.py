@@ -94,3 +94,12 @@ def test_dynapipe_terapipe_flags_reach_the_planner():
     for spec, want in (("auto", -1), ("3", 3)):
         cfg = parse_args(base + ["--terapipe-slices", spec], world_size=2)
         assert dynapipe_planner_config(cfg, PS).token_slices == want
+
+
+@pytest.mark.slow
+def test_dynapipe_terapipe_pp2_dp2_equals_plain_dynapipe(multitask):  # noqa: F811
+    """Two DP groups, each with its own sliced plan (4 gloo ranks)."""
+    ref = run_distributed(_train, 4, multitask, None)
+    outs = run_distributed(_train, 4, multitask, "2")
+    assert all(i["token_slices"] for i in _last(outs)["info"])
+    assert_parity(ref, outs)
