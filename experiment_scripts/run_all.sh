@@ -20,6 +20,8 @@ if [ "$MODE" = --simulate ]; then
   step "grid search (simulate)";        exp grid-search --simulate "${ARGS[@]+"${ARGS[@]}"}"
   step "benchmark (simulate)";          exp benchmark --simulate "${ARGS[@]+"${ARGS[@]}"}"
   step "ablation (simulate)";           exp ablation --simulate "${ARGS[@]+"${ARGS[@]}"}"
+  step "DynaPipe x TeraPipe figure (simulate)"
+  "$PY" -m megatron.experiments.slicing --out reproduced_figures
   if [ "$SMOKE" = 1 ]; then
     need_sample_data
     step "live CPU smoke for Fig 18";   exp grid-search --live "${ARGS[@]+"${ARGS[@]}"}"

@@ -117,7 +117,8 @@ def _add_terapipe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--terapipe", action="store_true",
                    help="GPT only: pipeline token slices of each sequence (TeraPipe), attention over cached K/V")
     g.add_argument("--terapipe-slices", default="auto",
-                   help="auto (DP over slicings, needs --terapipe-cost-model), N uniform slices, or lengths l1,l2,...")
+                   help="auto (DP over slicings, needs --terapipe-cost-model), N uniform slices, or lengths l1,l2,...; "
+                        "with --dynapipe: auto (the DynaPipe planner decides) or N slices per micro-batch")
     g.add_argument("--terapipe-cost-model", default=None,
                    help="latency model t(b,l,c) (python -m megatron.planner.terapipe_latency --output FILE)")
     g.add_argument("--terapipe-memory-limit", type=float, default=36000.0,
@@ -127,7 +128,7 @@ def _add_terapipe_args(p: argparse.ArgumentParser) -> None:
 def _terapipe_config(args):
     from megatron.config import TeraPipeConfig
     return TeraPipeConfig(enabled=args.terapipe, slices=args.terapipe_slices, cost_model=args.terapipe_cost_model,
-                          memory_limit_mb=args.terapipe_memory_limit)
+                          memory_limit_mb=args.terapipe_memory_limit, with_dynapipe=args.dynapipe)
 
 
 def _add_profile_args(p: argparse.ArgumentParser) -> None:

@@ -67,10 +67,11 @@ class TeraPipeConfig:
     slices: str = "auto"              # auto | N | l1,l2,...
     cost_model: Optional[str] = None  # megatron-terapipe-latency JSON (needed by 'auto')
     memory_limit_mb: float = 36000.0
+    with_dynapipe: bool = False       # --dynapipe plans the slices from its own cost model
 
     def __post_init__(self):
         if self.enabled:
-            _require(self.slices != "auto" or self.cost_model is not None,
+            _require(self.slices != "auto" or self.cost_model is not None or self.with_dynapipe,
                      "--terapipe-slices auto plans slices from a latency model: give --terapipe-cost-model FILE "
                      "(python -m megatron.planner.terapipe_latency --output FILE), or fixed --terapipe-slices N|l1,l2,...")
             _require(self.memory_limit_mb > 0, f"--terapipe-memory-limit must be positive, got {self.memory_limit_mb}")

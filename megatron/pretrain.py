@@ -69,8 +69,11 @@ def build_gpt_trainer(cfg: MegatronConfig, ps, device):
     flops = gpt_flops_per_sample(cfg.model, cfg.model.padded_vocab_size(ps.tp_size))
     if cfg.data.targets_data_path:
         source = supervised_source(cfg, ps, tokenizer, planner, gpt_microbatch_shapes)
-        return Trainer(cfg, ps, device, stages, tied_params=tied, flops_per_sample=flops, batch_source=source,
-                       train_ds=None, collate_fn=None, valid_source=source.valid_source)
+        trainer = Trainer(cfg, ps, device, stages, tied_params=tied, flops_per_sample=flops, batch_source=source,
+                          train_ds=None, collate_fn=None, valid_source=source.valid_source)
+        if cfg.terapipe.enabled:  # --dynapipe --terapipe: dropout keyed by token position, as terapipe_training
+            trainer.executor.dropout_seed = cfg.training.seed * 1009 + ps.dp_rank
+        return trainer
     train_ds, valid_ds = gpt_datasets(cfg)
     if cfg.terapipe.enabled:
         from megatron.terapipe_training import terapipe_trainer

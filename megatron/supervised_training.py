@@ -197,7 +197,8 @@ class DynaPipeSource(_SupervisedSource):
                 "num_microbatches": [len(g.microbatches) for g in plan.groups],
                 "padding_efficiency": plan.padding_efficiency, "planning_ms": plan.planning_ms,
                 "plan_wait_ms": wait_ms, "simulated_ms": plan.makespan_ms,
-                "predicted_peak_mb": group.peak_memory_mb}
+                "predicted_peak_mb": group.peak_memory_mb,
+                "token_slices": None if group.token_slices is None else len(group.token_slices)}
         plans = group.plans
         plan_pass = grad_compression_pass(self.cfg)
         if plan_pass is not None:
@@ -338,7 +339,10 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   grad_compress_rank=cfg.compression.inter_grad_comp_rank if cfg.compression.inter_grad_comp else 0,
                   grad_compress_epilogue_only=cfg.compression.inter_grad_comp_epilogue_only,
                   sequence_parallel=m.sequence_parallel, num_attention_heads=m.num_attention_heads,
-                  packed_rows=d.dynapipe_packed_rows)
+                  packed_rows=d.dynapipe_packed_rows,
+                  # --terapipe: cut micro-batches into token slices (-1: the planner decides)
+                  token_slices=(-1 if cfg.terapipe.slices.strip() == "auto" else int(cfg.terapipe.slices))
+                  if cfg.terapipe.enabled else 0)
     if d.dynapipe_packed_rows:  # rows as long as the fixed batches' sequences (T5: both sides)
         common.update(packed_max_len=m.seq_length if m.model_type == "gpt" else m.encoder_seq_length,
                       packed_dec_len=None if m.model_type == "gpt" else m.decoder_seq_length)

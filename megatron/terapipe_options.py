@@ -57,7 +57,8 @@ def check_terapipe_config(cfg) -> None:
          "--terapipe slices the tokens of a causal decoder (GPT): each slice attends only to earlier tokens. "
          "T5's encoder attends in both directions and its decoder cross-attends to the whole encoder output, "
          "so a T5 slice would need tokens that run later; use pretrain_gpt.py or drop --terapipe")
-    need(not d.dynapipe, "--terapipe and --dynapipe are two planners for one run; pick one")
+    if d.dynapipe:  # DynaPipe's micro-batches cut into token slices (megatron/planner/dynapipe_slicing.py)
+        return check_dynapipe_slicing(cfg)
     need(not d.targets_data_path and not d.pack_dataset,
          "--terapipe trains on pretraining data (--data-path or --mock-data); multi-task data "
          "(--targets-data-path / --pack-dataset) is not supported with it")
@@ -73,3 +74,25 @@ def check_terapipe_config(cfg) -> None:
          "--terapipe with --recompute-granularity full would replay a layer and write its slice's keys/values "
          "twice: use --recompute-granularity selective or none")
     parse_slices(cfg.terapipe.slices, m.seq_length)
+
+
+def check_dynapipe_slicing(cfg) -> None:
+    """`--dynapipe --terapipe`: what the sliced DynaPipe planner cannot run (multi-task data is
+    its input; GPT and one stage per rank were checked by the caller / --dynapipe)."""
+    m, d = cfg.model, cfg.data
+    spec = cfg.terapipe.slices.strip()
+    if spec != "auto" and not spec.isdigit() or spec == "0":
+        raise ValueError(f"--terapipe-slices {spec} with --dynapipe: give auto (the planner decides) or a count N "
+                         "(N uniform slices per micro-batch); lengths l1,l2,... cannot fit micro-batches whose "
+                         "length the planner picks per iteration")
+    if d.dynapipe_packed_rows:
+        raise ValueError("--dynapipe-packed-rows with --terapipe: token slices run the sliced causal attention, "
+                         "which masks by token position only, so a slice of a packed row would attend across its "
+                         "documents (the executor refuses segment ids in slices); drop one of them")
+    if m.sequence_parallel:
+        raise ValueError("--terapipe with --sequence-parallel would split each token slice over TP ranks; drop "
+                         "--sequence-parallel (TeraPipe already bounds activation memory by slicing the sequence)")
+    if cfg.compression.inter_grad_comp:
+        raise ValueError("--dynapipe --terapipe with --inter-grad-comp: compressed backpropagation keeps its "
+                         "error-feedback state per stage and message shape, and sliced micro-batches change shape "
+                         "every slice and iteration; drop one of them")

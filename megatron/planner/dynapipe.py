@@ -96,6 +96,9 @@ class DynaPipeConfig:
     packed_rows: bool = False
     packed_max_len: Optional[int] = None
     packed_dec_len: Optional[int] = None
+    # GPT: cut micro-batches into TeraPipe token slices (megatron/planner/dynapipe_slicing.py):
+    # 0 off, -1 the planner decides (auto), N: N uniform slices per micro-batch.
+    token_slices: int = 0
 
     def __post_init__(self):
         if self.model_kind not in ("gpt", "t5"):
@@ -141,6 +144,7 @@ class GroupPlan:
     compute_orders: list = field(default_factory=list)  # per rank [(kind, mb, stage)]
     result: object = None  # SimResult (chrome_trace() for a timeline)
     rows: Optional[list] = None  # packed plans: per micro-batch id, its rows (lists of sample indices)
+    token_slices: Optional[list] = None  # sliced plans: per unit id, its (micro-batch id, offset, length)
 
 
 @dataclass
@@ -390,6 +394,11 @@ class DynaPipePlanner:
         self._enc_all, self._dec_all = enc_all, dec_all
         if best is not None:
             best = self._refine(best)
+        if c.token_slices and c.model_kind == "gpt":
+            from megatron.planner.dynapipe_slicing import plan_sliced
+            got = plan_sliced(self, best, cands, orders, lengths, iteration, t_start, validate)
+            if got is not None:
+                return got
         if c.packed_rows:
             got = packed.search_packed(self, c.model_kind, lengths, self._packed_len(lengths),
                                        best[0] if best is not None else np.inf)

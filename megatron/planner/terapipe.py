@@ -71,19 +71,30 @@ def build_terapipe_plans(slicings: Sequence[Sequence[int]], microbatch_shapes: S
         if sum(lengths) != s:
             raise ValueError(f"slices {list(lengths)} of micro-batch {seq} cover {sum(lengths)} tokens, "
                              f"its sequence has {s}")
-    unit_shapes = [((microbatch_shapes[seq][0][0], ln),) for seq, _, ln in units]
     n = len(units)
     orders = [[ComputeOp("F", u, r) for u in range(n)] + [ComputeOp("B", u, r) for u in reversed(range(n))]
               for r in range(pp_size)]
+    return lower_sliced(orders, units, [microbatch_shapes[seq][0][0] for seq, _, _ in units], hidden_size,
+                        dtype=dtype, iteration=iteration, recompute=recompute, validate=validate)
+
+
+def lower_sliced(orders, units: Sequence[tuple], unit_rows: Sequence[int], hidden_size: int,
+                 dtype: str = "float32", iteration: int = 0, recompute: str = "none",
+                 validate: bool = True) -> list:
+    """Per-rank plans of per-stage unit orders (`ComputeOp`s whose micro-batch is a unit id,
+    one stage per rank): unit u is token slice `units[u] = (sequence, offset, length)` of
+    `unit_rows[u]` rows; every instruction of a unit is tagged with its `token_slice`. Shared
+    by TeraPipe (GPipe order) and DynaPipe's sliced micro-batches (megatron/planner/dynapipe_slicing.py)."""
+    unit_shapes = [((int(b), int(ln)),) for b, (_, _, ln) in zip(unit_rows, units)]
 
     def shapes(u, stage):
         b, ln = unit_shapes[u][0]
         return ((ln, b, hidden_size),)
 
-    plans = lower_to_plans(orders, list(range(pp_size)), unit_shapes, shapes, recompute=recompute,
+    plans = lower_to_plans(orders, list(range(len(orders))), unit_shapes, shapes, recompute=recompute,
                            dtype=dtype, iteration=iteration, validate=False)
     for plan in plans:
-        plan.instructions = [dataclasses.replace(ins, token_slice=units[ins.microbatch])
+        plan.instructions = [dataclasses.replace(ins, token_slice=tuple(units[ins.microbatch]))
                              if hasattr(ins, "token_slice") else ins for ins in plan.instructions]
     if validate:
         from megatron.pipeline.validator import validate_plans

@@ -92,7 +92,9 @@ def _dynapipe_to_json(plan):
         groups.append({"microbatches": [[int(i) for i in mb] for mb in g.microbatches],
                        "shapes": [[[int(d) for d in s] for s in shp] for shp in g.shapes],
                        "schedule": g.schedule, "makespan_ms": float(g.makespan_ms),
-                       "peak_memory_mb": [float(x) for x in g.peak_memory_mb], "num_plans": len(g.plans)})
+                       "peak_memory_mb": [float(x) for x in g.peak_memory_mb], "num_plans": len(g.plans),
+                       "token_slices": None if g.token_slices is None else [[int(x) for x in u] for u in g.token_slices],
+                       "rows": None if g.rows is None else [[[int(i) for i in r] for r in mb] for mb in g.rows]})
         blobs.extend(p.serialize() for p in g.plans)
     head["groups"] = groups
     return head, blobs
@@ -143,7 +145,9 @@ def _dynapipe_from_json(head, blobs):
             raise ValueError(f"{where}.peak_memory_mb holds a non-number")
         groups.append(GroupPlan(microbatches=mbs, shapes=shapes, schedule=g["schedule"],
                                 makespan_ms=float(g["makespan_ms"]), peak_memory_mb=[float(x) for x in peaks],
-                                plans=plans))
+                                plans=plans, token_slices=None if g.get("token_slices") is None
+                                else [tuple(u) for u in _ints(g["token_slices"], 2, f"{where}.token_slices")],
+                                rows=None if g.get("rows") is None else _ints(g["rows"], 3, f"{where}.rows")))
     if used != len(blobs):
         raise ValueError(f"record has {len(blobs) - used} plan blobs no group claims")
     kw = {k: head[k] for k in _SCALARS}

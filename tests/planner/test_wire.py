@@ -74,3 +74,19 @@ def test_pickle_in_the_store_is_refused_naming_the_iteration(tmp_path):
     store.set("hostile/6", b"P\x06")  # a record cut short of its own header
     with pytest.raises(PlanServiceError, match="iteration 6 .* not a plan record"):
         svc.get(6)
+
+
+def test_packed_rows_and_token_slices_round_trip():
+    """What the trainer reads besides the plans: packed rows (which samples share a row) and the
+    token slices of a sliced plan must survive the plan service."""
+    for kw in ({"packed_rows": True, "packed_max_len": 1024}, {"token_slices": 2}):
+        planner = DynaPipePlanner(gpt_config(pipeline_parallel=4, data_parallel=2, **kw))
+        if kw.get("packed_rows"):  # make the packed candidate win, as the packed-rows training test does
+            from megatron.planner import packed
+            got = packed.search_packed(planner, "gpt", lengths(np.random.default_rng(1), 48, 1024), 1024)
+            plan = strip(planner._finish_packed(got, 3, lengths(np.random.default_rng(1), 48, 1024), 0.0, True))
+            assert plan.groups[0].rows is not None
+        else:
+            plan = strip(planner.plan(lengths(np.random.default_rng(1), 48, 1024), iteration=3))
+            assert plan.groups[0].token_slices is not None
+        assert wire.decode(wire.encode(plan)) == plan
