@@ -359,7 +359,8 @@ class DataConfig:
                      "--dynapipe trains on multi-task data: give --data-path INPUTS --targets-data-path TARGETS")
             _require(self.dynapipe_cost_model is not None,
                      "--dynapipe needs --dynapipe-cost-model FILE (see cost_models/ and experiment_scripts/gen_cost_model.sh)")
-            _require(not self.pack_dataset, "--dynapipe and --pack-dataset are two ways to batch; pick one")
+            _require(not self.pack_dataset, "--pack-dataset fixes the micro-batches (rows of --micro-batch-size) that "
+                     "--dynapipe plans per batch; DynaPipe packs rows itself with --dynapipe-packed-rows")
             _require(self.dynapipe_memory_limit > 0, f"--dynapipe-memory-limit must be positive, got {self.dynapipe_memory_limit}")
             _require(self.dynapipe_planner_workers >= 0 and self.dynapipe_lookahead >= 1,
                      "--dynapipe-planner-workers must be >= 0 and --dynapipe-lookahead >= 1")
