@@ -13,7 +13,9 @@ micro-batch orders, lower), with three changes:
 * Memory: per rank, the device limit less the model states of all of its chunks; a
   micro-batch "fits" when the interleaved warm-up's in-flight forwards on every rank fit
   (``W_r = 2 (PP - r - 1) + (v - 1) PP`` chunk forwards before the first backward, plus
-  the one running), each holding at most its largest chunk's activations.
+  the one running), each holding at most its largest chunk's activations; where the chosen
+  partition's schedules still pass the limit (micro-batches of different sizes in flight
+  together), the partition is redone assuming more in flight (`FIT_EXTRA`).
 * Schedule: Megatron's interleaved 1F1B generalised to variable micro-batches in a chosen
   order and to any number of them (`interleaved_orders`): micro-batches go in groups of PP
   through chunk 0, 1, ..., v-1 (a remainder joins the last group, whose size G then replaces
@@ -125,9 +127,10 @@ class InterleavedDynaPipePlanner(DynaPipePlanner):
         """(S, ...) per virtual stage -> (PP, ...) per rank, reducing a rank's chunks with `how`."""
         return how(a.reshape((self.v, self.PP) + a.shape[1:]), axis=0)
 
-    def _feasible(self, sc: dict, fit: str) -> np.ndarray:
+    def _feasible(self, sc: dict, fit) -> np.ndarray:
+        """`fit`: "single", or ("1f1b", extra): the warm-up's forwards plus `extra` more in flight."""
         stored, peak = self._per_rank(sc["stored"], np.max), self._per_rank(sc["peak"], np.max)
-        inflight = self.warmup if fit == "1f1b" else np.zeros(self.PP)
+        inflight = np.zeros(self.PP) if fit == "single" else self.warmup + fit[1]
         shape = (self.PP,) + (1,) * (peak.ndim - 1)
         with np.errstate(invalid="ignore"):
             need = inflight.reshape(shape) * stored + peak
@@ -138,7 +141,24 @@ class InterleavedDynaPipePlanner(DynaPipePlanner):
         return self._per_rank(sc["fwd"] + sc["bwd"], np.sum).max(axis=0)
 
     # ---- partition and schedules -----------------------------------------------------
+    # Extra in-flight forwards the "1f1b" fit assumes, tried in turn until the partition's quick
+    # schedule fits: micro-batches of different sizes in flight together (and a last group
+    # larger than PP) can pass the per-micro-batch estimate; without this a recompute level
+    # whose estimate fits but whose schedules do not would be dropped (there is no
+    # memory-admitting interleaved schedule to fall back on).
+    FIT_EXTRA = (0, 2, 4, 8, 16)
+
     def _best_partition(self, rc, fit, orders, enc_all, dec_all, errors):
+        if fit != "1f1b":
+            return self._partition(rc, "single", orders, enc_all, errors)
+        got = None
+        for extra in self.FIT_EXTRA:
+            got = self._partition(rc, ("1f1b", extra), orders, enc_all, errors)
+            if got is None or self._schedule_groups(rc, got[0], got[1], enc_all, None, np.inf) is not None:
+                return got
+        return got
+
+    def _partition(self, rc, fit, orders, enc_all, errors):
         best = None
         for order in orders:
             T = self.segment_times(rc, fit, enc_all[order], None)
