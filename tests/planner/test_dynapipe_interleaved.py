@@ -8,7 +8,7 @@ from megatron.pipeline.validator import validate_plans
 from megatron.planner.dynapipe import DynaPipeConfig, DynaPipePlanner
 from megatron.planner.dynapipe_interleaved import InterleavedDynaPipePlanner, interleaved_orders, microbatch_groups
 from megatron.planner.simulator import PipelineCosts, SimulationError, simulate
-from megatron.planner.static import interleaved_orders as static_interleaved
+from megatron.planner.static import analytic_bubble, interleaved_orders as static_interleaved
 
 CM = Path(__file__).resolve().parents[2] / "cost_models"
 
@@ -32,6 +32,17 @@ def test_orders_match_megatron_and_never_deadlock(pp, v):
         ones = np.ones((S, m))
         simulate(PipelineCosts(ones, 2 * ones, ones, ones, 0.1 * ones), ops, [s % pp for s in range(S)])
         assert sum(len(g) for g in microbatch_groups(pp, order)) == m
+
+
+@pytest.mark.parametrize("pp,v,m", [(4, 2, 8), (2, 2, 4), (4, 4, 8), (8, 2, 16)])
+def test_uniform_microbatches_reach_megatrons_bubble(pp, v, m):
+    """Equal micro-batches, no transfer time: the simulator on the generalised orders gives
+    (m + (PP - 1) / v) (t_f + t_b), the interleaved schedule's analytic time."""
+    S, ones = pp * v, np.ones((pp * v, m))
+    res = simulate(PipelineCosts(ones / v, 2 * ones / v, ones, 0 * ones, 0 * ones),
+                   interleaved_orders(pp, v, list(range(m))), [s % pp for s in range(S)])
+    assert res.makespan == pytest.approx(analytic_bubble("interleaved", pp, m, 1.0, 2.0, v))
+    assert res.makespan < analytic_bubble("1f1b", pp, m, 1.0, 2.0)
 
 
 def test_short_last_group_of_its_own_would_deadlock():
