@@ -72,3 +72,12 @@ def test_dynapipe_interleaved_flags_reach_the_planner(multitask):  # noqa: F811
     t5 = _cfg(2, "t5", multitask, "dynapipe", pp=2)
     with pytest.raises(ConfigError, match="--dynapipe with T5 gives the encoder and the decoder whole pipeline ranks"):
         dataclasses.replace(t5, parallel=dataclasses.replace(t5.parallel, num_layers_per_virtual_pipeline_stage=1))
+
+
+@pytest.mark.slow
+def test_dynapipe_interleaved_pp2_dp2_equals_plain_dynapipe(multitask):  # noqa: F811
+    """Two DP groups, each with its own interleaved plan (4 gloo ranks)."""
+    ref = run_distributed(_train, 4, multitask, None)
+    outs = run_distributed(_train, 4, multitask, 1)
+    assert all(i["schedule"] == "interleaved" for o in outs for i in o["info"])
+    assert_parity(ref, outs)
