@@ -146,17 +146,20 @@ class InterleavedDynaPipePlanner(DynaPipePlanner):
     # larger than PP) can pass the per-micro-batch estimate; without this a recompute level
     # whose estimate fits but whose schedules do not would be dropped (there is no
     # memory-admitting interleaved schedule to fall back on).
-    FIT_EXTRA = (0, 2, 4, 8, 16)
+    FIT_EXTRA = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 
     def _best_partition(self, rc, fit, orders, enc_all, dec_all, errors):
         if fit != "1f1b":
             return self._partition(rc, "single", orders, enc_all, errors)
-        got = None
+        last = None  # a partition whose schedules do not fit: `plan` then finds no schedule for it
         for extra in self.FIT_EXTRA:
             got = self._partition(rc, ("1f1b", extra), orders, enc_all, errors)
-            if got is None or self._schedule_groups(rc, got[0], got[1], enc_all, None, np.inf) is not None:
+            if got is None:  # assuming more in flight only makes it worse
+                return last
+            if self._schedule_groups(rc, got[0], got[1], enc_all, None, np.inf) is not None:
                 return got
-        return got
+            last = got
+        return last
 
     def _partition(self, rc, fit, orders, enc_all, errors):
         best = None
@@ -196,7 +199,14 @@ class InterleavedDynaPipePlanner(DynaPipePlanner):
         out, makespan = [], 0.0
         for g in part.balance_groups(p.times, self.cfg.data_parallel):
             sub = costs.subset(g)
-            ch = self.search(sub, search_orders(sub, self.cfg.max_orders, 0, self.cfg.exhaustive_orders_up_to), bound)
+            # The cheap orders (longest / shortest / slowest first, long-short alternating), then
+            # the cluster orders: with every micro-batch in flight v times over, the order
+            # decides whether the peak fits at all, and there is no memory-admitting fallback.
+            quick = search_orders(sub, 4, 0, self.cfg.exhaustive_orders_up_to)
+            ch = self.search(sub, quick, bound)
+            if ch is None and self.cfg.order_clusters >= 2:
+                more = search_orders(sub, 4, self.cfg.order_clusters, self.cfg.exhaustive_orders_up_to)
+                ch = self.search(sub, [o for o in more if o not in quick], bound)
             if ch is None:
                 return None
             makespan = max(makespan, ch.result.makespan)
