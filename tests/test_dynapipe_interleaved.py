@@ -9,6 +9,7 @@ import torch
 
 from tests.dist_harness import run_distributed
 from tests.parity_utils import assert_parity, shards, tolerance_inputs
+from tests.test_dynapipe_runtime import data  # noqa: F401 (fixture)
 from tests.test_dynapipe_training import VOCAB, _cfg, multitask  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.parity
@@ -49,6 +50,36 @@ def test_dynapipe_interleaved_equals_plain_dynapipe(multitask):  # noqa: F811
     assert all(i["schedule"] == "interleaved" for o in outs for i in o["info"])
     assert all(i["schedule"] != "interleaved" for o in ref for i in o["info"])
     assert_parity(ref, outs)
+
+
+def _evaluate(rank, world, data, pp, vpp_layers):  # noqa: F811
+    from datetime import timedelta
+
+    from megatron.core.parallel_state import initialize_model_parallel
+    from megatron.initialize import set_seeds
+    from megatron.pretrain import build_gpt_trainer
+
+    cfg = _cfg(world, "gpt", data, "dynapipe", pp=pp, iters=1)
+    cfg.data.split, cfg.training.eval_iters = "70,30,0", 2
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, num_layers_per_virtual_pipeline_stage=vpp_layers))
+    cfg.model.vocab_size = VOCAB
+    ps = initialize_model_parallel(1, pp, timedelta(minutes=1))
+    set_seeds(cfg.training.seed, ps, torch.device("cpu"))
+    trainer = build_gpt_trainer(cfg, ps, torch.device("cpu"))
+    plans = trainer.valid_source
+    loss = trainer.evaluate(plans, 2)
+    return {"loss": loss, "last": ps.rank == world - 1,
+            "schedules": [g.schedule for k in sorted(plans._plans) for g in plans._plans[k].groups]}
+
+
+def test_dynapipe_interleaved_evaluation_equals_single_process(data):  # noqa: F811
+    """Validation batches are planned on virtual stages too and run forward-only on the chunks."""
+    one = run_distributed(_evaluate, 1, data, 1, None)[0]
+    outs = run_distributed(_evaluate, 2, data, 2, 1)
+    last = [o for o in outs if o["last"]][0]
+    assert set(last["schedules"]) == {"interleaved"}
+    assert last["loss"] == pytest.approx(one["loss"], rel=1e-5)
 
 
 def test_dynapipe_interleaved_flags_reach_the_planner(multitask):  # noqa: F811
