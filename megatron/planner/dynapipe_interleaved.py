@@ -103,6 +103,7 @@ class InterleavedDynaPipePlanner(DynaPipePlanner):
         self.stage_to_rank = [s % self.PP for s in range(self.S)]
         self.available = self._available_memory()
         self._cache = {}
+        self._scheduled = {}  # id(partition) -> (partition, `_schedule_groups` result without a bound)
         self.attention = AttentionCost(self.cm)
         self.warmup = np.array([warmup_forwards(self.PP, self.v, r) for r in range(self.PP)], float)
 
@@ -156,7 +157,11 @@ class InterleavedDynaPipePlanner(DynaPipePlanner):
             got = self._partition(rc, ("1f1b", extra), orders, enc_all, errors)
             if got is None:  # assuming more in flight only makes it worse
                 return last
-            if self._schedule_groups(rc, got[0], got[1], enc_all, None, np.inf) is not None:
+            sched = self._schedule_groups(rc, got[0], got[1], enc_all, None, np.inf)
+            if sched is not None:
+                if len(self._scheduled) > 16:
+                    self._scheduled.clear()
+                self._scheduled[id(got[1])] = (got[1], sched)  # `plan` asks again with a bound
                 return got
             last = got
         return last
@@ -168,7 +173,7 @@ class InterleavedDynaPipePlanner(DynaPipePlanner):
             try:  # bubble (PP - 1) / v of a rank's time per micro-batch
                 p = part.optimal_partition(T, 1.0 + (self.PP - 1) / self.v, self.cfg.data_parallel)
             except part.PartitionError as e:
-                errors.append(f"recompute={rc}, fit={fit}: {e}")
+                errors.append(f"recompute={rc}, fit={fit if fit == 'single' else f'1f1b+{fit[1]}'}: {e}")
                 continue
             if best is None or p.objective < best[1].objective:
                 best = (order, p)
@@ -193,6 +198,9 @@ class InterleavedDynaPipePlanner(DynaPipePlanner):
         return best
 
     def _schedule_groups(self, rc, order, p, enc_all, dec_all, bound):
+        known = self._scheduled.get(id(p))
+        if known is not None and known[0] is p:  # the unbounded search's best; a bound only prunes
+            return known[1] if known[1][0] < bound else None
         if p.num_microbatches < self.cfg.data_parallel:
             return None
         costs, _ = self._mb_costs(rc, order, p, enc_all, dec_all)
