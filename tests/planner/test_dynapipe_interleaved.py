@@ -97,3 +97,21 @@ def test_refuses_what_it_cannot_plan():
                                        hidden_size=1024, encoder_layers=24, decoder_layers=24, virtual_stages=2))
     with pytest.raises(ValueError, match="split evenly"):
         DynaPipePlanner(gpt_config(num_layers=36, virtual_stages=4))
+
+
+@pytest.mark.parametrize("epilogue", [False, True])
+def test_replay_equals_simulate(epilogue):
+    """The search's list replay gives the simulator's makespan and per-rank peaks."""
+    from megatron.planner.dynapipe_interleaved import replay
+    rng = np.random.default_rng(1)
+    for pp, v, m in [(2, 2, 5), (4, 2, 9), (3, 3, 7), (4, 4, 12)]:
+        S = pp * v
+        a = [rng.uniform(0.5, 2.0, (S, m)) for _ in range(5)]
+        costs = PipelineCosts(*a, grad_comm=a[4] / 3, grad_comm_epilogue_only=epilogue)
+        order = list(rng.permutation(m))
+        ops = interleaved_orders(pp, v, order)
+        ref = simulate(costs, ops, [s % pp for s in range(S)])
+        got = replay(costs, ops, [s % pp for s in range(S)])
+        assert got[0] == pytest.approx(ref.makespan) and got[1] == pytest.approx(ref.peak_memory)
+        assert replay(costs, ops, [s % pp for s in range(S)], cut=ref.makespan) is None
+        assert replay(costs, ops, [s % pp for s in range(S)], mem_limit=[p - 1e-3 for p in ref.peak_memory]) is None
