@@ -473,9 +473,16 @@ class MegatronConfig:
             _require(all(n % 8 == 0 for n in lengths),
                      f"--dynapipe pads micro-batches to multiples of 8 tokens: sequence lengths {lengths} must be "
                      "multiples of 8 (--seq-length / --encoder-seq-length / --decoder-seq-length)")
-            _require(p.num_layers_per_virtual_pipeline_stage is None and p.pipeline_stage_layers is None,
-                     "--dynapipe plans uniform, non-interleaved stages: drop --num-layers-per-virtual-pipeline-stage "
-                     "and --pipeline-stage-layers")
+            _require(p.pipeline_stage_layers is None,
+                     "--dynapipe plans uniform stages (its cost model prices one layer count per stage): drop "
+                     "--pipeline-stage-layers")
+            _require(p.num_layers_per_virtual_pipeline_stage is None or m.model_type == "gpt",
+                     "--dynapipe with T5 gives the encoder and the decoder whole pipeline ranks (split at "
+                     "--pipeline-model-parallel-split-rank), so no rank can hold round-robin chunks of both: drop "
+                     "--num-layers-per-virtual-pipeline-stage")
+            _require(p.num_layers_per_virtual_pipeline_stage is None or not self.data.dynapipe_packed_rows,
+                     "--dynapipe-packed-rows searches one-stage-per-rank schedules; with "
+                     "--num-layers-per-virtual-pipeline-stage DynaPipe plans padded micro-batches: drop one")
             if m.model_type == "t5" and p.pipeline_model_parallel_size > 1:
                 _require(p.pipeline_model_parallel_split_rank == p.pipeline_model_parallel_size // 2,
                          "--dynapipe with T5 puts the encoder on the first half of the pipeline: set "

@@ -347,6 +347,8 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
         common.update(packed_max_len=m.seq_length if m.model_type == "gpt" else m.encoder_seq_length,
                       packed_dec_len=None if m.model_type == "gpt" else m.decoder_seq_length)
     if m.model_type == "gpt":
-        return DynaPipeConfig(model_kind="gpt", num_layers=m.num_layers, **common)
+        nv = cfg.parallel.num_layers_per_virtual_pipeline_stage  # interleaved: v chunks per rank
+        return DynaPipeConfig(model_kind="gpt", num_layers=m.num_layers,
+                              virtual_stages=m.num_layers // (ps.pp_size * nv) if nv else 1, **common)
     return DynaPipeConfig(model_kind="t5", num_layers=m.num_layers, encoder_layers=m.encoder_num_layers,
                           decoder_layers=m.decoder_num_layers, decoder_extra_tokens=0, **common)

@@ -99,12 +99,17 @@ class DynaPipeConfig:
     # GPT: cut micro-batches into TeraPipe token slices (megatron/planner/dynapipe_slicing.py):
     # 0 off, -1 the planner decides (auto), N: N uniform slices per micro-batch.
     token_slices: int = 0
+    # GPT: model chunks per pipeline rank (--num-layers-per-virtual-pipeline-stage): plans
+    # then run on PP * v virtual stages placed round-robin (megatron/planner/dynapipe_interleaved.py).
+    virtual_stages: int = 1
 
     def __post_init__(self):
         if self.model_kind not in ("gpt", "t5"):
             raise ValueError(f"model_kind must be 'gpt' or 't5', got {self.model_kind!r}")
         if self.pipeline_parallel < 1 or self.data_parallel < 1 or self.tensor_parallel < 1:
             raise ValueError("pipeline_parallel, data_parallel and tensor_parallel must be >= 1")
+        if self.virtual_stages < 1:
+            raise ValueError(f"virtual_stages must be >= 1, got {self.virtual_stages}")
         if self.model_kind == "t5" and self.pipeline_parallel % 2 and self.pipeline_parallel != 1:
             raise ValueError(f"T5 needs an even pipeline_parallel (encoder half, decoder half), got {self.pipeline_parallel}")
         bad = [r for r in self.recompute_levels if r not in RECOMPUTE_LEVELS]
@@ -164,6 +169,12 @@ class DynaPipePlanner:
 
     T5_CACHE_ENTRIES = 4_000_000  # per (recompute, fit); the cache restarts when it would grow past this
 
+    def __new__(cls, config: DynaPipeConfig, cost_model: Optional[CostModel] = None):
+        if cls is DynaPipePlanner and config.virtual_stages > 1:  # every caller gets the interleaved planner
+            from megatron.planner.dynapipe_interleaved import InterleavedDynaPipePlanner
+            cls = InterleavedDynaPipePlanner
+        return super().__new__(cls)
+
     def __init__(self, config: DynaPipeConfig, cost_model: Optional[CostModel] = None):
         self.cfg = config
         self.cm = cost_model or CostModel.load(config.cost_model_path)
@@ -171,6 +182,7 @@ class DynaPipePlanner:
             raise ValueError(f"cost model {self.cm.name!r} is for {self.cm.kind!r}, config is {config.model_kind!r}")
         self.layout = config.stage_layers()
         self.S = len(self.layout)
+        self.stage_to_rank = list(range(self.S))
         self.available = self._available_memory()
         self._cache = {}
         self.attention = AttentionCost(self.cm)
@@ -280,6 +292,10 @@ class DynaPipePlanner:
         ok = (need <= self.available.reshape(shape)) & np.isfinite(sc["fwd"]) & np.isfinite(sc["bwd"])
         return ok.all(axis=0)
 
+    def _bottleneck(self, sc: dict) -> np.ndarray:
+        """A micro-batch's time on the busiest pipeline rank (one stage per rank here)."""
+        return (sc["fwd"] + sc["bwd"]).max(axis=0)
+
     def _gpt_segments(self, rc, fit, padded: np.ndarray) -> np.ndarray:
         """(N, M) bottleneck times for GPT. The cost depends only on (first = longest
         length, size), so rows are cached per padded length across iterations; a row
@@ -290,7 +306,7 @@ class DynaPipePlanner:
         while todo:
             m = np.arange(1, size + 1, dtype=float)
             sc = self.stage_costs(rc, m[None, :], np.array(todo, float)[:, None])
-            T = np.where(self._feasible(sc, fit), (sc["fwd"] + sc["bwd"]).max(axis=0), np.inf)
+            T = np.where(self._feasible(sc, fit), self._bottleneck(sc), np.inf)
             left = []
             for L, row in zip(todo, T):
                 bad = np.nonzero(~np.isfinite(row))[0]
@@ -548,7 +564,7 @@ class DynaPipePlanner:
                     return ((se, b, h),)
                 return ((sd, b, h), (se, b, h))
 
-            plans = lower_to_plans([[ComputeOp(*o) for o in ops] for ops in orders], list(range(self.S)),
+            plans = lower_to_plans([[ComputeOp(*o) for o in ops] for ops in orders], self.stage_to_rank,
                                    shapes, activation_shapes, recompute=rc, dtype=self.cfg.dtype,
                                    iteration=iteration, validate=validate)
         return GroupPlan([[int(i) for i in s] for s in mbs], shapes, ch.name, float(ch.result.makespan),

@@ -1,0 +1,311 @@
+"""DynaPipe over virtual pipeline stages (`--dynapipe --num-layers-per-virtual-pipeline-stage`).
+
+The model is cut into S = PP * v virtual stages of `num_layers / S` layers, placed
+round-robin (stage s on pipeline rank s % PP) as in Megatron's interleaved 1F1B. DynaPipe's
+steps stay the same (order samples, cut micro-batches optimally, split over DP groups, search
+micro-batch orders, lower), with three changes:
+
+* Costs: per virtual stage from the cost model at layers-per-virtual-stage (the first stage
+  embeds, the last runs the head). A micro-batch's bottleneck is the busiest *rank*: the sum
+  of its v chunks' forward + backward, since one device runs them one after the other. The
+  partition objective's bubble term is ``(PP - 1) / v`` of that (the interleaved schedule
+  divides the bubble by v), i.e. `optimal_partition` with ``1 + (PP - 1) / v`` stages.
+* Memory: per rank, the device limit less the model states of all of its chunks; a
+  micro-batch "fits" when the interleaved warm-up's in-flight forwards on every rank fit
+  (``W_r = 2 (PP - r - 1) + (v - 1) PP`` chunk forwards before the first backward, plus
+  the one running), each holding at most its largest chunk's activations; where the chosen
+  partition's schedules still pass the limit (micro-batches of different sizes in flight
+  together), the partition is redone assuming more in flight (`FIT_EXTRA`).
+* Schedule: Megatron's interleaved 1F1B generalised to variable micro-batches in a chosen
+  order and to any number of them (`interleaved_orders`): micro-batches go in groups of PP
+  through chunk 0, 1, ..., v-1 (a remainder joins the last group, whose size G then replaces
+  PP in W_r); backwards mirror that with the chunks reversed; rank r runs W_r forwards, then
+  alternates, then drains. Candidates
+  are simulated with `simulate(..., stage_to_rank)`, which serialises a rank's chunks on one
+  compute stream and sums their memory; a candidate whose per-rank peak passes the rank's
+  limit is dropped. The memory-admitting adaptive schedule and the token-slice / packed-row
+  searches of `DynaPipePlanner` schedule one stage per rank, so they are not used here.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from megatron.planner import partitioner as part
+from megatron.planner.attention_cost import AttentionCost
+from megatron.planner.cost_model import CostModel
+from megatron.planner.dynapipe import DynaPipeConfig, DynaPipePlanner, PlanningError
+from megatron.planner.schedules import ScheduleChoice, search_orders
+from megatron.planner.simulator import Op, PipelineCosts, SimulationError, simulate
+
+
+def warmup_forwards(pp: int, v: int, rank: int, group: int = 0) -> int:
+    """Chunk forwards rank `rank` runs before its first backward in interleaved 1F1B with
+    micro-batch groups of at most `group` (default PP): Megatron's 2 (PP - r - 1) + (v - 1) PP."""
+    return (pp - rank - 1) * 2 + (v - 1) * (group or pp)
+
+
+def microbatch_groups(pp: int, order: Sequence[int]) -> List[List[int]]:
+    """Groups of PP consecutive micro-batches of `order`; a remainder joins the last group
+    (a short last group of its own deadlocks the steady state for some PP, v, m)."""
+    K = len(order)
+    cuts = list(range(0, max(K - K % pp, 1), pp)) + [K] if K > pp else [0, K]
+    return [list(order[a:b]) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+
+
+def interleaved_orders(pp: int, v: int, order: Sequence[int], extra_warmup: int = 0) -> List[List[Op]]:
+    """Per-rank op orders of interleaved 1F1B for micro-batches run in `order` (any count).
+
+    Rank r's forward sequence: for each group of micro-batches (`microbatch_groups`), chunk 0
+    of the group, then chunk 1, ...; its backward sequence: the same groups with the chunks
+    reversed. Rank r runs `warmup_forwards(pp, v, r, largest group)` forwards, then one forward
+    / one backward, then drains. With m a multiple of PP this is exactly
+    `megatron.planner.static.interleaved_orders`. `extra_warmup`: that many more forwards
+    first on every rank (all forwards first never deadlocks)."""
+    groups = microbatch_groups(pp, order)
+    G = max(len(g) for g in groups)
+    orders = []
+    for r in range(pp):
+        fwd = [Op("F", mb, c * pp + r) for g in groups for c in range(v) for mb in g]
+        bwd = [Op("B", mb, c * pp + r) for g in groups for c in reversed(range(v)) for mb in g]
+        total = len(fwd)
+        # One group: every forward first (Megatron's m == PP case).
+        warm = total if len(groups) == 1 else min(warmup_forwards(pp, v, r, G) + extra_warmup, total)
+        ops = fwd[:warm]
+        for k in range(total - warm):
+            ops += [fwd[warm + k], bwd[k]]
+        ops += bwd[total - warm:]
+        orders.append(ops)
+    return orders
+
+
+def replay(costs: PipelineCosts, orders: List[List[Op]], stage_to_rank: Sequence[int], cut: float = np.inf,
+           mem_limit: Optional[Sequence[float]] = None):
+    """(makespan, per-rank peak) of `simulate(costs, orders, stage_to_rank)` on plain lists (no
+    per-op records, same rules and the same processing order, so the same numbers); None once
+    an op would end at or after `cut` or a rank's memory passes `mem_limit`. Raises
+    SimulationError on a deadlock. The schedule search replays candidates and simulates only
+    the winner."""
+    S, K, R = costs.num_stages, costs.num_microbatches, len(orders)
+    fwd, bwd, stored, trans, comm = (a.tolist() for a in
+                                     (costs.fwd, costs.bwd, costs.stored, costs.transient, costs.comm))
+    gcomm = comm if costs.grad_comm is None else costs.grad_comm.tolist()
+    last_f = [max((i for i, o in enumerate(order) if o[0] == "F"), default=-1)
+              if costs.grad_comm_epilogue_only else -1 for order in orders]
+    arr_f = [[-1.0] * K for _ in range(S)]
+    arr_b = [[-1.0] * K for _ in range(S)]
+    f_end = [[-1.0] * K for _ in range(S)]
+    link = [[0.0] * R for _ in range(R)]
+    free, mem, peak, ptr = [0.0] * R, [0.0] * R, [0.0] * R, [0] * R
+    limit = [np.inf] * R if mem_limit is None else list(mem_limit)
+    remaining, makespan = sum(len(o) for o in orders), 0.0
+    while remaining:
+        progressed = False
+        for r in range(R):
+            order, n = orders[r], len(orders[r])
+            while ptr[r] < n:
+                kind, mb, s = order[ptr[r]]
+                if kind == "F":
+                    if s > 0 and arr_f[s][mb] < 0:
+                        break
+                    t0 = max(free[r], arr_f[s][mb] if s > 0 else 0.0)
+                    t1 = t0 + fwd[s][mb]
+                    hi = mem[r] + stored[s][mb] + trans[s][mb]
+                    mem[r] += stored[s][mb]
+                    f_end[s][mb] = t1
+                    if s < S - 1:
+                        dst = stage_to_rank[s + 1]
+                        if dst == r:
+                            arr_f[s + 1][mb] = t1
+                        else:
+                            x = max(t1, link[r][dst]) + comm[s][mb]
+                            link[r][dst] = arr_f[s + 1][mb] = x
+                else:
+                    if f_end[s][mb] < 0 or (s < S - 1 and arr_b[s][mb] < 0):
+                        break
+                    t0 = max(free[r], f_end[s][mb], arr_b[s][mb])
+                    t1 = t0 + bwd[s][mb]
+                    hi = mem[r] + trans[s][mb]
+                    mem[r] -= stored[s][mb]
+                    if s > 0:
+                        dst = stage_to_rank[s - 1]
+                        if dst == r:
+                            arr_b[s - 1][mb] = t1
+                        else:
+                            table = gcomm if ptr[r] > last_f[r] else comm
+                            x = max(t1, link[r][dst]) + table[s - 1][mb]
+                            link[r][dst] = arr_b[s - 1][mb] = x
+                if t1 >= cut:
+                    return None
+                if hi > peak[r]:
+                    if hi > limit[r]:
+                        return None
+                    peak[r] = hi
+                free[r] = t1
+                if t1 > makespan:
+                    makespan = t1
+                ptr[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise SimulationError("schedule deadlocks")
+    return makespan, peak
+
+
+class InterleavedDynaPipePlanner(DynaPipePlanner):
+    """`DynaPipePlanner` on PP * v virtual stages, v per pipeline rank (GPT)."""
+
+    def __init__(self, config: DynaPipeConfig, cost_model: Optional[CostModel] = None):
+        c = config
+        if c.model_kind != "gpt":
+            raise ValueError("interleaved DynaPipe plans GPT only (T5's encoder/decoder halves are whole ranks)")
+        if c.packed_rows or c.token_slices:
+            raise ValueError("interleaved DynaPipe plans padded micro-batches: packed rows and token slices "
+                             "are searched with one-stage-per-rank schedules")
+        self.cfg = c
+        self.cm = cost_model or CostModel.load(c.cost_model_path)
+        if self.cm.kind != c.model_kind:
+            raise ValueError(f"cost model {self.cm.name!r} is for {self.cm.kind!r}, config is {c.model_kind!r}")
+        self.PP, self.v = c.pipeline_parallel, c.virtual_stages
+        self.S = self.PP * self.v
+        n = c.layers_per_stage or c.num_layers // self.S
+        if n < 1 or (c.layers_per_stage is None and c.num_layers % self.S):
+            raise ValueError(f"{c.num_layers} GPT layers do not split evenly over {self.PP} x {self.v} virtual stages")
+        self.layout = [[("encoder", n)] for _ in range(self.S)]
+        self.stage_to_rank = [s % self.PP for s in range(self.S)]
+        self.available = self._available_memory()
+        self._cache = {}
+        self._scheduled = {}  # id(partition) -> (partition, `_schedule_groups` result without a bound)
+        self.attention = AttentionCost(self.cm)
+        self.warmup = np.array([warmup_forwards(self.PP, self.v, r) for r in range(self.PP)], float)
+
+    # ---- memory (per rank) -----------------------------------------------------------
+    def _available_memory(self) -> np.ndarray:
+        c, tp = self.cfg, self.cfg.tensor_parallel
+        zero = c.zero_shards or c.data_parallel
+        per_param = (c.weight_grad_bytes_per_param + c.optimizer_bytes_per_param / zero) / 2.0
+        states = np.zeros(self.PP)
+        for s, comps in enumerate(self.layout):
+            mb = sum(n * self.cm.param_mb(comp, tp) for comp, n in comps)
+            if s == 0 or s == self.S - 1:
+                mb += self.cm.param_mb("embedding", tp)
+            states[self.stage_to_rank[s]] += mb * per_param
+        avail = c.memory_limit_mb - states
+        if (avail <= 0).any():
+            r = int(np.argmin(avail))
+            raise PlanningError(f"model states alone exceed memory_limit_mb={c.memory_limit_mb} on pipeline rank {r}")
+        return avail
+
+    def _per_rank(self, a: np.ndarray, how) -> np.ndarray:
+        """(S, ...) per virtual stage -> (PP, ...) per rank, reducing a rank's chunks with `how`."""
+        return how(a.reshape((self.v, self.PP) + a.shape[1:]), axis=0)
+
+    def _feasible(self, sc: dict, fit) -> np.ndarray:
+        """`fit`: "single", or ("1f1b", extra): the warm-up's forwards plus `extra` more in flight."""
+        stored, peak = self._per_rank(sc["stored"], np.max), self._per_rank(sc["peak"], np.max)
+        inflight = np.zeros(self.PP) if fit == "single" else self.warmup + fit[1]
+        shape = (self.PP,) + (1,) * (peak.ndim - 1)
+        with np.errstate(invalid="ignore"):
+            need = inflight.reshape(shape) * stored + peak
+        ok = (need <= self.available.reshape(shape)) & np.isfinite(sc["fwd"]).all(axis=0) & np.isfinite(sc["bwd"]).all(axis=0)
+        return ok.all(axis=0)
+
+    def _bottleneck(self, sc: dict) -> np.ndarray:
+        return self._per_rank(sc["fwd"] + sc["bwd"], np.sum).max(axis=0)
+
+    # ---- partition and schedules -----------------------------------------------------
+    # Extra in-flight forwards the "1f1b" fit assumes, tried in turn until the partition's quick
+    # schedule fits: micro-batches of different sizes in flight together (and a last group
+    # larger than PP) can pass the per-micro-batch estimate; without this a recompute level
+    # whose estimate fits but whose schedules do not would be dropped (there is no
+    # memory-admitting interleaved schedule to fall back on).
+    FIT_EXTRA = (0, 1, 2, 3, 4, 6, 8, 12, 16)
+
+    def _best_partition(self, rc, fit, orders, enc_all, dec_all, errors):
+        if fit != "1f1b":
+            return self._partition(rc, "single", orders, enc_all, errors)
+        last = None  # a partition whose schedules do not fit: `plan` then finds no schedule for it
+        for extra in self.FIT_EXTRA:
+            got = self._partition(rc, ("1f1b", extra), orders, enc_all, errors)
+            if got is None:  # assuming more in flight only makes it worse
+                return last
+            sched = self._schedule_groups(rc, got[0], got[1], enc_all, None, np.inf)
+            if sched is not None:
+                if len(self._scheduled) > 16:
+                    self._scheduled.clear()
+                self._scheduled[id(got[1])] = (got[1], sched)  # `plan` asks again with a bound
+                return got
+            last = got
+        return last
+
+    def _partition(self, rc, fit, orders, enc_all, errors):
+        best = None
+        for order in orders:
+            T = self.segment_times(rc, fit, enc_all[order], None)
+            try:  # bubble (PP - 1) / v of a rank's time per micro-batch
+                p = part.optimal_partition(T, 1.0 + (self.PP - 1) / self.v, self.cfg.data_parallel)
+            except part.PartitionError as e:
+                errors.append(f"recompute={rc}, fit={fit if fit == 'single' else f'1f1b+{fit[1]}'}: {e}")
+                continue
+            if best is None or p.objective < best[1].objective:
+                best = (order, p)
+        return best
+
+    def search(self, costs: PipelineCosts, orders: List[List[int]], bound: float) -> Optional[ScheduleChoice]:
+        """Fastest interleaved schedule over `orders` whose per-rank peak fits and beats `bound`."""
+        limit = (self.available + 1e-6).tolist()
+        best = None  # (makespan, order, ops)
+        for order in orders:
+            # Every forward first is the safety net should the steady state deadlock (the
+            # groups of `microbatch_groups` never did for PP <= 8, v <= 4, m <= 41).
+            for extra in (0, 2 * len(order) * self.v):
+                ops = interleaved_orders(self.PP, self.v, order, extra)
+                try:
+                    got = replay(costs, ops, self.stage_to_rank, min(bound, best[0] if best else np.inf), limit)
+                except SimulationError:
+                    continue
+                if got is not None:
+                    best = (got[0], list(order), ops)
+                break
+        if best is None:
+            return None
+        return ScheduleChoice("interleaved", best[1], best[2], simulate(costs, best[2], self.stage_to_rank))
+
+    def _schedule_groups(self, rc, order, p, enc_all, dec_all, bound):
+        known = self._scheduled.get(id(p))
+        if known is not None and known[0] is p:  # the unbounded search's best; a bound only prunes
+            return known[1] if known[1][0] < bound else None
+        if p.num_microbatches < self.cfg.data_parallel:
+            return None
+        costs, _ = self._mb_costs(rc, order, p, enc_all, dec_all)
+        out, makespan = [], 0.0
+        for g in part.balance_groups(p.times, self.cfg.data_parallel):
+            sub = costs.subset(g)
+            # The cheap orders (longest / shortest / slowest first, long-short alternating), then
+            # the cluster orders: with every micro-batch in flight v times over, the order
+            # decides whether the peak fits at all, and there is no memory-admitting fallback.
+            quick = search_orders(sub, 4, 0, self.cfg.exhaustive_orders_up_to)
+            ch = self.search(sub, quick, bound)
+            if ch is None and self.cfg.order_clusters >= 2:
+                more = search_orders(sub, 4, self.cfg.order_clusters, self.cfg.exhaustive_orders_up_to)
+                ch = self.search(sub, [o for o in more if o not in quick], bound)
+            if ch is None:
+                return None
+            makespan = max(makespan, ch.result.makespan)
+            out.append((g, ch))
+        return makespan, out
+
+    def _refine(self, best):
+        """Every order of `order_clusters` clusters of micro-batches, per DP group."""
+        makespan, rc, fit, order, p, groups = best
+        if self.cfg.order_clusters < 2:
+            return best
+        costs, _ = self._mb_costs(rc, order, p, self._enc_all, self._dec_all)
+        out = []
+        for g, ch in groups:
+            sub = costs.subset(g)
+            cands = search_orders(sub, self.cfg.max_orders, self.cfg.order_clusters, self.cfg.exhaustive_orders_up_to)
+            better = self.search(sub, [o for o in cands if o != ch.order], ch.result.makespan)
+            out.append((g, better if better is not None else ch))
+        return (max(ch.result.makespan for _, ch in out), rc, fit, order, p, out)
