@@ -58,9 +58,6 @@ def check_terapipe_config(cfg) -> None:
          "T5's encoder attends in both directions and its decoder cross-attends to the whole encoder output, "
          "so a T5 slice would need tokens that run later; use pretrain_gpt.py or drop --terapipe")
     need(not d.dynapipe, "--terapipe and --dynapipe are two planners for one run; pick one")
-    need(not d.targets_data_path and not d.pack_dataset,
-         "--terapipe trains on pretraining data (--data-path or --mock-data); multi-task data "
-         "(--targets-data-path / --pack-dataset) is not supported with it")
     need(p.num_layers_per_virtual_pipeline_stage is None,
          "--terapipe runs one stage per pipeline rank: drop --num-layers-per-virtual-pipeline-stage")
     need(not m.sequence_parallel,

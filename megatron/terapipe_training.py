@@ -6,7 +6,10 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from megatron.planner.terapipe import build_terapipe_plans, parse_slices, plan_slices, slice_memory_mb
+import numpy as np
+
+from megatron.planner.terapipe import (build_terapipe_plans, parse_slices, plan_slices, slice_memory_mb,
+                                       uniform_slices)
 from megatron.training import FixedBatchSource, Trainer
 
 
@@ -28,12 +31,24 @@ class TeraPipePlanner:
     def stage_ms(self, b, l, c) -> float:
         return self.latency.stage_ms(b, l, c, self.layers_per_stage)
 
+    def fixed_slices(self, s: int) -> list:
+        """--terapipe-slices N|l1,l2,... for a sequence of s tokens (multi-task data pads each
+        micro-batch to its own length): N uniform slices (at most s), or the given boundaries
+        that fall inside the sequence."""
+        if s == self.cfg.model.seq_length:
+            return list(self.fixed)
+        spec = self.cfg.terapipe.slices.strip()
+        if "," not in spec:
+            return uniform_slices(s, min(int(spec), s))
+        cuts = [c for c in np.cumsum(self.fixed)[:-1].tolist() if c < s]
+        return np.diff([0] + cuts + [s]).tolist()
+
     def slicing(self, b: int, s: int) -> tuple:
         key = (b, s)
         if key not in self._slicings:
             t0 = time.perf_counter()
-            if self.fixed is not None and s == self.cfg.model.seq_length:
-                slices = list(self.fixed)
+            if self.fixed is not None:
+                slices = self.fixed_slices(s)
             elif self.latency is None:
                 slices = [s]
             else:
@@ -93,20 +108,30 @@ class TeraPipeBatchSource(FixedBatchSource):
         return work
 
 
-def terapipe_trainer(cfg, ps, device, stages, train_ds, valid_ds, tied, flops):
-    from megatron.batching import gpt_microbatch
-    from megatron.training import gpt_microbatch_shapes
+def terapipe_planner(cfg, ps) -> TeraPipePlanner:
     latency = None
     if cfg.terapipe.cost_model:
         from megatron.planner.terapipe_latency import SliceLatencyModel
         latency = SliceLatencyModel.load(cfg.terapipe.cost_model)
-    planner = TeraPipePlanner(cfg, ps.pp_size, latency)
+    return TeraPipePlanner(cfg, ps.pp_size, latency)
+
+
+def keyed_dropout(trainer, cfg, ps):
+    """Dropout masks keyed by (seed, iteration, sequence, site, token position, ...): equal for
+    every slicing; distinct per data-parallel rank (equal across TP ranks, as hidden states are)."""
+    trainer.executor.dropout_seed = cfg.training.seed * 1009 + ps.dp_rank
+    return trainer
+
+
+def terapipe_trainer(cfg, ps, device, stages, train_ds, valid_ds, tied, flops):
+    """Pretraining data (--data-path / --mock-data): fixed global batches, sliced. Multi-task
+    data goes through `megatron.supervised_training`'s sources with a `terapipe_planner`."""
+    from megatron.batching import gpt_microbatch
+    from megatron.training import gpt_microbatch_shapes
+    planner = terapipe_planner(cfg, ps)
     source = TeraPipeBatchSource(cfg, ps, train_ds, gpt_microbatch, planner, gpt_microbatch_shapes)
     valid = TeraPipeBatchSource(cfg, ps, valid_ds, gpt_microbatch, planner, gpt_microbatch_shapes) \
         if valid_ds is not None else None
     trainer = Trainer(cfg, ps, device, stages, tied_params=tied, flops_per_sample=flops, batch_source=source,
                       valid_source=valid)
-    # Dropout masks keyed by (seed, iteration, sequence, site, token position, ...): equal for every
-    # slicing; distinct per data-parallel rank (equal across TP ranks, as hidden states are).
-    trainer.executor.dropout_seed = cfg.training.seed * 1009 + ps.dp_rank
-    return trainer
+    return keyed_dropout(trainer, cfg, ps)

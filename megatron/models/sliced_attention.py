@@ -6,7 +6,8 @@ executor runs slices of that sequence there. Every attention layer of the stage,
 running slice j (tokens [c, c+l)), calls `extend(layer, k, v)`:
 
 * it attends over ``cat(K_<j, k_j)`` with the mask "query t may see key u iff u <= c + t"
-  (the causal mask shifted by c);
+  (the causal mask shifted by c); packed rows pass the rows [c, c+l) of their per-document
+  mask over the prefix instead (same document and u <= c + t);
 * ``K_<j`` is a fresh leaf built from the *detached* keys/values of slices 0..j-1, so every
   slice has its own autograd graph (TeraPipe detaches the incoming cache the same way);
 * the slice's own k, v (still attached to its graph) become extra outputs of the slice.
@@ -84,18 +85,19 @@ class SequenceKVCache:
         prev.append((k.detach(), v.detach()))
         self.grads.setdefault(layer, []).append([None, None])
         rec.outputs.append((layer, k, v))
-        if mask is not None:
-            raise ValueError("token slicing does not support an explicit attention mask "
-                             "(packed sequences / segment ids)")
+        if mask is not None and tuple(mask.shape[-2:]) != (l, c + l):
+            raise ValueError(f"a token slice of {l} tokens at {c} attends with a [{l}, {c + l}] mask "
+                             f"(queries x prefix keys), got {list(mask.shape)}")
         if rec.index == 0:
-            return k, v, None  # the first slice is plain causal attention
+            return k, v, mask  # the first slice: plain causal attention, or the packed rows' mask
         grad = torch.is_grad_enabled()
         k_prev = torch.cat([p[0] for p in prev[:-1]]).requires_grad_(grad)
         v_prev = torch.cat([p[1] for p in prev[:-1]]).requires_grad_(grad)
         if grad:
             rec.leaves.append((layer, k_prev, v_prev))
-        allowed = torch.ones(l, c + l, dtype=torch.bool, device=k.device).tril(c)
-        return torch.cat([k_prev, k]), torch.cat([v_prev, v]), allowed.view(1, 1, l, c + l)
+        if mask is None:  # causal, shifted by the slice's offset
+            mask = torch.ones(l, c + l, dtype=torch.bool, device=k.device).tril(c).view(1, 1, l, c + l)
+        return torch.cat([k_prev, k]), torch.cat([v_prev, v]), mask
 
     # -- backward --------------------------------------------------------------------------
     def output_grads(self, rec: SliceRecord) -> tuple:

@@ -1,0 +1,61 @@
+"""--terapipe composed with the other features: each run gives the losses, gradients and
+parameters of the same run without --terapipe on the same batches (tests/parity_utils bounds).
+
+* multi-task data (inputs + targets, loss on targets only): fixed padded micro-batches and
+  packed rows (--pack-dataset, per-document attention across slice boundaries: a query sees
+  the cached keys of earlier slices of its own document only);
+"""
+import dataclasses
+
+import pytest
+
+from megatron.config import TeraPipeConfig
+from tests.dist_harness import run_distributed
+from tests.parity_utils import assert_parity
+from tests.test_dynapipe_training import multitask  # noqa: F401 (the data fixture)
+
+pytestmark = pytest.mark.parity
+
+
+def _train_multitask(rank, world, data, mode, slices=None, pp=1):
+    """tests/test_dynapipe_training._train with --terapipe --terapipe-slices `slices` when given."""
+    import tests.test_dynapipe_training as td
+    orig = td._cfg
+
+    def cfg(*a, **k):
+        c = orig(*a, **k)
+        c.data.dynapipe_cost_model = None
+        return c if slices is None else dataclasses.replace(c, terapipe=TeraPipeConfig(enabled=True, slices=slices))
+    td._cfg = cfg
+    try:
+        return td._train(rank, world, "gpt", data, mode, pp=pp)
+    finally:
+        td._cfg = orig
+
+
+@pytest.fixture(scope="module")
+def packed_reference(multitask):  # noqa: F811
+    return run_distributed(_train_multitask, 1, multitask, "packing")
+
+
+@pytest.fixture(scope="module")
+def fixed_reference(multitask):  # noqa: F811
+    return run_distributed(_train_multitask, 1, multitask, "fixed")
+
+
+def _check(ref, outs):
+    last = [o for o in outs if o["is_last"]][0]
+    assert last["samples"] == [o for o in ref if o["is_last"]][0]["samples"]
+    assert_parity(ref, outs)
+
+
+def test_terapipe_packed_rows_pp2_matches_unsliced(multitask, packed_reference):  # noqa: F811
+    # 64-token rows cut at 8, 24, 40: documents straddle slice boundaries
+    outs = run_distributed(_train_multitask, 2, multitask, "packing", "8,16,16,24", pp=2)
+    assert all(i["planner"] == "packing" for i in [o for o in outs if o["is_last"]][0]["info"])
+    _check(packed_reference, outs)
+
+
+def test_terapipe_multitask_fixed_microbatches_pp2_matches_unsliced(multitask, fixed_reference):  # noqa: F811
+    # micro-batches padded to their own lengths: 3 uniform slices of each
+    _check(fixed_reference, run_distributed(_train_multitask, 2, multitask, "fixed", "3", pp=2))
