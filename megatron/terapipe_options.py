@@ -60,13 +60,15 @@ def check_terapipe_config(cfg) -> None:
     need(not d.dynapipe, "--terapipe and --dynapipe are two planners for one run; pick one")
     need(p.num_layers_per_virtual_pipeline_stage is None,
          "--terapipe runs one stage per pipeline rank: drop --num-layers-per-virtual-pipeline-stage")
-    need(not m.sequence_parallel,
-         "--terapipe with --sequence-parallel would split each token slice over TP ranks; drop --sequence-parallel "
-         "(TeraPipe already bounds activation memory by slicing the sequence)")
     need(not cfg.compression.inter_grad_comp,
          "--terapipe with --inter-grad-comp is not supported: compressed backpropagation keeps one low-rank state "
          "per stage and micro-batch shape, and token slices change shape every slice; drop one of them")
     need(t.recompute_granularity != "full",
          "--terapipe with --recompute-granularity full would replay a layer and write its slice's keys/values "
          "twice: use --recompute-granularity selective or none")
-    parse_slices(cfg.terapipe.slices, m.seq_length)
+    fixed = parse_slices(cfg.terapipe.slices, m.seq_length)
+    tp = p.tensor_model_parallel_size
+    if m.sequence_parallel and tp > 1 and fixed is not None:
+        need(all(ln % tp == 0 for ln in fixed),
+             f"--sequence-parallel splits each token slice over the {tp} TP ranks: --terapipe-slices "
+             f"{cfg.terapipe.slices} gives {fixed}, give lengths that are multiples of {tp}")

@@ -3,12 +3,13 @@ slices by plans from `megatron.planner.terapipe`. Nothing else in the training l
 the executor slices each micro-batch as the plan's `token_slice`s say."""
 from __future__ import annotations
 
+import math
 import time
 from typing import Optional
 
 import numpy as np
 
-from megatron.planner.terapipe import (build_terapipe_plans, parse_slices, plan_slices, slice_memory_mb,
+from megatron.planner.terapipe import (GRID, build_terapipe_plans, parse_slices, plan_slices, slice_memory_mb,
                                        uniform_slices)
 from megatron.training import FixedBatchSource, Trainer
 
@@ -24,6 +25,10 @@ class TeraPipePlanner:
         m = cfg.model
         self.layers_per_stage = -(-m.num_layers // pp_size)
         self.tp = cfg.parallel.tensor_model_parallel_size
+        # --sequence-parallel: each slice is split over the TP ranks, so slice lengths are
+        # multiples of TP (the DP's grid is a common multiple of 8 tokens and TP)
+        self.seq_split = self.tp if m.sequence_parallel else 1
+        self.grid = math.lcm(GRID, self.seq_split)
         self._slicings: dict = {}
         self._plans: dict = {}
         self.info: dict = {}
@@ -63,7 +68,7 @@ class TeraPipePlanner:
                 k_eff = 1 + (self.pp - 1) / max(1, self.cfg.num_microbatches)
                 # exact up to 1024 tokens, caps 0.1 % apart beyond (terapipe.default_cap_tolerance);
                 # once per shape: the slicings are cached
-                slices = plan_slices(s, k_eff, lambda l, c: self.stage_ms(b, l, c), mem_ok=mem_ok,
+                slices = plan_slices(s, k_eff, lambda l, c: self.stage_ms(b, l, c), grid=self.grid, mem_ok=mem_ok,
                                      vectorized=True).slices
             self._slicings[key] = (slices, (time.perf_counter() - t0) * 1e3)
         return self._slicings[key]
@@ -88,7 +93,8 @@ class TeraPipePlanner:
         if shapes not in self._plans:
             self._plans = {shapes: build_terapipe_plans(slicings, shapes, self.pp, self.cfg.model.hidden_size,
                                                         dtype=self.cfg.training.params_dtype_name,
-                                                        recompute=self.cfg.training.recompute_level)}
+                                                        recompute=self.cfg.training.recompute_level,
+                                                        seq_split=self.seq_split)}
         self.info = {"planner": "terapipe", "num_microbatches": len(shapes), "microbatch_shapes": [s[0] for s in shapes],
                      "slices": slicings[0] if all(s == slicings[0] for s in slicings) else slicings,
                      # wall time of this call: the DP and plan building run once per new shape

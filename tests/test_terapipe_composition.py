@@ -59,3 +59,27 @@ def test_terapipe_packed_rows_pp2_matches_unsliced(multitask, packed_reference):
 def test_terapipe_multitask_fixed_microbatches_pp2_matches_unsliced(multitask, fixed_reference):  # noqa: F811
     # micro-batches padded to their own lengths: 3 uniform slices of each
     _check(fixed_reference, run_distributed(_train_multitask, 2, multitask, "fixed", "3", pp=2))
+
+
+# ----------------------------------------------------------------------------- layouts, flags
+def _terapipe(rank, world, slices, **kw):
+    from tests.test_terapipe_training import run_terapipe
+    return run_terapipe(rank, world, slices, **kw)
+
+
+SP = dict(sequence_parallel=True)
+
+
+def test_terapipe_sequence_parallel_tp2_pp2_matches_unsliced():
+    # each slice is split over the 2 TP ranks; stages exchange [l/2, b, h]; K/V cached after the
+    # sequence all-gather of the QKV projection
+    from tests.parity_utils import run_layout
+    ref = run_distributed(run_layout, 4, dict(seq=16, tp=2, pp=2, arch=SP))
+    assert_parity(ref, run_distributed(_terapipe, 4, "8,2,6", tp=2, pp=2, arch=SP))
+
+
+def test_terapipe_sequence_parallel_dropout_matches_one_slice_single_process():
+    # keyed dropout masks at the absolute positions of each rank's sequence chunk
+    from tests.test_training_parity import _compare
+    ref = run_distributed(_terapipe, 1, "1", dropout=0.2)
+    _compare(ref, run_distributed(_terapipe, 2, "4,2,10", tp=2, dropout=0.2, arch=SP))

@@ -48,15 +48,18 @@ class GPTEmbedding(nn.Module):
         if self.position_embeddings is not None:  # RoPE rotates q and k inside attention instead
             x = x + F.embedding(position_ids, self.position_embeddings)
         x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
-        if kv_cache is not None and kv_cache.dropout is not None and self.training and self.dropout > 0:
-            return kv_cache.dropout.hidden(x, self.dropout, 0, kv_cache.offset)  # token slices: keyed masks
+        keyed = kv_cache is not None and kv_cache.dropout is not None and self.training and self.dropout > 0
+        if keyed:  # token slices: keyed masks over the whole slice (equal on every TP rank)
+            x = kv_cache.dropout.hidden(x, self.dropout, 0, kv_cache.offset)
         if self.sequence_parallel:
             # Megatron fuses this into the embedding's reduce-scatter; an all-reduce then a split
             # moves more bytes but gives the same values and gradients.
             x = scatter_to_sequence_parallel_region(x, self.tp_group)
-            if self.dropout > 0 and self.training:
+            if self.dropout > 0 and self.training and not keyed:
                 with get_rng_tracker().fork():
                     return F.dropout(x, self.dropout, True)
+            return x
+        if keyed:
             return x
         return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
 

@@ -60,9 +60,11 @@ def slice_units(slicings: Sequence[Sequence[int]]) -> List[tuple]:
 
 def build_terapipe_plans(slicings: Sequence[Sequence[int]], microbatch_shapes: Sequence[tuple], pp_size: int,
                          hidden_size: int, dtype: str = "float32", iteration: int = 0,
-                         recompute: str = "none", validate: bool = True) -> list:
+                         recompute: str = "none", validate: bool = True, seq_split: int = 1) -> list:
     """Per-rank plans running every sequence micro-batch (`microbatch_shapes[i] = ((b, s),)`)
-    in the slices `slicings[i]` (lengths summing to s). The units are the plan's micro-batches."""
+    in the slices `slicings[i]` (lengths summing to s). The units are the plan's micro-batches.
+    `seq_split` (the TP size under --sequence-parallel): stages exchange [l / seq_split, b, h]
+    chunks of each slice, so every slice length must be a multiple of it."""
     if len(slicings) != len(microbatch_shapes):
         raise ValueError(f"{len(slicings)} slicings for {len(microbatch_shapes)} micro-batches")
     units = slice_units(slicings)
@@ -71,6 +73,9 @@ def build_terapipe_plans(slicings: Sequence[Sequence[int]], microbatch_shapes: S
         if sum(lengths) != s:
             raise ValueError(f"slices {list(lengths)} of micro-batch {seq} cover {sum(lengths)} tokens, "
                              f"its sequence has {s}")
+        if any(ln % seq_split for ln in lengths):
+            raise ValueError(f"--sequence-parallel splits each token slice over {seq_split} TP ranks: slices "
+                             f"{list(lengths)} of micro-batch {seq} must be multiples of {seq_split}")
     unit_shapes = [((microbatch_shapes[seq][0][0], ln),) for seq, _, ln in units]
     n = len(units)
     orders = [[ComputeOp("F", u, r) for u in range(n)] + [ComputeOp("B", u, r) for u in reversed(range(n))]
@@ -78,7 +83,7 @@ def build_terapipe_plans(slicings: Sequence[Sequence[int]], microbatch_shapes: S
 
     def shapes(u, stage):
         b, ln = unit_shapes[u][0]
-        return ((ln, b, hidden_size),)
+        return ((ln // seq_split, b, hidden_size),)
 
     plans = lower_to_plans(orders, list(range(pp_size)), unit_shapes, shapes, recompute=recompute,
                            dtype=dtype, iteration=iteration, validate=False)
