@@ -47,7 +47,7 @@ def parse_slices(spec: str, seq_len: int) -> Optional[List[int]]:
 def check_terapipe_config(cfg) -> None:
     """Flag combinations --terapipe cannot run (ValueError, which config.py reports as a
     ConfigError); each error names the flag and the way out."""
-    m, p, t, d = cfg.model, cfg.parallel, cfg.training, cfg.data
+    m, p, d = cfg.model, cfg.parallel, cfg.data
 
     def need(ok, msg):
         if not ok:
@@ -63,9 +63,6 @@ def check_terapipe_config(cfg) -> None:
     need(not cfg.compression.inter_grad_comp,
          "--terapipe with --inter-grad-comp is not supported: compressed backpropagation keeps one low-rank state "
          "per stage and micro-batch shape, and token slices change shape every slice; drop one of them")
-    need(t.recompute_granularity != "full",
-         "--terapipe with --recompute-granularity full would replay a layer and write its slice's keys/values "
-         "twice: use --recompute-granularity selective or none")
     fixed = parse_slices(cfg.terapipe.slices, m.seq_length)
     tp = p.tensor_model_parallel_size
     if m.sequence_parallel and tp > 1 and fixed is not None:

@@ -83,3 +83,16 @@ def test_terapipe_sequence_parallel_dropout_matches_one_slice_single_process():
     from tests.test_training_parity import _compare
     ref = run_distributed(_terapipe, 1, "1", dropout=0.2)
     _compare(ref, run_distributed(_terapipe, 2, "4,2,10", tp=2, dropout=0.2, arch=SP))
+
+
+def test_terapipe_full_recompute_pp2_matches_unsliced():
+    # the replay of a checkpointed layer reads the K/V cache; gradients reach each slice's K/V once
+    from tests.parity_utils import run_layout
+    ref = run_distributed(run_layout, 2, dict(seq=16, pp=2, recompute="full"))
+    assert_parity(ref, run_distributed(_terapipe, 2, "5,3,8", pp=2, recompute="full"))
+
+
+def test_terapipe_full_recompute_dropout_replays_keyed_masks():
+    from tests.test_training_parity import _compare
+    ref = run_distributed(_terapipe, 1, "1", dropout=0.2)
+    _compare(ref, run_distributed(_terapipe, 2, "8,8", pp=2, dropout=0.2, recompute="full"))

@@ -83,8 +83,6 @@ def test_bad_flag_combinations_are_refused():
     with pytest.raises(ConfigError, match="multiples of 2"):
         dataclasses.replace(tiny_config(seq=SEQ, tp=2, world=2, arch=dict(sequence_parallel=True)),
                             terapipe=TeraPipeConfig(enabled=True, slices="3,13"))
-    with pytest.raises(ConfigError, match="recompute-granularity"):
-        dataclasses.replace(tiny_config(seq=SEQ, recompute="full"), terapipe=TeraPipeConfig(enabled=True, slices="2"))
 
 
 def test_cli_flags_and_t5_error(capsys):

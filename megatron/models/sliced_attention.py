@@ -51,10 +51,11 @@ class SequenceKVCache:
         self.grads: Dict[int, List[list]] = {}      # layer -> per slice [dk, dv] (or None)
         self.current: Optional[SliceRecord] = None
         self.backward_next: Optional[int] = None    # index of the slice whose backward is due
+        self.replaying: Optional[SliceRecord] = None  # the slice whose backward runs (recompute replays it)
 
     @property
-    def offset(self) -> int:
-        return self.current.offset
+    def offset(self) -> int:  # of the slice running forward, or being replayed by recompute
+        return (self.current or self.replaying).offset
 
     @property
     def filled(self) -> int:
@@ -76,6 +77,8 @@ class SequenceKVCache:
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]):
         """k, v: [l, b, heads, hn] of the current slice. Returns (K, V, mask) to attend with."""
+        if self.current is None and self.replaying is not None:
+            return self._replay(layer, k, v, mask)
         rec = self.current
         c, l = rec.offset, rec.length
         prev = self.kv.setdefault(layer, [])
@@ -99,6 +102,21 @@ class SequenceKVCache:
             mask = torch.ones(l, c + l, dtype=torch.bool, device=k.device).tril(c).view(1, 1, l, c + l)
         return torch.cat([k_prev, k]), torch.cat([v_prev, v]), mask
 
+    def _replay(self, layer: int, k, v, mask):
+        """--recompute-granularity full: the backward of slice j re-runs its checkpointed layers.
+        The replay only regenerates the values the original graph saved, so it attends over the
+        same cached keys/values (slices 0..j-1 are still cached while j's backward runs) and
+        writes nothing: the gradients still flow through the first forward's graph, into its
+        leaves K_<j and its outputs k_j, v_j - one tensor each."""
+        rec = self.replaying
+        c, l = rec.offset, rec.length
+        if rec.index == 0:
+            return k, v, mask
+        prev = self.kv[layer][:rec.index]
+        if mask is None:
+            mask = torch.ones(l, c + l, dtype=torch.bool, device=k.device).tril(c).view(1, 1, l, c + l)
+        return (torch.cat([p[0] for p in prev] + [k]), torch.cat([p[1] for p in prev] + [v]), mask)
+
     # -- backward --------------------------------------------------------------------------
     def output_grads(self, rec: SliceRecord) -> tuple:
         """(tensors, grads) for the slice's extra outputs; grads of the last slice are None."""
@@ -108,6 +126,7 @@ class SequenceKVCache:
             raise RuntimeError(f"sequence {self.sequence}, stage {self.stage}: backward of slice {rec.index} "
                                f"(token {rec.offset}) while slice {self.backward_next} is due; slices of a "
                                f"sequence must run backward in reverse order")
+        self.replaying = rec  # a checkpointed layer's replay during this backward reads the cache
         tensors, grads = [], []
         for layer, k, v in rec.outputs:
             dk, dv = self.grads[layer][rec.index]
@@ -129,6 +148,7 @@ class SequenceKVCache:
             self.grads[layer][rec.index] = [None, None]
             self.kv[layer][rec.index] = None
         self.backward_next = rec.index - 1
+        self.replaying = None
 
     @property
     def finished(self) -> bool:
