@@ -58,8 +58,6 @@ def check_terapipe_config(cfg) -> None:
          "T5's encoder attends in both directions and its decoder cross-attends to the whole encoder output, "
          "so a T5 slice would need tokens that run later; use pretrain_gpt.py or drop --terapipe")
     need(not d.dynapipe, "--terapipe and --dynapipe are two planners for one run; pick one")
-    need(p.num_layers_per_virtual_pipeline_stage is None,
-         "--terapipe runs one stage per pipeline rank: drop --num-layers-per-virtual-pipeline-stage")
     need(not cfg.compression.inter_grad_comp,
          "--terapipe with --inter-grad-comp is not supported: compressed backpropagation keeps one low-rank state "
          "per stage and micro-batch shape, and token slices change shape every slice; drop one of them")

@@ -23,6 +23,8 @@ class TeraPipePlanner:
         self.latency = latency
         self.fixed = parse_slices(cfg.terapipe.slices, cfg.model.seq_length)
         m = cfg.model
+        vpp = cfg.parallel.num_layers_per_virtual_pipeline_stage
+        self.chunks = 1 if vpp is None else m.num_layers // pp_size // vpp
         self.layers_per_stage = -(-m.num_layers // pp_size)
         self.tp = cfg.parallel.tensor_model_parallel_size
         # --sequence-parallel: each slice is split over the TP ranks, so slice lengths are
@@ -65,7 +67,9 @@ class TeraPipePlanner:
                                            m.num_attention_heads // self.tp) <= self.cfg.terapipe.memory_limit_mb
                 # m micro-batches run back to back: sum over all units + (K-1) max = m * score
                 # of one sequence with the effective stage count 1 + (K-1)/m (see plan_batch).
-                k_eff = 1 + (self.pp - 1) / max(1, self.cfg.num_microbatches)
+                # Virtual stages (chunks per rank) shrink the fill/drain to (K-1)/chunks of a
+                # rank's per-unit time, as Megatron's interleaved schedule does.
+                k_eff = 1 + (self.pp - 1) / (max(1, self.cfg.num_microbatches) * self.chunks)
                 # exact up to 1024 tokens, caps 0.1 % apart beyond (terapipe.default_cap_tolerance);
                 # once per shape: the slicings are cached
                 slices = plan_slices(s, k_eff, lambda l, c: self.stage_ms(b, l, c), grid=self.grid, mem_ok=mem_ok,
@@ -74,7 +78,8 @@ class TeraPipePlanner:
         return self._slicings[key]
 
     def predicted_ms(self, microbatch_shapes) -> Optional[float]:
-        """sum t_i + (K - 1) max t_i over all units (they run back to back, GPipe order)."""
+        """sum t_i + (K - 1) / chunks * max t_i over all units (they run back to back, GPipe
+        order; t_i is a rank's time for unit i over all its virtual stages)."""
         if self.latency is None:
             return None
         times = []
@@ -83,7 +88,7 @@ class TeraPipePlanner:
             for ln in self.slicing(b, s)[0]:
                 times.append(self.stage_ms(b, ln, c))
                 c += ln
-        return sum(times) + (self.pp - 1) * max(times)
+        return sum(times) + (self.pp - 1) / self.chunks * max(times)
 
     def plans(self, iteration: int, microbatch_shapes) -> list:
         shapes = tuple(tuple(tuple(x) for x in s) for s in microbatch_shapes)
@@ -94,7 +99,7 @@ class TeraPipePlanner:
             self._plans = {shapes: build_terapipe_plans(slicings, shapes, self.pp, self.cfg.model.hidden_size,
                                                         dtype=self.cfg.training.params_dtype_name,
                                                         recompute=self.cfg.training.recompute_level,
-                                                        seq_split=self.seq_split)}
+                                                        seq_split=self.seq_split, num_model_chunks=self.chunks)}
         self.info = {"planner": "terapipe", "num_microbatches": len(shapes), "microbatch_shapes": [s[0] for s in shapes],
                      "slices": slicings[0] if all(s == slicings[0] for s in slicings) else slicings,
                      # wall time of this call: the DP and plan building run once per new shape

@@ -96,3 +96,10 @@ def test_terapipe_full_recompute_dropout_replays_keyed_masks():
     from tests.test_training_parity import _compare
     ref = run_distributed(_terapipe, 1, "1", dropout=0.2)
     _compare(ref, run_distributed(_terapipe, 2, "8,8", pp=2, dropout=0.2, recompute="full"))
+
+
+def test_terapipe_virtual_stages_pp2_matches_unsliced():
+    # 4 layers on PP2 as 4 virtual stages of 1 layer: units in groups of PP, chunk by chunk
+    from tests.parity_utils import run_layout
+    ref = run_distributed(run_layout, 2, dict(seq=16, pp=2, vpp_layers=1))
+    assert_parity(ref, run_distributed(_terapipe, 2, "5,3,8", pp=2, vpp_layers=1))

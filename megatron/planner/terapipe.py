@@ -60,11 +60,17 @@ def slice_units(slicings: Sequence[Sequence[int]]) -> List[tuple]:
 
 def build_terapipe_plans(slicings: Sequence[Sequence[int]], microbatch_shapes: Sequence[tuple], pp_size: int,
                          hidden_size: int, dtype: str = "float32", iteration: int = 0,
-                         recompute: str = "none", validate: bool = True, seq_split: int = 1) -> list:
+                         recompute: str = "none", validate: bool = True, seq_split: int = 1,
+                         num_model_chunks: int = 1) -> list:
     """Per-rank plans running every sequence micro-batch (`microbatch_shapes[i] = ((b, s),)`)
     in the slices `slicings[i]` (lengths summing to s). The units are the plan's micro-batches.
     `seq_split` (the TP size under --sequence-parallel): stages exchange [l / seq_split, b, h]
-    chunks of each slice, so every slice length must be a multiple of it."""
+    chunks of each slice, so every slice length must be a multiple of it.
+    `num_model_chunks` > 1 (--num-layers-per-virtual-pipeline-stage): virtual stage v * PP + r
+    runs on rank r (as the static interleaved schedule places them). Each rank runs groups of
+    PP units (Megatron's interleaved grouping): the group's forwards on its first chunk, then
+    on its second, ...; all backwards after, in exactly the reverse order, so every
+    (sequence, stage) still sees its slices forward in order and backward in reverse."""
     if len(slicings) != len(microbatch_shapes):
         raise ValueError(f"{len(slicings)} slicings for {len(microbatch_shapes)} micro-batches")
     units = slice_units(slicings)
@@ -78,14 +84,18 @@ def build_terapipe_plans(slicings: Sequence[Sequence[int]], microbatch_shapes: S
                              f"{list(lengths)} of micro-batch {seq} must be multiples of {seq_split}")
     unit_shapes = [((microbatch_shapes[seq][0][0], ln),) for seq, _, ln in units]
     n = len(units)
-    orders = [[ComputeOp("F", u, r) for u in range(n)] + [ComputeOp("B", u, r) for u in reversed(range(n))]
-              for r in range(pp_size)]
+    orders = []
+    for r in range(pp_size):
+        fwd = [ComputeOp("F", u, v * pp_size + r) for g in range(0, n, pp_size) for v in range(num_model_chunks)
+               for u in range(g, min(g + pp_size, n))]
+        orders.append(fwd + [ComputeOp("B", op.microbatch, op.stage) for op in reversed(fwd)])
 
     def shapes(u, stage):
         b, ln = unit_shapes[u][0]
         return ((ln // seq_split, b, hidden_size),)
 
-    plans = lower_to_plans(orders, list(range(pp_size)), unit_shapes, shapes, recompute=recompute,
+    stage_to_rank = [s % pp_size for s in range(pp_size * num_model_chunks)]
+    plans = lower_to_plans(orders, stage_to_rank, unit_shapes, shapes, recompute=recompute,
                            dtype=dtype, iteration=iteration, validate=False)
     for plan in plans:
         plan.instructions = [dataclasses.replace(ins, token_slice=units[ins.microbatch])
