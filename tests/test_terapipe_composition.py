@@ -56,7 +56,8 @@ def _check(ref, outs):
 def test_terapipe_packed_rows_pp2_matches_unsliced(multitask, packed_reference):  # noqa: F811
     # 64-token rows cut at 8, 24, 40: documents straddle slice boundaries
     outs = run_distributed(_train_multitask, 2, multitask, "packing", "8,16,16,24", pp=2)
-    assert all(i["planner"] == "packing" for i in [o for o in outs if o["is_last"]][0]["info"])
+    info = [o for o in outs if o["is_last"]][0]["info"]
+    assert all(i["planner"] == "packing" and i["slices"] == [8, 16, 16, 24] for i in info)
     _check(packed_reference, outs)
 
 
@@ -89,11 +90,13 @@ def test_terapipe_sequence_parallel_dropout_matches_one_slice_single_process():
     _compare(ref, run_distributed(_terapipe, 2, "4,2,10", tp=2, dropout=0.2, arch=SP))
 
 
-def test_terapipe_full_recompute_pp2_matches_unsliced():
-    # the replay of a checkpointed layer reads the K/V cache; gradients reach each slice's K/V once
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_terapipe_recompute_pp2_matches_unsliced(recompute):
+    # full: the replay of a checkpointed layer reads the K/V cache, gradients reach each slice's
+    # K/V once; selective: the core attention over cached + own K/V is recomputed
     from tests.parity_utils import run_layout
-    ref = run_distributed(run_layout, 2, dict(seq=16, pp=2, recompute="full"))
-    assert_parity(ref, run_distributed(_terapipe, 2, "5,3,8", pp=2, recompute="full"))
+    ref = run_distributed(run_layout, 2, dict(seq=16, pp=2, recompute=recompute))
+    assert_parity(ref, run_distributed(_terapipe, 2, "5,3,8", pp=2, recompute=recompute))
 
 
 def test_terapipe_full_recompute_dropout_replays_keyed_masks():
