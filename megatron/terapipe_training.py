@@ -63,8 +63,10 @@ class TeraPipePlanner:
                 kv = m.query_groups * m.kv_channels // self.tp
 
                 def mem_ok(sl):
-                    return slice_memory_mb(sl, b, self.layers_per_stage, m.hidden_size, kv,
-                                           m.num_attention_heads // self.tp) <= self.cfg.terapipe.memory_limit_mb
+                    need = slice_memory_mb(sl, b, self.layers_per_stage, m.hidden_size, kv,
+                                           m.num_attention_heads // self.tp,
+                                           recompute=self.cfg.training.recompute_level)
+                    return need <= self.cfg.terapipe.memory_limit_mb
                 # m micro-batches run back to back: sum over all units + (K-1) max = m * score
                 # of one sequence with the effective stage count 1 + (K-1)/m (see plan_batch).
                 # Virtual stages (chunks per rank) shrink the fill/drain to (K-1)/chunks of a

@@ -314,18 +314,24 @@ def plan_batch(batch: int, seq_len: int, num_stages: int, t: Callable, grid: int
 
 # ---------------------------------------------------------------------------- memory
 def slice_memory_mb(slices: Sequence[int], b: int, layers: int, hidden: int, kv_hidden: int, heads: int,
-                    bytes_per: int = 4, act_per_token_mb: Optional[float] = None) -> float:
+                    bytes_per: int = 4, act_per_token_mb: Optional[float] = None, recompute: str = "none") -> float:
     """Peak activation memory of one stage running one sequence of `slices` (GPipe: every
     slice is in flight at the end of the forwards). Per layer: the cached K/V of the whole
     sequence (2 * kv_hidden per token), each slice's saved concatenated K/V of c + l rows, and
     the per-token activations (`act_per_token_mb` per token per layer, default 16 * hidden
-    bytes as Megatron's estimate without attention scores) plus its heads x l x (c + l) attention probabilities."""
+    bytes as Megatron's estimate without attention scores) plus its heads x l x (c + l) attention probabilities.
+    `recompute` "selective" drops the probabilities (recomputed); "full" keeps only each
+    layer's input (hidden per token) besides the K/V: the slice's own k, v and the leaf of the
+    earlier slices' c rows stay alive until its backward either way."""
     mb = 1.0 / 2 ** 20
     per_tok = act_per_token_mb if act_per_token_mb is not None else 16 * hidden * bytes_per * mb
+    if recompute == "full":
+        per_tok = hidden * bytes_per * mb
+    probs = 0.0 if recompute in ("full", "selective") else 1.0
     total, c = 0.0, 0
     for ln in slices:
         ctx = c + ln
         total += layers * b * (ln * per_tok + 2 * kv_hidden * (ctx + ln) * bytes_per * mb
-                               + heads * ln * ctx * bytes_per * mb)
+                               + probs * heads * ln * ctx * bytes_per * mb)
         c = ctx
     return total
