@@ -10,15 +10,15 @@ SLICE_GRID = 8
 
 
 # ---------------------------------------------------------------------------- slicing options
-def uniform_slices(seq_len: int, n: int) -> List[int]:
-    """n slices as equal as the grid of 8 tokens allows (the remainder goes to the first)."""
+def uniform_slices(seq_len: int, n: int, grid: int = SLICE_GRID) -> List[int]:
+    """n slices as equal as the grid of `grid` tokens allows (the remainder goes to the first)."""
     if n < 1 or n > seq_len:
         raise ValueError(f"--terapipe-slices {n}: need 1 <= N <= sequence length {seq_len}")
-    if seq_len % SLICE_GRID == 0 and n <= seq_len // SLICE_GRID:
-        cells = seq_len // SLICE_GRID
-        sizes = [cells // n * SLICE_GRID] * n
+    if seq_len % grid == 0 and n <= seq_len // grid:
+        cells = seq_len // grid
+        sizes = [cells // n * grid] * n
         for i in range(cells % n):
-            sizes[i] += SLICE_GRID
+            sizes[i] += grid
         return sizes
     sizes = [seq_len // n] * n
     sizes[0] += seq_len - sum(sizes)

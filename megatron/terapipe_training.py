@@ -40,13 +40,15 @@ class TeraPipePlanner:
 
     def fixed_slices(self, s: int) -> list:
         """--terapipe-slices N|l1,l2,... for a sequence of s tokens (multi-task data pads each
-        micro-batch to its own length): N uniform slices (at most s), or the given boundaries
-        that fall inside the sequence."""
+        micro-batch to its own length): N uniform slices (at most as many as the sequence has
+        grid cells, so that under --sequence-parallel every slice stays a multiple of TP), or
+        the given boundaries that fall inside the sequence."""
         if s == self.cfg.model.seq_length:
             return list(self.fixed)
         spec = self.cfg.terapipe.slices.strip()
         if "," not in spec:
-            return uniform_slices(s, min(int(spec), s))
+            cells = s // self.grid if s % self.grid == 0 else s
+            return uniform_slices(s, max(1, min(int(spec), cells)), self.grid)
         cuts = [c for c in np.cumsum(self.fixed)[:-1].tolist() if c < s]
         return np.diff([0] + cuts + [s]).tolist()
 

@@ -20,6 +20,8 @@ from tests.test_dynapipe_training import multitask  # noqa: F401 (the data fixtu
 
 pytestmark = pytest.mark.parity
 
+SP = dict(sequence_parallel=True)
+
 
 def _train_multitask(rank, world, data, mode, slices=None, pp=1):
     """tests/test_dynapipe_training._train with --terapipe --terapipe-slices `slices` when given."""
@@ -66,6 +68,18 @@ def test_terapipe_multitask_fixed_microbatches_pp2_matches_unsliced(multitask, f
     _check(fixed_reference, run_distributed(_train_multitask, 2, multitask, "fixed", "3", pp=2))
 
 
+def test_fixed_slices_of_micro_batches_of_other_lengths():
+    # multi-task micro-batches are padded to their own lengths (multiples of 8): a count N gives
+    # at most one slice per 8-token cell; lengths l1,l2,... keep the boundaries inside the sequence
+    from megatron.terapipe_training import TeraPipePlanner
+    from tests.parity_utils import tiny_config
+    base = tiny_config(seq=64, tp=2, world=2, arch=SP)
+    count = TeraPipePlanner(dataclasses.replace(base, terapipe=TeraPipeConfig(enabled=True, slices="3")), 1)
+    assert [count.fixed_slices(s) for s in (64, 16, 40)] == [[24, 24, 16], [8, 8], [16, 16, 8]]
+    cuts = TeraPipePlanner(dataclasses.replace(base, terapipe=TeraPipeConfig(enabled=True, slices="8,16,16,24")), 1)
+    assert [cuts.fixed_slices(s) for s in (64, 24, 8, 40)] == [[8, 16, 16, 24], [8, 16], [8], [8, 16, 16]]
+
+
 # ----------------------------------------------------------------------------- layouts, flags
 ITERS = 2  # steps per run: the second step checks the first update's parameters
 
@@ -74,8 +88,6 @@ def _terapipe(rank, world, slices, **kw):
     from tests.test_terapipe_training import run_terapipe
     return run_terapipe(rank, world, slices, iters=ITERS, **kw)
 
-
-SP = dict(sequence_parallel=True)
 
 
 def test_terapipe_sequence_parallel_tp2_pp2_matches_unsliced():
