@@ -47,7 +47,7 @@ def parse_slices(spec: str, seq_len: int) -> Optional[List[int]]:
 def check_terapipe_config(cfg) -> None:
     """Flag combinations --terapipe cannot run (ValueError, which config.py reports as a
     ConfigError); each error names the flag and the way out."""
-    m, p, t, d = cfg.model, cfg.parallel, cfg.training, cfg.data
+    m, p, d = cfg.model, cfg.parallel, cfg.data
 
     def need(ok, msg):
         if not ok:
