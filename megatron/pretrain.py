@@ -68,11 +68,16 @@ def build_gpt_trainer(cfg: MegatronConfig, ps, device):
     tied = [] if cfg.model.untie_embeddings_and_output_weights else tied_embedding_params(stages, ps.pp_size * chunks)
     flops = gpt_flops_per_sample(cfg.model, cfg.model.padded_vocab_size(ps.tp_size))
     if cfg.data.targets_data_path:
+        if cfg.terapipe.enabled and not cfg.data.dynapipe:  # the same batches (fixed or packed rows), sliced
+            # (with --dynapipe the DynaPipe planner slices its own micro-batches)
+            from megatron.terapipe_training import terapipe_planner
+            planner = terapipe_planner(cfg, ps)
         source = supervised_source(cfg, ps, tokenizer, planner, gpt_microbatch_shapes)
         trainer = Trainer(cfg, ps, device, stages, tied_params=tied, flops_per_sample=flops, batch_source=source,
                           train_ds=None, collate_fn=None, valid_source=source.valid_source)
-        if cfg.terapipe.enabled:  # --dynapipe --terapipe: dropout keyed by token position, as terapipe_training
-            trainer.executor.dropout_seed = cfg.training.seed * 1009 + ps.dp_rank
+        if cfg.terapipe.enabled:  # dropout keyed by token position, as terapipe_training
+            from megatron.terapipe_training import keyed_dropout
+            keyed_dropout(trainer, cfg, ps)
         return trainer
     train_ds, valid_ds = gpt_datasets(cfg)
     if cfg.terapipe.enabled:

@@ -302,7 +302,9 @@ class BaselineSource(_SupervisedSource):
             raise RuntimeError(f"iteration {iteration}: data-parallel rank {self.ps.dp_rank} got no micro-batch; "
                                "raise --tokens-per-global-batch or lower --micro-batch-size")
         plan = self.planner.plans(iteration, [self.shapes_fn(mb) for mb in mbs])[self.ps.pp_rank]
-        info = {"planner": "packing" if self.pack else "fixed", "num_microbatches": [len(mbs)],
+        # --terapipe: its planner's line (token slices, planning and predicted time) goes along
+        info = {**getattr(self.planner, "info", {}),
+                "planner": "packing" if self.pack else "fixed", "num_microbatches": [len(mbs)],
                 "microbatch_shapes": [tuple(mb["tokens" if "tokens" in mb else "text_enc"].shape) for mb in mbs],
                 "padding_efficiency": padding_efficiency(mbs)}
         return IterationWork(mbs, plan, hi - lo, info)

@@ -10,15 +10,15 @@ SLICE_GRID = 8
 
 
 # ---------------------------------------------------------------------------- slicing options
-def uniform_slices(seq_len: int, n: int) -> List[int]:
-    """n slices as equal as the grid of 8 tokens allows (the remainder goes to the first)."""
+def uniform_slices(seq_len: int, n: int, grid: int = SLICE_GRID) -> List[int]:
+    """n slices as equal as the grid of `grid` tokens allows (the remainder goes to the first)."""
     if n < 1 or n > seq_len:
         raise ValueError(f"--terapipe-slices {n}: need 1 <= N <= sequence length {seq_len}")
-    if seq_len % SLICE_GRID == 0 and n <= seq_len // SLICE_GRID:
-        cells = seq_len // SLICE_GRID
-        sizes = [cells // n * SLICE_GRID] * n
+    if seq_len % grid == 0 and n <= seq_len // grid:
+        cells = seq_len // grid
+        sizes = [cells // n * grid] * n
         for i in range(cells % n):
-            sizes[i] += SLICE_GRID
+            sizes[i] += grid
         return sizes
     sizes = [seq_len // n] * n
     sizes[0] += seq_len - sum(sizes)
@@ -47,7 +47,7 @@ def parse_slices(spec: str, seq_len: int) -> Optional[List[int]]:
 def check_terapipe_config(cfg) -> None:
     """Flag combinations --terapipe cannot run (ValueError, which config.py reports as a
     ConfigError); each error names the flag and the way out."""
-    m, p, t, d = cfg.model, cfg.parallel, cfg.training, cfg.data
+    m, p, d = cfg.model, cfg.parallel, cfg.data
 
     def need(ok, msg):
         if not ok:
@@ -59,21 +59,15 @@ def check_terapipe_config(cfg) -> None:
          "so a T5 slice would need tokens that run later; use pretrain_gpt.py or drop --terapipe")
     if d.dynapipe:  # DynaPipe's micro-batches cut into token slices (megatron/planner/dynapipe_slicing.py)
         return check_dynapipe_slicing(cfg)
-    need(not d.targets_data_path and not d.pack_dataset,
-         "--terapipe trains on pretraining data (--data-path or --mock-data); multi-task data "
-         "(--targets-data-path / --pack-dataset) is not supported with it")
-    need(p.num_layers_per_virtual_pipeline_stage is None,
-         "--terapipe runs one stage per pipeline rank: drop --num-layers-per-virtual-pipeline-stage")
-    need(not m.sequence_parallel,
-         "--terapipe with --sequence-parallel would split each token slice over TP ranks; drop --sequence-parallel "
-         "(TeraPipe already bounds activation memory by slicing the sequence)")
     need(not cfg.compression.inter_grad_comp,
          "--terapipe with --inter-grad-comp is not supported: compressed backpropagation keeps one low-rank state "
          "per stage and micro-batch shape, and token slices change shape every slice; drop one of them")
-    need(t.recompute_granularity != "full",
-         "--terapipe with --recompute-granularity full would replay a layer and write its slice's keys/values "
-         "twice: use --recompute-granularity selective or none")
-    parse_slices(cfg.terapipe.slices, m.seq_length)
+    fixed = parse_slices(cfg.terapipe.slices, m.seq_length)
+    tp = p.tensor_model_parallel_size
+    if m.sequence_parallel and tp > 1 and fixed is not None:
+        need(all(ln % tp == 0 for ln in fixed),
+             f"--sequence-parallel splits each token slice over the {tp} TP ranks: --terapipe-slices "
+             f"{cfg.terapipe.slices} gives {fixed}, give lengths that are multiples of {tp}")
 
 
 def check_dynapipe_slicing(cfg) -> None:
@@ -89,6 +83,9 @@ def check_dynapipe_slicing(cfg) -> None:
         raise ValueError("--dynapipe-packed-rows with --terapipe: token slices run the sliced causal attention, "
                          "which masks by token position only, so a slice of a packed row would attend across its "
                          "documents (the executor refuses segment ids in slices); drop one of them")
+    if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
+        raise ValueError("--dynapipe --terapipe with --num-layers-per-virtual-pipeline-stage: the sliced planner "
+                         "expands one stage per rank into slices; drop the virtual stages or the slices")
     if m.sequence_parallel:
         raise ValueError("--terapipe with --sequence-parallel would split each token slice over TP ranks; drop "
                          "--sequence-parallel (TeraPipe already bounds activation memory by slicing the sequence)")

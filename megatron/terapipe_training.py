@@ -3,10 +3,14 @@ slices by plans from `megatron.planner.terapipe`. Nothing else in the training l
 the executor slices each micro-batch as the plan's `token_slice`s say."""
 from __future__ import annotations
 
+import math
 import time
 from typing import Optional
 
-from megatron.planner.terapipe import build_terapipe_plans, parse_slices, plan_slices, slice_memory_mb
+import numpy as np
+
+from megatron.planner.terapipe import (GRID, build_terapipe_plans, parse_slices, plan_slices, slice_memory_mb,
+                                       uniform_slices)
 from megatron.training import FixedBatchSource, Trainer
 
 
@@ -19,8 +23,14 @@ class TeraPipePlanner:
         self.latency = latency
         self.fixed = parse_slices(cfg.terapipe.slices, cfg.model.seq_length)
         m = cfg.model
+        vpp = cfg.parallel.num_layers_per_virtual_pipeline_stage
+        self.chunks = 1 if vpp is None else m.num_layers // pp_size // vpp
         self.layers_per_stage = -(-m.num_layers // pp_size)
         self.tp = cfg.parallel.tensor_model_parallel_size
+        # --sequence-parallel: each slice is split over the TP ranks, so slice lengths are
+        # multiples of TP (the DP's grid is a common multiple of 8 tokens and TP)
+        self.seq_split = self.tp if m.sequence_parallel else 1
+        self.grid = math.lcm(GRID, self.seq_split)
         self._slicings: dict = {}
         self._plans: dict = {}
         self.info: dict = {}
@@ -28,12 +38,26 @@ class TeraPipePlanner:
     def stage_ms(self, b, l, c) -> float:
         return self.latency.stage_ms(b, l, c, self.layers_per_stage)
 
+    def fixed_slices(self, s: int) -> list:
+        """--terapipe-slices N|l1,l2,... for a sequence of s tokens (multi-task data pads each
+        micro-batch to its own length): N uniform slices (at most as many as the sequence has
+        grid cells, so that under --sequence-parallel every slice stays a multiple of TP), or
+        the given boundaries that fall inside the sequence."""
+        if s == self.cfg.model.seq_length:
+            return list(self.fixed)
+        spec = self.cfg.terapipe.slices.strip()
+        if "," not in spec:
+            cells = s // self.grid if s % self.grid == 0 else s
+            return uniform_slices(s, max(1, min(int(spec), cells)), self.grid)
+        cuts = [c for c in np.cumsum(self.fixed)[:-1].tolist() if c < s]
+        return np.diff([0] + cuts + [s]).tolist()
+
     def slicing(self, b: int, s: int) -> tuple:
         key = (b, s)
         if key not in self._slicings:
             t0 = time.perf_counter()
-            if self.fixed is not None and s == self.cfg.model.seq_length:
-                slices = list(self.fixed)
+            if self.fixed is not None:
+                slices = self.fixed_slices(s)
             elif self.latency is None:
                 slices = [s]
             else:
@@ -41,20 +65,25 @@ class TeraPipePlanner:
                 kv = m.query_groups * m.kv_channels // self.tp
 
                 def mem_ok(sl):
-                    return slice_memory_mb(sl, b, self.layers_per_stage, m.hidden_size, kv,
-                                           m.num_attention_heads // self.tp) <= self.cfg.terapipe.memory_limit_mb
+                    need = slice_memory_mb(sl, b, self.layers_per_stage, m.hidden_size, kv,
+                                           m.num_attention_heads // self.tp,
+                                           recompute=self.cfg.training.recompute_level)
+                    return need <= self.cfg.terapipe.memory_limit_mb
                 # m micro-batches run back to back: sum over all units + (K-1) max = m * score
                 # of one sequence with the effective stage count 1 + (K-1)/m (see plan_batch).
-                k_eff = 1 + (self.pp - 1) / max(1, self.cfg.num_microbatches)
+                # Virtual stages (chunks per rank) shrink the fill/drain to (K-1)/chunks of a
+                # rank's per-unit time, as Megatron's interleaved schedule does.
+                k_eff = 1 + (self.pp - 1) / (max(1, self.cfg.num_microbatches) * self.chunks)
                 # exact up to 1024 tokens, caps 0.1 % apart beyond (terapipe.default_cap_tolerance);
                 # once per shape: the slicings are cached
-                slices = plan_slices(s, k_eff, lambda l, c: self.stage_ms(b, l, c), mem_ok=mem_ok,
+                slices = plan_slices(s, k_eff, lambda l, c: self.stage_ms(b, l, c), grid=self.grid, mem_ok=mem_ok,
                                      vectorized=True).slices
             self._slicings[key] = (slices, (time.perf_counter() - t0) * 1e3)
         return self._slicings[key]
 
     def predicted_ms(self, microbatch_shapes) -> Optional[float]:
-        """sum t_i + (K - 1) max t_i over all units (they run back to back, GPipe order)."""
+        """sum t_i + (K - 1) / chunks * max t_i over all units (they run back to back, GPipe
+        order; t_i is a rank's time for unit i over all its virtual stages)."""
         if self.latency is None:
             return None
         times = []
@@ -63,7 +92,7 @@ class TeraPipePlanner:
             for ln in self.slicing(b, s)[0]:
                 times.append(self.stage_ms(b, ln, c))
                 c += ln
-        return sum(times) + (self.pp - 1) * max(times)
+        return sum(times) + (self.pp - 1) / self.chunks * max(times)
 
     def plans(self, iteration: int, microbatch_shapes) -> list:
         shapes = tuple(tuple(tuple(x) for x in s) for s in microbatch_shapes)
@@ -73,7 +102,8 @@ class TeraPipePlanner:
         if shapes not in self._plans:
             self._plans = {shapes: build_terapipe_plans(slicings, shapes, self.pp, self.cfg.model.hidden_size,
                                                         dtype=self.cfg.training.params_dtype_name,
-                                                        recompute=self.cfg.training.recompute_level)}
+                                                        recompute=self.cfg.training.recompute_level,
+                                                        seq_split=self.seq_split, num_model_chunks=self.chunks)}
         self.info = {"planner": "terapipe", "num_microbatches": len(shapes), "microbatch_shapes": [s[0] for s in shapes],
                      "slices": slicings[0] if all(s == slicings[0] for s in slicings) else slicings,
                      # wall time of this call: the DP and plan building run once per new shape
@@ -93,20 +123,30 @@ class TeraPipeBatchSource(FixedBatchSource):
         return work
 
 
-def terapipe_trainer(cfg, ps, device, stages, train_ds, valid_ds, tied, flops):
-    from megatron.batching import gpt_microbatch
-    from megatron.training import gpt_microbatch_shapes
+def terapipe_planner(cfg, ps) -> TeraPipePlanner:
     latency = None
     if cfg.terapipe.cost_model:
         from megatron.planner.terapipe_latency import SliceLatencyModel
         latency = SliceLatencyModel.load(cfg.terapipe.cost_model)
-    planner = TeraPipePlanner(cfg, ps.pp_size, latency)
+    return TeraPipePlanner(cfg, ps.pp_size, latency)
+
+
+def keyed_dropout(trainer, cfg, ps):
+    """Dropout masks keyed by (seed, iteration, sequence, site, token position, ...): equal for
+    every slicing; distinct per data-parallel rank (equal across TP ranks, as hidden states are)."""
+    trainer.executor.dropout_seed = cfg.training.seed * 1009 + ps.dp_rank
+    return trainer
+
+
+def terapipe_trainer(cfg, ps, device, stages, train_ds, valid_ds, tied, flops):
+    """Pretraining data (--data-path / --mock-data): fixed global batches, sliced. Multi-task
+    data goes through `megatron.supervised_training`'s sources with a `terapipe_planner`."""
+    from megatron.batching import gpt_microbatch
+    from megatron.training import gpt_microbatch_shapes
+    planner = terapipe_planner(cfg, ps)
     source = TeraPipeBatchSource(cfg, ps, train_ds, gpt_microbatch, planner, gpt_microbatch_shapes)
     valid = TeraPipeBatchSource(cfg, ps, valid_ds, gpt_microbatch, planner, gpt_microbatch_shapes) \
         if valid_ds is not None else None
     trainer = Trainer(cfg, ps, device, stages, tied_params=tied, flops_per_sample=flops, batch_source=source,
                       valid_source=valid)
-    # Dropout masks keyed by (seed, iteration, sequence, site, token position, ...): equal for every
-    # slicing; distinct per data-parallel rank (equal across TP ranks, as hidden states are).
-    trainer.executor.dropout_seed = cfg.training.seed * 1009 + ps.dp_rank
-    return trainer
+    return keyed_dropout(trainer, cfg, ps)

@@ -80,8 +80,9 @@ def test_bad_flag_combinations_are_refused():
         dataclasses.replace(base, terapipe=TeraPipeConfig(enabled=True, slices="auto"))
     with pytest.raises(ConfigError, match="--terapipe-slices"):
         dataclasses.replace(base, terapipe=TeraPipeConfig(enabled=True, slices="8,4"))
-    with pytest.raises(ConfigError, match="recompute-granularity"):
-        dataclasses.replace(tiny_config(seq=SEQ, recompute="full"), terapipe=TeraPipeConfig(enabled=True, slices="2"))
+    with pytest.raises(ConfigError, match="multiples of 2"):
+        dataclasses.replace(tiny_config(seq=SEQ, tp=2, world=2, arch=dict(sequence_parallel=True)),
+                            terapipe=TeraPipeConfig(enabled=True, slices="3,13"))
 
 
 def test_cli_flags_and_t5_error(capsys):

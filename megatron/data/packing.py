@@ -80,8 +80,9 @@ def pack_samples(samples: Sequence[np.ndarray], max_len: int, pad_id: int = 0,
     return out
 
 
-def packed_attention_mask(segment_ids):
-    """Bool mask [b, 1, s, s] for torch SDPA (True = may attend) from segment ids [b, s].
+def packed_attention_mask(segment_ids, query_start: int = 0):
+    """Bool mask [b, 1, s - query_start, s] for torch SDPA (True = may attend) from segment ids
+    [b, s]: the rows of queries query_start.. (a token slice whose keys are the whole prefix).
 
     Position i attends to j iff j <= i and both are in the same (non-zero) segment.
     Padding positions (segment 0) attend only to themselves, so no softmax row is
@@ -91,11 +92,12 @@ def packed_attention_mask(segment_ids):
     seg = torch.as_tensor(segment_ids)
     if seg.dim() != 2:
         raise ValueError(f"segment_ids must be [batch, seq], got shape {tuple(seg.shape)}")
-    s = seg.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=seg.device).tril_()
-    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
-    eye = torch.eye(s, dtype=torch.bool, device=seg.device)
-    pad_self = (seg == 0)[:, :, None] & eye
+    s, c = seg.shape[1], query_start
+    q = seg[:, c:]
+    causal = torch.ones(s - c, s, dtype=torch.bool, device=seg.device).tril_(c)
+    same = (q[:, :, None] == seg[:, None, :]) & (q[:, :, None] > 0)
+    eye = torch.ones(s - c, s, dtype=torch.bool, device=seg.device).tril_(c).triu_(c)  # key = the query itself
+    pad_self = (q == 0)[:, :, None] & eye
     return ((same & causal) | pad_self).unsqueeze(1)
 
 

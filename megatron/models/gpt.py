@@ -20,6 +20,7 @@ from megatron.core.tensor_parallel import (VocabParallelEmbedding, copy_to_tenso
                                            gather_from_sequence_parallel_region, get_rng_tracker, init_generator,
                                            scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
 from megatron.models.layer_ops import recompute_set, unit_flags
+from megatron.data.packing import packed_attention_mask
 from megatron.models.packed_attention import packed_segments
 from megatron.models.rotary import rotary_cos_sin
 from megatron.models.transformer import TransformerBlock, TransformerLayer, build_norm
@@ -47,15 +48,18 @@ class GPTEmbedding(nn.Module):
         if self.position_embeddings is not None:  # RoPE rotates q and k inside attention instead
             x = x + F.embedding(position_ids, self.position_embeddings)
         x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
-        if kv_cache is not None and kv_cache.dropout is not None and self.training and self.dropout > 0:
-            return kv_cache.dropout.hidden(x, self.dropout, 0, kv_cache.offset)  # token slices: keyed masks
+        keyed = kv_cache is not None and kv_cache.dropout is not None and self.training and self.dropout > 0
+        if keyed:  # token slices: keyed masks over the whole slice (equal on every TP rank)
+            x = kv_cache.dropout.hidden(x, self.dropout, 0, kv_cache.offset)
         if self.sequence_parallel:
             # Megatron fuses this into the embedding's reduce-scatter; an all-reduce then a split
             # moves more bytes but gives the same values and gradients.
             x = scatter_to_sequence_parallel_region(x, self.tp_group)
-            if self.dropout > 0 and self.training:
+            if self.dropout > 0 and self.training and not keyed:
                 with get_rng_tracker().fork():
                     return F.dropout(x, self.dropout, True)
+            return x
+        if keyed:
             return x
         return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
 
@@ -102,7 +106,6 @@ class GPTStage(nn.Module):
         seg = batch.get("segment_ids")
         if seg is None:
             return None
-        from megatron.data.packing import packed_attention_mask
         return packed_attention_mask(seg)
 
     def forward(self, batch: dict, inputs: list, kv_cache=None) -> list:
@@ -117,8 +120,12 @@ class GPTStage(nn.Module):
         else:
             (x,) = inputs
         # packed rows: the variable-length kernel's segments, else the dense block-diagonal mask
-        mask = packed_segments(self.cfg, batch.get("segment_ids"), x, self.training, batch.get("cu_seqlens"),
-                               batch.get("max_seqlen")) or self.attention_mask(batch)
+        if kv_cache is not None:  # a token slice: its queries' rows of the prefix's per-document mask
+            seg = batch.get("segment_ids")
+            mask = None if seg is None else packed_attention_mask(seg.to(x.device), kv_cache.offset)
+        else:
+            mask = packed_segments(self.cfg, batch.get("segment_ids"), x, self.training, batch.get("cu_seqlens"),
+                                   batch.get("max_seqlen")) or self.attention_mask(batch)
         rotary = None
         if self.cfg.position_embedding_type == "rope":
             if pos is None:  # [s, b, h] hidden states of an unpacked batch (s/tp of them under SP)

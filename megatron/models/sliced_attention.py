@@ -6,7 +6,8 @@ executor runs slices of that sequence there. Every attention layer of the stage,
 running slice j (tokens [c, c+l)), calls `extend(layer, k, v)`:
 
 * it attends over ``cat(K_<j, k_j)`` with the mask "query t may see key u iff u <= c + t"
-  (the causal mask shifted by c);
+  (the causal mask shifted by c); packed rows pass the rows [c, c+l) of their per-document
+  mask over the prefix instead (same document and u <= c + t);
 * ``K_<j`` is a fresh leaf built from the *detached* keys/values of slices 0..j-1, so every
   slice has its own autograd graph (TeraPipe detaches the incoming cache the same way);
 * the slice's own k, v (still attached to its graph) become extra outputs of the slice.
@@ -50,10 +51,11 @@ class SequenceKVCache:
         self.grads: Dict[int, List[list]] = {}      # layer -> per slice [dk, dv] (or None)
         self.current: Optional[SliceRecord] = None
         self.backward_next: Optional[int] = None    # index of the slice whose backward is due
+        self.replaying: Optional[SliceRecord] = None  # the slice whose backward runs (recompute replays it)
 
     @property
-    def offset(self) -> int:
-        return self.current.offset
+    def offset(self) -> int:  # of the slice running forward, or being replayed by recompute
+        return (self.current or self.replaying).offset
 
     @property
     def filled(self) -> int:
@@ -75,6 +77,8 @@ class SequenceKVCache:
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]):
         """k, v: [l, b, heads, hn] of the current slice. Returns (K, V, mask) to attend with."""
+        if self.current is None and self.replaying is not None:
+            return self._replay(layer, k, v, mask)
         rec = self.current
         c, l = rec.offset, rec.length
         prev = self.kv.setdefault(layer, [])
@@ -84,18 +88,34 @@ class SequenceKVCache:
         prev.append((k.detach(), v.detach()))
         self.grads.setdefault(layer, []).append([None, None])
         rec.outputs.append((layer, k, v))
-        if mask is not None:
-            raise ValueError("token slicing does not support an explicit attention mask "
-                             "(packed sequences / segment ids)")
+        if mask is not None and tuple(mask.shape[-2:]) != (l, c + l):
+            raise ValueError(f"a token slice of {l} tokens at {c} attends with a [{l}, {c + l}] mask "
+                             f"(queries x prefix keys), got {list(mask.shape)}")
         if rec.index == 0:
-            return k, v, None  # the first slice is plain causal attention
+            return k, v, mask  # the first slice: plain causal attention, or the packed rows' mask
         grad = torch.is_grad_enabled()
         k_prev = torch.cat([p[0] for p in prev[:-1]]).requires_grad_(grad)
         v_prev = torch.cat([p[1] for p in prev[:-1]]).requires_grad_(grad)
         if grad:
             rec.leaves.append((layer, k_prev, v_prev))
-        allowed = torch.ones(l, c + l, dtype=torch.bool, device=k.device).tril(c)
-        return torch.cat([k_prev, k]), torch.cat([v_prev, v]), allowed.view(1, 1, l, c + l)
+        if mask is None:  # causal, shifted by the slice's offset
+            mask = torch.ones(l, c + l, dtype=torch.bool, device=k.device).tril(c).view(1, 1, l, c + l)
+        return torch.cat([k_prev, k]), torch.cat([v_prev, v]), mask
+
+    def _replay(self, layer: int, k, v, mask):
+        """--recompute-granularity full: the backward of slice j re-runs its checkpointed layers.
+        The replay only regenerates the values the original graph saved, so it attends over the
+        same cached keys/values (slices 0..j-1 are still cached while j's backward runs) and
+        writes nothing: the gradients still flow through the first forward's graph, into its
+        leaves K_<j and its outputs k_j, v_j - one tensor each."""
+        rec = self.replaying
+        c, l = rec.offset, rec.length
+        if rec.index == 0:
+            return k, v, mask
+        prev = self.kv[layer][:rec.index]
+        if mask is None:
+            mask = torch.ones(l, c + l, dtype=torch.bool, device=k.device).tril(c).view(1, 1, l, c + l)
+        return (torch.cat([p[0] for p in prev] + [k]), torch.cat([p[1] for p in prev] + [v]), mask)
 
     # -- backward --------------------------------------------------------------------------
     def output_grads(self, rec: SliceRecord) -> tuple:
@@ -106,6 +126,7 @@ class SequenceKVCache:
             raise RuntimeError(f"sequence {self.sequence}, stage {self.stage}: backward of slice {rec.index} "
                                f"(token {rec.offset}) while slice {self.backward_next} is due; slices of a "
                                f"sequence must run backward in reverse order")
+        self.replaying = rec  # a checkpointed layer's replay during this backward reads the cache
         tensors, grads = [], []
         for layer, k, v in rec.outputs:
             dk, dv = self.grads[layer][rec.index]
@@ -127,6 +148,7 @@ class SequenceKVCache:
             self.grads[layer][rec.index] = [None, None]
             self.kv[layer][rec.index] = None
         self.backward_next = rec.index - 1
+        self.replaying = None
 
     @property
     def finished(self) -> bool:

@@ -211,6 +211,9 @@ class TransformerLayer(nn.Module):
         super().__init__()
         out_std = cfg.init_method_std / math.sqrt(2.0 * num_layers_total)
         self.layer_number = layer_number
+        # Under sequence parallelism this rank's hidden states are chunk `sp_rank` of the sequence
+        # (of the token slice): keyed dropout needs their absolute positions.
+        self.sp_rank = group_rank(tp_group) if cfg.sequence_parallel else 0
         self.hidden_dropout = cfg.hidden_dropout
         self.input_layernorm = build_norm(cfg, tp_group)
         self.self_attention = ParallelAttention(cfg, tp_group, seed=seed, key=key + ".self_attention",
@@ -232,7 +235,8 @@ class TransformerLayer(nn.Module):
 
     def _drop(self, x, kv_cache=None, site: int = 0):
         if kv_cache is not None and kv_cache.dropout is not None and self.training and self.hidden_dropout > 0:
-            return kv_cache.dropout.hidden(x, self.hidden_dropout, 3 * self.layer_number + site + 1, kv_cache.offset)
+            return kv_cache.dropout.hidden(x, self.hidden_dropout, 3 * self.layer_number + site + 1,
+                                           kv_cache.offset + self.sp_rank * x.shape[0])
         return F.dropout(x, self.hidden_dropout, self.training) if self.hidden_dropout > 0 else x
 
     def _residual(self, x, out, kv_cache=None, site: int = 0):
@@ -333,8 +337,12 @@ class TransformerBlock(nn.Module):
 
     def _forward(self, x, mask, encoder_output, cross_mask, recompute, rotary, kv_cache=None):
         for i, layer in enumerate(self.layers):
-            if kv_cache is not None:  # token slices: the cache is written once per slice, no replay
-                x = layer(x, mask, encoder_output, cross_mask, recompute=recompute, rotary=rotary, kv_cache=kv_cache)
+            if kv_cache is not None:  # token slices: a replay reads the cache, see SequenceKVCache.extend
+                if recompute == "full" and self._full_recompute(i) and torch.is_grad_enabled():
+                    x = checkpoint(lambda h, l=layer: l(h, mask, rotary=rotary, kv_cache=kv_cache), x)
+                else:
+                    x = layer(x, mask, encoder_output, cross_mask, recompute=recompute, rotary=rotary,
+                              kv_cache=kv_cache)
             elif self.layer_recompute is not None:  # none | selective | full | '+'-joined operators
                 mode = self.layer_recompute[i]
                 if mode == "full" and torch.is_grad_enabled():

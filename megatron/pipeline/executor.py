@@ -39,15 +39,16 @@ SLICED_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 def slice_batch(batch: dict, offset: int, length: int) -> dict:
-    """Tokens [offset, offset+length) of a GPT micro-batch, with explicit position ids."""
-    if batch.get("segment_ids") is not None:
-        raise ValueError("token slicing (--terapipe) does not support packed sequences (segment ids): "
-                         "drop --pack-dataset / --reset-attention-mask or --terapipe")
+    """Tokens [offset, offset+length) of a GPT micro-batch, with explicit position ids. Packed
+    rows keep the segment ids of the whole prefix [0, offset+length): a query of the slice
+    attends to the earlier tokens of its own document, cached keys of earlier slices included."""
     out = {}
     for key, v in batch.items():
         if key in SLICED_KEYS and torch.is_tensor(v):
             out[key] = v[:, offset:offset + length]
-        elif key == "num_real_tokens":
+        elif key == "segment_ids" and torch.is_tensor(v):
+            out[key] = v[:, :offset + length]
+        elif key in ("num_real_tokens", "cu_seqlens", "max_seqlen"):
             continue
         else:
             out[key] = v
@@ -206,7 +207,7 @@ class PipelineExecutor:
                 batch = slice_batch(self.microbatches[seq], offset, length)
             else:
                 batch = self.microbatches[ins.microbatch]
-            if self.device.type == "cuda" and torch.is_tensor(batch.get("segment_ids")) \
+            if self.device.type == "cuda" and torch.is_tensor(batch.get("segment_ids")) and not ins.token_slice \
                     and batch["segment_ids"].device.type == "cpu" and "cu_seqlens" not in batch:
                 # Packed rows: segment boundaries from the host copy, so no forward reads them
                 # back from the GPU.

@@ -60,9 +60,17 @@ def slice_units(slicings: Sequence[Sequence[int]]) -> List[tuple]:
 
 def build_terapipe_plans(slicings: Sequence[Sequence[int]], microbatch_shapes: Sequence[tuple], pp_size: int,
                          hidden_size: int, dtype: str = "float32", iteration: int = 0,
-                         recompute: str = "none", validate: bool = True) -> list:
+                         recompute: str = "none", validate: bool = True, seq_split: int = 1,
+                         num_model_chunks: int = 1) -> list:
     """Per-rank plans running every sequence micro-batch (`microbatch_shapes[i] = ((b, s),)`)
-    in the slices `slicings[i]` (lengths summing to s). The units are the plan's micro-batches."""
+    in the slices `slicings[i]` (lengths summing to s). The units are the plan's micro-batches.
+    `seq_split` (the TP size under --sequence-parallel): stages exchange [l / seq_split, b, h]
+    chunks of each slice, so every slice length must be a multiple of it.
+    `num_model_chunks` > 1 (--num-layers-per-virtual-pipeline-stage): virtual stage v * PP + r
+    runs on rank r (as the static interleaved schedule places them). Each rank runs groups of
+    PP units (Megatron's interleaved grouping): the group's forwards on its first chunk, then
+    on its second, ...; all backwards after, in exactly the reverse order, so every
+    (sequence, stage) still sees its slices forward in order and backward in reverse."""
     if len(slicings) != len(microbatch_shapes):
         raise ValueError(f"{len(slicings)} slicings for {len(microbatch_shapes)} micro-batches")
     units = slice_units(slicings)
@@ -71,27 +79,36 @@ def build_terapipe_plans(slicings: Sequence[Sequence[int]], microbatch_shapes: S
         if sum(lengths) != s:
             raise ValueError(f"slices {list(lengths)} of micro-batch {seq} cover {sum(lengths)} tokens, "
                              f"its sequence has {s}")
+        if any(ln % seq_split for ln in lengths):
+            raise ValueError(f"--sequence-parallel splits each token slice over {seq_split} TP ranks: slices "
+                             f"{list(lengths)} of micro-batch {seq} must be multiples of {seq_split}")
     n = len(units)
-    orders = [[ComputeOp("F", u, r) for u in range(n)] + [ComputeOp("B", u, r) for u in reversed(range(n))]
-              for r in range(pp_size)]
+    orders = []
+    for r in range(pp_size):
+        fwd = [ComputeOp("F", u, v * pp_size + r) for g in range(0, n, pp_size) for v in range(num_model_chunks)
+               for u in range(g, min(g + pp_size, n))]
+        orders.append(fwd + [ComputeOp("B", op.microbatch, op.stage) for op in reversed(fwd)])
     return lower_sliced(orders, units, [microbatch_shapes[seq][0][0] for seq, _, _ in units], hidden_size,
-                        dtype=dtype, iteration=iteration, recompute=recompute, validate=validate)
+                        dtype=dtype, iteration=iteration, recompute=recompute, validate=validate,
+                        stage_to_rank=[s % pp_size for s in range(pp_size * num_model_chunks)], seq_split=seq_split)
 
 
 def lower_sliced(orders, units: Sequence[tuple], unit_rows: Sequence[int], hidden_size: int,
                  dtype: str = "float32", iteration: int = 0, recompute: str = "none",
-                 validate: bool = True) -> list:
-    """Per-rank plans of per-stage unit orders (`ComputeOp`s whose micro-batch is a unit id,
-    one stage per rank): unit u is token slice `units[u] = (sequence, offset, length)` of
-    `unit_rows[u]` rows; every instruction of a unit is tagged with its `token_slice`. Shared
-    by TeraPipe (GPipe order) and DynaPipe's sliced micro-batches (megatron/planner/dynapipe_slicing.py)."""
+                 validate: bool = True, stage_to_rank: Optional[Sequence[int]] = None, seq_split: int = 1) -> list:
+    """Per-rank plans of per-rank unit orders (`ComputeOp`s whose micro-batch is a unit id; stage
+    s on rank `stage_to_rank[s]`, default one stage per rank): unit u is token slice
+    `units[u] = (sequence, offset, length)` of `unit_rows[u]` rows; every instruction of a unit is
+    tagged with its `token_slice`. Stages exchange [length / seq_split, rows, hidden]. Shared by
+    TeraPipe (GPipe order) and DynaPipe's sliced micro-batches (megatron/planner/dynapipe_slicing.py)."""
     unit_shapes = [((int(b), int(ln)),) for b, (_, _, ln) in zip(unit_rows, units)]
 
     def shapes(u, stage):
         b, ln = unit_shapes[u][0]
-        return ((ln, b, hidden_size),)
+        return ((ln // seq_split, b, hidden_size),)
 
-    plans = lower_to_plans(orders, list(range(len(orders))), unit_shapes, shapes, recompute=recompute,
+    plans = lower_to_plans(orders, list(stage_to_rank) if stage_to_rank is not None else list(range(len(orders))),
+                           unit_shapes, shapes, recompute=recompute,
                            dtype=dtype, iteration=iteration, validate=False)
     for plan in plans:
         plan.instructions = [dataclasses.replace(ins, token_slice=tuple(units[ins.microbatch]))
@@ -310,18 +327,24 @@ def plan_batch(batch: int, seq_len: int, num_stages: int, t: Callable, grid: int
 
 # ---------------------------------------------------------------------------- memory
 def slice_memory_mb(slices: Sequence[int], b: int, layers: int, hidden: int, kv_hidden: int, heads: int,
-                    bytes_per: int = 4, act_per_token_mb: Optional[float] = None) -> float:
+                    bytes_per: int = 4, act_per_token_mb: Optional[float] = None, recompute: str = "none") -> float:
     """Peak activation memory of one stage running one sequence of `slices` (GPipe: every
     slice is in flight at the end of the forwards). Per layer: the cached K/V of the whole
     sequence (2 * kv_hidden per token), each slice's saved concatenated K/V of c + l rows, and
     the per-token activations (`act_per_token_mb` per token per layer, default 16 * hidden
-    bytes as Megatron's estimate without attention scores) plus its heads x l x (c + l) attention probabilities."""
+    bytes as Megatron's estimate without attention scores) plus its heads x l x (c + l) attention probabilities.
+    `recompute` "selective" drops the probabilities (recomputed); "full" keeps only each
+    layer's input (hidden per token) besides the K/V: the slice's own k, v and the leaf of the
+    earlier slices' c rows stay alive until its backward either way."""
     mb = 1.0 / 2 ** 20
     per_tok = act_per_token_mb if act_per_token_mb is not None else 16 * hidden * bytes_per * mb
+    if recompute == "full":
+        per_tok = hidden * bytes_per * mb
+    probs = 0.0 if recompute in ("full", "selective") else 1.0
     total, c = 0.0, 0
     for ln in slices:
         ctx = c + ln
         total += layers * b * (ln * per_tok + 2 * kv_hidden * (ctx + ln) * bytes_per * mb
-                               + heads * ln * ctx * bytes_per * mb)
+                               + probs * heads * ln * ctx * bytes_per * mb)
         c = ctx
     return total

@@ -152,7 +152,9 @@ def _sliced_plans(rng):
         s = rng.randint(2, 24)
         cuts = sorted(rng.sample(range(1, s), rng.randint(1, min(4, s - 1))))
         slicings.append([b - a for a, b in zip([0] + cuts, cuts + [s])])
-    return build_terapipe_plans(slicings, [((1, sum(sl)),) for sl in slicings], pp, 8)
+    # also over virtual stages (v * pp + r on rank r), as --num-layers-per-virtual-pipeline-stage runs them
+    return build_terapipe_plans(slicings, [((1, sum(sl)),) for sl in slicings], pp, 8,
+                                num_model_chunks=rng.choice([1, 2]))
 
 
 def _split_plans(rng):

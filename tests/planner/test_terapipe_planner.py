@@ -209,3 +209,15 @@ def test_cpp_slicing_dp_equals_numpy():
         f1, a1 = T._dp_for_caps(cost, caps)
         f2, a2 = T._dp_for_caps_numpy(cost, caps)
         assert np.array_equal(f1, f2) and np.array_equal(a1, a2)
+
+
+def test_memory_model_follows_recompute():
+    # full recompute keeps each layer's input and the K/V (cache, own k/v, earlier slices' leaf);
+    # selective drops only the attention probabilities
+    s, b, layers, h, kv, heads = [16, 16, 32], 2, 3, 64, 32, 4
+    none, sel, full = (slice_memory_mb(s, b, layers, h, kv, heads, recompute=r) for r in ("none", "selective", "full"))
+    ctx = np.cumsum(s)
+    want_full = layers * b * sum(ln * h * 4 + 2 * kv * (c + ln) * 4 for ln, c in zip(s, ctx)) / 2 ** 20
+    probs = layers * b * sum(heads * ln * c * 4 for ln, c in zip(s, ctx)) / 2 ** 20
+    assert full == pytest.approx(want_full) and none - sel == pytest.approx(probs)
+    assert full < sel < none
