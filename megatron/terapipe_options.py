@@ -66,9 +66,6 @@ def check_terapipe_config(cfg) -> None:
     need(not m.sequence_parallel,
          "--terapipe with --sequence-parallel would split each token slice over TP ranks; drop --sequence-parallel "
          "(TeraPipe already bounds activation memory by slicing the sequence)")
-    need(not cfg.compression.inter_grad_comp,
-         "--terapipe with --inter-grad-comp is not supported: compressed backpropagation keeps one low-rank state "
-         "per stage and micro-batch shape, and token slices change shape every slice; drop one of them")
     need(t.recompute_granularity != "full",
          "--terapipe with --recompute-granularity full would replay a layer and write its slice's keys/values "
          "twice: use --recompute-granularity selective or none")
