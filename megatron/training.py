@@ -186,8 +186,11 @@ class Trainer:
             late = list(tied_params) + [p for params, _ in self.extra_tied_groups for p in params] \
                 + self.sequence_parallel_params
             overlap = t.overlap_grad_reduce or t.overlap_param_gather
+            # --emb-comm-opt's fused sync sums the tied embeddings over DP itself.
+            fused = list(tied_params) if cfg.compression.emb_comm_opt and ps.pp_size > 1 else []
             self.optimizer = DistributedOptimizer(self.modules, t, ps, self.lr_scheduler, device,
-                                                  bucket_numel=self.bucket_numel if overlap else None, late_params=late)
+                                                  bucket_numel=self.bucket_numel if overlap else None, late_params=late,
+                                                  reduced_params=fused)
         else:
             self.optimizer = MegatronOptimizer(self.modules, t, ps, self.lr_scheduler, device)
         comm = None
@@ -297,6 +300,15 @@ class Trainer:
         for params, group in self.extra_tied_groups:
             allreduce_embedding_grads(params, group)
         if getattr(self.optimizer, "reduces_data_parallel_grads", False):
+            # The distributed optimizer reduce-scatters what no other sync summed over DP yet.
+            if self.fused_embedding_group is not None:
+                self.optimizer.grads_reduced(self.tied_params)
+            if self.dp_reducer is not None and self.dp_reducer.active(self.iteration + 1):
+                # PowerSGD leaves the (approximate) DP sum on every rank: the optimizer only cuts
+                # its shard. Warm-up steps and stages --selective-grad-comp skips take the
+                # reduce-scatter, which moves half the bytes of the all-reduce they would replace.
+                sent["dp"], sent["dp_raw"] = self.dp_reducer.reduce(dp_params, self.iteration + 1)
+                self.optimizer.grads_reduced(dp_params)
             return sent
         if self.dp_reducer is not None:
             sent["dp"], sent["dp_raw"] = self.dp_reducer.reduce(dp_params, self.iteration + 1)
