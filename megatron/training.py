@@ -201,8 +201,10 @@ class Trainer:
         self._setup_compression(cfg, ps)
         self.overlap_reducer = None
         if t.overlap_grad_reduce and ps.dp_size > 1:
+            # --emb-comm-opt's fused sync sums the tied embeddings over DP: not this reducer's.
+            fused = {id(p) for p in tied_params} if self.fused_embedding_group is not None else set()
             self.overlap_reducer = OverlappedGradReducer(
-                self.optimizer.params, ps.dp_group, ps.dp_size, self.bucket_numel,
+                [p for p in self.optimizer.params if id(p) not in fused], ps.dp_group, ps.dp_size, self.bucket_numel,
                 optimizer=self.optimizer if t.use_distributed_optimizer else None)
         self.executor = PipelineExecutor(stages, comm, rank_desc=ps.describe(), autocast_dtype=autocast,
                                          device=device, comm_dtype=DTYPES[self.comm_dtype_name],
@@ -270,7 +272,7 @@ class Trainer:
         if self.overlap_reducer is not None:
             # Sums commute: reducing over DP first, then over tied stages / TP, is the same.
             self.overlap_reducer.finish()
-            sent["dp"] = sent["dp_raw"] = sum(p.grad.numel() * p.grad.element_size() for p in self.optimizer.params
+            sent["dp"] = sent["dp_raw"] = sum(p.grad.numel() * p.grad.element_size() for p in self.overlap_reducer.params
                                               if p.grad is not None)
         if self.sequence_parallel_params:
             # Norm weights and row-parallel biases saw only this rank's sequence chunk.
