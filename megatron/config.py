@@ -530,9 +530,6 @@ class MegatronConfig:
             _require(self.model.model_type == "gpt", "--emb-comm-opt is implemented for GPT only; drop it for T5")
             _require(not self.model.untie_embeddings_and_output_weights,
                      "--emb-comm-opt syncs tied embeddings: drop --untie-embeddings-and-output-weights or the flag")
-        if self.training.overlap_grad_reduce:
-            _require(not c.grad_comp,
-                     "--overlap-grad-reduce overlaps the plain data-parallel all-reduce; --grad-comp replaces it: drop one of them")
         _require(not c.emb_grad_comp or pp > 1, "--emb-grad-comp compresses the first/last-stage embedding sync: it "
                  "needs --pipeline-model-parallel-size > 1")
         if c.mp_grad_comp or c.mp_acti_comp:

@@ -203,9 +203,15 @@ class Trainer:
         if t.overlap_grad_reduce and ps.dp_size > 1:
             # --emb-comm-opt's fused sync sums the tied embeddings over DP: not this reducer's.
             fused = {id(p) for p in tied_params} if self.fused_embedding_group is not None else set()
-            self.overlap_reducer = OverlappedGradReducer(
-                [p for p in self.optimizer.params if id(p) not in fused], ps.dp_group, ps.dp_size, self.bucket_numel,
-                optimizer=self.optimizer if t.use_distributed_optimizer else None)
+            params = [p for p in self.optimizer.params if id(p) not in fused]
+            if self.dp_reducer is not None:
+                # --grad-comp: PowerSGD's first all-reduce per bucket during the backward passes.
+                from megatron.compression.data_parallel_overlap import OverlappedPowerSGD
+                self.overlap_reducer = OverlappedPowerSGD(params, self.dp_reducer, self.bucket_numel)
+            else:
+                self.overlap_reducer = OverlappedGradReducer(
+                    params, ps.dp_group, ps.dp_size, self.bucket_numel,
+                    optimizer=self.optimizer if t.use_distributed_optimizer else None)
         self.executor = PipelineExecutor(stages, comm, rank_desc=ps.describe(), autocast_dtype=autocast,
                                          device=device, comm_dtype=DTYPES[self.comm_dtype_name],
                                          grad_compressor=self.grad_compressor)
@@ -274,6 +280,8 @@ class Trainer:
             self.overlap_reducer.finish()
             sent["dp"] = sent["dp_raw"] = sum(p.grad.numel() * p.grad.element_size() for p in self.overlap_reducer.params
                                               if p.grad is not None)
+            if hasattr(self.overlap_reducer, "sent"):
+                sent["dp"], sent["dp_raw"] = self.overlap_reducer.sent
         if self.sequence_parallel_params:
             # Norm weights and row-parallel biases saw only this rank's sequence chunk.
             allreduce_data_parallel_grads(self.sequence_parallel_params, ps.tp_group, ps.tp_size)
@@ -305,16 +313,20 @@ class Trainer:
             # The distributed optimizer reduce-scatters what no other sync summed over DP yet.
             if self.fused_embedding_group is not None:
                 self.optimizer.grads_reduced(self.tied_params)
-            if self.dp_reducer is not None and self.dp_reducer.active(self.iteration + 1):
+            if getattr(self.overlap_reducer, "all_reduces", False):  # overlapped PowerSGD summed them
+                self.optimizer.grads_reduced(dp_params)
+            elif self.dp_reducer is not None and self.dp_reducer.active(self.iteration + 1):
                 # PowerSGD leaves the (approximate) DP sum on every rank: the optimizer only cuts
                 # its shard. Warm-up steps and stages --selective-grad-comp skips take the
                 # reduce-scatter, which moves half the bytes of the all-reduce they would replace.
                 sent["dp"], sent["dp_raw"] = self.dp_reducer.reduce(dp_params, self.iteration + 1)
                 self.optimizer.grads_reduced(dp_params)
             return sent
-        if self.dp_reducer is not None:
+        if self.overlap_reducer is not None:
+            pass  # reduced over DP above
+        elif self.dp_reducer is not None:
             sent["dp"], sent["dp_raw"] = self.dp_reducer.reduce(dp_params, self.iteration + 1)
-        elif self.overlap_reducer is None:
+        else:
             allreduce_data_parallel_grads(dp_params, ps.dp_group, ps.dp_size, self.bucket_numel)
             if ps.dp_size > 1:
                 sent["dp"] = sent["dp_raw"] = sum(p.grad.numel() * p.grad.element_size()
@@ -339,7 +351,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
             base_mb = torch.cuda.memory_allocated(self.device) / 1e6
         if self.overlap_reducer is not None:
-            self.overlap_reducer.start_iteration(self._expected_accumulations(work.plan))
+            self.overlap_reducer.start_iteration(self._expected_accumulations(work.plan), self.iteration + 1)
         traced = self._tracing()
         if traced:
             self.executor.trace_events = []

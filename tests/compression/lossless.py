@@ -22,16 +22,16 @@ def counting() -> dict:
     reductions (PowerSGD over DP or the embedding group)}, updated as training runs."""
     from megatron.compression import data_parallel
     counts = {"pipeline": 0, "reducer": 0}
-    compress, reduce_ = lowrank.compress, data_parallel.PowerSGDReducer._compress
+    compress, reduce_ = lowrank.compress, data_parallel.PowerSGDReducer.finish_compress
 
     def counted_compress(*a, **k):
         counts["pipeline"] += 1
         return compress(*a, **k)
 
-    def counted_reduce(self, mats, iteration):
+    def counted_reduce(self, mats, summed_p):
         counts["reducer"] += len(mats)
-        return reduce_(self, mats, iteration)
+        return reduce_(self, mats, summed_p)
 
     lowrank.compress = counted_compress
-    data_parallel.PowerSGDReducer._compress = counted_reduce
+    data_parallel.PowerSGDReducer.finish_compress = counted_reduce
     return counts
