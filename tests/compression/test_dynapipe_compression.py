@@ -86,8 +86,10 @@ def test_powersgd_and_fused_embedding_sync_at_full_rank_equal_plain_dynapipe(dat
     assert_parity(plain_pp2_dp2, outs, compare_grads=not dist_opt, codec_roundings=1)
 
 
-def test_fused_embedding_sync_alone_is_exact_on_dynapipe(data, plain_pp2):
-    assert_parity(plain_pp2, run_distributed(_run, 2, data, 2, dict(emb_comm_opt=True)))
+def test_fused_embedding_sync_alone_is_exact_on_dynapipe(data, plain_pp2_dp2):
+    # PP2 x DP2: one all-reduce over the first and last stage of both DP groups, whose DynaPipe
+    # plans differ; no codec, so the plain bounds hold.
+    assert_parity(plain_pp2_dp2, run_distributed(_run, 4, data, 2, dict(emb_comm_opt=True)))
 
 
 def test_simulator_charges_compressed_gradients_at_their_wire_bytes():

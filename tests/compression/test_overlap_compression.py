@@ -64,10 +64,12 @@ def test_overlapped_reduction_with_fused_embedding_sync_equals_single_process(re
     assert_parity(reference, outs, compare_grads=not dist_opt)
 
 
-def test_overlapped_powersgd_equals_powersgd_after_the_backward():
+@pytest.mark.parametrize("method", ["PowerSGD", pytest.param("RandomizedSVD", marks=pytest.mark.slow)])
+def test_overlapped_powersgd_equals_powersgd_after_the_backward(method):
     # Lossy rank 2 with error feedback, one warm-up step (plain overlapped all-reduce): the
     # same arithmetic, the first all-reduce of every bucket launched during the backward.
-    comp = dict(grad_comp=True, grad_comp_rank=2, use_error_feedback=True, grad_comp_warm_up=0.34)
+    comp = dict(grad_comp=True, grad_comp_rank=2, use_error_feedback=True, grad_comp_warm_up=0.34,
+                grad_comp_type=method)
     after = run_distributed(_run, 2, dict(), comp, False, False)
     over = run_distributed(_run, 2, dict(), comp, False, True)
     assert all(o["counts"]["reducer"] > 0 and o["launched"] == [o["buckets"]] * 3 for o in over)
