@@ -69,3 +69,23 @@ def test_lep_keys_each_slice_by_its_token_offset(plain):
     got = [o for o in outs if o["is_last"]][0]["loss"]
     assert all(math.isfinite(x) for x in got)
     assert got[0] == ref[0] and got[1:] != ref[1:]  # compressed updates from the first step on
+
+
+def test_sliced_plans_with_compressed_gradients_validate_and_round_trip():
+    """Plans carrying token_slice and compress_rank at once: the validator accepts them, catches
+    a receive that disagrees with its send, and the binary format keeps both attributes."""
+    from megatron.compression.pipeline import mark_compressed_grads
+    from megatron.pipeline import instructions as I
+    from megatron.pipeline.validator import PlanValidationError, validate_plans
+    from megatron.planner.terapipe import build_terapipe_plans
+    plans = mark_compressed_grads(build_terapipe_plans([[1, 5, 2, 8]] * 2, [((2, SEQ),)] * 2, 2, 32), 2)
+    validate_plans(plans)
+    sends = [x for x in plans[1].instructions if isinstance(x, I.SendGradStart)]
+    assert len(sends) == 8 and all(x.compress_rank == 2 and x.token_slice for x in sends)
+    for p in plans:
+        assert I.ExecutionPlan.deserialize(p.serialize()) == p
+    bad = [plans[0], dataclasses.replace(plans[1], instructions=[
+        dataclasses.replace(x, compress_rank=0) if isinstance(x, I.SendGradStart) and x.token_slice[1] == 8 else x
+        for x in plans[1].instructions])]
+    with pytest.raises(PlanValidationError, match="compress_rank"):
+        validate_plans(bad)
