@@ -7,7 +7,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 
 from megatron.config import CompressionConfig
 from tests.dist_harness import run_distributed
