@@ -59,9 +59,6 @@ def check_terapipe_config(cfg) -> None:
          "so a T5 slice would need tokens that run later; use pretrain_gpt.py or drop --terapipe")
     if d.dynapipe:  # DynaPipe's micro-batches cut into token slices (megatron/planner/dynapipe_slicing.py)
         return check_dynapipe_slicing(cfg)
-    need(not cfg.compression.inter_grad_comp,
-         "--terapipe with --inter-grad-comp is not supported: compressed backpropagation keeps one low-rank state "
-         "per stage and micro-batch shape, and token slices change shape every slice; drop one of them")
     fixed = parse_slices(cfg.terapipe.slices, m.seq_length)
     tp = p.tensor_model_parallel_size
     if m.sequence_parallel and tp > 1 and fixed is not None:
@@ -87,8 +84,8 @@ def check_dynapipe_slicing(cfg) -> None:
         raise ValueError("--dynapipe --terapipe with --num-layers-per-virtual-pipeline-stage: the sliced planner "
                          "expands one stage per rank into slices; drop the virtual stages or the slices")
     if m.sequence_parallel:
-        raise ValueError("--terapipe with --sequence-parallel would split each token slice over TP ranks; drop "
-                         "--sequence-parallel (TeraPipe already bounds activation memory by slicing the sequence)")
+        raise ValueError("--dynapipe --terapipe with --sequence-parallel: the sliced planner prices and lowers whole "
+                         "slices per TP rank; drop --sequence-parallel (slices already bound activation memory)")
     if cfg.compression.inter_grad_comp:
         raise ValueError("--dynapipe --terapipe with --inter-grad-comp: compressed backpropagation keeps its "
                          "error-feedback state per stage and message shape, and sliced micro-batches change shape "

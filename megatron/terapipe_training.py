@@ -9,6 +9,7 @@ from typing import Optional
 
 import numpy as np
 
+from megatron.compression.pipeline import grad_compression_pass
 from megatron.planner.terapipe import (GRID, build_terapipe_plans, parse_slices, plan_slices, slice_memory_mb,
                                        uniform_slices)
 from megatron.training import FixedBatchSource, Trainer
@@ -100,10 +101,14 @@ class TeraPipePlanner:
         new = [key for key in {s[0] for s in shapes} if key not in self._slicings]
         slicings = [self.slicing(b, s)[0] for (b, s), in shapes]
         if shapes not in self._plans:
-            self._plans = {shapes: build_terapipe_plans(slicings, shapes, self.pp, self.cfg.model.hidden_size,
-                                                        dtype=self.cfg.training.params_dtype_name,
-                                                        recompute=self.cfg.training.recompute_level,
-                                                        seq_split=self.seq_split, num_model_chunks=self.chunks)}
+            plans = build_terapipe_plans(slicings, shapes, self.pp, self.cfg.model.hidden_size,
+                                         dtype=self.cfg.training.params_dtype_name,
+                                         recompute=self.cfg.training.recompute_level,
+                                         seq_split=self.seq_split, num_model_chunks=self.chunks)
+            # --inter-grad-comp marks each slice's gradient message; its LEP state is keyed by
+            # the slice's token offset (compression.pipeline.error_key).
+            plan_pass = grad_compression_pass(self.cfg)
+            self._plans = {shapes: plan_pass(plans) if plan_pass is not None else plans}
         self.info = {"planner": "terapipe", "num_microbatches": len(shapes), "microbatch_shapes": [s[0] for s in shapes],
                      "slices": slicings[0] if all(s == slicings[0] for s in slicings) else slicings,
                      # wall time of this call: the DP and plan building run once per new shape

@@ -186,8 +186,11 @@ class Trainer:
             late = list(tied_params) + [p for params, _ in self.extra_tied_groups for p in params] \
                 + self.sequence_parallel_params
             overlap = t.overlap_grad_reduce or t.overlap_param_gather
+            # --emb-comm-opt's fused sync sums the tied embeddings over DP itself.
+            fused = list(tied_params) if cfg.compression.emb_comm_opt and ps.pp_size > 1 else []
             self.optimizer = DistributedOptimizer(self.modules, t, ps, self.lr_scheduler, device,
-                                                  bucket_numel=self.bucket_numel if overlap else None, late_params=late)
+                                                  bucket_numel=self.bucket_numel if overlap else None, late_params=late,
+                                                  reduced_params=fused)
         else:
             self.optimizer = MegatronOptimizer(self.modules, t, ps, self.lr_scheduler, device)
         comm = None
@@ -198,9 +201,17 @@ class Trainer:
         self._setup_compression(cfg, ps)
         self.overlap_reducer = None
         if t.overlap_grad_reduce and ps.dp_size > 1:
-            self.overlap_reducer = OverlappedGradReducer(
-                self.optimizer.params, ps.dp_group, ps.dp_size, self.bucket_numel,
-                optimizer=self.optimizer if t.use_distributed_optimizer else None)
+            # --emb-comm-opt's fused sync sums the tied embeddings over DP: not this reducer's.
+            fused = {id(p) for p in tied_params} if self.fused_embedding_group is not None else set()
+            params = [p for p in self.optimizer.params if id(p) not in fused]
+            if self.dp_reducer is not None:
+                # --grad-comp: PowerSGD's first all-reduce per bucket during the backward passes.
+                from megatron.compression.data_parallel_overlap import OverlappedPowerSGD
+                self.overlap_reducer = OverlappedPowerSGD(params, self.dp_reducer, self.bucket_numel)
+            else:
+                self.overlap_reducer = OverlappedGradReducer(
+                    params, ps.dp_group, ps.dp_size, self.bucket_numel,
+                    optimizer=self.optimizer if t.use_distributed_optimizer else None)
         self.executor = PipelineExecutor(stages, comm, rank_desc=ps.describe(), autocast_dtype=autocast,
                                          device=device, comm_dtype=DTYPES[self.comm_dtype_name],
                                          grad_compressor=self.grad_compressor)
@@ -267,8 +278,10 @@ class Trainer:
         if self.overlap_reducer is not None:
             # Sums commute: reducing over DP first, then over tied stages / TP, is the same.
             self.overlap_reducer.finish()
-            sent["dp"] = sent["dp_raw"] = sum(p.grad.numel() * p.grad.element_size() for p in self.optimizer.params
+            sent["dp"] = sent["dp_raw"] = sum(p.grad.numel() * p.grad.element_size() for p in self.overlap_reducer.params
                                               if p.grad is not None)
+            if hasattr(self.overlap_reducer, "sent"):
+                sent["dp"], sent["dp_raw"] = self.overlap_reducer.sent
         if self.sequence_parallel_params:
             # Norm weights and row-parallel biases saw only this rank's sequence chunk.
             allreduce_data_parallel_grads(self.sequence_parallel_params, ps.tp_group, ps.tp_size)
@@ -297,10 +310,23 @@ class Trainer:
         for params, group in self.extra_tied_groups:
             allreduce_embedding_grads(params, group)
         if getattr(self.optimizer, "reduces_data_parallel_grads", False):
+            # The distributed optimizer reduce-scatters what no other sync summed over DP yet.
+            if self.fused_embedding_group is not None:
+                self.optimizer.grads_reduced(self.tied_params)
+            if getattr(self.overlap_reducer, "all_reduces", False):  # overlapped PowerSGD summed them
+                self.optimizer.grads_reduced(dp_params)
+            elif self.dp_reducer is not None and self.dp_reducer.active(self.iteration + 1):
+                # PowerSGD leaves the (approximate) DP sum on every rank: the optimizer only cuts
+                # its shard. Warm-up steps and stages --selective-grad-comp skips take the
+                # reduce-scatter, which moves half the bytes of the all-reduce they would replace.
+                sent["dp"], sent["dp_raw"] = self.dp_reducer.reduce(dp_params, self.iteration + 1)
+                self.optimizer.grads_reduced(dp_params)
             return sent
-        if self.dp_reducer is not None:
+        if self.overlap_reducer is not None:
+            pass  # reduced over DP above
+        elif self.dp_reducer is not None:
             sent["dp"], sent["dp_raw"] = self.dp_reducer.reduce(dp_params, self.iteration + 1)
-        elif self.overlap_reducer is None:
+        else:
             allreduce_data_parallel_grads(dp_params, ps.dp_group, ps.dp_size, self.bucket_numel)
             if ps.dp_size > 1:
                 sent["dp"] = sent["dp_raw"] = sum(p.grad.numel() * p.grad.element_size()
@@ -325,7 +351,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
             base_mb = torch.cuda.memory_allocated(self.device) / 1e6
         if self.overlap_reducer is not None:
-            self.overlap_reducer.start_iteration(self._expected_accumulations(work.plan))
+            self.overlap_reducer.start_iteration(self._expected_accumulations(work.plan), self.iteration + 1)
         traced = self._tracing()
         if traced:
             self.executor.trace_events = []

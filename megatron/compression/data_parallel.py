@@ -100,6 +100,10 @@ class PowerSGDReducer:
             _bucketed_all_reduce(grads, self.dp_group)
             return raw, raw
         sent, mats, true, seconds = self._reduce(grads, iteration)
+        self.record_stats(mats, true, seconds)
+        return sent, raw
+
+    def record_stats(self, mats, true, seconds) -> None:
         if self.stats is not None:
             # One timer covers the compressed part (the factors of all matrices share two
             # all-reduces); `ms` in the log is that time per compressed matrix.
@@ -109,12 +113,13 @@ class PowerSGDReducer:
                                   true=t, decoded=matrix_view(g), residual=resid, p=p)
             if mats:
                 self.stats.add_time(self.stage, self.kind, seconds)
-        return sent, raw
 
-    def _reduce(self, grads, iteration):
+    def split(self, grads: Sequence[torch.Tensor], indices: Sequence[int]):
+        """(vectors reduced uncompressed, matrices [index, grad, M incl. error, P, residual]);
+        `indices` key each gradient's warm start and residual (its position in the reduced list)."""
         vectors: List[torch.Tensor] = []
-        mats = []  # (index, grad, M incl. error, P, residual)
-        for i, g in enumerate(grads):
+        mats = []
+        for i, g in zip(indices, grads):
             if g.dim() < 2 or not self._compressible(g.shape[0], g[0].numel()):
                 vectors.append(g)
                 continue
@@ -124,10 +129,18 @@ class PowerSGDReducer:
                 if e is not None:
                     m = m + e.to(m.device)
             mats.append([i, g, m, None, None])
-        true = []
-        if self.stats is not None and mats:
-            # Diagnostic only: the exact sum, to measure what the compressed one missed.
-            true = _flat_all_reduce([matrix_view(g).float().clone() for _, g, _, _, _ in mats], self.dp_group)
+        return vectors, mats
+
+    def true_sums(self, mats) -> list:
+        """Diagnostic only (--log-compression-stats): the exact sums, to measure what the
+        compressed ones missed."""
+        if self.stats is None or not mats:
+            return []
+        return _flat_all_reduce([matrix_view(g).float().clone() for _, g, _, _, _ in mats], self.dp_group)
+
+    def _reduce(self, grads, iteration):
+        vectors, mats = self.split(grads, range(len(grads)))
+        true = self.true_sums(mats)
         sent = sum(v.numel() * v.element_size() for v in vectors)
         if vectors:
             _bucketed_all_reduce(vectors, self.dp_group)
@@ -140,13 +153,22 @@ class PowerSGDReducer:
 
     def _compress(self, mats, iteration) -> int:
         """Replace each matrix's gradient by the group sum's rank-r approximation; returns bytes sent."""
+        flat_p = _flat_all_reduce(self.local_p(mats, iteration), self.dp_group)
+        return self.finish_compress(mats, flat_p)
+
+    def local_p(self, mats, iteration) -> List[torch.Tensor]:
+        """This rank's M Q (or M Omega) per matrix: the first all-reduce's payload."""
         widths = [self._width(m.shape[0], m.shape[1]) for _, _, m, _, _ in mats]
         if self.method == "RandomizedSVD":
             starts = [lowrank.initial_q(m.shape[1], w, self.state.seed, ("rsvd", i, iteration)).to(m.device)
                       for (i, _, m, _, _), w in zip(mats, widths)]
         else:
             starts = [self.state.q_for((i,), m.shape[1], w, m.device) for (i, _, m, _, _), w in zip(mats, widths)]
-        flat_p = _flat_all_reduce([m @ q for (_, _, m, _, _), q in zip(mats, starts)], self.dp_group)
+        return [m @ q for (_, _, m, _, _), q in zip(mats, starts)]
+
+    def finish_compress(self, mats, flat_p: List[torch.Tensor]) -> int:
+        """From the summed P's: orthonormalise, the second all-reduce (Q), write each gradient;
+        returns the bytes both all-reduces sent."""
         ps_ = [lowrank.orthonormalize(p) for p in flat_p]
         qs = _flat_all_reduce([m.t() @ p for (_, _, m, _, _), p in zip(mats, ps_)], self.dp_group)
         for row, p, q in zip(mats, ps_, qs):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import zlib
 from typing import Dict, Optional, Tuple
 
+import numpy as np
 import torch
 
 
@@ -26,14 +27,25 @@ def orthonormalize(p: torch.Tensor) -> torch.Tensor:
     return q
 
 
-def effective_rank(rows: int, cols: int, rank: int) -> int:
+def effective_rank(rows, cols, rank):
+    """min(rank, rows, cols), at least 0: numbers, or numpy arrays (the planner prices grids)."""
+    if isinstance(rows, np.ndarray) or isinstance(cols, np.ndarray):
+        return np.maximum(0, np.minimum(np.minimum(rank, rows), cols))
     return max(0, min(rank, rows, cols))
 
 
-def worth_compressing(rows: int, cols: int, rank: int) -> bool:
-    """Only compress when the two factors are smaller than the matrix itself."""
+def worth_compressing(rows, cols, rank):
+    """Only compress when the two factors are smaller than the matrix itself (counted in
+    values: this is the rule the plan's wire shapes, the executor and the simulator share)."""
     r = effective_rank(rows, cols, rank)
-    return r >= 1 and (rows + cols) * r < rows * cols
+    return (r >= 1) & ((rows + cols) * r < rows * cols)
+
+
+def wire_bytes(rows, cols, rank, raw_bytes):
+    """Bytes one (rows, cols) gradient matrix puts on the wire at compression rank `rank`: its
+    float32 factors when compressing is worth it, else `raw_bytes` (numbers or numpy arrays)."""
+    r = effective_rank(rows, cols, rank)
+    return np.where(worth_compressing(rows, cols, rank), (rows + cols) * r * 4.0, raw_bytes)
 
 
 def as_matrix(t: torch.Tensor) -> torch.Tensor:

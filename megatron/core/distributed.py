@@ -135,8 +135,9 @@ class OverlappedGradReducer:
         self.overlapped = 0  # buckets launched during the backward passes (for the log/benchmark)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
-    def start_iteration(self, expected_per_param: dict) -> None:
-        """`expected_per_param`: id(param) -> number of gradient accumulations this iteration."""
+    def start_iteration(self, expected_per_param: dict, iteration: int = 0) -> None:
+        """`expected_per_param`: id(param) -> number of gradient accumulations this iteration;
+        `iteration` (1-based) is for reducers whose method changes with it (warm-up)."""
         self.expected = expected_per_param
         self.seen = {}
         self.pending = [sum(1 for p in b if expected_per_param.get(id(p), 0) > 0) if i not in self.late else -1

@@ -20,6 +20,12 @@ DynaPipe planner's memory model counts exactly that. step() also builds flat cop
 parameters and gradients for the collectives (transient, 2 x the parameter bytes).
 Checkpoints store moments by position in one DP- and bucket-independent order (all decayed
 parameters, then the rest), so any DP size or bucketing resumes from them.
+
+Gradients another sync has already summed over DP (`grads_reduced`: a PowerSGD all-reduce with
+--grad-comp, the fused first/last-stage x DP embedding sync of --emb-comm-opt) are identical on
+every DP rank, so their shard is cut locally instead of reduce-scattered: summing them again
+would count every replica DP times. `reduced_params` (the fused sync's tied embeddings) get a
+bucket of their own so that no collective carries them at all.
 """
 from __future__ import annotations
 
@@ -75,10 +81,13 @@ class DistributedOptimizer(MegatronOptimizer):
     reduces_data_parallel_grads = True
 
     def __init__(self, modules: List[nn.Module], cfg, ps, lr_scheduler, device=torch.device("cpu"),
-                 bucket_numel: Optional[int] = None, late_params: Sequence[nn.Parameter] = ()):
+                 bucket_numel: Optional[int] = None, late_params: Sequence[nn.Parameter] = (),
+                 reduced_params: Sequence[nn.Parameter] = ()):
         """`bucket_numel`: bucket size for --overlap-grad-reduce / --overlap-param-gather (None:
         one bucket). `late_params`: gradients that other syncs (tied embeddings, sequence-parallel
-        norms) still change after the backward; they get a bucket of their own, reduced last."""
+        norms) still change after the backward; they get a bucket of their own, reduced last.
+        `reduced_params`: gradients another sync sums over DP every step (see the module
+        docstring); a last bucket of their own, never reduce-scattered."""
         super().__init__(modules, cfg, ps, lr_scheduler, device)
         decay, no_decay = [], []
         for m in modules:
@@ -95,14 +104,17 @@ class DistributedOptimizer(MegatronOptimizer):
             off += p.numel()
         self.numel = off
         dp = max(ps.dp_size, 1)
-        late = {id(p) for p in late_params}
+        pre = {id(p) for p in reduced_params}
+        late = {id(p) for p in late_params} | pre
         early = [p for m in modules for p in m.parameters() if p.requires_grad and id(p) not in late]
-        lists = make_buckets(early, bucket_numel) if bucket_numel else [self.ordered]
-        if bucket_numel and late:
-            lists.append([p for p in self.ordered if id(p) in late])
+        lists = make_buckets(early, bucket_numel) if bucket_numel else [[p for p in self.ordered if id(p) not in pre]]
+        if bucket_numel:
+            lists.append([p for p in self.ordered if id(p) in late and id(p) not in pre])
+        lists.append([p for p in self.ordered if id(p) in pre])
         self.buckets = [_Bucket(b, decayed, dp, ps.dp_rank) for b in lists if b]
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
-        self.late_buckets = {self.bucket_of[k] for k in late} if bucket_numel else set()
+        self.late_buckets = {self.bucket_of[k] for k in late if k in self.bucket_of} if bucket_numel else set()
+        self._reduced_ids: set = set()  # this step's gradients already summed over DP
         self.shard = sum(b.chunk for b in self.buckets)
         # Which shard elements count towards the global gradient norm on this rank.
         masks = []
@@ -167,7 +179,29 @@ class DistributedOptimizer(MegatronOptimizer):
             work.wait()
         self.reduced[i] = out
 
+    def grads_reduced(self, params: Sequence[nn.Parameter]) -> None:
+        """This step's gradients of `params` are already the DP sum on every rank: the step
+        takes their shard locally (one step only; the next one starts without the mark)."""
+        self._reduced_ids |= {id(p) for p in params}
+
+    def _local_shard(self, i: int) -> torch.Tensor:
+        """Bucket i's shard of gradients some of which are already DP sums: those are cut
+        locally; if the bucket also holds unreduced ones, one reduce-scatter sums them with
+        the reduced ones entered by DP rank 0 only (adding zeros is exact)."""
+        b = self.buckets[i]
+        done = [id(p) in self._reduced_ids for p in b.params]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        if all(done) or self.ps.dp_size == 1 or self.ps.dp_group is None:
+            return b.flat(grads)[b.lo:b.lo + b.chunk].clone()
+        if self.ps.dp_rank != 0:
+            grads = [torch.zeros_like(g) if d else g for g, d in zip(grads, done)]
+        work, out = self.launch_reduce(i, grads)
+        work.wait()
+        return out
+
     def _reduced_grad(self, i: int) -> torch.Tensor:
+        if self.reduced[i] is None and any(id(p) in self._reduced_ids for p in self.buckets[i].params):
+            return self._local_shard(i)
         if self.reduced[i] is None:
             self.complete_reduce(i, self.launch_reduce(i, [p.grad if p.grad is not None else torch.zeros_like(p)
                                                             for p in self.buckets[i].params]))
@@ -213,6 +247,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 self.main[2 * i].copy_(flat[b.lo:b.lo + b.split])
                 self.main[2 * i + 1].copy_(flat[b.lo + b.split:b.lo + b.chunk])
         grad = torch.cat([self._reduced_grad(i) for i in range(len(self.buckets))])
+        self._reduced_ids = set()
         if self.grad_scaler is not None:
             grad.mul_(1.0 / self.grad_scaler.scale)
             flag = torch.isfinite(grad).all().logical_not().float().reshape(1)

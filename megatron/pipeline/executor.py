@@ -343,7 +343,8 @@ class PipelineExecutor:
         if kind == "grad":
             self.stats.grad_bytes_raw += nbytes
             if ins.compress_rank:
-                tensors = self._compressor().encode(ins.stage, tensors, ins.compress_rank)
+                offset = ins.token_slice[1] if ins.token_slice else 0  # LEP keys slices by position
+                tensors = self._compressor().encode(ins.stage, tensors, ins.compress_rank, offset)
                 nbytes = sum(t.numel() * t.element_size() for t in tensors)
             self.stats.grad_bytes += nbytes
         else:

@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megatron.compression import lowrank
 from megatron.planner import packed
 from megatron.planner import partitioner as part
 from megatron.planner.attention_cost import AttentionCost
@@ -270,11 +271,17 @@ class DynaPipePlanner:
         out["comm"] = np.broadcast_to(comm + self.cfg.link_latency_ms, out["fwd"].shape)
         r = self.cfg.grad_compress_rank
         if r:
+            # The executor's rule (lowrank.wire_bytes): float32 factors of the (tokens, h)
+            # matrix when they hold fewer values, else the raw message as an activation.
             h = self.cfg.hidden_size
-            n_tensors = 1 if dec is None else 2  # T5 decoder stages send two gradients (approximation)
             raw = tokens * h / tp * self.cfg.activation_bytes
-            low = (tokens + n_tensors * h) * np.minimum(r, h) * 4.0
-            grad = np.minimum(raw, low) * 8 / (self.cfg.bandwidth_gbps * 1e6)
+            if dec is None:
+                rows = tokens / tp if sp else tokens  # a stage's message is [s(/tp), b, h]
+                low = lowrank.wire_bytes(rows, h, r, raw)
+            else:  # T5 decoder stages send two gradients (encoder output, decoder hidden)
+                low = lowrank.wire_bytes(mbs * enc, h, r, mbs * enc * h / tp * self.cfg.activation_bytes) \
+                    + lowrank.wire_bytes(mbs * dec, h, r, mbs * dec * h / tp * self.cfg.activation_bytes)
+            grad = low * 8 / (self.cfg.bandwidth_gbps * 1e6)
             out["grad_comm"] = np.broadcast_to(grad + self.cfg.link_latency_ms, out["fwd"].shape)
         return out
 

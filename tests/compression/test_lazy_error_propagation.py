@@ -2,7 +2,7 @@
 unless --lep-carry-across-iterations asks for it (the measured default, README)."""
 import torch
 
-from megatron.compression.pipeline import PipelineGradCompressor
+from megatron.compression.pipeline import PipelineGradCompressor, error_key
 
 
 def _msgs(n, seed=0):
@@ -15,15 +15,15 @@ def test_residual_rides_on_the_next_message_and_all_residuals_telescope():
     msgs = _msgs(4)
     sent = [PipelineGradCompressor.decode([m.shape], 2, comp.encode(1, [m], 2), torch.float32)[0] for m in msgs]
     # Error feedback's invariant over one iteration: sum sent + kept residual = sum of gradients.
-    kept = comp.state.error[(1, 0)].reshape(8, 2, 32)
+    kept = comp.state.error[error_key(1, 0, (8, 2, 32))].reshape(8, 2, 32)
     torch.testing.assert_close(sum(sent) + kept, sum(msgs), atol=1e-4, rtol=1e-4)
     # Another stage (or tensor index) keeps its own residual.
     comp.encode(2, [msgs[0]], 2)
-    assert set(comp.state.error) == {(1, 0), (2, 0)}
+    assert set(comp.state.error) == {error_key(1, 0, (8, 2, 32)), error_key(2, 0, (8, 2, 32))}
 
 
 def test_iteration_end_drops_residuals_by_default_and_keeps_them_when_asked():
-    for carry, expect in ((False, set()), (True, {(1, 0)})):
+    for carry, expect in ((False, set()), (True, {error_key(1, 0, (8, 2, 32))})):
         comp = PipelineGradCompressor(lazy_error_propagation=True, seed=3, reset_each_iteration=not carry)
         for m in _msgs(3):
             comp.encode(1, [m], 2)

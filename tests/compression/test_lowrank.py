@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron.compression import lowrank
-from megatron.compression.pipeline import PipelineGradCompressor, tensor_wire_shapes, wire_numel
+from megatron.compression.pipeline import PipelineGradCompressor, error_key, tensor_wire_shapes, wire_numel
 
 
 @pytest.mark.parametrize("true_rank,r", [(1, 1), (3, 4), (4, 4), (2, 8)])
@@ -43,7 +43,7 @@ def test_lazy_error_propagation_invariant_sum_sent_plus_residual_equals_sum_inpu
         wire = comp.encode(1, [m], 2)
         assert [tuple(w.shape) for w in wire] == [(12, 2), (16, 2)]
         sent.append(PipelineGradCompressor.decode([m.shape], 2, wire, torch.float32)[0])
-    residual = comp.state.error[(1, 0)].reshape(6, 2, 16)
+    residual = comp.state.error[error_key(1, 0, (6, 2, 16))].reshape(6, 2, 16)
     torch.testing.assert_close(sum(sent) + residual, sum(inputs), atol=1e-5, rtol=1e-5)
     # Without LEP the residual is dropped: the sum is not preserved.
     plain = PipelineGradCompressor(lazy_error_propagation=False, seed=3)
