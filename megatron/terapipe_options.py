@@ -86,7 +86,3 @@ def check_dynapipe_slicing(cfg) -> None:
     if m.sequence_parallel:
         raise ValueError("--dynapipe --terapipe with --sequence-parallel: the sliced planner prices and lowers whole "
                          "slices per TP rank; drop --sequence-parallel (slices already bound activation memory)")
-    if cfg.compression.inter_grad_comp:
-        raise ValueError("--dynapipe --terapipe with --inter-grad-comp: compressed backpropagation keeps its "
-                         "error-feedback state per stage and message shape, and sliced micro-batches change shape "
-                         "every slice and iteration; drop one of them")

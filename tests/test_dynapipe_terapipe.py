@@ -14,10 +14,10 @@ from tests.test_dynapipe_training import VOCAB, _cfg, multitask  # noqa: F401 (f
 pytestmark = pytest.mark.parity
 
 
-def _train(rank, world, data, slices, pp=2, workers=0):
+def _train(rank, world, data, slices, pp=2, workers=0, compress=False):
     from datetime import timedelta
 
-    from megatron.config import TeraPipeConfig
+    from megatron.config import CompressionConfig, TeraPipeConfig
     from megatron.core.parallel_state import initialize_model_parallel
     from megatron.initialize import set_seeds
     from megatron.pretrain import build_gpt_trainer
@@ -26,6 +26,13 @@ def _train(rank, world, data, slices, pp=2, workers=0):
     cfg = _cfg(world, "gpt", data, "dynapipe", pp=pp, iters=3, workers=workers)
     if slices is not None:  # replace() re-runs the configuration checks
         cfg = dataclasses.replace(cfg, terapipe=TeraPipeConfig(enabled=True, slices=slices, with_dynapipe=True))
+    counts = None
+    if compress:  # compressed backpropagation + LEP at full rank: exact (tests/compression/lossless.py)
+        from tests.compression import lossless as L
+        L.lossless()
+        counts = L.counting()
+        cfg = dataclasses.replace(cfg, compression=CompressionConfig(inter_grad_comp=True, inter_grad_comp_rank=64,
+                                                                     use_error_feedback=True))
     cfg.model.vocab_size = VOCAB
     ps = initialize_model_parallel(1, pp, timedelta(minutes=1))
     set_seeds(cfg.training.seed, ps, torch.device("cpu"))
@@ -39,7 +46,7 @@ def _train(rank, world, data, slices, pp=2, workers=0):
     history = trainer.train()
     return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
             "grads": grads, "params": shards(trainer, "param"), "is_last": ps.rank == world - 1,
-            "info": [h["planner"] for h in history], **tolerance_inputs(cfg)}
+            "info": [h["planner"] for h in history], "counts": counts, **tolerance_inputs(cfg)}
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +73,15 @@ def test_dynapipe_terapipe_auto_equals_plain_dynapipe(multitask, plain_dynapipe)
     outs = run_distributed(_train, 2, multitask, "auto")
     assert any(i["token_slices"] for i in _last(outs)["info"])  # the tiny table's plans do slice
     assert_parity(plain_dynapipe, outs)
+
+
+def test_dynapipe_terapipe_with_compressed_backprop_equals_plain_dynapipe(multitask, plain_dynapipe):  # noqa: F811
+    """Token slices of DynaPipe micro-batches, each slice's gradient message compressed with LEP
+    (residuals keyed by stage, tensor, token offset and shape): exact at full rank."""
+    outs = run_distributed(_train, 2, multitask, "2", 2, 0, True)
+    assert all(i["token_slices"] for i in _last(outs)["info"])
+    assert outs[1]["counts"]["pipeline"] > 0  # the slices' gradients really went compressed
+    assert_parity(plain_dynapipe, outs, codec_roundings=1)
 
 
 def test_dynapipe_terapipe_refusals_name_the_flag(multitask):  # noqa: F811
