@@ -499,11 +499,9 @@ class MegatronConfig:
                      f"stage {s} splits each micro-batch over DP {dp}: --micro-batch-size ({t.micro_batch_size}, the "
                      f"pipeline micro-batch) must be a multiple of it")
         refused = [(m.sequence_parallel, "--sequence-parallel"), (self.data.dynapipe, "--dynapipe"),
-                   (self.data.pack_dataset, "--pack-dataset"), (self.data.targets_data_path, "--targets-data-path"),
                    (t.use_distributed_optimizer, "--use-distributed-optimizer"),
                    (t.overlap_grad_reduce, "--overlap-grad-reduce"), (self.compression.enabled, "Optimus-CC compression"),
-                   (self.terapipe.enabled, "--terapipe"), (self.parallel.pipeline_schedule != "1f1b",
-                                                           "--pipeline-schedule gpipe")]
+                   (self.terapipe.enabled, "--terapipe")]
         for on, flag in refused:
             _require(not on, f"stages with their own TP/DP sizes (--aceso-config) do not support {flag} yet; "
                              "drop it or use a config whose stages share one TP and DP size")

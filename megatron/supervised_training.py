@@ -16,12 +16,14 @@ model on the same data and differ only in speed and memory.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from typing import List, Optional
 
 import numpy as np
 import torch
 
+from megatron.batching import pad_rows, rows_of
 from megatron.config import MegatronConfig
 from megatron.data.packing import (collate_supervised_gpt, collate_supervised_t5, concat_pair, next_fit_rows,
                                    pack_samples, pack_t5_rows)
@@ -281,7 +283,22 @@ class BaselineSource(_SupervisedSource):
             rows = next_fit_rows(self.lengths[lo:hi] + 1, m.seq_length + 1)
         rows = [[lo + i for i in r] for r in rows]
         chunks = [rows[s:s + mbs] for s in range(0, len(rows), mbs)]
-        return [self.collate_rows(c) for c in chunks[self.ps.dp_rank::self.ps.dp_size]]
+        return [self.collate_rows(c) for c in self._mine(chunks)]
+
+    def _mine(self, chunks: list) -> list:
+        """This DP rank's micro-batches; with per-stage DP sizes every rank takes every (whole,
+        pipeline) micro-batch and `_split` cuts its rows after collating."""
+        return chunks if self.ps.stage_layouts else chunks[self.ps.dp_rank::self.ps.dp_size]
+
+    def _split(self, mbs: List[dict]):
+        """(this rank's micro-batches, the plans' whole-micro-batch shapes). With per-stage DP
+        sizes a micro-batch's rows must divide by every stage's DP: a short last one gets
+        loss-free filler rows (`pad_rows`), then this rank keeps its stage's share."""
+        if not self.ps.stage_layouts:
+            return mbs, [self.shapes_fn(mb) for mb in mbs]
+        multiple = math.lcm(*(dp for _, dp in self.ps.stage_layouts))
+        whole = [pad_rows(mb, multiple) for mb in mbs]
+        return [rows_of(mb, self.ps.dp_rank, self.ps.dp_size) for mb in whole], [self.shapes_fn(mb) for mb in whole]
 
     def next(self, iteration: int, consumed_samples: int) -> IterationWork:
         lo, hi = self._batch(iteration, consumed_samples)
@@ -291,7 +308,7 @@ class BaselineSource(_SupervisedSource):
             size = self.cfg.training.micro_batch_size
             chunks = [list(range(s, min(s + size, hi))) for s in range(lo, hi, size)]
             mbs = []
-            for c in chunks[self.ps.dp_rank::self.ps.dp_size]:
+            for c in self._mine(chunks):
                 longest = self.lengths[c].max(axis=0)
                 b = len(c)
                 shape = ((b, _round_up(longest)),) if self.lengths.ndim == 1 else \
@@ -300,10 +317,11 @@ class BaselineSource(_SupervisedSource):
         if not mbs:
             raise RuntimeError(f"iteration {iteration}: data-parallel rank {self.ps.dp_rank} got no micro-batch; "
                                "raise --tokens-per-global-batch or lower --micro-batch-size")
-        plan = self.planner.plans(iteration, [self.shapes_fn(mb) for mb in mbs])[self.ps.pp_rank]
         info = {"planner": "packing" if self.pack else "fixed", "num_microbatches": [len(mbs)],
                 "microbatch_shapes": [tuple(mb["tokens" if "tokens" in mb else "text_enc"].shape) for mb in mbs],
                 "padding_efficiency": padding_efficiency(mbs)}
+        mbs, shapes = self._split(mbs)
+        plan = self.planner.plans(iteration, shapes)[self.ps.plan_rank]
         return IterationWork(mbs, plan, hi - lo, info)
 
 

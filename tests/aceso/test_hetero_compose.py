@@ -1,0 +1,75 @@
+"""Stages with their own TP/DP sizes (Aceso layouts) composed with other plan and data features:
+each trains exactly like the single-process run of the same batches (fp32, derived bounds)."""
+import pytest
+
+from tests.dist_harness import run_distributed
+from tests.parity_utils import assert_parity, run_layout
+from tests.test_dynapipe_training import multitask  # noqa: F401 (fixture: multi-task data)
+
+pytestmark = pytest.mark.parity
+
+HETERO = dict(pp=2, stage_parallel=[[2, 1], [1, 2]], stage_layers=[1, 3])  # TP2 -> DP2 on 4 ranks
+
+
+def test_gpipe_on_heterogeneous_stages_matches_single_process():
+    """GPipe's orders (all forwards, then all backwards) lowered through the hetero pass."""
+    ref = run_distributed(run_layout, 1, dict(iters=2))
+    outs = run_distributed(run_layout, 4, dict(HETERO, schedule="gpipe", iters=2))
+    assert_parity(ref, outs)
+
+
+def _train_multitask(rank, world, data, mode, stage_parallel=None):
+    """tests/test_dynapipe_training.py's multi-task run (token-budget batches), on stages with
+    their own TP/DP sizes when `stage_parallel` is given ('whole' = one micro-batch, 1 rank)."""
+    import dataclasses
+    from datetime import timedelta
+
+    import torch
+
+    from megatron.initialize import initialize_parallel, set_seeds
+    from megatron.pretrain import build_gpt_trainer
+    from tests.parity_utils import shards, tolerance_inputs
+    from tests.test_dynapipe_training import VOCAB, _cfg
+
+    cfg = _cfg(world, "gpt", data, mode)
+    if stage_parallel:  # rebuilt, so the configuration's checks run on the combination
+        cfg = dataclasses.replace(
+            cfg, parallel=dataclasses.replace(cfg.parallel, stage_parallel=stage_parallel,
+                                              pipeline_model_parallel_size=len(stage_parallel),
+                                              tensor_model_parallel_size=max(t for t, _ in stage_parallel)),
+            # the pipeline micro-batch: a multiple of every stage's DP
+            training=dataclasses.replace(cfg.training, micro_batch_size=4))
+    cfg.model.vocab_size = VOCAB
+    ps = initialize_parallel(cfg, timedelta(minutes=1))
+    set_seeds(cfg.training.seed, ps, torch.device("cpu"))
+    trainer = build_gpt_trainer(cfg, ps, torch.device("cpu"))
+    grads, zero = [], trainer.optimizer.zero_grad
+
+    def snapshot_then_zero():
+        grads.append(shards(trainer, "grad"))
+        zero()
+    trainer.optimizer.zero_grad = snapshot_then_zero
+    history = trainer.train()
+    return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
+            "grads": grads, "params": shards(trainer, "param"), "is_last": ps.rank == world - 1,
+            "info": [h["planner"] for h in history], "samples": [h["num_samples"] for h in history],
+            **tolerance_inputs(cfg)}
+
+
+@pytest.fixture(scope="module")
+def multitask_reference(multitask):
+    return run_distributed(_train_multitask, 1, multitask, "whole")
+
+
+@pytest.mark.parametrize("mode", ["fixed", "packing"])
+def test_multitask_data_on_heterogeneous_stages_matches_whole_batch_step(multitask, multitask_reference, mode):
+    """--targets-data-path token-budget batches (fixed micro-batches or --pack-dataset rows with
+    per-document attention) on stages TP2xDP1 | TP1xDP2: each rank takes its rows of every
+    pipeline micro-batch; a short last micro-batch gets loss-free filler rows."""
+    outs = run_distributed(_train_multitask, 4, multitask, mode, HETERO["stage_parallel"])
+    last = [o for o in outs if o["is_last"]][0]
+    assert last["samples"] == [o for o in multitask_reference if o["is_last"]][0]["samples"]
+    assert all(i["planner"] == mode for i in last["info"])
+    if mode == "fixed":  # a short micro-batch met the filler rows
+        assert any(s[0] % 2 for i in last["info"] for s in i["microbatch_shapes"])
+    assert_parity(multitask_reference, outs)
