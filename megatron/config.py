@@ -500,8 +500,7 @@ class MegatronConfig:
                      f"pipeline micro-batch) must be a multiple of it")
         refused = [(m.sequence_parallel, "--sequence-parallel"), (self.data.dynapipe, "--dynapipe"),
                    (t.use_distributed_optimizer, "--use-distributed-optimizer"),
-                   (t.overlap_grad_reduce, "--overlap-grad-reduce"), (self.compression.enabled, "Optimus-CC compression"),
-                   (self.terapipe.enabled, "--terapipe")]
+                   (t.overlap_grad_reduce, "--overlap-grad-reduce"), (self.compression.enabled, "Optimus-CC compression")]
         for on, flag in refused:
             _require(not on, f"stages with their own TP/DP sizes (--aceso-config) do not support {flag} yet; "
                              "drop it or use a config whose stages share one TP and DP size")

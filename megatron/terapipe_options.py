@@ -72,4 +72,7 @@ def check_terapipe_config(cfg) -> None:
     need(t.recompute_granularity != "full",
          "--terapipe with --recompute-granularity full would replay a layer and write its slice's keys/values "
          "twice: use --recompute-granularity selective or none")
+    need(all(mode in ("none", "selective") for mode in t.recompute_layers or ()),
+         "--terapipe with an --aceso-config whose recompute_ops replay more than core attention would write a "
+         "slice's keys/values twice: clear those flags (core attention alone may stay) or drop --terapipe")
     parse_slices(cfg.terapipe.slices, m.seq_length)

@@ -3,8 +3,11 @@ slices by plans from `megatron.planner.terapipe`. Nothing else in the training l
 the executor slices each micro-batch as the plan's `token_slice`s say."""
 from __future__ import annotations
 
+import functools
 import time
 from typing import Optional
+
+import numpy as np
 
 from megatron.planner.terapipe import build_terapipe_plans, parse_slices, plan_slices, slice_memory_mb
 from megatron.training import FixedBatchSource, Trainer
@@ -14,19 +17,26 @@ class TeraPipePlanner:
     """`plans(iteration, microbatch_shapes)` like `FixedBatchPlanner`; slicings from
     --terapipe-slices (fixed) or the DP over the latency model (auto), cached per shape."""
 
-    def __init__(self, cfg, pp_size: int, latency=None):
+    def __init__(self, cfg, pp_size: int, latency=None, stage_layouts=(), plan_pass=None):
         self.cfg, self.pp = cfg, pp_size
         self.latency = latency
         self.fixed = parse_slices(cfg.terapipe.slices, cfg.model.seq_length)
         m = cfg.model
         self.layers_per_stage = -(-m.num_layers // pp_size)
         self.tp = cfg.parallel.tensor_model_parallel_size
+        # Stages with their own (TP, DP) sizes (--aceso-config): the slicing is priced on the
+        # slowest stage, each on its rows and layers; `plan_pass` lowers the plans onto them.
+        layers = cfg.parallel.pipeline_stage_layers or [self.layers_per_stage] * pp_size
+        self.stages = [(tp, dp, n) for (tp, dp), n in zip(stage_layouts, layers)]
+        self.plan_pass = plan_pass
         self._slicings: dict = {}
         self._plans: dict = {}
         self.info: dict = {}
 
     def stage_ms(self, b, l, c) -> float:
-        return self.latency.stage_ms(b, l, c, self.layers_per_stage)
+        if not self.stages:
+            return self.latency.stage_ms(b, l, c, self.layers_per_stage)
+        return functools.reduce(np.maximum, [self.latency.stage_ms(b // dp, l, c, n) for _, dp, n in self.stages])
 
     def slicing(self, b: int, s: int) -> tuple:
         key = (b, s)
@@ -38,11 +48,12 @@ class TeraPipePlanner:
                 slices = [s]
             else:
                 m = self.cfg.model
-                kv = m.query_groups * m.kv_channels // self.tp
+                stages = self.stages or [(self.tp, 1, self.layers_per_stage)]
 
                 def mem_ok(sl):
-                    return slice_memory_mb(sl, b, self.layers_per_stage, m.hidden_size, kv,
-                                           m.num_attention_heads // self.tp) <= self.cfg.terapipe.memory_limit_mb
+                    return all(slice_memory_mb(sl, b // dp, n, m.hidden_size, m.query_groups * m.kv_channels // tp,
+                                               m.num_attention_heads // tp) <= self.cfg.terapipe.memory_limit_mb
+                               for tp, dp, n in stages)
                 # m micro-batches run back to back: sum over all units + (K-1) max = m * score
                 # of one sequence with the effective stage count 1 + (K-1)/m (see plan_batch).
                 k_eff = 1 + (self.pp - 1) / max(1, self.cfg.num_microbatches)
@@ -71,9 +82,14 @@ class TeraPipePlanner:
         new = [key for key in {s[0] for s in shapes} if key not in self._slicings]
         slicings = [self.slicing(b, s)[0] for (b, s), in shapes]
         if shapes not in self._plans:
-            self._plans = {shapes: build_terapipe_plans(slicings, shapes, self.pp, self.cfg.model.hidden_size,
-                                                        dtype=self.cfg.training.params_dtype_name,
-                                                        recompute=self.cfg.training.recompute_level)}
+            plans = build_terapipe_plans(slicings, shapes, self.pp, self.cfg.model.hidden_size,
+                                         dtype=self.cfg.training.params_dtype_name,
+                                         recompute=self.cfg.training.recompute_level)
+            if self.plan_pass is not None:
+                from megatron.pipeline.validator import validate_plans
+                plans = self.plan_pass(plans)
+                validate_plans(plans)
+            self._plans = {shapes: plans}
         self.info = {"planner": "terapipe", "num_microbatches": len(shapes), "microbatch_shapes": [s[0] for s in shapes],
                      "slices": slicings[0] if all(s == slicings[0] for s in slicings) else slicings,
                      # wall time of this call: the DP and plan building run once per new shape
@@ -100,7 +116,11 @@ def terapipe_trainer(cfg, ps, device, stages, train_ds, valid_ds, tied, flops):
     if cfg.terapipe.cost_model:
         from megatron.planner.terapipe_latency import SliceLatencyModel
         latency = SliceLatencyModel.load(cfg.terapipe.cost_model)
-    planner = TeraPipePlanner(cfg, ps.pp_size, latency)
+    plan_pass = None
+    if ps.stage_layouts:
+        from megatron.planner.hetero import layout_pass
+        plan_pass = layout_pass(ps.stage_layouts)
+    planner = TeraPipePlanner(cfg, ps.pp_size, latency, ps.stage_layouts, plan_pass)
     source = TeraPipeBatchSource(cfg, ps, train_ds, gpt_microbatch, planner, gpt_microbatch_shapes)
     valid = TeraPipeBatchSource(cfg, ps, valid_ds, gpt_microbatch, planner, gpt_microbatch_shapes) \
         if valid_ds is not None else None

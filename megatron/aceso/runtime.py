@@ -141,10 +141,9 @@ def apply_to_args(args, model_type: str, world_size: int, defaults: Dict[str, An
                                "encoder/decoder stage split is not mapped yet")
     if args.num_layers is None:
         raise AcesoConfigError("--aceso-config needs --num-layers")
-    for planner in ("dynapipe", "terapipe"):
-        if getattr(args, planner, False):
-            raise AcesoConfigError(f"--aceso-config and --{planner} are two planners for one run (Aceso fixes the "
-                                   f"stage layout, {planner} plans its own); pick one")
+    if getattr(args, "dynapipe", False):
+        raise AcesoConfigError("--aceso-config and --dynapipe are two planners for one run (Aceso fixes the "
+                               "stage layout, dynapipe plans its own); pick one")
     for other in ("recompute_granularity", "pipeline_stage_layers", "num_layers_per_virtual_pipeline_stage"):
         if getattr(args, other, None) is not None:
             raise AcesoConfigError(f"--aceso-config sets the stage layout and recompute itself; drop "

@@ -334,7 +334,8 @@ class TransformerBlock(nn.Module):
     def _forward(self, x, mask, encoder_output, cross_mask, recompute, rotary, kv_cache=None):
         for i, layer in enumerate(self.layers):
             if kv_cache is not None:  # token slices: the cache is written once per slice, no replay
-                x = layer(x, mask, encoder_output, cross_mask, recompute=recompute, rotary=rotary, kv_cache=kv_cache)
+                mode = self.layer_recompute[i] if self.layer_recompute is not None else recompute  # none|selective
+                x = layer(x, mask, encoder_output, cross_mask, recompute=mode, rotary=rotary, kv_cache=kv_cache)
             elif self.layer_recompute is not None:  # none | selective | full | '+'-joined operators
                 mode = self.layer_recompute[i]
                 if mode == "full" and torch.is_grad_enabled():

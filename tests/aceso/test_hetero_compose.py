@@ -73,3 +73,28 @@ def test_multitask_data_on_heterogeneous_stages_matches_whole_batch_step(multita
     if mode == "fixed":  # a short micro-batch met the filler rows
         assert any(s[0] % 2 for i in last["info"] for s in i["microbatch_shapes"])
     assert_parity(multitask_reference, outs)
+
+
+def test_terapipe_on_heterogeneous_stages_matches_single_process():
+    """TeraPipe token slices on an Aceso layout: the slices' messages also carry batch_slice rows
+    (TP2xDP1 -> TP1xDP2), and the layers' per-layer recompute (none / selective) still applies."""
+    from tests.test_terapipe_training import run_terapipe
+    ref = run_distributed(run_layout, 1, dict(iters=2))
+    outs = run_distributed(run_terapipe, 4, "1,5,2,8", iters=2, recompute_layers=["none", "selective", "none", "selective"],
+                           **HETERO)
+    assert_parity(ref, outs)
+
+
+def test_terapipe_plans_lowered_onto_heterogeneous_stages_carry_both_attributes():
+    from megatron.pipeline import instructions as I
+    from megatron.pipeline.validator import validate_plans
+    from megatron.planner.hetero import split_plans
+    from megatron.planner.terapipe import build_terapipe_plans
+    plans = split_plans(build_terapipe_plans([[4, 12], [16]], [((4, 16),), ((4, 16),)], 2, 32), ((2, 1), (1, 2)))
+    validate_plans(plans)
+    assert [p.batch_split for p in plans] == [(0, 1), (0, 1), (0, 2), (1, 2)]
+    comms = [i for p in plans for i in p.instructions if isinstance(i, I.CommInstruction)]
+    assert comms and all(i.token_slice and i.batch_slice for i in comms)
+    # rank 0 (TP0 of stage 0) sends each slice's rows 0-1 to rank 2 and rows 2-3 to rank 3
+    sends = [(i.token_slice, i.peer, i.batch_slice) for i in plans[0].instructions if isinstance(i, I.SendActivationStart)]
+    assert sends[:2] == [((0, 0, 4), 2, (0, 2)), ((0, 0, 4), 3, (2, 2))]
