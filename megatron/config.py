@@ -489,7 +489,6 @@ class MegatronConfig:
     def _check_stage_parallel_model(self) -> None:
         """What stages with their own TP/DP sizes need from the rest of the configuration."""
         m, t, sp = self.model, self.training, self.parallel.stage_parallel
-        _require(m.model_type == "gpt", "stages with their own TP/DP sizes run GPT only")
         for s, (tp, dp) in enumerate(sp):
             for what, n, flag in (("attention heads", m.num_attention_heads, "--num-attention-heads"),
                                   ("query groups", m.query_groups, "--num-query-groups"),
