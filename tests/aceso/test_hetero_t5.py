@@ -88,11 +88,12 @@ def run_hetero_t5(rank, world, stage_parallel, stage_layers, recompute_layers=No
     from megatron.t5_trainer import build_t5_trainer
     from tests.parity_utils import tolerance_inputs
     cfg = tiny_t5_config(**kw)
+    tp = max(t for t, _ in stage_parallel) if stage_parallel else 1  # None: one TP1 x DP1 rank per stage
     cfg = dataclasses.replace(
         cfg, parallel=dataclasses.replace(cfg.parallel, world_size=world, stage_parallel=stage_parallel,
                                           pipeline_stage_layers=stage_layers,
-                                          pipeline_model_parallel_size=len(stage_parallel),
-                                          tensor_model_parallel_size=max(t for t, _ in stage_parallel)),
+                                          pipeline_model_parallel_size=len(stage_layers),
+                                          tensor_model_parallel_size=tp),
         training=dataclasses.replace(cfg.training, recompute_layers=recompute_layers))
     ps = initialize_parallel(cfg, timedelta(minutes=1))
     set_seeds(cfg.training.seed, ps, torch.device("cpu"))
@@ -125,3 +126,10 @@ def test_t5_on_heterogeneous_stages_matches_single_process(stage_parallel, rec, 
                            pos=pos, iters=2, mbs=lay.micro_batch_size, gbs=lay.global_batch_size)
     copies = _compare(ref, outs)
     assert copies  # the decoder's and the head's tied copies stayed equal to stage 0's tables
+
+
+def test_t5_uneven_stage_layers_match_single_process():
+    """--pipeline-stage-layers for T5 without per-stage sizes (what a uniform-TP/DP Aceso T5
+    config sets): stage 0 holds encoder layer 0, stage 1 the last encoder layer and the decoder."""
+    ref = run_distributed(run_t5_layout, 1, dict(iters=2))
+    _compare(ref, run_distributed(run_hetero_t5, 2, None, [1, 3], iters=2))
