@@ -130,9 +130,22 @@ class _SupervisedSource:
     def microbatches(self, lo: int, group) -> List[dict]:
         """A DynaPipe group's micro-batches: padded samples, or packed rows where the plan has them."""
         if group.rows is not None:
-            return [self.collate_rows([[lo + i for i in r] for r in rows], shape)
-                    for rows, shape in zip(group.rows, group.shapes)]
-        return [self.collate([lo + i for i in ids], shape) for ids, shape in zip(group.microbatches, group.shapes)]
+            mbs = [self.collate_rows([[lo + i for i in r] for r in rows], shape)
+                   for rows, shape in zip(group.rows, group.shapes)]
+        else:
+            mbs = [self.collate([lo + i for i in ids], shape) for ids, shape in zip(group.microbatches, group.shapes)]
+        if self.ps.stage_layouts:  # one pipeline; the plan's shapes count the filler rows
+            return self.stage_rows([self.padded(mb) for mb in mbs])
+        return mbs
+
+    def padded(self, mb: dict) -> dict:
+        """With per-stage DP sizes a micro-batch's rows must divide by every stage's DP: a short
+        one gets loss-free filler rows (`pad_rows`)."""
+        return pad_rows(mb, math.lcm(*(dp for _, dp in self.ps.stage_layouts)))
+
+    def stage_rows(self, whole: List[dict]) -> List[dict]:
+        """This rank's share of each whole (padded) micro-batch: its stage's DP part of the rows."""
+        return [rows_of(mb, self.ps.dp_rank, self.ps.dp_size) for mb in whole]
 
     def collate(self, sample_ids: List[int], shape) -> dict:
         pairs = [self.dataset[i] for i in sample_ids]
@@ -188,10 +201,11 @@ class DynaPipeSource(_SupervisedSource):
         t0 = time.perf_counter()
         plan = self.service.get(iteration) if self.service is not None else self.plan_fn(iteration)
         wait_ms = (time.perf_counter() - t0) * 1e3
-        if len(plan.groups) != self.ps.dp_size:
+        groups = 1 if self.ps.stage_layouts else self.ps.dp_size  # per-stage DP splits rows, not batches
+        if len(plan.groups) != groups:
             raise RuntimeError(f"iteration {iteration}: plan has {len(plan.groups)} data-parallel groups, "
-                               f"the job has {self.ps.dp_size}")
-        group = plan.groups[self.ps.dp_rank]
+                               f"the job has {groups}")
+        group = plan.groups[0 if self.ps.stage_layouts else self.ps.dp_rank]
         mbs = self.microbatches(lo, group)
         info = {"planner": "dynapipe", "recompute": plan.recompute, "schedule": group.schedule,
                 "packed_rows": group.rows is not None,
@@ -206,7 +220,7 @@ class DynaPipeSource(_SupervisedSource):
             # Every rank has its group's plans for all pipeline ranks, so each marks the same
             # messages without talking to the others.
             plans = plan_pass(plans)
-        return IterationWork(mbs, plans[self.ps.pp_rank], hi - lo, info)
+        return IterationWork(mbs, plans[self.ps.plan_rank], hi - lo, info)
 
     def close(self):
         if self.service is not None:
@@ -251,11 +265,11 @@ class DynaPipeEvalSource(_SupervisedSource):
             plan = strip(planner_for(self.planner_config).plan(self.lengths[lo:hi].tolist(), iteration=iteration,
                                                                validate=k == 0))
             self._plans[k] = plan
-        group = plan.groups[self.ps.dp_rank]
+        group = plan.groups[0 if self.ps.stage_layouts else self.ps.dp_rank]
         mbs = self.microbatches(lo, group)
         info = {"planner": "dynapipe", "num_microbatches": [len(g.microbatches) for g in plan.groups],
                 "padding_efficiency": plan.padding_efficiency}
-        return IterationWork(mbs, group.plans[self.ps.pp_rank], hi - lo, info)
+        return IterationWork(mbs, group.plans[self.ps.plan_rank], hi - lo, info)
 
 
 def supervised_valid_source(cfg: MegatronConfig, ps, dataset, ids: dict):
@@ -291,14 +305,11 @@ class BaselineSource(_SupervisedSource):
         return chunks if self.ps.stage_layouts else chunks[self.ps.dp_rank::self.ps.dp_size]
 
     def _split(self, mbs: List[dict]):
-        """(this rank's micro-batches, the plans' whole-micro-batch shapes). With per-stage DP
-        sizes a micro-batch's rows must divide by every stage's DP: a short last one gets
-        loss-free filler rows (`pad_rows`), then this rank keeps its stage's share."""
+        """(this rank's micro-batches, the plans' whole-micro-batch shapes)."""
         if not self.ps.stage_layouts:
             return mbs, [self.shapes_fn(mb) for mb in mbs]
-        multiple = math.lcm(*(dp for _, dp in self.ps.stage_layouts))
-        whole = [pad_rows(mb, multiple) for mb in mbs]
-        return [rows_of(mb, self.ps.dp_rank, self.ps.dp_size) for mb in whole], [self.shapes_fn(mb) for mb in whole]
+        whole = [self.padded(mb) for mb in mbs]
+        return self.stage_rows(whole), [self.shapes_fn(mb) for mb in whole]
 
     def next(self, iteration: int, consumed_samples: int) -> IterationWork:
         lo, hi = self._batch(iteration, consumed_samples)
@@ -342,8 +353,13 @@ def tokenizer_ids(tokenizer) -> dict:
 def dynapipe_planner_config(cfg: MegatronConfig, ps):
     from megatron.planner.dynapipe import DynaPipeConfig
     m, d = cfg.model, cfg.data
+    hetero = bool(ps.stage_layouts)  # one pipeline whose stages have their own TP/DP sizes
     common = dict(cost_model_path=d.dynapipe_cost_model, hidden_size=m.hidden_size,
-                  pipeline_parallel=ps.pp_size, data_parallel=ps.dp_size, tensor_parallel=ps.tp_size,
+                  pipeline_parallel=ps.pp_size, data_parallel=1 if hetero else ps.dp_size,
+                  tensor_parallel=cfg.parallel.tensor_model_parallel_size if hetero else ps.tp_size,
+                  stage_parallel=tuple(tuple(x) for x in ps.stage_layouts) if hetero else None,
+                  stage_layer_counts=tuple(cfg.parallel.pipeline_stage_layers
+                                           or [m.num_layers // ps.pp_size] * ps.pp_size) if hetero else None,
                   memory_limit_mb=d.dynapipe_memory_limit, pad_multiple=PAD_MULTIPLE,
                   dtype=cfg.training.params_dtype_name,
                   # What this trainer holds: fp32 weights and gradients (autocast computes in 16 bits),

@@ -26,36 +26,11 @@ memory and time differ.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict
 
-from megatron.core import recompute as rc
-
-# Layer operator names by ops per layer: Aceso's CUDA tables (13) and our profiler's (10).
-ACESO_GPT_LAYER_OPS = list(rc.ACESO_LAYER_OPS)
-OUR_GPT_LAYER_OPS = list(rc.LAYER_OPS)
-HEAD_OPS, TAIL_OPS = 1, 2  # embedding; final layernorm + post-process
-
-
-class AcesoConfigError(ValueError):
-    pass
-
-
-@dataclass
-class AcesoLayout:
-    tp: int
-    pp: int
-    dp: int
-    stage_layers: List[int]
-    recompute_layers: List[str]   # per global layer: none | selective | full | '+'-joined operators
-    micro_batch_size: int         # per DP rank; the pipeline micro-batch when stage_parallel is set
-    global_batch_size: int
-    stage_parallel: Optional[List[List[int]]] = None  # [TP, DP] per stage when they differ
-
-
-def layer_mode(names: List[str], flags: List[int]) -> str:
-    """The layer's recompute setting (megatron/core/recompute.py) for its per-op flags."""
-    return rc.encode(rc.from_flags(names, flags))
+from megatron.aceso.layout import (ACESO_GPT_LAYER_OPS, HEAD_OPS, OUR_GPT_LAYER_OPS, TAIL_OPS,  # noqa: F401
+                                   AcesoConfigError, AcesoLayout, layer_mode, make_layout, stage_shapes)
+from megatron.aceso.t5_layout import t5_layout
 
 
 def gpt_layout(d: Dict[str, Any], num_layers: int, world_size: int) -> AcesoLayout:
@@ -103,36 +78,6 @@ def gpt_layout(d: Dict[str, Any], num_layers: int, world_size: int) -> AcesoLayo
     return make_layout(d, shapes, stage_layers, rec)
 
 
-def stage_shapes(d: Dict[str, Any], world_size: int) -> List[tuple]:
-    """(TP, DP) of each stage, checked against the job size."""
-    flag, S = "--aceso-config", d["num_stages"]
-    tps = [set(x) for x in d["model_parallel_size_of_each_op"]]
-    dps = [set(x) for x in d["data_parallel_size_of_each_op"]]
-    for s in range(S):
-        if len(tps[s]) != 1 or len(dps[s]) != 1:
-            raise AcesoConfigError(f"{flag}: stage {s} changes TP/DP between its ops; the runtime "
-                                   f"runs one TP and DP size per stage")
-    shapes = [(next(iter(t)), next(iter(p))) for t, p in zip(tps, dps)]
-    if sum(t * p for t, p in shapes) != world_size:
-        desc = " + ".join(f"TP {t} x DP {p}" for t, p in shapes)
-        raise AcesoConfigError(f"{flag}: the {S} stages need {desc} = {sum(t * p for t, p in shapes)} ranks, but "
-                               f"the job has {world_size}")
-    return shapes
-
-
-def make_layout(d: Dict[str, Any], shapes: List[tuple], stage_layers: List[int], rec: List[str]) -> AcesoLayout:
-    """The run layout: an ordinary Megatron one when every stage has one (TP, DP), else per-stage sizes."""
-    mbs, S = int(d["micro_batch_size"]), len(shapes)
-    for s, (_, p) in enumerate(shapes):
-        if mbs % p:
-            raise AcesoConfigError(f"--aceso-config: micro_batch_size {mbs} is not divisible by stage {s}'s DP {p}")
-    tp, dp = shapes[0]
-    if len(set(shapes)) != 1:
-        return AcesoLayout(max(t for t, _ in shapes), S, 1, stage_layers, rec, mbs, int(d["global_batch_size"]),
-                           [[t, p] for t, p in shapes])
-    return AcesoLayout(tp, S, dp, stage_layers, rec, mbs // dp, int(d["global_batch_size"]))
-
-
 def load_layout(path: str, layers, world_size: int) -> AcesoLayout:
     """The layout of the config at `path`: `layers` is GPT's layer count or T5's (encoder, decoder)."""
     from megatron.aceso.config import _LAYOUT_FIELDS, check_plan_fields
@@ -146,7 +91,6 @@ def load_layout(path: str, layers, world_size: int) -> AcesoLayout:
     except ValueError as e:
         raise AcesoConfigError(f"--aceso-config {path}: {e}") from None
     if isinstance(layers, tuple):
-        from megatron.aceso.t5_layout import t5_layout
         return t5_layout(d, *layers, world_size)
     return gpt_layout(d, layers, world_size)
 
@@ -168,9 +112,6 @@ def apply_to_args(args, model_type: str, world_size: int, defaults: Dict[str, An
         raise AcesoConfigError("--aceso-config needs --num-layers")
     else:
         layers = args.num_layers
-    if getattr(args, "dynapipe", False):
-        raise AcesoConfigError("--aceso-config and --dynapipe are two planners for one run (Aceso fixes the "
-                               "stage layout, dynapipe plans its own); pick one")
     for other in ("recompute_granularity", "pipeline_stage_layers", "num_layers_per_virtual_pipeline_stage"):
         if getattr(args, other, None) is not None:
             raise AcesoConfigError(f"--aceso-config sets the stage layout and recompute itself; drop "
@@ -185,6 +126,8 @@ def apply_to_args(args, model_type: str, world_size: int, defaults: Dict[str, An
                                    f"({value}); drop the flag")
         setattr(args, dest, value)
     args.pipeline_stage_layers = lay.stage_layers if lay.pp > 1 else None
-    args.recompute_layers = lay.recompute_layers
+    # DynaPipe picks each iteration's recompute level; a config without recompute leaves it that choice.
+    dyn = getattr(args, "dynapipe", False) and all(r == "none" for r in lay.recompute_layers)
+    args.recompute_layers = None if dyn else lay.recompute_layers
     args.stage_parallel = lay.stage_parallel
 

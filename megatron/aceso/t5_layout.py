@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from megatron.aceso.runtime import ACESO_GPT_LAYER_OPS, AcesoConfigError, AcesoLayout, layer_mode, make_layout, \
-    stage_shapes
+from megatron.aceso.layout import (ACESO_GPT_LAYER_OPS, AcesoConfigError, AcesoLayout, layer_mode, make_layout,
+                                   stage_shapes)
 
 ENC_OPS = len(ACESO_GPT_LAYER_OPS)  # 13, the same operators as a GPT layer
 DEC_CORE = (2, 3, 4, 5, 10, 11, 12, 13)  # score, softmax, dropout, context of both attentions

@@ -96,12 +96,20 @@ class DynaPipeConfig:
     packed_rows: bool = False
     packed_max_len: Optional[int] = None
     packed_dec_len: Optional[int] = None
+    # Stages with their own (TP, DP) sizes (Aceso layouts, GPT, one pipeline): stage s is costed
+    # at its TP on its share of each micro-batch's rows (padded to a multiple of every DP), with
+    # `stage_layer_counts` layers; the plans are lowered onto the ranks (megatron/planner/hetero.py).
+    stage_parallel: Optional[Tuple[Tuple[int, int], ...]] = None
+    stage_layer_counts: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self):
         if self.model_kind not in ("gpt", "t5"):
             raise ValueError(f"model_kind must be 'gpt' or 't5', got {self.model_kind!r}")
         if self.pipeline_parallel < 1 or self.data_parallel < 1 or self.tensor_parallel < 1:
             raise ValueError("pipeline_parallel, data_parallel and tensor_parallel must be >= 1")
+        if self.stage_parallel is not None and (self.model_kind != "gpt" or self.data_parallel != 1
+                                                or len(self.stage_parallel) != self.pipeline_parallel):
+            raise ValueError("stage_parallel plans one GPT pipeline: one (TP, DP) per stage, data_parallel 1")
         if self.model_kind == "t5" and self.pipeline_parallel % 2 and self.pipeline_parallel != 1:
             raise ValueError(f"T5 needs an even pipeline_parallel (encoder half, decoder half), got {self.pipeline_parallel}")
         bad = [r for r in self.recompute_levels if r not in RECOMPUTE_LEVELS]
@@ -114,6 +122,8 @@ class DynaPipeConfig:
     def stage_layers(self) -> List[List[Tuple[str, int]]]:
         """Per stage: [(component, layer count)]. The last stage also runs the output head."""
         P = self.pipeline_parallel
+        if self.model_kind == "gpt" and self.stage_layer_counts is not None:
+            return [[("encoder", int(n))] for n in self.stage_layer_counts]
         if self.model_kind == "gpt":
             n = self.layers_per_stage or self.num_layers // P
             if n < 1 or (self.layers_per_stage is None and self.num_layers % P):
@@ -167,17 +177,21 @@ class DynaPipePlanner:
             raise ValueError(f"cost model {self.cm.name!r} is for {self.cm.kind!r}, config is {config.model_kind!r}")
         self.layout = config.stage_layers()
         self.S = len(self.layout)
+        sp = config.stage_parallel or [(config.tensor_parallel, 1)] * self.S
+        self.stage_tp, self.stage_dp = [int(t) for t, _ in sp], [int(d) for _, d in sp]
+        self.row_multiple = int(np.lcm.reduce(self.stage_dp))
         self.available = self._available_memory()
         self._cache = {}
         self.attention = AttentionCost(self.cm)
 
     # ---- memory -----------------------------------------------------------------------
     def _available_memory(self) -> np.ndarray:
-        c, tp = self.cfg, self.cfg.tensor_parallel
+        c = self.cfg
         zero = c.zero_shards or c.data_parallel
         per_param = (c.weight_grad_bytes_per_param + c.optimizer_bytes_per_param / zero) / 2.0  # x 16-bit MB
         avail = []
         for s, comps in enumerate(self.layout):
+            tp = self.stage_tp[s]
             mb = sum(n * self.cm.param_mb(comp, tp) for comp, n in comps)
             first_dec = c.model_kind == "t5" and s == self.S // 2
             if s == 0 or s == self.S - 1 or first_dec:  # embeddings (tied output head on the last)
@@ -190,24 +204,33 @@ class DynaPipePlanner:
         return avail
 
     # ---- costs ------------------------------------------------------------------------
+    def padded_rows(self, b):
+        """Rows a micro-batch of b samples runs as: a multiple of every stage's DP size."""
+        return (np.asarray(b) + self.row_multiple - 1) // self.row_multiple * self.row_multiple
+
     def stage_costs(self, rc: str, mbs, enc, dec=None, packed=None) -> dict:
         """Per-stage arrays (S, *shape): fwd, bwd, stored, transient, peak; and 'comm'.
         `packed`: micro-batches of packed rows run with per-document attention, given as
         (sum of squared encoder/GPT document lengths, of decoder lengths, of their products)
         per micro-batch (`megatron.planner.attention_cost`); None: dense rows."""
-        tp, out = self.cfg.tensor_parallel, {k: [] for k in ("fwd", "bwd", "stored", "peak")}
-        mbs, enc = np.asarray(mbs, float), np.asarray(enc, float)
+        out = {k: [] for k in ("fwd", "bwd", "stored", "peak")}
+        whole, enc = np.asarray(mbs, float), np.asarray(enc, float)
         if dec is not None:
-            mbs, enc, dec = np.broadcast_arrays(mbs, enc, np.asarray(dec, float))
+            whole, enc, dec = np.broadcast_arrays(whole, enc, np.asarray(dec, float))
         else:
-            mbs, enc = np.broadcast_arrays(mbs, enc)
-        layer = {}  # stages of one component share the per-layer costs: query each once
-        # A T5 decoder stage keeps the encoder output it received (all of [enc, b, h], the same
-        # on every TP rank) until the micro-batch's backward: every decoder layer reads it.
-        enc_out = mbs * enc * self.cfg.hidden_size * self.cfg.activation_bytes / 1e6
-        sp = self.cfg.sequence_parallel and tp > 1
+            whole, enc = np.broadcast_arrays(whole, enc)
+        layer = {}  # stages of one component, TP and DP share the per-layer costs: query each once
         head_len = enc if dec is None else dec  # the output head runs on the decoder sequence
+        comm = []
         for s, comps in enumerate(self.layout):
+            tp, mbs = self.stage_tp[s], self.padded_rows(whole) / self.stage_dp[s]  # this stage's rows per rank
+            # A T5 decoder stage keeps the encoder output it received (all of [enc, b, h], the same
+            # on every TP rank) until the micro-batch's backward: every decoder layer reads it.
+            enc_out = mbs * enc * self.cfg.hidden_size * self.cfg.activation_bytes / 1e6
+            sp = self.cfg.sequence_parallel and tp > 1
+            tokens = mbs * (enc if dec is None else enc + dec)  # T5 decoder stages also pass the encoder output
+            comm.append(tokens * self.cfg.hidden_size / tp * self.cfg.activation_bytes * 8
+                        / (self.cfg.bandwidth_gbps * 1e6) + self.cfg.link_latency_ms)
             f = b = 0.0
             # Pieces in forward order, (stored, peak) each; `compose` stacks them. The first
             # stage also embeds, the last runs the head and the loss (stage_memory.py).
@@ -217,17 +240,18 @@ class DynaPipePlanner:
             pre_index = []  # positions of the embeddings in `parts`
             if s == 0:
                 pre_index.append(len(parts))
-                parts.append(self._pre_post("pre", rc, mbs, enc))
+                parts.append(self._pre_post("pre", rc, mbs, enc, tp))
             for comp, n in comps:
-                if comp not in layer and packed is not None:
-                    layer[comp] = self.attention.packed_layer(comp, tp, rc, mbs, enc, packed[0], dec, packed[1], packed[2])
-                elif comp not in layer:
-                    layer[comp] = self.cm.layer(comp, tp, rc, mbs, enc, dec)
-                c = layer[comp]
+                key = (comp, tp, self.stage_dp[s])
+                if key not in layer and packed is not None:
+                    layer[key] = self.attention.packed_layer(comp, tp, rc, mbs, enc, packed[0], dec, packed[1], packed[2])
+                elif key not in layer:
+                    layer[key] = self.cm.layer(comp, tp, rc, mbs, enc, dec)
+                c = layer[key]
                 f, b = f + n * c["forward_ms"], b + n * c["backward_ms"]
                 if comp == "decoder" and (self.S == 1 or s == self.S // 2):
                     pre_index.append(len(parts))
-                    parts.append(self._pre_post("pre", rc, mbs, dec))
+                    parts.append(self._pre_post("pre", rc, mbs, dec, tp))
                 st_l = n * c["stored_mb"]
                 pk_l = c["stored_mb"] * (n - 1) + c["peak_mb"] if n > 1 else c["peak_mb"]  # no inf * 0
                 if sp:
@@ -240,7 +264,7 @@ class DynaPipePlanner:
             if s == self.S - 1:
                 p = self.cm.postprocess(tp, rc, mbs, head_len)
                 f, b = f + p["forward_ms"], b + p["backward_ms"]
-                parts.append(self._pre_post("post", rc, mbs, head_len))
+                parts.append(self._pre_post("post", rc, mbs, head_len, tp))
                 if pre_index:  # the embedding and the head share their weight on this stage
                     parts = with_tied_head(parts, pre_index, tied_head_grad_mb(self.cm, tp, self.cfg.activation_bytes))
             st, pk = compose(parts)
@@ -249,12 +273,10 @@ class DynaPipePlanner:
         out = {k: np.stack(v) for k, v in out.items()}
         with np.errstate(invalid="ignore"):  # inf - inf where the shape is infeasible
             out["transient"] = np.nan_to_num(out["peak"] - out["stored"], nan=np.inf)
-        tokens = mbs * (enc if dec is None else enc + dec)  # T5 decoder stages also pass the encoder output
-        comm = tokens * self.cfg.hidden_size / tp * self.cfg.activation_bytes * 8 / (self.cfg.bandwidth_gbps * 1e6)
-        out["comm"] = np.broadcast_to(comm + self.cfg.link_latency_ms, out["fwd"].shape)
+        out["comm"] = np.stack([np.broadcast_to(c, whole.shape) for c in comm])
         r = self.cfg.grad_compress_rank
         if r:
-            h = self.cfg.hidden_size
+            h, tp, tokens = self.cfg.hidden_size, self.cfg.tensor_parallel, whole * (enc if dec is None else enc + dec)
             n_tensors = 1 if dec is None else 2  # T5 decoder stages send two gradients (approximation)
             raw = tokens * h / tp * self.cfg.activation_bytes
             low = (tokens + n_tensors * h) * np.minimum(r, h) * 4.0
@@ -262,10 +284,10 @@ class DynaPipePlanner:
             out["grad_comm"] = np.broadcast_to(grad + self.cfg.link_latency_ms, out["fwd"].shape)
         return out
 
-    def _pre_post(self, which: str, rc: str, mbs, seq):
+    def _pre_post(self, which: str, rc: str, mbs, seq, tp: int):
         """(stored, peak) MB of the embedding ("pre") or head + loss ("post")."""
         fn = preprocess_memory if which == "pre" else postprocess_memory
-        return fn(self.cm, self.cfg.tensor_parallel, rc, mbs, seq, self.cfg.activation_bytes)
+        return fn(self.cm, tp, rc, mbs, seq, self.cfg.activation_bytes)
 
     def _feasible(self, sc: dict, fit: str) -> np.ndarray:
         S = self.S
@@ -374,7 +396,7 @@ class DynaPipePlanner:
         errors = []
         cands = []  # (partition objective, level index, rc, fit, order, partition)
         for k, rc in enumerate(c.recompute_levels):
-            if not self.cm.has(c.tensor_parallel, rc):
+            if not all(self.cm.has(tp, rc) for tp in set(self.stage_tp)):
                 continue
             for fit in ("1f1b", "single"):
                 cand = self._best_partition(rc, fit, orders, enc_all, dec_all, errors)
@@ -520,6 +542,7 @@ class DynaPipePlanner:
             else:
                 b, se = len(s), int(enc_all[s].max())
                 sd = int(dec_all[s].max()) if t5 else 0
+            b = int(self.padded_rows(b))  # stages with their own DP sizes: loss-free filler rows
             shapes.append(((b, se), (b, sd)) if t5 else ((b, se),))
             act.append((b, se, sd))
         orders = [[(op.kind, rank_of[op.microbatch], op.stage) for op in stage_ops] for stage_ops in ch.orders]
@@ -541,7 +564,13 @@ class DynaPipePlanner:
 
             plans = lower_to_plans([[ComputeOp(*o) for o in ops] for ops in orders], list(range(self.S)),
                                    shapes, activation_shapes, recompute=rc, dtype=self.cfg.dtype,
-                                   iteration=iteration, validate=validate)
+                                   iteration=iteration, validate=validate and not self.cfg.stage_parallel)
+            if self.cfg.stage_parallel:  # one plan per global rank, row-sliced messages
+                from megatron.pipeline.validator import validate_plans
+                from megatron.planner.hetero import split_plans
+                plans = split_plans(plans, self.cfg.stage_parallel)
+                if validate:
+                    validate_plans(plans)
         return GroupPlan([[int(i) for i in s] for s in mbs], shapes, ch.name, float(ch.result.makespan),
                          [float(x) for x in ch.result.peak_memory], plans, orders, ch.result,
                          None if rows is None else [[[int(i) for i in r] for r in rows[old]] for old in ch.order])

@@ -18,7 +18,7 @@ def test_gpipe_on_heterogeneous_stages_matches_single_process():
     assert_parity(ref, outs)
 
 
-def _train_multitask(rank, world, data, mode, stage_parallel=None):
+def _train_multitask(rank, world, data, mode, stage_parallel=None, stage_layers=None):
     """tests/test_dynapipe_training.py's multi-task run (token-budget batches), on stages with
     their own TP/DP sizes when `stage_parallel` is given ('whole' = one micro-batch, 1 rank)."""
     import dataclasses
@@ -34,11 +34,11 @@ def _train_multitask(rank, world, data, mode, stage_parallel=None):
     cfg = _cfg(world, "gpt", data, mode)
     if stage_parallel:  # rebuilt, so the configuration's checks run on the combination
         cfg = dataclasses.replace(
-            cfg, parallel=dataclasses.replace(cfg.parallel, stage_parallel=stage_parallel,
+            cfg, parallel=dataclasses.replace(cfg.parallel, stage_parallel=stage_parallel, pipeline_stage_layers=stage_layers,
                                               pipeline_model_parallel_size=len(stage_parallel),
                                               tensor_model_parallel_size=max(t for t, _ in stage_parallel)),
             # the pipeline micro-batch: a multiple of every stage's DP
-            training=dataclasses.replace(cfg.training, micro_batch_size=4))
+            training=dataclasses.replace(cfg.training, micro_batch_size=4, global_batch_size=None))
     cfg.model.vocab_size = VOCAB
     ps = initialize_parallel(cfg, timedelta(minutes=1))
     set_seeds(cfg.training.seed, ps, torch.device("cpu"))
@@ -98,3 +98,34 @@ def test_terapipe_plans_lowered_onto_heterogeneous_stages_carry_both_attributes(
     # rank 0 (TP0 of stage 0) sends each slice's rows 0-1 to rank 2 and rows 2-3 to rank 3
     sends = [(i.token_slice, i.peer, i.batch_slice) for i in plans[0].instructions if isinstance(i, I.SendActivationStart)]
     assert sends[:2] == [((0, 0, 4), 2, (0, 2)), ((0, 0, 4), 3, (2, 2))]
+
+
+def test_dynapipe_on_heterogeneous_stages_matches_whole_batch_step(multitask, multitask_reference):
+    """DynaPipe plans one pipeline whose stages have their own DP sizes (DP2 with 1 layer, then one
+    rank with 3): micro-batches of any size are costed on each stage's rows (padded to a multiple
+    of every DP) and lowered onto the ranks; the shipped CPU cost table has TP 1 only."""
+    outs = run_distributed(_train_multitask, 3, multitask, "dynapipe", [[1, 2], [1, 1]], [1, 3])
+    last = [o for o in outs if o["is_last"]][0]
+    assert all(i["planner"] == "dynapipe" for i in last["info"])
+    assert max(i["num_microbatches"][0] for i in last["info"]) > 1
+    assert_parity(multitask_reference, outs)
+
+
+def test_aceso_config_with_dynapipe_leaves_recompute_to_dynapipe(tmp_path, capsys):
+    import json
+
+    from megatron.arguments import parse_args
+    from tests.aceso.test_runtime import FULL, NONE, _args, hetero_dict
+    path = str(tmp_path / "h.json")
+    flags = ["--dynapipe", "--dynapipe-cost-model", "cost_models/cpu_tiny_gpt.json", "--dynapipe-cost-model-any",
+             "--data-path", "x", "--targets-data-path", "y", "--tokens-per-global-batch", "600",
+             "--tokenizer-type", "NullTokenizer"]
+    args = [a for a in _args(path) if a != "--mock-data"] + flags
+    json.dump(hetero_dict([1, 3], [(2, 1), (1, 2)], mbs=4), open(path, "w"))
+    cfg = parse_args(args, world_size=4)
+    assert cfg.data.dynapipe and cfg.parallel.stage_parallel == [[2, 1], [1, 2]]
+    assert cfg.parallel.pipeline_stage_layers == [1, 3] and cfg.training.recompute_layers is None
+    json.dump(hetero_dict([1, 3], [(2, 1), (1, 2)], mbs=4, rec=[FULL, NONE, NONE, NONE]), open(path, "w"))
+    with pytest.raises(SystemExit):
+        parse_args(args, world_size=4)
+    assert "--dynapipe chooses each iteration's recompute level itself" in capsys.readouterr().err
