@@ -18,7 +18,7 @@ def test_gpipe_on_heterogeneous_stages_matches_single_process():
     assert_parity(ref, outs)
 
 
-def _train_multitask(rank, world, data, mode, stage_parallel=None, stage_layers=None):
+def _train_multitask(rank, world, data, mode, stage_parallel=None, stage_layers=None, kind="gpt"):
     """tests/test_dynapipe_training.py's multi-task run (token-budget batches), on stages with
     their own TP/DP sizes when `stage_parallel` is given ('whole' = one micro-batch, 1 rank)."""
     import dataclasses
@@ -28,10 +28,12 @@ def _train_multitask(rank, world, data, mode, stage_parallel=None, stage_layers=
 
     from megatron.initialize import initialize_parallel, set_seeds
     from megatron.pretrain import build_gpt_trainer
+    from megatron.t5_trainer import build_t5_trainer
     from tests.parity_utils import shards, tolerance_inputs
     from tests.test_dynapipe_training import VOCAB, _cfg
+    from tests.test_t5_parity import _shards
 
-    cfg = _cfg(world, "gpt", data, mode)
+    cfg = _cfg(world, kind, data, mode)
     if stage_parallel:  # rebuilt, so the configuration's checks run on the combination
         cfg = dataclasses.replace(
             cfg, parallel=dataclasses.replace(cfg.parallel, stage_parallel=stage_parallel, pipeline_stage_layers=stage_layers,
@@ -42,16 +44,17 @@ def _train_multitask(rank, world, data, mode, stage_parallel=None, stage_layers=
     cfg.model.vocab_size = VOCAB
     ps = initialize_parallel(cfg, timedelta(minutes=1))
     set_seeds(cfg.training.seed, ps, torch.device("cpu"))
-    trainer = build_gpt_trainer(cfg, ps, torch.device("cpu"))
+    trainer = (build_gpt_trainer if kind == "gpt" else build_t5_trainer)(cfg, ps, torch.device("cpu"))
     grads, zero = [], trainer.optimizer.zero_grad
+    get = (lambda what: shards(trainer, what)) if kind == "gpt" else (lambda what: _shards(trainer, what)[0])
 
     def snapshot_then_zero():
-        grads.append(shards(trainer, "grad"))
+        grads.append(get("grad"))
         zero()
     trainer.optimizer.zero_grad = snapshot_then_zero
     history = trainer.train()
     return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
-            "grads": grads, "params": shards(trainer, "param"), "is_last": ps.rank == world - 1,
+            "grads": grads, "params": get("param"), "is_last": ps.rank == world - 1,
             "info": [h["planner"] for h in history], "samples": [h["num_samples"] for h in history],
             **tolerance_inputs(cfg)}
 
@@ -129,3 +132,12 @@ def test_aceso_config_with_dynapipe_leaves_recompute_to_dynapipe(tmp_path, capsy
     with pytest.raises(SystemExit):
         parse_args(args, world_size=4)
     assert "--dynapipe chooses each iteration's recompute level itself" in capsys.readouterr().err
+
+
+def test_t5_multitask_data_on_heterogeneous_stages_matches_whole_batch_step(multitask):
+    """T5 pairs (fixed micro-batches of token-budget batches) on TP2xDP1 | TP1xDP2, the second
+    stage ending the encoder and holding the decoder: encoder/decoder masks are cut by rows too."""
+    from tests.test_t5_parity import _assemble
+    ref = run_distributed(_train_multitask, 1, multitask, "whole", kind="t5")
+    outs = run_distributed(_train_multitask, 4, multitask, "fixed", HETERO["stage_parallel"], [1, 3], kind="t5")
+    assert_parity(ref, outs, assemble_fn=_assemble)
