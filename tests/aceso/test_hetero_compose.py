@@ -11,11 +11,15 @@ pytestmark = pytest.mark.parity
 HETERO = dict(pp=2, stage_parallel=[[2, 1], [1, 2]], stage_layers=[1, 3])  # TP2 -> DP2 on 4 ranks
 
 
-def test_gpipe_on_heterogeneous_stages_matches_single_process():
+@pytest.fixture(scope="module")
+def reference():
+    return run_distributed(run_layout, 1, dict(iters=2))
+
+
+def test_gpipe_on_heterogeneous_stages_matches_single_process(reference):
     """GPipe's orders (all forwards, then all backwards) lowered through the hetero pass."""
-    ref = run_distributed(run_layout, 1, dict(iters=2))
     outs = run_distributed(run_layout, 4, dict(HETERO, schedule="gpipe", iters=2))
-    assert_parity(ref, outs)
+    assert_parity(reference, outs)
 
 
 def _train_multitask(rank, world, data, mode, stage_parallel=None, stage_layers=None, kind="gpt"):
@@ -78,14 +82,13 @@ def test_multitask_data_on_heterogeneous_stages_matches_whole_batch_step(multita
     assert_parity(multitask_reference, outs)
 
 
-def test_terapipe_on_heterogeneous_stages_matches_single_process():
+def test_terapipe_on_heterogeneous_stages_matches_single_process(reference):
     """TeraPipe token slices on an Aceso layout: the slices' messages also carry batch_slice rows
     (TP2xDP1 -> TP1xDP2), and the layers' per-layer recompute (none / selective) still applies."""
     from tests.test_terapipe_training import run_terapipe
-    ref = run_distributed(run_layout, 1, dict(iters=2))
     outs = run_distributed(run_terapipe, 4, "1,5,2,8", iters=2, recompute_layers=["none", "selective", "none", "selective"],
                            **HETERO)
-    assert_parity(ref, outs)
+    assert_parity(reference, outs)
 
 
 def test_terapipe_plans_lowered_onto_heterogeneous_stages_carry_both_attributes():
@@ -134,6 +137,7 @@ def test_aceso_config_with_dynapipe_leaves_recompute_to_dynapipe(tmp_path, capsy
     assert "--dynapipe chooses each iteration's recompute level itself" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # T5's own path is tested in test_hetero_t5.py; this adds T5's multi-task rows
 def test_t5_multitask_data_on_heterogeneous_stages_matches_whole_batch_step(multitask):
     """T5 pairs (fixed micro-batches of token-budget batches) on TP2xDP1 | TP1xDP2, the second
     stage ending the encoder and holding the decoder: encoder/decoder masks are cut by rows too."""
