@@ -472,11 +472,10 @@ class MegatronConfig:
             _require(all(n % 8 == 0 for n in lengths),
                      f"--dynapipe pads micro-batches to multiples of 8 tokens: sequence lengths {lengths} must be "
                      "multiples of 8 (--seq-length / --encoder-seq-length / --decoder-seq-length)")
-            _require(p.num_layers_per_virtual_pipeline_stage is None
-                     and (p.pipeline_stage_layers is None or p.stage_parallel is not None),
-                     "--dynapipe plans uniform, non-interleaved stages: drop --num-layers-per-virtual-pipeline-stage "
-                     "and --pipeline-stage-layers")
-            if m.model_type == "t5" and p.pipeline_model_parallel_size > 1:
+            _require(p.num_layers_per_virtual_pipeline_stage is None,
+                     "--dynapipe plans one stage per pipeline rank (its schedules are not interleaved): drop "
+                     "--num-layers-per-virtual-pipeline-stage")
+            if m.model_type == "t5" and p.pipeline_model_parallel_size > 1 and p.pipeline_stage_layers is None:
                 _require(p.pipeline_model_parallel_split_rank == p.pipeline_model_parallel_size // 2,
                          "--dynapipe with T5 puts the encoder on the first half of the pipeline: set "
                          f"--pipeline-model-parallel-split-rank {p.pipeline_model_parallel_size // 2}")
@@ -498,9 +497,6 @@ class MegatronConfig:
             _require(t.micro_batch_size % dp == 0,
                      f"stage {s} splits each micro-batch over DP {dp}: --micro-batch-size ({t.micro_batch_size}, the "
                      f"pipeline micro-batch) must be a multiple of it")
-        _require(not self.data.dynapipe or m.model_type == "gpt",
-                 "--dynapipe's T5 model puts the encoder on the first half of the pipeline, which a per-stage TP/DP "
-                 "layout (--aceso-config) fixes itself; drop --dynapipe or use a GPT config")
         _require(not self.data.dynapipe or not any(r != "none" for r in t.recompute_layers or ()),
                  "--dynapipe chooses each iteration's recompute level itself: clear the --aceso-config recompute_ops "
                  "flags or drop --dynapipe")

@@ -358,8 +358,9 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   pipeline_parallel=ps.pp_size, data_parallel=1 if hetero else ps.dp_size,
                   tensor_parallel=cfg.parallel.tensor_model_parallel_size if hetero else ps.tp_size,
                   stage_parallel=tuple(tuple(x) for x in ps.stage_layouts) if hetero else None,
-                  stage_layer_counts=tuple(cfg.parallel.pipeline_stage_layers
-                                           or [m.num_layers // ps.pp_size] * ps.pp_size) if hetero else None,
+                  # explicit stage layer counts (--pipeline-stage-layers, an Aceso layout): priced per stage
+                  stage_layer_counts=tuple(cfg.parallel.pipeline_stage_layers or [m.num_layers // ps.pp_size] * ps.pp_size)
+                  if hetero or cfg.parallel.pipeline_stage_layers else None,
                   memory_limit_mb=d.dynapipe_memory_limit, pad_multiple=PAD_MULTIPLE,
                   dtype=cfg.training.params_dtype_name,
                   # What this trainer holds: fp32 weights and gradients (autocast computes in 16 bits),

@@ -28,6 +28,7 @@ from megatron.planner import packed
 from megatron.planner import partitioner as part
 from megatron.planner.attention_cost import AttentionCost
 from megatron.planner.cost_model import RECOMPUTE_LEVELS, CostModel
+from megatron.planner.dynapipe_layout import stage_components, t5_split
 from megatron.planner.schedules import ScheduleChoice, lower_bound, search
 from megatron.planner.simulator import PipelineCosts
 from megatron.planner.stage_memory import (compose, encoder_end_memory, postprocess_memory, preprocess_memory,
@@ -96,7 +97,7 @@ class DynaPipeConfig:
     packed_rows: bool = False
     packed_max_len: Optional[int] = None
     packed_dec_len: Optional[int] = None
-    # Stages with their own (TP, DP) sizes (Aceso layouts, GPT, one pipeline): stage s is costed
+    # Stages with their own (TP, DP) sizes (Aceso layouts, one pipeline): stage s is costed
     # at its TP on its share of each micro-batch's rows (padded to a multiple of every DP), with
     # `stage_layer_counts` layers; the plans are lowered onto the ranks (megatron/planner/hetero.py).
     stage_parallel: Optional[Tuple[Tuple[int, int], ...]] = None
@@ -107,10 +108,12 @@ class DynaPipeConfig:
             raise ValueError(f"model_kind must be 'gpt' or 't5', got {self.model_kind!r}")
         if self.pipeline_parallel < 1 or self.data_parallel < 1 or self.tensor_parallel < 1:
             raise ValueError("pipeline_parallel, data_parallel and tensor_parallel must be >= 1")
-        if self.stage_parallel is not None and (self.model_kind != "gpt" or self.data_parallel != 1
+        if self.stage_parallel is not None and (self.data_parallel != 1 or self.stage_layer_counts is None
                                                 or len(self.stage_parallel) != self.pipeline_parallel):
-            raise ValueError("stage_parallel plans one GPT pipeline: one (TP, DP) per stage, data_parallel 1")
-        if self.model_kind == "t5" and self.pipeline_parallel % 2 and self.pipeline_parallel != 1:
+            raise ValueError("stage_parallel plans one pipeline: one (TP, DP) and layer count per stage, "
+                             "data_parallel 1")
+        if self.model_kind == "t5" and self.pipeline_parallel % 2 and self.pipeline_parallel != 1 \
+                and self.stage_layer_counts is None:
             raise ValueError(f"T5 needs an even pipeline_parallel (encoder half, decoder half), got {self.pipeline_parallel}")
         bad = [r for r in self.recompute_levels if r not in RECOMPUTE_LEVELS]
         if bad or not self.recompute_levels:
@@ -120,24 +123,8 @@ class DynaPipeConfig:
                 raise ValueError(f"unknown schedule {s!r}; choose from '1f1b', 'adaptive'")
 
     def stage_layers(self) -> List[List[Tuple[str, int]]]:
-        """Per stage: [(component, layer count)]. The last stage also runs the output head."""
-        P = self.pipeline_parallel
-        if self.model_kind == "gpt" and self.stage_layer_counts is not None:
-            return [[("encoder", int(n))] for n in self.stage_layer_counts]
-        if self.model_kind == "gpt":
-            n = self.layers_per_stage or self.num_layers // P
-            if n < 1 or (self.layers_per_stage is None and self.num_layers % P):
-                raise ValueError(f"{self.num_layers} GPT layers do not split evenly over {P} stages; set layers_per_stage")
-            return [[("encoder", n)] for _ in range(P)]
-        if P == 1:
-            return [[("encoder", self.layers_per_stage or self.encoder_layers),
-                     ("decoder", self.layers_per_stage or self.decoder_layers)]]
-        half = P // 2
-        ne = self.layers_per_stage or self.encoder_layers // half
-        nd = self.layers_per_stage or self.decoder_layers // half
-        if ne < 1 or nd < 1:
-            raise ValueError(f"T5 needs encoder_layers and decoder_layers >= {half} (one per stage)")
-        return [[("encoder", ne)]] * half + [[("decoder", nd)]] * half
+        """Per stage: [(component, layer count)] (megatron/planner/dynapipe_layout.py)."""
+        return stage_components(self)
 
 
 @dataclass
@@ -180,6 +167,8 @@ class DynaPipePlanner:
         sp = config.stage_parallel or [(config.tensor_parallel, 1)] * self.S
         self.stage_tp, self.stage_dp = [int(t) for t, _ in sp], [int(d) for _, d in sp]
         self.row_multiple = int(np.lcm.reduce(self.stage_dp))
+        # T5: the first decoder stage (embeds the decoder tokens) and the last encoder stage
+        self.split, self.enc_end = t5_split(self.layout) if config.model_kind == "t5" else (None, None)
         self.available = self._available_memory()
         self._cache = {}
         self.attention = AttentionCost(self.cm)
@@ -193,7 +182,7 @@ class DynaPipePlanner:
         for s, comps in enumerate(self.layout):
             tp = self.stage_tp[s]
             mb = sum(n * self.cm.param_mb(comp, tp) for comp, n in comps)
-            first_dec = c.model_kind == "t5" and s == self.S // 2
+            first_dec = c.model_kind == "t5" and s == self.split
             if s == 0 or s == self.S - 1 or first_dec:  # embeddings (tied output head on the last)
                 mb += self.cm.param_mb("embedding", tp)
             avail.append(c.memory_limit_mb - mb * per_param)
@@ -235,7 +224,7 @@ class DynaPipePlanner:
             # Pieces in forward order, (stored, peak) each; `compose` stacks them. The first
             # stage also embeds, the last runs the head and the loss (stage_memory.py).
             parts = []
-            if dec is not None and self.S > 1 and s >= self.S // 2:
+            if dec is not None and (s > self.split or s == self.split > self.enc_end):  # received it
                 parts.append((enc_out, enc_out))
             pre_index = []  # positions of the embeddings in `parts`
             if s == 0:
@@ -249,7 +238,7 @@ class DynaPipePlanner:
                     layer[key] = self.cm.layer(comp, tp, rc, mbs, enc, dec)
                 c = layer[key]
                 f, b = f + n * c["forward_ms"], b + n * c["backward_ms"]
-                if comp == "decoder" and (self.S == 1 or s == self.S // 2):
+                if comp == "decoder" and s == self.split:
                     pre_index.append(len(parts))
                     parts.append(self._pre_post("pre", rc, mbs, dec, tp))
                 st_l = n * c["stored_mb"]
@@ -259,7 +248,7 @@ class DynaPipePlanner:
                                               self.cfg.hidden_size, self.cfg.num_attention_heads)
                     st_l, pk_l = st_l * factor, pk_l * factor
                 parts.append((st_l, pk_l))
-                if comp == "encoder" and dec is not None and (self.S == 1 or s == self.S // 2 - 1):
+                if comp == "encoder" and dec is not None and s == self.enc_end:
                     parts.append(encoder_end_memory(self.cm, mbs, enc, self.cfg.activation_bytes))
             if s == self.S - 1:
                 p = self.cm.postprocess(tp, rc, mbs, head_len)
@@ -549,8 +538,6 @@ class DynaPipePlanner:
         plans = []
         if self.cfg.emit_plans:
             from megatron.pipeline.lowering import ComputeOp, lower_to_plans
-            half = self.S // 2
-
             sp = self.cfg.tensor_parallel if self.cfg.sequence_parallel else 1
 
             def activation_shapes(mb, stage):
@@ -558,7 +545,7 @@ class DynaPipePlanner:
                 se, sd = se // sp, sd // sp
                 if not t5:
                     return ((se, b, h),)
-                if self.S > 1 and stage < half:
+                if stage < self.split:
                     return ((se, b, h),)
                 return ((sd, b, h), (se, b, h))
 

@@ -38,11 +38,12 @@ def _train_multitask(rank, world, data, mode, stage_parallel=None, stage_layers=
     from tests.test_t5_parity import _shards
 
     cfg = _cfg(world, kind, data, mode)
-    if stage_parallel:  # rebuilt, so the configuration's checks run on the combination
+    if stage_layers:  # rebuilt, so the configuration's checks run on the combination
         cfg = dataclasses.replace(
             cfg, parallel=dataclasses.replace(cfg.parallel, stage_parallel=stage_parallel, pipeline_stage_layers=stage_layers,
-                                              pipeline_model_parallel_size=len(stage_parallel),
-                                              tensor_model_parallel_size=max(t for t, _ in stage_parallel)),
+                                              pipeline_model_parallel_size=len(stage_layers),
+                                              pipeline_model_parallel_split_rank=None,
+                                              tensor_model_parallel_size=max(t for t, _ in stage_parallel or [(1, 1)])),
             # the pipeline micro-batch: a multiple of every stage's DP
             training=dataclasses.replace(cfg.training, micro_batch_size=4, global_batch_size=None))
     cfg.model.vocab_size = VOCAB
@@ -73,7 +74,7 @@ def test_multitask_data_on_heterogeneous_stages_matches_whole_batch_step(multita
     """--targets-data-path token-budget batches (fixed micro-batches or --pack-dataset rows with
     per-document attention) on stages TP2xDP1 | TP1xDP2: each rank takes its rows of every
     pipeline micro-batch; a short last micro-batch gets loss-free filler rows."""
-    outs = run_distributed(_train_multitask, 4, multitask, mode, HETERO["stage_parallel"])
+    outs = run_distributed(_train_multitask, 4, multitask, mode, HETERO["stage_parallel"], HETERO["stage_layers"])
     last = [o for o in outs if o["is_last"]][0]
     assert last["samples"] == [o for o in multitask_reference if o["is_last"]][0]["samples"]
     assert all(i["planner"] == mode for i in last["info"])
@@ -145,3 +146,21 @@ def test_t5_multitask_data_on_heterogeneous_stages_matches_whole_batch_step(mult
     ref = run_distributed(_train_multitask, 1, multitask, "whole", kind="t5")
     outs = run_distributed(_train_multitask, 4, multitask, "fixed", HETERO["stage_parallel"], [1, 3], kind="t5")
     assert_parity(ref, outs, assemble_fn=_assemble)
+
+
+def test_t5_dynapipe_on_heterogeneous_stages_matches_whole_batch_step(multitask):
+    """DynaPipe for T5 on DP2 | 1 rank where stage 1 ends the encoder and holds the decoder (not
+    the half/half split DynaPipe's T5 model assumed before): the stage costs follow the layout."""
+    from tests.test_t5_parity import _assemble
+    ref = run_distributed(_train_multitask, 1, multitask, "whole", kind="t5")
+    outs = run_distributed(_train_multitask, 3, multitask, "dynapipe", [[1, 2], [1, 1]], [1, 3], kind="t5")
+    assert all(i["planner"] == "dynapipe" for i in [o for o in outs if o["is_last"]][0]["info"])
+    assert_parity(ref, outs, assemble_fn=_assemble)
+
+
+def test_dynapipe_with_uneven_stage_layers_matches_whole_batch_step(multitask, multitask_reference):
+    """--dynapipe with --pipeline-stage-layers (what an Aceso config of one TP/DP size sets): each
+    stage is priced with its own layer count (1 + 3 here) instead of an even split."""
+    outs = run_distributed(_train_multitask, 2, multitask, "dynapipe", None, [1, 3])
+    assert all(i["planner"] == "dynapipe" for i in [o for o in outs if o["is_last"]][0]["info"])
+    assert_parity(multitask_reference, outs)

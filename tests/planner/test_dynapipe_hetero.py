@@ -42,7 +42,22 @@ def test_plans_are_one_per_global_rank_with_row_slices():
     validate_plans(group.plans)
 
 
-def test_stage_parallel_needs_one_gpt_pipeline():
-    with pytest.raises(ValueError, match="one GPT pipeline"):
+def test_stage_parallel_needs_one_pipeline():
+    with pytest.raises(ValueError, match="one pipeline"):
         DynaPipeConfig(cost_model_path=str(CM / "gpt_6.7b_a100.json"), pipeline_parallel=2, data_parallel=2,
                        stage_parallel=((2, 1), (1, 2)))
+
+
+def test_t5_explicit_stages_end_the_encoder_and_start_the_decoder_anywhere():
+    """T5 layer counts over encoder-then-decoder layers: the half/half default is the special case."""
+    from tests.planner.test_dynapipe import t5_config
+    half = DynaPipePlanner(t5_config(pipeline_parallel=4))
+    same = DynaPipePlanner(t5_config(pipeline_parallel=4, stage_layer_counts=(12, 12, 12, 12)))
+    assert (same.split, same.enc_end) == (half.split, half.enc_end) == (2, 1)
+    for k in ("fwd", "bwd", "stored", "peak", "comm"):
+        np.testing.assert_array_equal(same.stage_costs("none", 2.0, 512.0, 128.0)[k],
+                                      half.stage_costs("none", 2.0, 512.0, 128.0)[k])
+    mixed = DynaPipePlanner(t5_config(pipeline_parallel=3, tensor_parallel=8, memory_limit_mb=80000,
+                                      stage_layer_counts=(16, 16, 16)))
+    assert mixed.layout == [[("encoder", 16)], [("encoder", 8), ("decoder", 8)], [("decoder", 16)]]
+    assert (mixed.split, mixed.enc_end) == (1, 1)
