@@ -165,7 +165,8 @@ def _add_distributed_args(p) -> None:
                    help="T5: the first decoder pipeline rank")
     g.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
     g.add_argument("--pipeline-stage-layers", type=int_list, default=None,
-                   help="explicit per-stage layer counts, e.g. 3,5 (uneven pipeline stages)")
+                   help="explicit per-stage layer counts, e.g. 3,5 (uneven pipeline stages; T5: counts of the "
+                        "encoder layers followed by the decoder layers, the split rank follows from them)")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="collective backend (default: nccl with CUDA, else gloo)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,

@@ -473,9 +473,6 @@ class MegatronConfig:
             _require(all(n % 8 == 0 for n in lengths),
                      f"--dynapipe pads micro-batches to multiples of 8 tokens: sequence lengths {lengths} must be "
                      "multiples of 8 (--seq-length / --encoder-seq-length / --decoder-seq-length)")
-            _require(p.pipeline_stage_layers is None,
-                     "--dynapipe plans uniform stages (its cost model prices one layer count per stage): drop "
-                     "--pipeline-stage-layers")
             _require(p.num_layers_per_virtual_pipeline_stage is None or m.model_type == "gpt",
                      "--dynapipe with T5 gives the encoder and the decoder whole pipeline ranks (split at "
                      "--pipeline-model-parallel-split-rank), so no rank can hold round-robin chunks of both: drop "
@@ -483,7 +480,7 @@ class MegatronConfig:
             _require(p.num_layers_per_virtual_pipeline_stage is None or not self.data.dynapipe_packed_rows,
                      "--dynapipe-packed-rows searches one-stage-per-rank schedules; with "
                      "--num-layers-per-virtual-pipeline-stage DynaPipe plans padded micro-batches: drop one")
-            if m.model_type == "t5" and p.pipeline_model_parallel_size > 1:
+            if m.model_type == "t5" and p.pipeline_model_parallel_size > 1 and p.pipeline_stage_layers is None:
                 _require(p.pipeline_model_parallel_split_rank == p.pipeline_model_parallel_size // 2,
                          "--dynapipe with T5 puts the encoder on the first half of the pipeline: set "
                          f"--pipeline-model-parallel-split-rank {p.pipeline_model_parallel_size // 2}")
@@ -497,7 +494,6 @@ class MegatronConfig:
     def _check_stage_parallel_model(self) -> None:
         """What stages with their own TP/DP sizes need from the rest of the configuration."""
         m, t, sp = self.model, self.training, self.parallel.stage_parallel
-        _require(m.model_type == "gpt", "stages with their own TP/DP sizes run GPT only")
         for s, (tp, dp) in enumerate(sp):
             for what, n, flag in (("attention heads", m.num_attention_heads, "--num-attention-heads"),
                                   ("query groups", m.query_groups, "--num-query-groups"),
@@ -506,12 +502,12 @@ class MegatronConfig:
             _require(t.micro_batch_size % dp == 0,
                      f"stage {s} splits each micro-batch over DP {dp}: --micro-batch-size ({t.micro_batch_size}, the "
                      f"pipeline micro-batch) must be a multiple of it")
-        refused = [(m.sequence_parallel, "--sequence-parallel"), (self.data.dynapipe, "--dynapipe"),
-                   (self.data.pack_dataset, "--pack-dataset"), (self.data.targets_data_path, "--targets-data-path"),
+        _require(not self.data.dynapipe or not any(r != "none" for r in t.recompute_layers or ()),
+                 "--dynapipe chooses each iteration's recompute level itself: clear the --aceso-config recompute_ops "
+                 "flags or drop --dynapipe")
+        refused = [(m.sequence_parallel, "--sequence-parallel"),
                    (t.use_distributed_optimizer, "--use-distributed-optimizer"),
-                   (t.overlap_grad_reduce, "--overlap-grad-reduce"), (self.compression.enabled, "Optimus-CC compression"),
-                   (self.terapipe.enabled, "--terapipe"), (self.parallel.pipeline_schedule != "1f1b",
-                                                           "--pipeline-schedule gpipe")]
+                   (t.overlap_grad_reduce, "--overlap-grad-reduce"), (self.compression.enabled, "Optimus-CC compression")]
         for on, flag in refused:
             _require(not on, f"stages with their own TP/DP sizes (--aceso-config) do not support {flag} yet; "
                              "drop it or use a config whose stages share one TP and DP size")

@@ -16,12 +16,14 @@ model on the same data and differ only in speed and memory.
 from __future__ import annotations
 
 import functools
+import math
 import time
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 import torch
 
+from megatron.batching import pad_rows, rows_of
 from megatron.config import MegatronConfig
 from megatron.data.packing import (collate_supervised_gpt, collate_supervised_t5, concat_pair, next_fit_rows,
                                    pack_samples, pack_t5_rows)
@@ -128,9 +130,22 @@ class _SupervisedSource:
     def microbatches(self, lo: int, group) -> List[dict]:
         """A DynaPipe group's micro-batches: padded samples, or packed rows where the plan has them."""
         if group.rows is not None:
-            return [self.collate_rows([[lo + i for i in r] for r in rows], shape)
-                    for rows, shape in zip(group.rows, group.shapes)]
-        return [self.collate([lo + i for i in ids], shape) for ids, shape in zip(group.microbatches, group.shapes)]
+            mbs = [self.collate_rows([[lo + i for i in r] for r in rows], shape)
+                   for rows, shape in zip(group.rows, group.shapes)]
+        else:
+            mbs = [self.collate([lo + i for i in ids], shape) for ids, shape in zip(group.microbatches, group.shapes)]
+        if self.ps.stage_layouts:  # one pipeline; the plan's shapes count the filler rows
+            return self.stage_rows([self.padded(mb) for mb in mbs])
+        return mbs
+
+    def padded(self, mb: dict) -> dict:
+        """With per-stage DP sizes a micro-batch's rows must divide by every stage's DP: a short
+        one gets loss-free filler rows (`pad_rows`)."""
+        return pad_rows(mb, math.lcm(*(dp for _, dp in self.ps.stage_layouts)))
+
+    def stage_rows(self, whole: List[dict]) -> List[dict]:
+        """This rank's share of each whole (padded) micro-batch: its stage's DP part of the rows."""
+        return [rows_of(mb, self.ps.dp_rank, self.ps.dp_size) for mb in whole]
 
     def collate(self, sample_ids: List[int], shape) -> dict:
         pairs = [self.dataset[i] for i in sample_ids]
@@ -186,10 +201,11 @@ class DynaPipeSource(_SupervisedSource):
         t0 = time.perf_counter()
         plan = self.service.get(iteration) if self.service is not None else self.plan_fn(iteration)
         wait_ms = (time.perf_counter() - t0) * 1e3
-        if len(plan.groups) != self.ps.dp_size:
+        groups = 1 if self.ps.stage_layouts else self.ps.dp_size  # per-stage DP splits rows, not batches
+        if len(plan.groups) != groups:
             raise RuntimeError(f"iteration {iteration}: plan has {len(plan.groups)} data-parallel groups, "
-                               f"the job has {self.ps.dp_size}")
-        group = plan.groups[self.ps.dp_rank]
+                               f"the job has {groups}")
+        group = plan.groups[0 if self.ps.stage_layouts else self.ps.dp_rank]
         mbs = self.microbatches(lo, group)
         info = {"planner": "dynapipe", "recompute": plan.recompute, "schedule": group.schedule,
                 "packed_rows": group.rows is not None,
@@ -205,7 +221,7 @@ class DynaPipeSource(_SupervisedSource):
             # Every rank has its group's plans for all pipeline ranks, so each marks the same
             # messages without talking to the others.
             plans = plan_pass(plans)
-        return IterationWork(mbs, plans[self.ps.pp_rank], hi - lo, info)
+        return IterationWork(mbs, plans[self.ps.plan_rank], hi - lo, info)
 
     def close(self):
         if self.service is not None:
@@ -250,11 +266,11 @@ class DynaPipeEvalSource(_SupervisedSource):
             plan = strip(planner_for(self.planner_config).plan(self.lengths[lo:hi].tolist(), iteration=iteration,
                                                                validate=k == 0))
             self._plans[k] = plan
-        group = plan.groups[self.ps.dp_rank]
+        group = plan.groups[0 if self.ps.stage_layouts else self.ps.dp_rank]
         mbs = self.microbatches(lo, group)
         info = {"planner": "dynapipe", "num_microbatches": [len(g.microbatches) for g in plan.groups],
                 "padding_efficiency": plan.padding_efficiency}
-        return IterationWork(mbs, group.plans[self.ps.pp_rank], hi - lo, info)
+        return IterationWork(mbs, group.plans[self.ps.plan_rank], hi - lo, info)
 
 
 def supervised_valid_source(cfg: MegatronConfig, ps, dataset, ids: dict):
@@ -282,7 +298,19 @@ class BaselineSource(_SupervisedSource):
             rows = next_fit_rows(self.lengths[lo:hi] + 1, m.seq_length + 1)
         rows = [[lo + i for i in r] for r in rows]
         chunks = [rows[s:s + mbs] for s in range(0, len(rows), mbs)]
-        return [self.collate_rows(c) for c in chunks[self.ps.dp_rank::self.ps.dp_size]]
+        return [self.collate_rows(c) for c in self._mine(chunks)]
+
+    def _mine(self, chunks: list) -> list:
+        """This DP rank's micro-batches; with per-stage DP sizes every rank takes every (whole,
+        pipeline) micro-batch and `_split` cuts its rows after collating."""
+        return chunks if self.ps.stage_layouts else chunks[self.ps.dp_rank::self.ps.dp_size]
+
+    def _split(self, mbs: List[dict]):
+        """(this rank's micro-batches, the plans' whole-micro-batch shapes)."""
+        if not self.ps.stage_layouts:
+            return mbs, [self.shapes_fn(mb) for mb in mbs]
+        whole = [self.padded(mb) for mb in mbs]
+        return self.stage_rows(whole), [self.shapes_fn(mb) for mb in whole]
 
     def next(self, iteration: int, consumed_samples: int) -> IterationWork:
         lo, hi = self._batch(iteration, consumed_samples)
@@ -292,7 +320,7 @@ class BaselineSource(_SupervisedSource):
             size = self.cfg.training.micro_batch_size
             chunks = [list(range(s, min(s + size, hi))) for s in range(lo, hi, size)]
             mbs = []
-            for c in chunks[self.ps.dp_rank::self.ps.dp_size]:
+            for c in self._mine(chunks):
                 longest = self.lengths[c].max(axis=0)
                 b = len(c)
                 shape = ((b, _round_up(longest)),) if self.lengths.ndim == 1 else \
@@ -301,12 +329,13 @@ class BaselineSource(_SupervisedSource):
         if not mbs:
             raise RuntimeError(f"iteration {iteration}: data-parallel rank {self.ps.dp_rank} got no micro-batch; "
                                "raise --tokens-per-global-batch or lower --micro-batch-size")
-        plan = self.planner.plans(iteration, [self.shapes_fn(mb) for mb in mbs])[self.ps.pp_rank]
-        # --terapipe: its planner's line (token slices, planning and predicted time) goes along
-        info = {**getattr(self.planner, "info", {}),
-                "planner": "packing" if self.pack else "fixed", "num_microbatches": [len(mbs)],
+        info = {"planner": "packing" if self.pack else "fixed", "num_microbatches": [len(mbs)],
                 "microbatch_shapes": [tuple(mb["tokens" if "tokens" in mb else "text_enc"].shape) for mb in mbs],
                 "padding_efficiency": padding_efficiency(mbs)}
+        mbs, shapes = self._split(mbs)
+        plan = self.planner.plans(iteration, shapes)[self.ps.plan_rank]
+        # --terapipe: its planner's line (token slices, planning and predicted time) goes along
+        info = {**getattr(self.planner, "info", {}), **info}
         return IterationWork(mbs, plan, hi - lo, info)
 
 
@@ -327,8 +356,14 @@ def tokenizer_ids(tokenizer) -> dict:
 def dynapipe_planner_config(cfg: MegatronConfig, ps):
     from megatron.planner.dynapipe import DynaPipeConfig
     m, d = cfg.model, cfg.data
+    hetero = bool(ps.stage_layouts)  # one pipeline whose stages have their own TP/DP sizes
     common = dict(cost_model_path=d.dynapipe_cost_model, hidden_size=m.hidden_size,
-                  pipeline_parallel=ps.pp_size, data_parallel=ps.dp_size, tensor_parallel=ps.tp_size,
+                  pipeline_parallel=ps.pp_size, data_parallel=1 if hetero else ps.dp_size,
+                  tensor_parallel=cfg.parallel.tensor_model_parallel_size if hetero else ps.tp_size,
+                  stage_parallel=tuple(tuple(x) for x in ps.stage_layouts) if hetero else None,
+                  # explicit stage layer counts (--pipeline-stage-layers, an Aceso layout): priced per stage
+                  stage_layer_counts=tuple(cfg.parallel.pipeline_stage_layers or [m.num_layers // ps.pp_size] * ps.pp_size)
+                  if hetero or cfg.parallel.pipeline_stage_layers else None,
                   memory_limit_mb=d.dynapipe_memory_limit, pad_multiple=PAD_MULTIPLE,
                   dtype=cfg.training.params_dtype_name,
                   # What this trainer holds: fp32 weights and gradients (autocast computes in 16 bits),

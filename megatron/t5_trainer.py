@@ -39,10 +39,14 @@ def build_t5_trainer(cfg: MegatronConfig, ps, device):
         cfg.model.vocab_size = tokenizer.vocab_size
     ps, pos_group = t5_parallel_state(cfg, ps)  # collective: every rank creates the T5 groups
     stages = build_t5_stages(cfg, ps)
+    plan_pass = grad_compression_pass(cfg)
+    if ps.stage_layouts:  # stages with their own TP/DP sizes (--aceso-config)
+        from megatron.planner.hetero import layout_pass
+        plan_pass = layout_pass(ps.stage_layouts)
     planner = FixedBatchPlanner(cfg.parallel.pipeline_schedule, ps.pp_size, 1,
                                 lambda shapes: t5_activation_shapes(cfg, shapes),
                                 cfg.training.recompute_level, cfg.training.params_dtype_name,
-                                plan_pass=grad_compression_pass(cfg))
+                                plan_pass=plan_pass)
     tied, tied_pos = t5_tied_params(stages)
     flops = t5_flops_per_sample(cfg.model, cfg.model.padded_vocab_size(ps.tp_size))
     # Word embeddings are tied over {0, split, last} (ps.embedding_group); learned position

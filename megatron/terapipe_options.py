@@ -59,6 +59,10 @@ def check_terapipe_config(cfg) -> None:
          "so a T5 slice would need tokens that run later; use pretrain_gpt.py or drop --terapipe")
     if d.dynapipe:  # DynaPipe's micro-batches cut into token slices (megatron/planner/dynapipe_slicing.py)
         return check_dynapipe_slicing(cfg)
+    need(all(mode in ("none", "selective", "full") for mode in cfg.training.recompute_layers or ()),
+         "--terapipe with an --aceso-config whose recompute_ops replay part of a layer (more than core attention, "
+         "less than all of it) would write a slice's keys/values into the cache again on replay: clear those "
+         "flags or set whole layers, or drop --terapipe")
     fixed = parse_slices(cfg.terapipe.slices, m.seq_length)
     tp = p.tensor_model_parallel_size
     if m.sequence_parallel and tp > 1 and fixed is not None:

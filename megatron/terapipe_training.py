@@ -3,6 +3,7 @@ slices by plans from `megatron.planner.terapipe`. Nothing else in the training l
 the executor slices each micro-batch as the plan's `token_slice`s say."""
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Optional
@@ -19,7 +20,7 @@ class TeraPipePlanner:
     """`plans(iteration, microbatch_shapes)` like `FixedBatchPlanner`; slicings from
     --terapipe-slices (fixed) or the DP over the latency model (auto), cached per shape."""
 
-    def __init__(self, cfg, pp_size: int, latency=None):
+    def __init__(self, cfg, pp_size: int, latency=None, stage_layouts=(), plan_pass=None):
         self.cfg, self.pp = cfg, pp_size
         self.latency = latency
         self.fixed = parse_slices(cfg.terapipe.slices, cfg.model.seq_length)
@@ -32,12 +33,19 @@ class TeraPipePlanner:
         # multiples of TP (the DP's grid is a common multiple of 8 tokens and TP)
         self.seq_split = self.tp if m.sequence_parallel else 1
         self.grid = math.lcm(GRID, self.seq_split)
+        # Stages with their own (TP, DP) sizes (--aceso-config): the slicing is priced on the
+        # slowest stage, each on its rows and layers; `plan_pass` lowers the plans onto them.
+        layers = cfg.parallel.pipeline_stage_layers or [self.layers_per_stage] * pp_size
+        self.stages = [(tp, dp, n) for (tp, dp), n in zip(stage_layouts, layers)]
+        self.plan_pass = plan_pass
         self._slicings: dict = {}
         self._plans: dict = {}
         self.info: dict = {}
 
     def stage_ms(self, b, l, c) -> float:
-        return self.latency.stage_ms(b, l, c, self.layers_per_stage)
+        if not self.stages:
+            return self.latency.stage_ms(b, l, c, self.layers_per_stage)
+        return functools.reduce(np.maximum, [self.latency.stage_ms(b // dp, l, c, n) for _, dp, n in self.stages])
 
     def fixed_slices(self, s: int) -> list:
         """--terapipe-slices N|l1,l2,... for a sequence of s tokens (multi-task data pads each
@@ -63,13 +71,12 @@ class TeraPipePlanner:
                 slices = [s]
             else:
                 m = self.cfg.model
-                kv = m.query_groups * m.kv_channels // self.tp
+                stages = self.stages or [(self.tp, 1, self.layers_per_stage)]
 
                 def mem_ok(sl):
-                    need = slice_memory_mb(sl, b, self.layers_per_stage, m.hidden_size, kv,
-                                           m.num_attention_heads // self.tp,
-                                           recompute=self.cfg.training.recompute_level)
-                    return need <= self.cfg.terapipe.memory_limit_mb
+                    return all(slice_memory_mb(sl, b // dp, n, m.hidden_size, m.query_groups * m.kv_channels // tp,
+                                               m.num_attention_heads // tp, recompute=self.cfg.training.recompute_level)
+                               <= self.cfg.terapipe.memory_limit_mb for tp, dp, n in stages)
                 # m micro-batches run back to back: sum over all units + (K-1) max = m * score
                 # of one sequence with the effective stage count 1 + (K-1)/m (see plan_batch).
                 # Virtual stages (chunks per rank) shrink the fill/drain to (K-1)/chunks of a
@@ -107,8 +114,14 @@ class TeraPipePlanner:
                                          seq_split=self.seq_split, num_model_chunks=self.chunks)
             # --inter-grad-comp marks each slice's gradient message; its LEP state is keyed by
             # the slice's token offset (compression.pipeline.error_key).
-            plan_pass = grad_compression_pass(self.cfg)
-            self._plans = {shapes: plan_pass(plans) if plan_pass is not None else plans}
+            compress = grad_compression_pass(self.cfg)
+            if compress is not None:
+                plans = compress(plans)
+            if self.plan_pass is not None:  # stages with their own TP/DP: lowered onto their ranks
+                from megatron.pipeline.validator import validate_plans
+                plans = self.plan_pass(plans)
+                validate_plans(plans)
+            self._plans = {shapes: plans}
         self.info = {"planner": "terapipe", "num_microbatches": len(shapes), "microbatch_shapes": [s[0] for s in shapes],
                      "slices": slicings[0] if all(s == slicings[0] for s in slicings) else slicings,
                      # wall time of this call: the DP and plan building run once per new shape
@@ -133,7 +146,11 @@ def terapipe_planner(cfg, ps) -> TeraPipePlanner:
     if cfg.terapipe.cost_model:
         from megatron.planner.terapipe_latency import SliceLatencyModel
         latency = SliceLatencyModel.load(cfg.terapipe.cost_model)
-    return TeraPipePlanner(cfg, ps.pp_size, latency)
+    plan_pass = None
+    if ps.stage_layouts:
+        from megatron.planner.hetero import layout_pass
+        plan_pass = layout_pass(ps.stage_layouts)
+    return TeraPipePlanner(cfg, ps.pp_size, latency, ps.stage_layouts, plan_pass)
 
 
 def keyed_dropout(trainer, cfg, ps):

@@ -300,6 +300,11 @@ class Trainer:
                 sent["emb"] = allreduce_resharded_embedding_grads(self.tied_params, ps.embedding_group, ps.tp_rank,
                                                                   vocab_rows)
             tied = {id(p) for p in self.tied_params}
+            if ps.stage_layouts:  # T5's position tables: likewise over every replica of their stages
+                from megatron.core.distributed import allreduce_replicated_grads
+                for params, group in self.extra_tied_groups:
+                    allreduce_replicated_grads(params, group, ps.tp_rank == 0)
+                    tied |= {id(p) for p in params}
             dp_params = [p for p in dp_params if id(p) not in tied]
         elif self.emb_reducer is not None:
             sent["emb"] = self.emb_reducer.reduce(self.tied_params, self.iteration + 1)[0]
@@ -307,7 +312,7 @@ class Trainer:
             allreduce_embedding_grads(self.tied_params, ps.embedding_group)
             if ps.embedding_group is not None:
                 sent["emb"] = sum(p.grad.numel() * p.grad.element_size() for p in self.tied_params)
-        for params, group in self.extra_tied_groups:
+        for params, group in ([] if ps.stage_layouts else self.extra_tied_groups):
             allreduce_embedding_grads(params, group)
         if getattr(self.optimizer, "reduces_data_parallel_grads", False):
             # The distributed optimizer reduce-scatters what no other sync summed over DP yet.

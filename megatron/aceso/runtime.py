@@ -1,4 +1,4 @@
-"""Run an Aceso JSON configuration on the existing executor (``--aceso-config FILE``, GPT).
+"""Run an Aceso JSON configuration on the existing executor (``--aceso-config FILE``, GPT or T5).
 
 What is supported: per-stage layer counts (stage cuts on layer boundaries), per-layer
 recompute taken from the per-op ``recompute_ops`` flags, the global batch, and per-stage TP
@@ -9,8 +9,11 @@ Aceso's pipeline micro-batch (each stage splits it over its DP ranks), and the s
 plans are rewritten per global rank with multi-peer, row-sliced sends and receives
 (megatron/planner/hetero.py); the executor, validator and trainer are the usual ones.
 
+T5 configs (encoder and decoder ops, megatron/aceso/t5_layout.py) run on pretrain_t5.py the
+same way: stage cuts on layer boundaries of the sequence encoder layers, then decoder layers.
+
 Not supported (rejected with a message): op-level TP/DP changes inside a stage, stage cuts
-inside a layer, recompute of the embedding / head operators, and T5.
+inside a layer, recompute of the embedding / head operators.
 
 Recompute runs as the search priced it: each layer recomputes exactly the operators its
 ``recompute_ops`` flags name (megatron/core/recompute.py), every run of consecutive flagged
@@ -23,44 +26,19 @@ memory and time differ.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict
 
-from megatron.core import recompute as rc
-
-# Layer operator names by ops per layer: Aceso's CUDA tables (13) and our profiler's (10).
-ACESO_GPT_LAYER_OPS = list(rc.ACESO_LAYER_OPS)
-OUR_GPT_LAYER_OPS = list(rc.LAYER_OPS)
-HEAD_OPS, TAIL_OPS = 1, 2  # embedding; final layernorm + post-process
-
-
-class AcesoConfigError(ValueError):
-    pass
-
-
-@dataclass
-class AcesoLayout:
-    tp: int
-    pp: int
-    dp: int
-    stage_layers: List[int]
-    recompute_layers: List[str]   # per global layer: none | selective | full | '+'-joined operators
-    micro_batch_size: int         # per DP rank; the pipeline micro-batch when stage_parallel is set
-    global_batch_size: int
-    stage_parallel: Optional[List[List[int]]] = None  # [TP, DP] per stage when they differ
-
-
-def layer_mode(names: List[str], flags: List[int]) -> str:
-    """The layer's recompute setting (megatron/core/recompute.py) for its per-op flags."""
-    return rc.encode(rc.from_flags(names, flags))
+from megatron.aceso.layout import (ACESO_GPT_LAYER_OPS, HEAD_OPS, OUR_GPT_LAYER_OPS, TAIL_OPS,  # noqa: F401
+                                   AcesoConfigError, AcesoLayout, layer_mode, make_layout, stage_shapes)
+from megatron.aceso.t5_layout import t5_layout
 
 
 def gpt_layout(d: Dict[str, Any], num_layers: int, world_size: int) -> AcesoLayout:
     """Translate an Aceso config dict into our GPT run layout, or explain why it cannot run."""
     flag = "--aceso-config"
     if d.get("model_name", "gpt") != "gpt":
-        raise AcesoConfigError(f"{flag}: model_name {d.get('model_name')!r}; only GPT configs run "
-                               f"(pretrain_gpt.py)")
+        raise AcesoConfigError(f"{flag}: model_name {d.get('model_name')!r} is not a GPT config; T5 configs "
+                               f"run on pretrain_t5.py")
     cfg_layers = d.get("num_layers")
     if cfg_layers is not None and cfg_layers != num_layers:
         raise AcesoConfigError(f"{flag}: the config is for {cfg_layers} layers but --num-layers is "
@@ -74,19 +52,7 @@ def gpt_layout(d: Dict[str, Any], num_layers: int, world_size: int) -> AcesoLayo
                                f"{len(ACESO_GPT_LAYER_OPS)} (Aceso) or {len(OUR_GPT_LAYER_OPS)} "
                                f"(our profiler) ops plus {HEAD_OPS + TAIL_OPS} head/tail ops")
     names = ACESO_GPT_LAYER_OPS if per_layer == len(ACESO_GPT_LAYER_OPS) else OUR_GPT_LAYER_OPS
-    tps = [set(x) for x in d["model_parallel_size_of_each_op"]]
-    dps = [set(x) for x in d["data_parallel_size_of_each_op"]]
-    for s in range(S):
-        if len(tps[s]) != 1 or len(dps[s]) != 1:
-            raise AcesoConfigError(f"{flag}: stage {s} changes TP/DP between its ops; the runtime "
-                                   f"runs one TP and DP size per stage")
-    shapes = [(next(iter(t)), next(iter(p))) for t, p in zip(tps, dps)]
-    hetero = len(set(shapes)) != 1
-    tp, dp = shapes[0]
-    if sum(t * p for t, p in shapes) != world_size:
-        desc = " + ".join(f"TP {t} x DP {p}" for t, p in shapes)
-        raise AcesoConfigError(f"{flag}: the {S} stages need {desc} = {sum(t * p for t, p in shapes)} ranks, but "
-                               f"the job has {world_size}")
+    shapes = stage_shapes(d, world_size)
     # stage cuts must fall on layer boundaries
     stage_layers, start = [], 0
     for s, c in enumerate(counts):
@@ -109,17 +75,11 @@ def gpt_layout(d: Dict[str, Any], num_layers: int, world_size: int) -> AcesoLayo
     for j in range(num_layers):
         a = HEAD_OPS + j * per_layer
         rec.append(layer_mode(names, flags[a:a + per_layer]))
-    mbs = int(d["micro_batch_size"])
-    for s, (_, p) in enumerate(shapes):
-        if mbs % p:
-            raise AcesoConfigError(f"{flag}: micro_batch_size {mbs} is not divisible by stage {s}'s DP {p}")
-    if hetero:
-        return AcesoLayout(max(t for t, _ in shapes), S, 1, stage_layers, rec, mbs, int(d["global_batch_size"]),
-                           [[t, p] for t, p in shapes])
-    return AcesoLayout(tp, S, dp, stage_layers, rec, mbs // dp, int(d["global_batch_size"]))
+    return make_layout(d, shapes, stage_layers, rec)
 
 
-def load_gpt_layout(path: str, num_layers: int, world_size: int) -> AcesoLayout:
+def load_layout(path: str, layers, world_size: int) -> AcesoLayout:
+    """The layout of the config at `path`: `layers` is GPT's layer count or T5's (encoder, decoder)."""
     from megatron.aceso.config import _LAYOUT_FIELDS, check_plan_fields
     with open(path) as f:
         try:
@@ -130,26 +90,33 @@ def load_gpt_layout(path: str, num_layers: int, world_size: int) -> AcesoLayout:
         check_plan_fields(d, _LAYOUT_FIELDS)
     except ValueError as e:
         raise AcesoConfigError(f"--aceso-config {path}: {e}") from None
-    return gpt_layout(d, num_layers, world_size)
+    if isinstance(layers, tuple):
+        return t5_layout(d, *layers, world_size)
+    return gpt_layout(d, layers, world_size)
+
+
+def load_gpt_layout(path: str, num_layers: int, world_size: int) -> AcesoLayout:
+    return load_layout(path, num_layers, world_size)
 
 
 def apply_to_args(args, model_type: str, world_size: int, defaults: Dict[str, Any]) -> None:
     """Fill the parsed flags from ``args.aceso_config``; flags the user set to something else
     are an error naming both."""
-    if model_type != "gpt":
-        raise AcesoConfigError("--aceso-config runs GPT configs only (pretrain_gpt.py); T5's "
-                               "encoder/decoder stage split is not mapped yet")
-    if args.num_layers is None:
+    if model_type == "t5":
+        enc = args.encoder_num_layers if args.encoder_num_layers is not None else args.num_layers
+        dec = args.decoder_num_layers if args.decoder_num_layers is not None else enc
+        if enc is None:
+            raise AcesoConfigError("--aceso-config needs --encoder-num-layers / --decoder-num-layers (or --num-layers)")
+        layers = (enc, dec)
+    elif args.num_layers is None:
         raise AcesoConfigError("--aceso-config needs --num-layers")
-    for planner in ("dynapipe", "terapipe"):
-        if getattr(args, planner, False):
-            raise AcesoConfigError(f"--aceso-config and --{planner} are two planners for one run (Aceso fixes the "
-                                   f"stage layout, {planner} plans its own); pick one")
+    else:
+        layers = args.num_layers
     for other in ("recompute_granularity", "pipeline_stage_layers", "num_layers_per_virtual_pipeline_stage"):
         if getattr(args, other, None) is not None:
             raise AcesoConfigError(f"--aceso-config sets the stage layout and recompute itself; drop "
                                    f"--{other.replace('_', '-')}")
-    lay = load_gpt_layout(args.aceso_config, args.num_layers, world_size)
+    lay = load_layout(args.aceso_config, layers, world_size)
     for dest, value in (("tensor_model_parallel_size", lay.tp), ("pipeline_model_parallel_size", lay.pp),
                         ("micro_batch_size", lay.micro_batch_size),
                         ("global_batch_size", lay.global_batch_size)):
@@ -159,6 +126,8 @@ def apply_to_args(args, model_type: str, world_size: int, defaults: Dict[str, An
                                    f"({value}); drop the flag")
         setattr(args, dest, value)
     args.pipeline_stage_layers = lay.stage_layers if lay.pp > 1 else None
-    args.recompute_layers = lay.recompute_layers
+    # DynaPipe picks each iteration's recompute level; a config without recompute leaves it that choice.
+    dyn = getattr(args, "dynapipe", False) and all(r == "none" for r in lay.recompute_layers)
+    args.recompute_layers = None if dyn else lay.recompute_layers
     args.stage_parallel = lay.stage_parallel
 

@@ -88,6 +88,21 @@ def allreduce_resharded_embedding_grads(tied_params: List[nn.Parameter], embeddi
     return sent
 
 
+def allreduce_replicated_grads(params: List[nn.Parameter], group, contribute: bool) -> None:
+    """Sum of a tied parameter that every TP rank holds whole (T5's learned position table) over
+    `group` = every TP and DP rank of the stages holding it, when those stages have their own
+    TP/DP sizes: one TP rank per replica contributes (`contribute`), the others add zeros, so each
+    replica's gradient counts once. Like the resharded sync, it spans the DP replicas already."""
+    if group is None:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if not contribute:
+            p.grad.zero_()
+        dist.all_reduce(p.grad, group=group)
+
+
 class OverlappedGradReducer:
     """`--overlap-grad-reduce`: the data-parallel all-reduce of a bucket starts while the
     backward passes still run, as soon as every gradient in it is final.

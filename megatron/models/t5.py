@@ -124,10 +124,14 @@ def t5_split_rank(cfg) -> int:
     if p.num_layers_per_virtual_pipeline_stage is not None:
         raise ConfigError("--num-layers-per-virtual-pipeline-stage is not supported for T5: its encoder and "
                           "decoder are split by --pipeline-model-parallel-split-rank instead")
-    if p.pipeline_stage_layers is not None:
-        raise ConfigError("--pipeline-stage-layers is not supported for T5; use "
-                          "--pipeline-model-parallel-split-rank to place encoder and decoder layers")
     r = p.pipeline_model_parallel_split_rank
+    if p.pipeline_stage_layers is not None and pp > 1:
+        derived = _explicit_split_rank(cfg)
+        if r is not None and r != derived:
+            raise ConfigError(f"--pipeline-model-parallel-split-rank {r} disagrees with --pipeline-stage-layers "
+                              f"{','.join(map(str, p.pipeline_stage_layers))}, whose first decoder layer is on "
+                              f"pipeline rank {derived}; drop the split rank")
+        return derived
     if pp == 1:
         if r not in (None, 0):
             raise ConfigError(f"--pipeline-model-parallel-split-rank {r} needs --pipeline-model-parallel-size > 1")
@@ -141,6 +145,26 @@ def t5_split_rank(cfg) -> int:
     return r
 
 
+def _explicit_ranges(cfg) -> list:
+    """--pipeline-stage-layers for T5: per stage a count of the layer sequence encoder 0..E-1,
+    then decoder 0..D-1 (so a stage may end the encoder and start the decoder, as Aceso's
+    configs cut it). Per stage ((enc_start, enc_end), (dec_start, dec_end)); empty = (0, 0)."""
+    E = cfg.model.encoder_num_layers
+    out, start = [], 0
+    for n in cfg.parallel.pipeline_stage_layers:
+        end = start + n
+        enc = (start, min(end, E)) if start < E else (0, 0)
+        dec = (max(start, E) - E, end - E) if end > E else (0, 0)
+        out.append((enc, dec))
+        start = end
+    return out
+
+
+def _explicit_split_rank(cfg) -> int:
+    """First pipeline rank holding a decoder layer (it embeds the decoder's tokens)."""
+    return next(k for k, (_, dec) in enumerate(_explicit_ranges(cfg)) if dec[1] > dec[0])
+
+
 def t5_stage_layers(cfg) -> list:
     """Per pipeline rank: ((enc_start, enc_end), (dec_start, dec_end)) layer ranges."""
     m, pp = cfg.model, cfg.parallel.pipeline_model_parallel_size
@@ -148,6 +172,8 @@ def t5_stage_layers(cfg) -> list:
     if m.position_embedding_type == "learned_absolute" and m.max_position_embeddings < m.decoder_seq_length:
         raise ConfigError(f"--max-position-embeddings ({m.max_position_embeddings}) must be >= "
                           f"--decoder-seq-length ({m.decoder_seq_length}) with learned absolute positions")
+    if cfg.parallel.pipeline_stage_layers is not None and pp > 1:
+        return _explicit_ranges(cfg)
     if pp == 1:
         return [((0, m.encoder_num_layers), (0, m.decoder_num_layers))]
     if m.encoder_num_layers % r:
@@ -282,6 +308,10 @@ def build_t5_stages(cfg, ps: ParallelState) -> dict:
                     encoder_end=e1 == m.encoder_num_layers and e1 > e0, seed=cfg.training.seed,
                     recompute_method=cfg.training.recompute_method,
                     recompute_num_layers=cfg.training.recompute_num_layers)
+    if cfg.training.recompute_layers is not None:  # --aceso-config: per layer, encoder then decoder
+        modes, E = cfg.training.recompute_layers, m.encoder_num_layers
+        stage.encoder.layer_recompute = modes[e0:e1]
+        stage.decoder.layer_recompute = modes[E + d0:E + d1]
     return {k: stage}
 
 
@@ -306,6 +336,8 @@ def t5_parallel_state(cfg, ps: ParallelState):
     if pp == 1:
         return ps, None
     r = t5_split_rank(cfg)
+    if ps.stage_layouts:
+        return _t5_resharded_groups(cfg, ps, r)
     dp, tp = ps.dp_size, ps.tp_size
     # An untied LM head is the last stage's own: only the two input embeddings are summed.
     emb_ranks = sorted({0, r} if cfg.model.untie_embeddings_and_output_weights else {0, r, pp - 1})
@@ -326,6 +358,28 @@ def t5_parallel_state(cfg, ps: ParallelState):
                 g = dist.new_group(ranks, timeout=ps.timeout)
                 if ps.rank in ranks:
                     pos_group = g
+    return new, pos_group
+
+
+def _t5_resharded_groups(cfg, ps: ParallelState, r: int):
+    """`t5_parallel_state` for stages with their own TP/DP sizes: one group holding every rank of
+    the tied stages ({0, split, last}; {0, split} for positions). Their shards differ, so the
+    sums run over whole-table buffers (the trainer's resharded sync), across all DP replicas."""
+    from megatron.core.parallel_state import stage_rank_offsets
+    offsets, layouts = stage_rank_offsets(ps.stage_layouts), ps.stage_layouts
+    pp = len(layouts)
+
+    def group(stages):
+        ranks = [offsets[s] + i for s in sorted(set(stages)) for i in range(layouts[s][0] * layouts[s][1])]
+        g = dist.new_group(ranks, timeout=ps.timeout)
+        return (g, ranks) if ps.rank in ranks else (None, [])
+
+    word = (0, r) if cfg.model.untie_embeddings_and_output_weights else (0, r, pp - 1)
+    g, ranks = group(word)
+    new = dataclasses.replace(ps, embedding_group=g, embedding_global_ranks=ranks)
+    pos_group = None
+    if cfg.model.position_embedding_type == "learned_absolute":
+        pos_group = group((0, r))[0]
     return new, pos_group
 
 

@@ -338,11 +338,12 @@ class TransformerBlock(nn.Module):
     def _forward(self, x, mask, encoder_output, cross_mask, recompute, rotary, kv_cache=None):
         for i, layer in enumerate(self.layers):
             if kv_cache is not None:  # token slices: a replay reads the cache, see SequenceKVCache.extend
-                if recompute == "full" and self._full_recompute(i) and torch.is_grad_enabled():
+                mode = self.layer_recompute[i] if self.layer_recompute is not None else recompute
+                full = mode == "full" and (self.layer_recompute is not None or self._full_recompute(i))
+                if full and torch.is_grad_enabled():
                     x = checkpoint(lambda h, l=layer: l(h, mask, rotary=rotary, kv_cache=kv_cache), x)
                 else:
-                    x = layer(x, mask, encoder_output, cross_mask, recompute=recompute, rotary=rotary,
-                              kv_cache=kv_cache)
+                    x = layer(x, mask, encoder_output, cross_mask, recompute=mode, rotary=rotary, kv_cache=kv_cache)
             elif self.layer_recompute is not None:  # none | selective | full | '+'-joined operators
                 mode = self.layer_recompute[i]
                 if mode == "full" and torch.is_grad_enabled():

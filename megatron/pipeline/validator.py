@@ -36,8 +36,8 @@ Rules (see the module docstring of `megatron.pipeline.instructions` for the sema
   (index, parts) cover every part; every communication instruction carries a
   `batch_slice` inside this rank's rows of the micro-batch, both ends of a message carry the
   same rows, and the pieces a receive buffer is assembled from are disjoint and cover the
-  rank's rows before the buffer is read. Batch splits do not combine with token slices or
-  compressed messages.
+  rank's rows before the buffer is read. Batch splits do not combine with compressed
+  messages; with token slices each message carries both (rows of one slice).
 * deadlock: all ranks are simulated together with "Start never blocks; RecvFinish waits
   until the peer executed the matching SendStart; SendFinish waits until the peer executed
   the matching RecvStart; compute never blocks". If every unfinished rank is waiting, the
@@ -59,9 +59,6 @@ def validate_plans(plans: list[ExecutionPlan]) -> None:
     """Raise `PlanValidationError` unless `plans` (one per pipeline rank) can run together."""
     plans = _check_headers(plans)
     stage_to_rank = _check_stage_assignment(plans)
-    if plans[0].batch_split and any(getattr(i, "token_slice", ()) for p in plans for i in p.instructions):
-        raise PlanValidationError("batch splits (stages with different TP/DP) and token slices (TeraPipe) "
-                                  "cannot be combined in one plan")
     # Pairing first: a missing or mis-ordered message is best reported as a rank-pair error,
     # before it surfaces on the receiver as "input not received".
     _check_matching(plans, [_comm_sequences(plan) for plan in plans])

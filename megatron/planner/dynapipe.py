@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -28,7 +28,9 @@ from megatron.compression import lowrank
 from megatron.planner import packed
 from megatron.planner import partitioner as part
 from megatron.planner.attention_cost import AttentionCost
-from megatron.planner.cost_model import RECOMPUTE_LEVELS, CostModel
+from megatron.planner.cost_model import CostModel
+from megatron.planner.dynapipe_config import DynaPipeConfig  # noqa: F401 (the planner's config, re-exported)
+from megatron.planner.dynapipe_layout import t5_split
 from megatron.planner.schedules import ScheduleChoice, lower_bound, search
 from megatron.planner.simulator import PipelineCosts
 from megatron.planner.stage_memory import (compose, encoder_end_memory, postprocess_memory, preprocess_memory,
@@ -37,106 +39,6 @@ from megatron.planner.stage_memory import (compose, encoder_end_memory, postproc
 
 class PlanningError(RuntimeError):
     pass
-
-
-@dataclass
-class DynaPipeConfig:
-    """Model shape, parallel layout, memory limit and cost model of a DynaPipe planner.
-
-    GPT: `num_layers` layers split evenly over `pipeline_parallel` stages (or
-    `layers_per_stage` each, to plan a slice of a deeper model). T5: encoder stages first,
-    then decoder stages, half of the pipeline each (`pipeline_parallel` must be even).
-    Memory: `memory_limit_mb` per device; model states (`weight_grad_bytes_per_param` for the
-    weights and gradients, 16-bit each by default as in the published runs, plus
-    `optimizer_bytes_per_param` of fp32 optimizer state, sharded over `zero_shards` ranks,
-    default DP) are subtracted per stage; the rest is for activations.
-    """
-
-    cost_model_path: str
-    model_kind: str = "gpt"
-    hidden_size: int = 4096
-    num_layers: int = 32
-    encoder_layers: int = 0
-    decoder_layers: int = 0
-    pipeline_parallel: int = 4
-    data_parallel: int = 1
-    tensor_parallel: int = 1
-    layers_per_stage: Optional[int] = None
-    memory_limit_mb: float = 36000.0
-    weight_grad_bytes_per_param: float = 4.0
-    optimizer_bytes_per_param: float = 12.0
-    zero_shards: Optional[int] = None
-    recompute_levels: Tuple[str, ...] = RECOMPUTE_LEVELS
-    pad_multiple: int = 8
-    decoder_extra_tokens: int = 2  # bos/eos added to T5 targets
-    bandwidth_gbps: float = 4800.0  # per pipeline link (NVSwitch intra-node)
-    link_latency_ms: float = 0.01
-    # Optimus-CC compressed backpropagation: rank of the factors (0 = off); sizes follow
-    # megatron.compression.pipeline (float32 P and Q, only where smaller than the gradient).
-    grad_compress_rank: int = 0
-    grad_compress_epilogue_only: bool = False
-    # --sequence-parallel: stage boundaries carry [s/tp, b, h]; activation memory scaled from
-    # the (non-SP) profile by Megatron's per-layer activation formula (see `sp_memory_factor`).
-    sequence_parallel: bool = False
-    num_attention_heads: Optional[int] = None
-    activation_bytes: int = 2  # element size of cross-stage tensors in the cost model's runs
-    schedules: Tuple[str, ...] = ("1f1b", "adaptive")
-    max_orders: int = 2
-    # Schedule search: every order of this many micro-batch clusters (0/1: off), and every
-    # order outright for groups of at most `exhaustive_orders_up_to` micro-batches.
-    order_clusters: int = 3
-    exhaustive_orders_up_to: int = 4
-    refine_skip_gap: float = 0.005  # skip the full search where the quick one is this close to the lower bound
-    t5_lexicographic_order: bool = False
-    dtype: str = "float32"
-    emit_plans: bool = True
-    # Also search micro-batches of packed rows run with per-document attention
-    # (`megatron.planner.packed`): rows of `packed_max_len` tokens (GPT: the model's
-    # --seq-length; T5: encoder rows, `packed_dec_len` decoder rows, default the same). The
-    # plan then carries each micro-batch's rows (`GroupPlan.rows`).
-    packed_rows: bool = False
-    packed_max_len: Optional[int] = None
-    packed_dec_len: Optional[int] = None
-    # GPT: cut micro-batches into TeraPipe token slices (megatron/planner/dynapipe_slicing.py):
-    # 0 off, -1 the planner decides (auto), N: N uniform slices per micro-batch.
-    token_slices: int = 0
-    # GPT: model chunks per pipeline rank (--num-layers-per-virtual-pipeline-stage): plans
-    # then run on PP * v virtual stages placed round-robin (megatron/planner/dynapipe_interleaved.py).
-    virtual_stages: int = 1
-
-    def __post_init__(self):
-        if self.model_kind not in ("gpt", "t5"):
-            raise ValueError(f"model_kind must be 'gpt' or 't5', got {self.model_kind!r}")
-        if self.pipeline_parallel < 1 or self.data_parallel < 1 or self.tensor_parallel < 1:
-            raise ValueError("pipeline_parallel, data_parallel and tensor_parallel must be >= 1")
-        if self.virtual_stages < 1:
-            raise ValueError(f"virtual_stages must be >= 1, got {self.virtual_stages}")
-        if self.model_kind == "t5" and self.pipeline_parallel % 2 and self.pipeline_parallel != 1:
-            raise ValueError(f"T5 needs an even pipeline_parallel (encoder half, decoder half), got {self.pipeline_parallel}")
-        bad = [r for r in self.recompute_levels if r not in RECOMPUTE_LEVELS]
-        if bad or not self.recompute_levels:
-            raise ValueError(f"recompute_levels must be a non-empty subset of {RECOMPUTE_LEVELS}, got {self.recompute_levels}")
-        for s in self.schedules:
-            if s not in ("1f1b", "adaptive"):
-                raise ValueError(f"unknown schedule {s!r}; choose from '1f1b', 'adaptive'")
-
-    def stage_layers(self) -> List[List[Tuple[str, int]]]:
-        """Per stage: [(component, layer count)]. The last stage also runs the output head."""
-        P = self.pipeline_parallel
-        if self.model_kind == "gpt":
-            n = self.layers_per_stage or self.num_layers // P
-            if n < 1 or (self.layers_per_stage is None and self.num_layers % P):
-                raise ValueError(f"{self.num_layers} GPT layers do not split evenly over {P} stages; set layers_per_stage")
-            return [[("encoder", n)] for _ in range(P)]
-        if P == 1:
-            return [[("encoder", self.layers_per_stage or self.encoder_layers),
-                     ("decoder", self.layers_per_stage or self.decoder_layers)]]
-        half = P // 2
-        ne = self.layers_per_stage or self.encoder_layers // half
-        nd = self.layers_per_stage or self.decoder_layers // half
-        if ne < 1 or nd < 1:
-            raise ValueError(f"T5 needs encoder_layers and decoder_layers >= {half} (one per stage)")
-        return [[("encoder", ne)]] * half + [[("decoder", nd)]] * half
 
 
 @dataclass
@@ -184,19 +86,25 @@ class DynaPipePlanner:
         self.layout = config.stage_layers()
         self.S = len(self.layout)
         self.stage_to_rank = list(range(self.S))
+        sp = config.stage_parallel or [(config.tensor_parallel, 1)] * self.S
+        self.stage_tp, self.stage_dp = [int(t) for t, _ in sp], [int(d) for _, d in sp]
+        self.row_multiple = int(np.lcm.reduce(self.stage_dp))
+        # T5: the first decoder stage (embeds the decoder tokens) and the last encoder stage
+        self.split, self.enc_end = t5_split(self.layout) if config.model_kind == "t5" else (None, None)
         self.available = self._available_memory()
         self._cache = {}
         self.attention = AttentionCost(self.cm)
 
     # ---- memory -----------------------------------------------------------------------
     def _available_memory(self) -> np.ndarray:
-        c, tp = self.cfg, self.cfg.tensor_parallel
+        c = self.cfg
         zero = c.zero_shards or c.data_parallel
         per_param = (c.weight_grad_bytes_per_param + c.optimizer_bytes_per_param / zero) / 2.0  # x 16-bit MB
         avail = []
         for s, comps in enumerate(self.layout):
+            tp = self.stage_tp[s]
             mb = sum(n * self.cm.param_mb(comp, tp) for comp, n in comps)
-            first_dec = c.model_kind == "t5" and s == self.S // 2
+            first_dec = c.model_kind == "t5" and s == self.split
             if s == 0 or s == self.S - 1 or first_dec:  # embeddings (tied output head on the last)
                 mb += self.cm.param_mb("embedding", tp)
             avail.append(c.memory_limit_mb - mb * per_param)
@@ -207,44 +115,54 @@ class DynaPipePlanner:
         return avail
 
     # ---- costs ------------------------------------------------------------------------
+    def padded_rows(self, b):
+        """Rows a micro-batch of b samples runs as: a multiple of every stage's DP size."""
+        return (np.asarray(b) + self.row_multiple - 1) // self.row_multiple * self.row_multiple
+
     def stage_costs(self, rc: str, mbs, enc, dec=None, packed=None) -> dict:
         """Per-stage arrays (S, *shape): fwd, bwd, stored, transient, peak; and 'comm'.
         `packed`: micro-batches of packed rows run with per-document attention, given as
         (sum of squared encoder/GPT document lengths, of decoder lengths, of their products)
         per micro-batch (`megatron.planner.attention_cost`); None: dense rows."""
-        tp, out = self.cfg.tensor_parallel, {k: [] for k in ("fwd", "bwd", "stored", "peak")}
-        mbs, enc = np.asarray(mbs, float), np.asarray(enc, float)
+        out = {k: [] for k in ("fwd", "bwd", "stored", "peak")}
+        whole, enc = np.asarray(mbs, float), np.asarray(enc, float)
         if dec is not None:
-            mbs, enc, dec = np.broadcast_arrays(mbs, enc, np.asarray(dec, float))
+            whole, enc, dec = np.broadcast_arrays(whole, enc, np.asarray(dec, float))
         else:
-            mbs, enc = np.broadcast_arrays(mbs, enc)
-        layer = {}  # stages of one component share the per-layer costs: query each once
-        # A T5 decoder stage keeps the encoder output it received (all of [enc, b, h], the same
-        # on every TP rank) until the micro-batch's backward: every decoder layer reads it.
-        enc_out = mbs * enc * self.cfg.hidden_size * self.cfg.activation_bytes / 1e6
-        sp = self.cfg.sequence_parallel and tp > 1
+            whole, enc = np.broadcast_arrays(whole, enc)
+        layer = {}  # stages of one component, TP and DP share the per-layer costs: query each once
         head_len = enc if dec is None else dec  # the output head runs on the decoder sequence
+        comm = []
         for s, comps in enumerate(self.layout):
+            tp, mbs = self.stage_tp[s], self.padded_rows(whole) / self.stage_dp[s]  # this stage's rows per rank
+            # A T5 decoder stage keeps the encoder output it received (all of [enc, b, h], the same
+            # on every TP rank) until the micro-batch's backward: every decoder layer reads it.
+            enc_out = mbs * enc * self.cfg.hidden_size * self.cfg.activation_bytes / 1e6
+            sp = self.cfg.sequence_parallel and tp > 1
+            tokens = mbs * (enc if dec is None else enc + dec)  # T5 decoder stages also pass the encoder output
+            comm.append(tokens * self.cfg.hidden_size / tp * self.cfg.activation_bytes * 8
+                        / (self.cfg.bandwidth_gbps * 1e6) + self.cfg.link_latency_ms)
             f = b = 0.0
             # Pieces in forward order, (stored, peak) each; `compose` stacks them. The first
             # stage also embeds, the last runs the head and the loss (stage_memory.py).
             parts = []
-            if dec is not None and self.S > 1 and s >= self.S // 2:
+            if dec is not None and (s > self.split or s == self.split > self.enc_end):  # received it
                 parts.append((enc_out, enc_out))
             pre_index = []  # positions of the embeddings in `parts`
             if s == 0:
                 pre_index.append(len(parts))
-                parts.append(self._pre_post("pre", rc, mbs, enc))
+                parts.append(self._pre_post("pre", rc, mbs, enc, tp))
             for comp, n in comps:
-                if comp not in layer and packed is not None:
-                    layer[comp] = self.attention.packed_layer(comp, tp, rc, mbs, enc, packed[0], dec, packed[1], packed[2])
-                elif comp not in layer:
-                    layer[comp] = self.cm.layer(comp, tp, rc, mbs, enc, dec)
-                c = layer[comp]
+                key = (comp, tp, self.stage_dp[s])
+                if key not in layer and packed is not None:
+                    layer[key] = self.attention.packed_layer(comp, tp, rc, mbs, enc, packed[0], dec, packed[1], packed[2])
+                elif key not in layer:
+                    layer[key] = self.cm.layer(comp, tp, rc, mbs, enc, dec)
+                c = layer[key]
                 f, b = f + n * c["forward_ms"], b + n * c["backward_ms"]
-                if comp == "decoder" and (self.S == 1 or s == self.S // 2):
+                if comp == "decoder" and s == self.split:
                     pre_index.append(len(parts))
-                    parts.append(self._pre_post("pre", rc, mbs, dec))
+                    parts.append(self._pre_post("pre", rc, mbs, dec, tp))
                 st_l = n * c["stored_mb"]
                 pk_l = c["stored_mb"] * (n - 1) + c["peak_mb"] if n > 1 else c["peak_mb"]  # no inf * 0
                 if sp:
@@ -252,12 +170,12 @@ class DynaPipePlanner:
                                               self.cfg.hidden_size, self.cfg.num_attention_heads)
                     st_l, pk_l = st_l * factor, pk_l * factor
                 parts.append((st_l, pk_l))
-                if comp == "encoder" and dec is not None and (self.S == 1 or s == self.S // 2 - 1):
+                if comp == "encoder" and dec is not None and s == self.enc_end:
                     parts.append(encoder_end_memory(self.cm, mbs, enc, self.cfg.activation_bytes))
             if s == self.S - 1:
                 p = self.cm.postprocess(tp, rc, mbs, head_len)
                 f, b = f + p["forward_ms"], b + p["backward_ms"]
-                parts.append(self._pre_post("post", rc, mbs, head_len))
+                parts.append(self._pre_post("post", rc, mbs, head_len, tp))
                 if pre_index:  # the embedding and the head share their weight on this stage
                     parts = with_tied_head(parts, pre_index, tied_head_grad_mb(self.cm, tp, self.cfg.activation_bytes))
             st, pk = compose(parts)
@@ -266,14 +184,14 @@ class DynaPipePlanner:
         out = {k: np.stack(v) for k, v in out.items()}
         with np.errstate(invalid="ignore"):  # inf - inf where the shape is infeasible
             out["transient"] = np.nan_to_num(out["peak"] - out["stored"], nan=np.inf)
-        tokens = mbs * (enc if dec is None else enc + dec)  # T5 decoder stages also pass the encoder output
-        comm = tokens * self.cfg.hidden_size / tp * self.cfg.activation_bytes * 8 / (self.cfg.bandwidth_gbps * 1e6)
-        out["comm"] = np.broadcast_to(comm + self.cfg.link_latency_ms, out["fwd"].shape)
+        out["comm"] = np.stack([np.broadcast_to(c, whole.shape) for c in comm])
         r = self.cfg.grad_compress_rank
         if r:
             # The executor's rule (lowrank.wire_bytes): float32 factors of the (tokens, h)
             # matrix when they hold fewer values, else the raw message as an activation.
-            h = self.cfg.hidden_size
+            h, tp, tokens = self.cfg.hidden_size, self.cfg.tensor_parallel, whole * (enc if dec is None else enc + dec)
+            sp = self.cfg.sequence_parallel and tp > 1
+            mbs = whole
             raw = tokens * h / tp * self.cfg.activation_bytes
             if dec is None:
                 rows = tokens / tp if sp else tokens  # a stage's message is [s(/tp), b, h]
@@ -285,10 +203,10 @@ class DynaPipePlanner:
             out["grad_comm"] = np.broadcast_to(grad + self.cfg.link_latency_ms, out["fwd"].shape)
         return out
 
-    def _pre_post(self, which: str, rc: str, mbs, seq):
+    def _pre_post(self, which: str, rc: str, mbs, seq, tp: int):
         """(stored, peak) MB of the embedding ("pre") or head + loss ("post")."""
         fn = preprocess_memory if which == "pre" else postprocess_memory
-        return fn(self.cm, self.cfg.tensor_parallel, rc, mbs, seq, self.cfg.activation_bytes)
+        return fn(self.cm, tp, rc, mbs, seq, self.cfg.activation_bytes)
 
     def _feasible(self, sc: dict, fit: str) -> np.ndarray:
         S = self.S
@@ -401,7 +319,7 @@ class DynaPipePlanner:
         errors = []
         cands = []  # (partition objective, level index, rc, fit, order, partition)
         for k, rc in enumerate(c.recompute_levels):
-            if not self.cm.has(c.tensor_parallel, rc):
+            if not all(self.cm.has(tp, rc) for tp in set(self.stage_tp)):
                 continue
             for fit in ("1f1b", "single"):
                 cand = self._best_partition(rc, fit, orders, enc_all, dec_all, errors)
@@ -552,14 +470,13 @@ class DynaPipePlanner:
             else:
                 b, se = len(s), int(enc_all[s].max())
                 sd = int(dec_all[s].max()) if t5 else 0
+            b = int(self.padded_rows(b))  # stages with their own DP sizes: loss-free filler rows
             shapes.append(((b, se), (b, sd)) if t5 else ((b, se),))
             act.append((b, se, sd))
         orders = [[(op.kind, rank_of[op.microbatch], op.stage) for op in stage_ops] for stage_ops in ch.orders]
         plans = []
         if self.cfg.emit_plans:
             from megatron.pipeline.lowering import ComputeOp, lower_to_plans
-            half = self.S // 2
-
             sp = self.cfg.tensor_parallel if self.cfg.sequence_parallel else 1
 
             def activation_shapes(mb, stage):
@@ -567,13 +484,19 @@ class DynaPipePlanner:
                 se, sd = se // sp, sd // sp
                 if not t5:
                     return ((se, b, h),)
-                if self.S > 1 and stage < half:
+                if stage < self.split:
                     return ((se, b, h),)
                 return ((sd, b, h), (se, b, h))
 
             plans = lower_to_plans([[ComputeOp(*o) for o in ops] for ops in orders], self.stage_to_rank,
                                    shapes, activation_shapes, recompute=rc, dtype=self.cfg.dtype,
-                                   iteration=iteration, validate=validate)
+                                   iteration=iteration, validate=validate and not self.cfg.stage_parallel)
+            if self.cfg.stage_parallel:  # one plan per global rank, row-sliced messages
+                from megatron.pipeline.validator import validate_plans
+                from megatron.planner.hetero import split_plans
+                plans = split_plans(plans, self.cfg.stage_parallel)
+                if validate:
+                    validate_plans(plans)
         return GroupPlan([[int(i) for i in s] for s in mbs], shapes, ch.name, float(ch.result.makespan),
                          [float(x) for x in ch.result.peak_memory], plans, orders, ch.result,
                          None if rows is None else [[[int(i) for i in r] for r in rows[old]] for old in ch.order])

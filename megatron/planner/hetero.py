@@ -16,6 +16,9 @@ between two stages only the batch dimension is re-split:
 micro-batches, one plan per stage) into one plan per global rank: shapes shrink to the rank's
 rows, and each message becomes one piece per peer with `batch_slice` rows (see
 megatron.pipeline.instructions). The executor and validator do the rest; no new runtime.
+TeraPipe plans pass through unchanged in kind: a unit (one token slice of a micro-batch) keeps
+its `token_slice`, and its messages gain `batch_slice` rows like any other; rows and tokens are
+independent dimensions ([s, b, h] activations: tokens on 0, rows on 1).
 """
 from __future__ import annotations
 
@@ -90,9 +93,9 @@ def split_plans(plans: Sequence[I.ExecutionPlan], layouts: Layout) -> List[I.Exe
                     changes["output_shapes"] = _rows_dim(ins.output_shapes, 1, mine[1])
                 instrs.append(dataclasses.replace(ins, **changes))
                 continue
-            if ins.compress_rank or ins.token_slice:
+            if ins.compress_rank:
                 raise ValueError("stages with their own TP/DP sizes do not combine with compressed gradient "
-                                 "messages or token slices")
+                                 "messages")
             other = ins.stage + 1 if isinstance(ins, _ACTS) else ins.stage - 1
             if isinstance(ins, _SENDS):  # this rank sends; ins.stage is its own stage
                 tp_o, dp_o = layouts[other]

@@ -168,6 +168,16 @@ def _split_plans(rng):
     return split_plans(plans, layouts)
 
 
+def _sliced_split_plans(rng):
+    """TeraPipe token slices lowered onto stages with their own TP/DP sizes: both attributes."""
+    from megatron.planner.hetero import split_plans
+    from megatron.planner.terapipe import build_terapipe_plans
+    layouts = rng.choice([((2, 1), (1, 2)), ((1, 2), (2, 1), (1, 1)), ((1, 4), (2, 2))])
+    slicings = [[rng.randint(1, 4), rng.randint(1, 8)] for _ in range(rng.randint(1, 3))]
+    plans = build_terapipe_plans(slicings, [((4, sum(sl)),) for sl in slicings], len(layouts), 8)
+    return split_plans(plans, layouts)
+
+
 def _mutate_attribute(rng, plans):
     sliced = any(getattr(x, "token_slice", ()) for p in plans for x in p.instructions)
     split = bool(plans[0].batch_split)
@@ -207,8 +217,8 @@ def _mutate_attribute(rng, plans):
     return kind if hit else None
 
 
-@pytest.mark.parametrize("make", [_compressed_plans, _sliced_plans, _split_plans],
-                         ids=["compress_rank", "token_slice", "batch_slice"])
+@pytest.mark.parametrize("make", [_compressed_plans, _sliced_plans, _split_plans, _sliced_split_plans],
+                         ids=["compress_rank", "token_slice", "batch_slice", "token_slice+batch_slice"])
 def test_attribute_mutants_rejected(make):
     rng = random.Random(7)
     tried = 0
@@ -226,6 +236,10 @@ def test_attribute_mutants_rejected(make):
 
 def test_harmful_mutants_rejected_on_split_plans():
     _fuzz(200, seed=5, make=_split_plans)
+
+
+def test_harmful_mutants_rejected_on_sliced_split_plans():
+    _fuzz(100, seed=8, make=_sliced_split_plans)
 
 
 def test_byte_flips_rejected():
