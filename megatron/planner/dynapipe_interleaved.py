@@ -174,6 +174,9 @@ class InterleavedDynaPipePlanner(DynaPipePlanner):
             raise ValueError(f"{c.num_layers} GPT layers do not split evenly over {self.PP} x {self.v} virtual stages")
         self.layout = [[("encoder", n)] for _ in range(self.S)]
         self.stage_to_rank = [s % self.PP for s in range(self.S)]
+        # one TP and DP for every virtual stage (stages with their own sizes are Aceso layouts)
+        self.stage_tp, self.stage_dp, self.row_multiple = [c.tensor_parallel] * self.S, [1] * self.S, 1
+        self.split = self.enc_end = None
         self.available = self._available_memory()
         self._cache = {}
         self._scheduled = {}  # id(partition) -> (partition, `_schedule_groups` result without a bound)
