@@ -500,8 +500,7 @@ class MegatronConfig:
                      f"pipeline micro-batch) must be a multiple of it")
         refused = [(m.sequence_parallel, "--sequence-parallel"), (self.data.dynapipe, "--dynapipe"),
                    (self.data.pack_dataset, "--pack-dataset"), (self.data.targets_data_path, "--targets-data-path"),
-                   (t.use_distributed_optimizer, "--use-distributed-optimizer"),
-                   (t.overlap_grad_reduce, "--overlap-grad-reduce"), (self.compression.enabled, "Optimus-CC compression"),
+                   (self.compression.enabled, "Optimus-CC compression"),
                    (self.terapipe.enabled, "--terapipe"), (self.parallel.pipeline_schedule != "1f1b",
                                                            "--pipeline-schedule gpipe")]
         for on, flag in refused:

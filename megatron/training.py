@@ -198,8 +198,11 @@ class Trainer:
         self._setup_compression(cfg, ps)
         self.overlap_reducer = None
         if t.overlap_grad_reduce and ps.dp_size > 1:
+            # With per-stage TP/DP sizes the tied embedding's sync already spans every DP replica
+            # (allreduce_resharded_embedding_grads): its plain all-reduce must not sum it again.
+            tied = {id(p) for p in tied_params} if ps.stage_layouts else set()
             self.overlap_reducer = OverlappedGradReducer(
-                self.optimizer.params, ps.dp_group, ps.dp_size, self.bucket_numel,
+                [p for p in self.optimizer.params if id(p) not in tied], ps.dp_group, ps.dp_size, self.bucket_numel,
                 optimizer=self.optimizer if t.use_distributed_optimizer else None)
         self.executor = PipelineExecutor(stages, comm, rank_desc=ps.describe(), autocast_dtype=autocast,
                                          device=device, comm_dtype=DTYPES[self.comm_dtype_name],
@@ -288,6 +291,11 @@ class Trainer:
                                                                   vocab_rows)
             tied = {id(p) for p in self.tied_params}
             dp_params = [p for p in dp_params if id(p) not in tied]
+            if getattr(self.optimizer, "reduces_data_parallel_grads", False) and ps.dp_rank:
+                # The distributed optimizer reduce-scatters every gradient over DP, the tied ones
+                # too: one replica carries the (already complete) sum, exactly.
+                for p in self.tied_params:
+                    p.grad.zero_()
         elif self.emb_reducer is not None:
             sent["emb"] = self.emb_reducer.reduce(self.tied_params, self.iteration + 1)[0]
         else:
