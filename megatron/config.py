@@ -500,7 +500,6 @@ class MegatronConfig:
                      f"pipeline micro-batch) must be a multiple of it")
         refused = [(m.sequence_parallel, "--sequence-parallel"), (self.data.dynapipe, "--dynapipe"),
                    (self.data.pack_dataset, "--pack-dataset"), (self.data.targets_data_path, "--targets-data-path"),
-                   (self.compression.enabled, "Optimus-CC compression"),
                    (self.terapipe.enabled, "--terapipe"), (self.parallel.pipeline_schedule != "1f1b",
                                                            "--pipeline-schedule gpipe")]
         for on, flag in refused:
@@ -542,8 +541,9 @@ class MegatronConfig:
                      "comp compress tensor-parallel all-reduces: they need --tensor-model-parallel-size > 1 and no "
                      "--sequence-parallel (which replaces those all-reduces)")
         if c.grad_comp:
-            _require(dp > 1, "--grad-comp compresses the data-parallel all-reduce: it needs a data-parallel size > 1 "
-                     "(more ranks than tensor x pipeline parallel)")
+            stage_dp = max(d for _, d in p.stage_parallel) if p.stage_parallel else dp
+            _require(stage_dp > 1, "--grad-comp compresses the data-parallel all-reduce: it needs a data-parallel size "
+                     "> 1 (more ranks than tensor x pipeline parallel, or a stage with DP > 1 in --aceso-config)")
             _require(not self.training.use_distributed_optimizer,
                      "--grad-comp (PowerSGD all-reduce) and --use-distributed-optimizer (reduce-scatter) are "
                      "mutually exclusive; pick one")

@@ -279,14 +279,19 @@ class Trainer:
         if self.fused_embedding_group is not None or ps.stage_layouts:
             # Both syncs already sum over every DP replica of the first and last stage: the
             # tied parameters stay out of the data-parallel reduction.
-            if self.emb_reducer is not None:
+            vocab_rows = max(self.cfg.model.padded_vocab_size(tp) for tp, _ in ps.stage_layouts) \
+                if ps.stage_layouts else 0
+            if self.emb_reducer is not None and ps.stage_layouts:
+                from megatron.compression.embedding import resharded_embedding_reduce
+                sent["emb"] = resharded_embedding_reduce(self.emb_reducer, self.tied_params, ps, vocab_rows,
+                                                         self.iteration + 1)
+            elif self.emb_reducer is not None:
                 sent["emb"] = self.emb_reducer.reduce(self.tied_params, self.iteration + 1)[0]
             elif self.fused_embedding_group is not None:
                 from megatron.compression.embedding import fused_embedding_all_reduce
                 sent["emb"] = fused_embedding_all_reduce(self.tied_params, self.fused_embedding_group)
             else:
                 from megatron.core.distributed import allreduce_resharded_embedding_grads
-                vocab_rows = max(self.cfg.model.padded_vocab_size(tp) for tp, _ in ps.stage_layouts)
                 sent["emb"] = allreduce_resharded_embedding_grads(self.tied_params, ps.embedding_group, ps.tp_rank,
                                                                   vocab_rows)
             tied = {id(p) for p in self.tied_params}

@@ -77,7 +77,11 @@ class PipelineGradCompressor:
         self.state = lowrank.LowRankState(seed)
         self.stats = None  # a CompressionStats with --log-compression-stats
 
-    def encode(self, stage: int, tensors: List[torch.Tensor], rank: int) -> List[torch.Tensor]:
+    def encode(self, stage: int, tensors: List[torch.Tensor], rank: int, piece: tuple = ()) -> List[torch.Tensor]:
+        """`piece`: the message's batch_slice (rows of the micro-batch) when a stage's gradient
+        goes out in row pieces (stages with their own TP/DP sizes): warm starts and residuals
+        are then kept per piece, so a piece's residual rides on the same rows of the next
+        micro-batch."""
         out: List[torch.Tensor] = []
         for idx, t in enumerate(tensors):
             layout = tensor_wire_shapes(t.shape, rank)
@@ -87,7 +91,7 @@ class PipelineGradCompressor:
             timer = Timer(t.device) if self.stats is not None else contextlib.nullcontext()
             with timer:
                 r = layout[0][1]
-                key = (stage, idx)
+                key = (stage, idx) + tuple(piece)
                 m = lowrank.as_matrix(t).float()
                 if self.lep:
                     e = self.state.take_error(key, m.shape)

@@ -18,7 +18,9 @@ sent back (see megatron/models/sliced_attention.py).
 Batch splits (stages with different TP / DP sizes): a message with `batch_slice = (first,
 count)` carries rows [first, first+count) of the micro-batch, dimension 1 of [s, b, h]. The
 executor holds rows `_local_rows()` of each micro-batch; a send ships the slice of its buffer,
-a receive buffer is allocated whole at its first piece and filled as the pieces finish.
+a receive buffer is allocated whole at its first piece and filled as the pieces finish. A
+compressed piece (compress_rank) is encoded once per (micro-batch, stage, rows), whatever the
+number of peers it goes to, and decoded to its rows before they are written.
 """
 from __future__ import annotations
 
@@ -138,6 +140,10 @@ class PipelineExecutor:
         self.kv_caches: Dict[tuple, SequenceKVCache] = {}
         self.slice_records: Dict[tuple, object] = {}
         self.assembling: Dict[int, int] = {}  # slot -> rows still to arrive (batch-split receives)
+        # (microbatch, stage, batch_slice) -> factors of a compressed piece: a piece that goes to
+        # several peers (the TP ranks of the previous stage) is encoded once, so they all decode
+        # the same gradient and error feedback counts it once.
+        self.encoded: Dict[tuple, list] = {}
         self.plan = plan
         self.microbatches = microbatches
         self.loss_multiplier = loss_multiplier
@@ -184,6 +190,7 @@ class PipelineExecutor:
                 f"{self.rank_desc}, iteration {plan.iteration}: token slices of (sequence, stage) "
                 f"{sorted(self.kv_caches)} never ran the backward of their first slice")
         self.slots = self.records = self.data = self.kv_caches = self.slice_records = self.assembling = {}
+        self.encoded = {}
         return self.stats
 
     def _trace(self, ins, start_s: float) -> None:
@@ -341,7 +348,14 @@ class PipelineExecutor:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if kind == "grad":
             self.stats.grad_bytes_raw += nbytes
-            if ins.compress_rank:
+            if ins.compress_rank and ins.batch_slice:
+                key = (ins.microbatch, ins.stage, tuple(ins.batch_slice))
+                if key not in self.encoded:
+                    self.encoded[key] = self._compressor().encode(ins.stage, tensors, ins.compress_rank,
+                                                                  piece=tuple(ins.batch_slice))
+                tensors = self.encoded[key]
+                nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            elif ins.compress_rank:
                 tensors = self._compressor().encode(ins.stage, tensors, ins.compress_rank)
                 nbytes = sum(t.numel() * t.element_size() for t in tensors)
             self.stats.grad_bytes += nbytes
@@ -363,6 +377,9 @@ class PipelineExecutor:
         self.comm.wait(handle)
         if ins.batch_slice and any(k[:3] == (kind, ins.microbatch, ins.stage) for k in self.sends):
             return  # other pieces of this output are still going out: keep its data
+        if ins.batch_slice:
+            for k in [k for k in self.encoded if k[:2] == (ins.microbatch, ins.stage)]:
+                del self.encoded[k]
         if kind == "act" and self.free_sent_activations:
             record = self.records.get((ins.microbatch, ins.stage))
             stage = self.stages.get(ins.stage)
@@ -382,7 +399,12 @@ class PipelineExecutor:
                     self.slots[bid] = [torch.empty(tuple(shape), dtype=DTYPES[self.plan.dtype], device=self.device)]
                     self.assembling[bid] = shape[1]
             shapes = [tuple(x[:1]) + (count,) + tuple(x[2:]) for x in ins.buffer_shapes]
-            handle = self.comm.irecv(shapes, self.plan.dtype, ins.peer, what)
+            if ins.compress_rank:
+                from megatron.compression.pipeline import wire_dtypes, wire_shapes
+                handle = self.comm.irecv(wire_shapes(shapes, ins.compress_rank),
+                                         wire_dtypes(shapes, ins.compress_rank, self.plan.dtype), ins.peer, what)
+            else:
+                handle = self.comm.irecv(shapes, self.plan.dtype, ins.peer, what)
         elif ins.compress_rank:
             from megatron.compression.pipeline import wire_dtypes, wire_shapes
             handle = self.comm.irecv(wire_shapes(ins.buffer_shapes, ins.compress_rank),
@@ -396,6 +418,11 @@ class PipelineExecutor:
         tensors = self.comm.wait(handle)
         if start.batch_slice:
             rows = self._local_rows(start)
+            if start.compress_rank:
+                from megatron.compression.pipeline import PipelineGradCompressor
+                count = start.batch_slice[1]
+                shapes = [tuple(x[:1]) + (count,) + tuple(x[2:]) for x in start.buffer_shapes]
+                tensors = PipelineGradCompressor.decode(shapes, start.compress_rank, tensors, DTYPES[self.plan.dtype])
             for bid, t in zip(buffer_ids, tensors):
                 self.slots[bid][0][:, rows] = t
                 self.assembling[bid] -= t.shape[1]

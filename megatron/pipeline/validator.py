@@ -36,8 +36,8 @@ Rules (see the module docstring of `megatron.pipeline.instructions` for the sema
   (index, parts) cover every part; every communication instruction carries a
   `batch_slice` inside this rank's rows of the micro-batch, both ends of a message carry the
   same rows, and the pieces a receive buffer is assembled from are disjoint and cover the
-  rank's rows before the buffer is read. Batch splits do not combine with token slices or
-  compressed messages.
+  rank's rows before the buffer is read. Batch splits do not combine with token slices; a
+  compressed gradient message may be split (each piece carries its own low-rank factors).
 * deadlock: all ranks are simulated together with "Start never blocks; RecvFinish waits
   until the peer executed the matching SendStart; SendFinish waits until the peer executed
   the matching RecvStart; compute never blocks". If every unfinished rank is waiting, the

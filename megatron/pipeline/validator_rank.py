@@ -217,7 +217,7 @@ class _RankChecker:
                       "compressed, at a rank >= 1 (0 = uncompressed)")
         piece = tuple(getattr(instr, "batch_slice", ()))
         if self.plan.batch_split or piece:
-            self._check_piece(index, instr, piece, rank)
+            self._check_piece(index, instr, piece)
         key = (kind, is_send, mb, s, peer, piece) if piece else (kind, is_send, mb, s)
         channel = (self.sends if is_send else self.recvs).setdefault(peer, [])
         if is_start:
@@ -277,15 +277,13 @@ class _RankChecker:
                     del self.assembly[slot]
                 self.slots[slot][2] = True
 
-    def _check_piece(self, index, instr, piece, rank):
+    def _check_piece(self, index, instr, piece):
         """Rules of a batch-split message (see the module docstring)."""
         if not self.plan.batch_split:
             self.fail(index, instr, "batch_slice on a plan without a batch_split")
         if len(piece) != 2 or piece[1] < 1:
             self.fail(index, instr, "a plan with a batch split needs batch_slice = (first row, count >= 1) on "
                       "every message")
-        if rank:
-            self.fail(index, instr, "compressed gradient messages cannot be split by rows")
         rows = _rows(self.plan, instr.microbatch)
         if rows is None or not (rows[0] <= piece[0] and piece[0] + piece[1] <= rows[0] + rows[1]):
             self.fail(index, instr, f"rows {piece[0]}..{piece[0] + piece[1] - 1} are not inside this rank's rows "

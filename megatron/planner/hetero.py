@@ -15,7 +15,8 @@ between two stages only the batch dimension is re-split:
 `split_plans` rewrites the per-stage plans of any static schedule (lowered for whole
 micro-batches, one plan per stage) into one plan per global rank: shapes shrink to the rank's
 rows, and each message becomes one piece per peer with `batch_slice` rows (see
-megatron.pipeline.instructions). The executor and validator do the rest; no new runtime.
+megatron.pipeline.instructions). A gradient message marked compressed (Optimus-CC,
+`compress_rank`) keeps its mark on every piece: each piece is a low-rank P/Q of its rows. The executor and validator do the rest; no new runtime.
 """
 from __future__ import annotations
 
@@ -90,9 +91,8 @@ def split_plans(plans: Sequence[I.ExecutionPlan], layouts: Layout) -> List[I.Exe
                     changes["output_shapes"] = _rows_dim(ins.output_shapes, 1, mine[1])
                 instrs.append(dataclasses.replace(ins, **changes))
                 continue
-            if ins.compress_rank or ins.token_slice:
-                raise ValueError("stages with their own TP/DP sizes do not combine with compressed gradient "
-                                 "messages or token slices")
+            if ins.token_slice:
+                raise ValueError("stages with their own TP/DP sizes do not combine with token slices")
             other = ins.stage + 1 if isinstance(ins, _ACTS) else ins.stage - 1
             if isinstance(ins, _SENDS):  # this rank sends; ins.stage is its own stage
                 tp_o, dp_o = layouts[other]

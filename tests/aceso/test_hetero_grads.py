@@ -42,7 +42,7 @@ def hetero_run(rank, world, kw, **overrides):
         tied_copy = {EMB: (last.output_layer.weight.detach().clone(), 0, t.ps.tp_rank)}
     return {"loss": [h["loss"] for h in hist], "grad_norm": [h["grad_norm"] for h in hist], "grads": grads,
             "params": shards(t, "param"), "is_last": t.ps.rank == world - 1, "trainer_info": _info(t),
-            "tied_copy": tied_copy, **tolerance_inputs(cfg)}
+            "tied_copy": tied_copy, "comm_bytes": [h["comm_bytes"] for h in hist], **tolerance_inputs(cfg)}
 
 
 def check(reference, outs, compare_grads=True):
