@@ -498,7 +498,7 @@ class MegatronConfig:
             _require(t.micro_batch_size % dp == 0,
                      f"stage {s} splits each micro-batch over DP {dp}: --micro-batch-size ({t.micro_batch_size}, the "
                      f"pipeline micro-batch) must be a multiple of it")
-        refused = [(m.sequence_parallel, "--sequence-parallel"), (self.data.dynapipe, "--dynapipe"),
+        refused = [(self.data.dynapipe, "--dynapipe"),
                    (self.data.pack_dataset, "--pack-dataset"), (self.data.targets_data_path, "--targets-data-path"),
                    (self.terapipe.enabled, "--terapipe"), (self.parallel.pipeline_schedule != "1f1b",
                                                            "--pipeline-schedule gpipe")]
@@ -512,9 +512,10 @@ class MegatronConfig:
             return
         tp = p.tensor_model_parallel_size
         _require(m.model_type == "gpt", "--sequence-parallel is implemented for GPT; drop it for T5")
-        if tp > 1 and m.seq_length is not None:
-            _require(m.seq_length % tp == 0, f"--sequence-parallel splits the sequence over TP ranks: --seq-length "
-                     f"({m.seq_length}) must be a multiple of --tensor-model-parallel-size ({tp})")
+        for tp in sorted({t for t, _ in p.stage_parallel}) if p.stage_parallel else [tp]:  # each stage's own TP
+            if tp > 1 and m.seq_length is not None:
+                _require(m.seq_length % tp == 0, f"--sequence-parallel splits the sequence over TP ranks: --seq-length "
+                         f"({m.seq_length}) must be a multiple of --tensor-model-parallel-size ({tp})")
 
     def _check_compression(self) -> None:
         c, p = self.compression, self.parallel

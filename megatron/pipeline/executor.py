@@ -16,8 +16,9 @@ backward; a slice's backward also receives the gradients of its keys/values that
 sent back (see megatron/models/sliced_attention.py).
 
 Batch splits (stages with different TP / DP sizes): a message with `batch_slice = (first,
-count)` carries rows [first, first+count) of the micro-batch, dimension 1 of [s, b, h]. The
-executor holds rows `_local_rows()` of each micro-batch; a send ships the slice of its buffer,
+count)` carries rows [first, first+count) of the micro-batch, dimension 1 of [s, b, h] (and
+with 4 entries also a token range, dimension 0: sequence parallelism). The executor finds the
+block in its buffer with `_local_block()`; a send ships the slice of its buffer,
 a receive buffer is allocated whole at its first piece and filled as the pieces finish. A
 compressed piece (compress_rank) is encoded once per (micro-batch, stage, rows), whatever the
 number of peers it goes to, and decoded to its rows before they are written.
@@ -324,13 +325,25 @@ class PipelineExecutor:
             return kind, ins.microbatch, ins.stage, ins.peer, tuple(ins.batch_slice)
         return kind, ins.microbatch, ins.stage
 
-    def _local_rows(self, ins) -> slice:
-        """Where the message's rows sit in this rank's [s, b, h] buffer."""
-        first, count = ins.batch_slice
+    def _local_block(self, ins) -> tuple:
+        """(tokens, rows): where the message's block sits in this rank's [s, b, h] buffer."""
+        first, count = ins.batch_slice[:2]
         b = self.plan.microbatch_shapes[ins.microbatch][0][0]
-        index, parts = self.plan.batch_split
+        index, parts = self.plan.batch_split[:2]
         start = first - index * (b // parts)
-        return slice(start, start + count)
+        rows = slice(start, start + count)
+        if len(ins.batch_slice) < 4:
+            return slice(None), rows
+        first_tok, tokens = ins.batch_slice[2:]
+        if len(self.plan.batch_split) == 4:  # this rank holds one block of the sequence
+            first_tok -= self.plan.batch_split[2] * ins.buffer_shapes[0][0]
+        return slice(first_tok, first_tok + tokens), rows
+
+    @staticmethod
+    def _piece_shapes(ins) -> list:
+        """Shapes of what one batch-split message carries (its block of each buffer)."""
+        sl = ins.batch_slice
+        return [((sl[3] if len(sl) == 4 else x[0]), sl[1]) + tuple(x[2:]) for x in ins.buffer_shapes]
 
     def _send_start(self, ins, kind: str):
         what = f"{type(ins).__name__}(microbatch={ins.microbatch}, stage={ins.stage}) to pipeline rank {ins.peer}"
@@ -343,8 +356,8 @@ class PipelineExecutor:
             raise PlanExecutionError(f"{self.rank_desc}: {what}: the tensors to send have shapes {actual} but the plan "
                                f"says {planned}; the planner's shapes do not match the model")
         if ins.batch_slice:
-            rows = self._local_rows(ins)
-            tensors = [t[:, rows] for t in tensors]
+            toks, rows = self._local_block(ins)
+            tensors = [t[toks, rows] for t in tensors]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if kind == "grad":
             self.stats.grad_bytes_raw += nbytes
@@ -393,12 +406,11 @@ class PipelineExecutor:
     def _recv_start(self, ins, kind: str):
         what = f"{type(ins).__name__}(microbatch={ins.microbatch}, stage={ins.stage}) from pipeline rank {ins.peer}"
         if ins.batch_slice:
-            count = ins.batch_slice[1]
             if ins.buffer_ids[0] not in self.assembling:  # first piece: the whole buffer
                 for bid, shape in zip(ins.buffer_ids, ins.buffer_shapes):
                     self.slots[bid] = [torch.empty(tuple(shape), dtype=DTYPES[self.plan.dtype], device=self.device)]
-                    self.assembling[bid] = shape[1]
-            shapes = [tuple(x[:1]) + (count,) + tuple(x[2:]) for x in ins.buffer_shapes]
+                    self.assembling[bid] = shape[0] * shape[1]
+            shapes = self._piece_shapes(ins)
             if ins.compress_rank:
                 from megatron.compression.pipeline import wire_dtypes, wire_shapes
                 handle = self.comm.irecv(wire_shapes(shapes, ins.compress_rank),
@@ -417,15 +429,14 @@ class PipelineExecutor:
         handle, buffer_ids, start = self.recvs.pop(self._key(kind, ins))
         tensors = self.comm.wait(handle)
         if start.batch_slice:
-            rows = self._local_rows(start)
+            toks, rows = self._local_block(start)
             if start.compress_rank:
                 from megatron.compression.pipeline import PipelineGradCompressor
-                count = start.batch_slice[1]
-                shapes = [tuple(x[:1]) + (count,) + tuple(x[2:]) for x in start.buffer_shapes]
-                tensors = PipelineGradCompressor.decode(shapes, start.compress_rank, tensors, DTYPES[self.plan.dtype])
+                tensors = PipelineGradCompressor.decode(self._piece_shapes(start), start.compress_rank, tensors,
+                                                        DTYPES[self.plan.dtype])
             for bid, t in zip(buffer_ids, tensors):
-                self.slots[bid][0][:, rows] = t
-                self.assembling[bid] -= t.shape[1]
+                self.slots[bid][0][toks, rows] = t
+                self.assembling[bid] -= t.shape[0] * t.shape[1]
                 if not self.assembling[bid]:
                     del self.assembling[bid]
             return

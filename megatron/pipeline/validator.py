@@ -105,9 +105,10 @@ def _check_stage_assignment(plans) -> list:
                                       f"{plans[0].rank} {'has' if split else 'does not'}: all plans or none split "
                                       "micro-batches")
         if split:
-            if len(plan.batch_split) != 2 or not 0 <= plan.batch_split[0] < plan.batch_split[1]:
-                raise PlanValidationError(f"rank {plan.rank}: batch_split must be (index, parts) with "
-                                          f"0 <= index < parts, got {tuple(plan.batch_split)}")
+            bs = tuple(plan.batch_split)
+            if len(bs) not in (2, 4) or not all(0 <= bs[k] < bs[k + 1] for k in range(0, len(bs), 2)):
+                raise PlanValidationError(f"rank {plan.rank}: batch_split must be (index, parts) or (index, parts, "
+                                          f"seq_index, seq_parts) with 0 <= index < parts, got {bs}")
             if len(plan.assigned_stages) != 1:
                 raise PlanValidationError(f"rank {plan.rank}: a plan with a batch split runs exactly one stage, "
                                           f"not {list(plan.assigned_stages)}")
