@@ -26,20 +26,20 @@ ITERS = 2
 
 class _PieceCodec:
     """Forward hook on the last layer of stage 0 (single process): its output's gradient is
-    replaced by what stage 1's DP ranks send, one compressed piece per row (TP2_DP2: stage 1
-    splits each 2-row micro-batch over DP 2), keyed by the piece as the executor keys it."""
+    replaced by what stage 1's ranks send, one compressed piece per `blocks` entry (the
+    batch_slices of the hetero plan: rows, or rows x tokens), keyed as the executor keys it."""
 
-    def __init__(self, rank, lep, seed):
-        self.comp, self.rank = PipelineGradCompressor(lep, seed), rank
+    def __init__(self, rank, lep, seed, blocks):
+        self.comp, self.rank, self.blocks = PipelineGradCompressor(lep, seed), rank, blocks
 
     def _codec(self, g):
-        import torch
-        out = []
-        for first in range(g.shape[1]):
-            piece = g[:, first:first + 1]
-            wire = self.comp.encode(1, [piece], self.rank, piece=(first, 1))
-            out.append(PipelineGradCompressor.decode([piece.shape], self.rank, wire, g.dtype)[0])
-        return torch.cat(out, dim=1)
+        out = g.clone()
+        for sl in self.blocks:
+            toks = slice(sl[2], sl[2] + sl[3]) if len(sl) == 4 else slice(None)
+            piece = g[toks, sl[0]:sl[0] + sl[1]]
+            wire = self.comp.encode(1, [piece], self.rank, piece=sl)
+            out[toks, sl[0]:sl[0] + sl[1]] = PipelineGradCompressor.decode([piece.shape], self.rank, wire, g.dtype)[0]
+        return out
 
     def __call__(self, module, inputs, output):
         out = output[0] if isinstance(output, tuple) else output
@@ -47,10 +47,10 @@ class _PieceCodec:
             out.register_hook(self._codec)
 
 
-def _single_with_codec(rank, world, r, lep):
+def _single_with_codec(rank, world, r, lep, blocks):
     cfg = tiny_config(world=1, iters=ITERS)
     t = make_trainer(cfg)
-    codec = _PieceCodec(r, lep, cfg.training.seed)
+    codec = _PieceCodec(r, lep, cfg.training.seed, blocks)
     t.stages[0].decoder.layers[TP2_DP2["stage_layers"][0] - 1].register_forward_hook(codec)
     grads = []
     zero = t.optimizer.zero_grad
@@ -66,20 +66,28 @@ def _single_with_codec(rank, world, r, lep):
             "params": shards(t, "param"), "is_last": True, **tolerance_inputs(cfg)}
 
 
-@pytest.mark.parametrize("lep", [False, True], ids=["cb", "cb-lep"])
-def test_compressed_pieces_between_stages_equal_single_process_with_the_same_codec(lep):
+# TP2_DP2 sends each micro-batch's gradient (2 rows) back as one piece per row, to both TP ranks;
+# with --sequence-parallel as one block per (row, TP rank's half of the 16 tokens).
+ROWS = [(0, 1), (1, 1)]
+BLOCKS = [(row, 1, tok, 8) for row in (0, 1) for tok in (0, 8)]
+
+
+@pytest.mark.parametrize("lep,sp", [(True, False), (False, True)], ids=["cb-lep", "cb-sequence-parallel"])
+def test_compressed_pieces_between_stages_equal_single_process_with_the_same_codec(lep, sp):
     """--inter-grad-comp (+ --use-error-feedback) from a DP2 stage to a TP2 stage: each DP rank
-    compresses its rows once and sends the same factors to both TP ranks."""
+    compresses its rows once and sends the same factors to both TP ranks; with
+    --sequence-parallel each TP rank gets its own block of tokens, compressed on its own."""
     r = 2
-    ref = run_distributed(_single_with_codec, 1, r, lep)
+    ref = run_distributed(_single_with_codec, 1, r, lep, BLOCKS if sp else ROWS)
     outs = run_distributed(hetero_run, 4, dict(TP2_DP2, iters=ITERS), **{
         "compression.inter_grad_comp": True, "compression.inter_grad_comp_rank": r,
-        "compression.use_error_feedback": lep})
+        "compression.use_error_feedback": lep, "model.sequence_parallel": sp})
     check(ref, outs)
     sent = outs[0]["comm_bytes"][0]  # whole-job bytes, the same on every rank
-    # 4 micro-batches x 2 row pieces, each sent to 2 TP ranks: rank-2 factors of a 16 x 32 matrix.
-    assert sent["pp_grad_raw"] == 4 * 2 * 2 * 16 * 32 * 4
-    assert sent["pp_grad"] == 4 * 2 * 2 * (16 + 32) * r * 4
+    # 4 micro-batches x 2 rows x 2 TP ranks: rank-2 factors of a 16 x 32 matrix (8 x 32 with SP)
+    tokens = 8 if sp else 16
+    assert sent["pp_grad_raw"] == 4 * 2 * 2 * tokens * 32 * 4
+    assert sent["pp_grad"] == 4 * 2 * 2 * (tokens + 32) * r * 4
 
 
 def _uniform(rank, world, **overrides):

@@ -3,6 +3,7 @@ sequence over its TP ranks, and the stage boundary re-splits blocks of rows x to
 TP or DP changes (megatron/planner/hetero.py). Exact: parity with the single-process run."""
 import pytest
 
+from megatron.pipeline import instructions as I
 from megatron.pipeline.validator import validate_plans
 from megatron.planner.hetero import split_plans
 from megatron.planner.static import build_static_plans
@@ -34,6 +35,8 @@ def test_blocks_of_rows_and_tokens_tile_every_receive(layout):
     sends = {i.peer: i.batch_slice for i in first.instructions if type(i).__name__ == "SendActivationStart"
              and i.microbatch == 0}
     assert all(len(sl) == 4 for sl in sends.values()), sends
+    for p in plans:  # the wire format carries both 4-entry attributes
+        assert I.ExecutionPlan.deserialize(p.serialize()) == p
 
 
 @pytest.fixture(scope="module")
