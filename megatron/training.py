@@ -198,9 +198,10 @@ class Trainer:
         self._setup_compression(cfg, ps)
         self.overlap_reducer = None
         if t.overlap_grad_reduce and ps.dp_size > 1:
-            # With per-stage TP/DP sizes the tied embedding's sync already spans every DP replica
-            # (allreduce_resharded_embedding_grads): its plain all-reduce must not sum it again.
-            tied = {id(p) for p in tied_params} if ps.stage_layouts else set()
+            # With per-stage TP/DP sizes or --emb-comm-opt the tied embedding's sync already spans
+            # every DP replica (re-split / fused sync): the DP all-reduce must not sum it again.
+            fused = ps.stage_layouts or self.fused_embedding_group is not None
+            tied = {id(p) for p in tied_params} if fused else set()
             self.overlap_reducer = OverlappedGradReducer(
                 [p for p in self.optimizer.params if id(p) not in tied], ps.dp_group, ps.dp_size, self.bucket_numel,
                 optimizer=self.optimizer if t.use_distributed_optimizer else None)
