@@ -17,7 +17,7 @@ import pytest
 from megatron.compression.pipeline import PipelineGradCompressor
 from tests.aceso.test_hetero_grads import DP2_TP2, TP2_DP2, check, hetero_run
 from tests.dist_harness import run_distributed
-from tests.parity_utils import assert_parity, make_trainer, run_layout, shards, tiny_config, tolerance_inputs
+from tests.parity_utils import make_trainer, run_layout, shards, tiny_config, tolerance_inputs
 
 pytestmark = pytest.mark.parity
 
