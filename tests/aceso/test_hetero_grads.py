@@ -68,8 +68,10 @@ def reference():
 def test_distributed_optimizer_shards_over_each_stage_dp_group(reference):
     """--use-distributed-optimizer: a DP2 stage keeps half its Adam state per rank; the tied
     embedding (re-split between the two stages' TP sizes) is summed once, not DP times (the
-    first stage runs DP2 here; TP2 -> DP2 is covered with overlap below)."""
-    outs = run_distributed(hetero_run, 4, DP2_TP2, **{"training.use_distributed_optimizer": True})
+    first stage runs DP2 here; TP2 -> DP2 is covered with overlap below). With --emb-comm-opt,
+    which on these layouts names the re-split sync they always run."""
+    outs = run_distributed(hetero_run, 4, DP2_TP2, **{"training.use_distributed_optimizer": True,
+                                                       "compression.emb_comm_opt": True})
     check(reference, outs, compare_grads=False)  # gradients are sharded away (and clipped on the shards)
     for o in outs:
         i = o["trainer_info"]
