@@ -505,12 +505,6 @@ class MegatronConfig:
         _require(not self.data.dynapipe or not any(r != "none" for r in t.recompute_layers or ()),
                  "--dynapipe chooses each iteration's recompute level itself: clear the --aceso-config recompute_ops "
                  "flags or drop --dynapipe")
-        refused = [(m.sequence_parallel, "--sequence-parallel"),
-                   (t.use_distributed_optimizer, "--use-distributed-optimizer"),
-                   (t.overlap_grad_reduce, "--overlap-grad-reduce"), (self.compression.enabled, "Optimus-CC compression")]
-        for on, flag in refused:
-            _require(not on, f"stages with their own TP/DP sizes (--aceso-config) do not support {flag} yet; "
-                             "drop it or use a config whose stages share one TP and DP size")
 
     def _check_sequence_parallel(self) -> None:
         m, p = self.model, self.parallel
@@ -518,9 +512,10 @@ class MegatronConfig:
             return
         tp = p.tensor_model_parallel_size
         _require(m.model_type == "gpt", "--sequence-parallel is implemented for GPT; drop it for T5")
-        if tp > 1 and m.seq_length is not None:
-            _require(m.seq_length % tp == 0, f"--sequence-parallel splits the sequence over TP ranks: --seq-length "
-                     f"({m.seq_length}) must be a multiple of --tensor-model-parallel-size ({tp})")
+        for tp in sorted({t for t, _ in p.stage_parallel}) if p.stage_parallel else [tp]:  # each stage's own TP
+            if tp > 1 and m.seq_length is not None:
+                _require(m.seq_length % tp == 0, f"--sequence-parallel splits the sequence over TP ranks: --seq-length "
+                         f"({m.seq_length}) must be a multiple of --tensor-model-parallel-size ({tp})")
 
     def _check_compression(self) -> None:
         c, p = self.compression, self.parallel
@@ -541,8 +536,9 @@ class MegatronConfig:
                      "comp compress tensor-parallel all-reduces: they need --tensor-model-parallel-size > 1 and no "
                      "--sequence-parallel (which replaces those all-reduces)")
         if c.grad_comp:
-            _require(dp > 1, "--grad-comp compresses the data-parallel all-reduce: it needs a data-parallel size > 1 "
-                     "(more ranks than tensor x pipeline parallel)")
+            stage_dp = max(d for _, d in p.stage_parallel) if p.stage_parallel else dp
+            _require(stage_dp > 1, "--grad-comp compresses the data-parallel all-reduce: it needs a data-parallel size "
+                     "> 1 (more ranks than tensor x pipeline parallel, or a stage with DP > 1 in --aceso-config)")
         if c.selective_grad_comp:
             _require(c.selective_grad_comp_way <= pp,
                      f"--selective-grad-comp-way ({c.selective_grad_comp_way}) must be <= "

@@ -60,9 +60,13 @@ def build_gpt_trainer(cfg: MegatronConfig, ps, device):
     plan_pass = grad_compression_pass(cfg)
     if ps.stage_layouts:
         from megatron.planner.hetero import layout_pass
-        plan_pass = layout_pass(ps.stage_layouts)
+        split, marked = layout_pass(ps.stage_layouts, cfg.model.sequence_parallel), plan_pass
+        # Compressed gradient messages are marked per stage, then split into row pieces.
+        plan_pass = split if marked is None else (lambda plans: split(marked(plans)))
     planner = FixedBatchPlanner(cfg.parallel.pipeline_schedule, ps.pp_size, chunks,
-                                lambda shapes: gpt_activation_shapes(cfg.model, shapes, ps.tp_size),
+                                # per-stage TP: the layout pass cuts each rank's block of the sequence
+                                lambda shapes: gpt_activation_shapes(cfg.model, shapes,
+                                                                     1 if ps.stage_layouts else ps.tp_size),
                                 cfg.training.recompute_level, cfg.training.params_dtype_name,
                                 plan_pass=plan_pass)
     tied = [] if cfg.model.untie_embeddings_and_output_weights else tied_embedding_params(stages, ps.pp_size * chunks)

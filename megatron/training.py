@@ -201,9 +201,11 @@ class Trainer:
         self._setup_compression(cfg, ps)
         self.overlap_reducer = None
         if t.overlap_grad_reduce and ps.dp_size > 1:
-            # --emb-comm-opt's fused sync sums the tied embeddings over DP: not this reducer's.
-            fused = {id(p) for p in tied_params} if self.fused_embedding_group is not None else set()
-            params = [p for p in self.optimizer.params if id(p) not in fused]
+            # With per-stage TP/DP sizes or --emb-comm-opt the tied embedding's sync already spans
+            # every DP replica (re-split / fused sync): the DP all-reduce must not sum it again.
+            fused = ps.stage_layouts or self.fused_embedding_group is not None
+            tied = {id(p) for p in tied_params} if fused else set()
+            params = [p for p in self.optimizer.params if id(p) not in tied]
             if self.dp_reducer is not None:
                 # --grad-comp: PowerSGD's first all-reduce per bucket during the backward passes.
                 from megatron.compression.data_parallel_overlap import OverlappedPowerSGD
@@ -289,14 +291,19 @@ class Trainer:
         if self.fused_embedding_group is not None or ps.stage_layouts:
             # Both syncs already sum over every DP replica of the first and last stage: the
             # tied parameters stay out of the data-parallel reduction.
-            if self.emb_reducer is not None:
+            vocab_rows = max(self.cfg.model.padded_vocab_size(tp) for tp, _ in ps.stage_layouts) \
+                if ps.stage_layouts else 0
+            if self.emb_reducer is not None and ps.stage_layouts:
+                from megatron.compression.embedding import resharded_embedding_reduce
+                sent["emb"] = resharded_embedding_reduce(self.emb_reducer, self.tied_params, ps, vocab_rows,
+                                                         self.iteration + 1)
+            elif self.emb_reducer is not None:
                 sent["emb"] = self.emb_reducer.reduce(self.tied_params, self.iteration + 1)[0]
             elif self.fused_embedding_group is not None:
                 from megatron.compression.embedding import fused_embedding_all_reduce
                 sent["emb"] = fused_embedding_all_reduce(self.tied_params, self.fused_embedding_group)
             else:
                 from megatron.core.distributed import allreduce_resharded_embedding_grads
-                vocab_rows = max(self.cfg.model.padded_vocab_size(tp) for tp, _ in ps.stage_layouts)
                 sent["emb"] = allreduce_resharded_embedding_grads(self.tied_params, ps.embedding_group, ps.tp_rank,
                                                                   vocab_rows)
             tied = {id(p) for p in self.tied_params}
@@ -306,6 +313,11 @@ class Trainer:
                     allreduce_replicated_grads(params, group, ps.tp_rank == 0)
                     tied |= {id(p) for p in params}
             dp_params = [p for p in dp_params if id(p) not in tied]
+            if getattr(self.optimizer, "reduces_data_parallel_grads", False) and ps.dp_rank:
+                # The distributed optimizer reduce-scatters every gradient over DP, the tied ones
+                # too: one replica carries the (already complete) sum, exactly.
+                for p in self.tied_params:
+                    p.grad.zero_()
         elif self.emb_reducer is not None:
             sent["emb"] = self.emb_reducer.reduce(self.tied_params, self.iteration + 1)[0]
         else:

@@ -93,6 +93,10 @@ class PowerSGDReducer:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
+        return self.reduce_grads(grads, iteration)
+
+    def reduce_grads(self, grads: List[torch.Tensor], iteration: int) -> Tuple[int, int]:
+        """`reduce` on gradient tensors (summed in place; their order keys the state)."""
         raw = sum(g.numel() * g.element_size() for g in grads)
         if self.dp_size == 1 or self.dp_group is None:
             return 0, 0

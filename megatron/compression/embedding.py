@@ -35,7 +35,9 @@ def fused_embedding_group_ranks(tp: int, dp: int, pp: int) -> List[List[int]]:
 def build_fused_embedding_group(ps: ParallelState) -> Optional[object]:
     """Collective: every rank calls it (torch creates groups in the same order everywhere)."""
     mine = None
-    if not dist.is_initialized() or ps.world_size == 1:
+    if not dist.is_initialized() or ps.world_size == 1 or ps.stage_layouts:
+        # Stages with their own TP/DP sizes: their tied-embedding sync (core/distributed.py,
+        # allreduce_resharded_embedding_grads) already is this fused sync, over every replica.
         return None
     for ranks in fused_embedding_group_ranks(ps.tp_size, ps.dp_size, ps.pp_size):
         g = dist.new_group(ranks, timeout=ps.timeout)
@@ -71,11 +73,23 @@ def build_embedding_reducer(cfg, ps: ParallelState, fused_group=None):
     import math
     from megatron.compression.data_parallel import PowerSGDReducer
     c = cfg.compression
-    if ps.stage_layouts:
-        raise ValueError("--emb-grad-comp does not support stages with different TP/DP sizes (--aceso-config "
-                         "layouts re-shard the embedding sync): drop --emb-grad-comp")
-    group = fused_group if c.emb_comm_opt else ps.embedding_group
+    # Stages with their own TP/DP sizes: the group holds every rank of the first and the last
+    # stage, and the reducer sees the vocabulary-wide, zero-padded buffers of the re-split sync
+    # (`resharded_embedding_reduce`).
+    group = fused_group if c.emb_comm_opt and not ps.stage_layouts else ps.embedding_group
     size = dist.get_world_size(group) if group is not None else 1
     warmup = math.ceil(cfg.training.train_iters * c.emb_grad_comp_warm_up)
     return PowerSGDReducer(c.emb_grad_comp_rank, c.emb_use_error_feedback, warmup, True, group, size,
                            seed=cfg.training.seed, method=c.emb_grad_comp_type, kind="emb", stage=ps.pp_rank)
+
+
+def resharded_embedding_reduce(reducer, tied_params: List[nn.Parameter], ps: ParallelState, vocab_rows: int,
+                               iteration: int) -> int:
+    """--emb-grad-comp when the first and last stage have their own TP/DP sizes: every rank
+    places its vocabulary shard's gradient at its rows of a zero [vocab_rows, h] buffer and the
+    low-rank reducer sums those over both stages' ranks (a sum of padded buffers is the full
+    gradient, so the compressed result is that of the whole tied gradient); each rank keeps its
+    rows. Returns the payload bytes."""
+    from megatron.core.distributed import allreduce_resharded_embedding_grads
+    return allreduce_resharded_embedding_grads(tied_params, ps.embedding_group, ps.tp_rank, vocab_rows,
+                                               reduce=lambda fulls: reducer.reduce_grads(fulls, iteration)[0])

@@ -107,9 +107,13 @@ class PipelineGradCompressor:
         self.stats = None  # a CompressionStats with --log-compression-stats
         self._touched: set = set()  # error keys written this iteration
 
-    def encode(self, stage: int, tensors: List[torch.Tensor], rank: int, token_offset: int = 0) -> List[torch.Tensor]:
-        """Wire tensors of one gradient message; `token_offset`: the first token position of a
-        TeraPipe slice (0 for a whole micro-batch), part of the LEP key (`error_key`)."""
+    def encode(self, stage: int, tensors: List[torch.Tensor], rank: int, token_offset: int = 0,
+               piece: tuple = ()) -> List[torch.Tensor]:
+        """Wire tensors of one gradient message. `token_offset`: the first token position of a
+        TeraPipe slice (0 for a whole micro-batch), part of the LEP key (`error_key`). `piece`:
+        the message's batch_slice (rows of the micro-batch) when a stage's gradient goes out in
+        row pieces (stages with their own TP/DP sizes): warm starts and residuals are then kept
+        per piece, so a piece's residual rides on the same rows of the next micro-batch."""
         out: List[torch.Tensor] = []
         for idx, t in enumerate(tensors):
             layout = tensor_wire_shapes(t.shape, rank)
@@ -119,13 +123,13 @@ class PipelineGradCompressor:
             timer = Timer(t.device) if self.stats is not None else contextlib.nullcontext()
             with timer:
                 r = layout[0][1]
-                key = error_key(stage, idx, t.shape, token_offset)
+                key = error_key(stage, idx, t.shape, token_offset) + tuple(piece)
                 m = lowrank.as_matrix(t).float()
                 if self.lep:
                     e = self.state.take_error(key, m.shape)
                     if e is not None:
                         m = m + e.to(m.device)
-                q = self.state.q_for((stage, idx, r), m.shape[1], r, m.device)
+                q = self.state.q_for((stage, idx) + tuple(piece) + (r,), m.shape[1], r, m.device)
                 p, q = lowrank.compress(m, q)
                 self.state.q[(stage, idx, r)] = q.detach().cpu()
                 residual = None

@@ -66,25 +66,34 @@ def allreduce_embedding_grads(tied_params: List[nn.Parameter], embedding_group) 
 
 
 def allreduce_resharded_embedding_grads(tied_params: List[nn.Parameter], embedding_group, tp_rank: int,
-                                        vocab_rows: int) -> int:
+                                        vocab_rows: int, reduce=None) -> int:
     """Tied-embedding sync when the first and last stage have different TP or DP sizes (their
     vocabulary shards differ): every rank of both stages writes its shard's gradient into a
     zero [vocab_rows, h] buffer at its rows (vocabulary row v is token v on both stages), one
     all-reduce sums them, each rank takes its rows back. Run *before* the data-parallel
     reduction and leave the tied parameters out of it: the sum already spans every DP replica
-    of both stages. Returns the payload bytes."""
+    of both stages. Returns the payload bytes. `reduce(fulls) -> bytes`, if given, sums the
+    zero-padded buffers over the group in its own way (--emb-grad-comp's low-rank reducer)."""
     if embedding_group is None:
         return 0
-    sent = 0
+    fulls = []
     for p in tied_params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         rows = p.shape[0]
         full = torch.zeros((vocab_rows,) + tuple(p.shape[1:]), dtype=p.grad.dtype, device=p.grad.device)
         full[tp_rank * rows:(tp_rank + 1) * rows] = p.grad
-        dist.all_reduce(full, group=embedding_group)
+        fulls.append(full)
+    if reduce is not None:
+        sent = reduce(fulls)
+    else:
+        sent = 0
+        for full in fulls:
+            dist.all_reduce(full, group=embedding_group)
+            sent += full.numel() * full.element_size()
+    for p, full in zip(tied_params, fulls):
+        rows = p.shape[0]
         p.grad.copy_(full[tp_rank * rows:(tp_rank + 1) * rows])
-        sent += full.numel() * full.element_size()
     return sent
 
 

@@ -16,9 +16,12 @@ backward; a slice's backward also receives the gradients of its keys/values that
 sent back (see megatron/models/sliced_attention.py).
 
 Batch splits (stages with different TP / DP sizes): a message with `batch_slice = (first,
-count)` carries rows [first, first+count) of the micro-batch, dimension 1 of [s, b, h]. The
-executor holds rows `_local_rows()` of each micro-batch; a send ships the slice of its buffer,
-a receive buffer is allocated whole at its first piece and filled as the pieces finish.
+count)` carries rows [first, first+count) of the micro-batch, dimension 1 of [s, b, h] (and
+with 4 entries also a token range, dimension 0: sequence parallelism). The executor finds the
+block in its buffer with `_local_block()`; a send ships the slice of its buffer,
+a receive buffer is allocated whole at its first piece and filled as the pieces finish. A
+compressed piece (compress_rank) is encoded once per (micro-batch, stage, rows), whatever the
+number of peers it goes to, and decoded to its rows before they are written.
 """
 from __future__ import annotations
 
@@ -139,6 +142,10 @@ class PipelineExecutor:
         self.kv_caches: Dict[tuple, SequenceKVCache] = {}
         self.slice_records: Dict[tuple, object] = {}
         self.assembling: Dict[int, int] = {}  # slot -> rows still to arrive (batch-split receives)
+        # (microbatch, stage, batch_slice) -> factors of a compressed piece: a piece that goes to
+        # several peers (the TP ranks of the previous stage) is encoded once, so they all decode
+        # the same gradient and error feedback counts it once.
+        self.encoded: Dict[tuple, list] = {}
         self.plan = plan
         self.microbatches = microbatches
         self.loss_multiplier = loss_multiplier
@@ -185,6 +192,7 @@ class PipelineExecutor:
                 f"{self.rank_desc}, iteration {plan.iteration}: token slices of (sequence, stage) "
                 f"{sorted(self.kv_caches)} never ran the backward of their first slice")
         self.slots = self.records = self.data = self.kv_caches = self.slice_records = self.assembling = {}
+        self.encoded = {}
         return self.stats
 
     def _trace(self, ins, start_s: float) -> None:
@@ -318,13 +326,25 @@ class PipelineExecutor:
             return kind, ins.microbatch, ins.stage, ins.peer, tuple(ins.batch_slice)
         return kind, ins.microbatch, ins.stage
 
-    def _local_rows(self, ins) -> slice:
-        """Where the message's rows sit in this rank's [s, b, h] buffer."""
-        first, count = ins.batch_slice
+    def _local_block(self, ins) -> tuple:
+        """(tokens, rows): where the message's block sits in this rank's [s, b, h] buffer."""
+        first, count = ins.batch_slice[:2]
         b = self.plan.microbatch_shapes[ins.microbatch][0][0]
-        index, parts = self.plan.batch_split
+        index, parts = self.plan.batch_split[:2]
         start = first - index * (b // parts)
-        return slice(start, start + count)
+        rows = slice(start, start + count)
+        if len(ins.batch_slice) < 4:
+            return slice(None), rows
+        first_tok, tokens = ins.batch_slice[2:]
+        if len(self.plan.batch_split) == 4:  # this rank holds one block of the sequence
+            first_tok -= self.plan.batch_split[2] * ins.buffer_shapes[0][0]
+        return slice(first_tok, first_tok + tokens), rows
+
+    @staticmethod
+    def _piece_shapes(ins) -> list:
+        """Shapes of what one batch-split message carries (its block of each buffer)."""
+        sl = ins.batch_slice
+        return [((sl[3] if len(sl) == 4 else x[0]), sl[1]) + tuple(x[2:]) for x in ins.buffer_shapes]
 
     def _send_start(self, ins, kind: str):
         what = f"{type(ins).__name__}(microbatch={ins.microbatch}, stage={ins.stage}) to pipeline rank {ins.peer}"
@@ -337,14 +357,21 @@ class PipelineExecutor:
             raise PlanExecutionError(f"{self.rank_desc}: {what}: the tensors to send have shapes {actual} but the plan "
                                f"says {planned}; the planner's shapes do not match the model")
         if ins.batch_slice:
-            rows = self._local_rows(ins)
-            tensors = [t[:, rows] for t in tensors]
+            toks, rows = self._local_block(ins)
+            tensors = [t[toks, rows] for t in tensors]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if kind == "grad":
             self.stats.grad_bytes_raw += nbytes
             if ins.compress_rank:
                 offset = ins.token_slice[1] if ins.token_slice else 0  # LEP keys slices by position
-                tensors = self._compressor().encode(ins.stage, tensors, ins.compress_rank, offset)
+                if ins.batch_slice:  # one encoding per row piece, whatever the number of its peers
+                    key = (ins.microbatch, ins.stage, tuple(ins.batch_slice))
+                    if key not in self.encoded:
+                        self.encoded[key] = self._compressor().encode(ins.stage, tensors, ins.compress_rank, offset,
+                                                                      piece=tuple(ins.batch_slice))
+                    tensors = self.encoded[key]
+                else:
+                    tensors = self._compressor().encode(ins.stage, tensors, ins.compress_rank, offset)
                 nbytes = sum(t.numel() * t.element_size() for t in tensors)
             self.stats.grad_bytes += nbytes
         else:
@@ -365,6 +392,9 @@ class PipelineExecutor:
         self.comm.wait(handle)
         if ins.batch_slice and any(k[:3] == (kind, ins.microbatch, ins.stage) for k in self.sends):
             return  # other pieces of this output are still going out: keep its data
+        if ins.batch_slice:
+            for k in [k for k in self.encoded if k[:2] == (ins.microbatch, ins.stage)]:
+                del self.encoded[k]
         if kind == "act" and self.free_sent_activations:
             record = self.records.get((ins.microbatch, ins.stage))
             stage = self.stages.get(ins.stage)
@@ -378,13 +408,17 @@ class PipelineExecutor:
     def _recv_start(self, ins, kind: str):
         what = f"{type(ins).__name__}(microbatch={ins.microbatch}, stage={ins.stage}) from pipeline rank {ins.peer}"
         if ins.batch_slice:
-            count = ins.batch_slice[1]
             if ins.buffer_ids[0] not in self.assembling:  # first piece: the whole buffer
                 for bid, shape in zip(ins.buffer_ids, ins.buffer_shapes):
                     self.slots[bid] = [torch.empty(tuple(shape), dtype=DTYPES[self.plan.dtype], device=self.device)]
-                    self.assembling[bid] = shape[1]
-            shapes = [tuple(x[:1]) + (count,) + tuple(x[2:]) for x in ins.buffer_shapes]
-            handle = self.comm.irecv(shapes, self.plan.dtype, ins.peer, what)
+                    self.assembling[bid] = shape[0] * shape[1]
+            shapes = self._piece_shapes(ins)
+            if ins.compress_rank:
+                from megatron.compression.pipeline import wire_dtypes, wire_shapes
+                handle = self.comm.irecv(wire_shapes(shapes, ins.compress_rank),
+                                         wire_dtypes(shapes, ins.compress_rank, self.plan.dtype), ins.peer, what)
+            else:
+                handle = self.comm.irecv(shapes, self.plan.dtype, ins.peer, what)
         elif ins.compress_rank:
             from megatron.compression.pipeline import wire_dtypes, wire_shapes
             handle = self.comm.irecv(wire_shapes(ins.buffer_shapes, ins.compress_rank),
@@ -397,10 +431,14 @@ class PipelineExecutor:
         handle, buffer_ids, start = self.recvs.pop(self._key(kind, ins))
         tensors = self.comm.wait(handle)
         if start.batch_slice:
-            rows = self._local_rows(start)
+            toks, rows = self._local_block(start)
+            if start.compress_rank:
+                from megatron.compression.pipeline import PipelineGradCompressor
+                tensors = PipelineGradCompressor.decode(self._piece_shapes(start), start.compress_rank, tensors,
+                                                        DTYPES[self.plan.dtype])
             for bid, t in zip(buffer_ids, tensors):
-                self.slots[bid][0][:, rows] = t
-                self.assembling[bid] -= t.shape[1]
+                self.slots[bid][0][toks, rows] = t
+                self.assembling[bid] -= t.shape[0] * t.shape[1]
                 if not self.assembling[bid]:
                     del self.assembling[bid]
             return

@@ -47,6 +47,11 @@ Conventions every planner and the executor share:
   (global row numbers, the same on both ends; dimension 1 of each [s, b, h] tensor):
   `buffer_shapes` is still the rank's whole buffer, so a receive buffer is assembled from
   the pieces of several senders and a send buffer may go out in pieces to several receivers.
+  Sequence parallelism on such stages also splits dimension 0 (tokens): the rank's
+  `batch_split = (index, parts, seq_index, seq_parts)` says it holds tokens
+  ``[seq_index * s / seq_parts, ...)`` of the sequence (its buffers are [s / seq_parts, ...]),
+  and `batch_slice = (first row, rows, first token, tokens)` names a block of both (global
+  token positions). A 2-entry `batch_slice` spans dimension 0 of both ends' buffers.
 """
 from __future__ import annotations
 
@@ -170,7 +175,8 @@ class ExecutionPlan:
     dtype: str = "float32"
     iteration: int = 0
     # (index, parts): this rank holds part `index` of `parts` equal row blocks of every
-    # micro-batch; () = whole micro-batches (every planner but the heterogeneous-stage one).
+    # micro-batch; () = whole micro-batches (every planner but the heterogeneous-stage one);
+    # (index, parts, seq_index, seq_parts) also a block of the sequence (see the top).
     batch_split: Tuple[int, ...] = ()
 
     def __post_init__(self):
@@ -210,8 +216,11 @@ def describe(instr: Instruction) -> str:
     if getattr(instr, "token_slice", ()):
         parts.append(f"slice={tuple(instr.token_slice)}")
     if getattr(instr, "batch_slice", ()):
-        first, count = instr.batch_slice
+        first, count = instr.batch_slice[:2]
         parts.append(f"rows={first}..{first + count - 1}")
+        if len(instr.batch_slice) == 4:
+            a, n = instr.batch_slice[2:]
+            parts.append(f"tokens={a}..{a + n - 1}")
     return f"{type(instr).__name__}({', '.join(parts)})"
 
 

@@ -36,8 +36,9 @@ Rules (see the module docstring of `megatron.pipeline.instructions` for the sema
   (index, parts) cover every part; every communication instruction carries a
   `batch_slice` inside this rank's rows of the micro-batch, both ends of a message carry the
   same rows, and the pieces a receive buffer is assembled from are disjoint and cover the
-  rank's rows before the buffer is read. Batch splits do not combine with compressed
-  messages; with token slices each message carries both (rows of one slice).
+  rank's rows before the buffer is read. With token slices each message carries both (rows of
+  one slice); a compressed gradient message may be split (each piece carries its own low-rank
+  factors).
 * deadlock: all ranks are simulated together with "Start never blocks; RecvFinish waits
   until the peer executed the matching SendStart; SendFinish waits until the peer executed
   the matching RecvStart; compute never blocks". If every unfinished rank is waiting, the
@@ -102,9 +103,10 @@ def _check_stage_assignment(plans) -> list:
                                       f"{plans[0].rank} {'has' if split else 'does not'}: all plans or none split "
                                       "micro-batches")
         if split:
-            if len(plan.batch_split) != 2 or not 0 <= plan.batch_split[0] < plan.batch_split[1]:
-                raise PlanValidationError(f"rank {plan.rank}: batch_split must be (index, parts) with "
-                                          f"0 <= index < parts, got {tuple(plan.batch_split)}")
+            bs = tuple(plan.batch_split)
+            if len(bs) not in (2, 4) or not all(0 <= bs[k] < bs[k + 1] for k in range(0, len(bs), 2)):
+                raise PlanValidationError(f"rank {plan.rank}: batch_split must be (index, parts) or (index, parts, "
+                                          f"seq_index, seq_parts) with 0 <= index < parts, got {bs}")
             if len(plan.assigned_stages) != 1:
                 raise PlanValidationError(f"rank {plan.rank}: a plan with a batch split runs exactly one stage, "
                                           f"not {list(plan.assigned_stages)}")

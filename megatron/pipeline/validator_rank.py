@@ -30,10 +30,26 @@ def _rows(plan, mb: int):
     b = plan.microbatch_shapes[mb][0][0]
     if not plan.batch_split:
         return 0, b
-    index, parts = plan.batch_split
+    index, parts = plan.batch_split[:2]
     if b % parts:
         return None
     return index * (b // parts), b // parts
+
+
+def _block(plan, piece, shape) -> tuple:
+    """A batch_slice as (first row, rows, first token, tokens); a 2-entry one spans the tokens
+    of this rank's buffer of `shape` (its block of the sequence, see `_token_range`)."""
+    if len(piece) == 4:
+        return tuple(piece)
+    return tuple(piece) + _token_range(plan, shape)
+
+
+def _token_range(plan, shape) -> tuple:
+    """(first token, tokens) this rank's [s, b, h] buffer of `shape` holds."""
+    split = plan.batch_split
+    if len(split) == 4:
+        return split[2] * shape[0], shape[0]
+    return 0, shape[0]
 
 
 def _wire_shapes(instr) -> tuple:
@@ -42,7 +58,7 @@ def _wire_shapes(instr) -> tuple:
     sl = getattr(instr, "batch_slice", ())
     if not sl:
         return shapes
-    return tuple(s[:1] + (sl[1],) + s[2:] if len(s) >= 2 else s for s in shapes)
+    return tuple(((sl[3] if len(sl) == 4 else s[0]), sl[1]) + s[2:] if len(s) >= 2 else s for s in shapes)
 
 
 class _RankChecker:
@@ -217,7 +233,7 @@ class _RankChecker:
                       "compressed, at a rank >= 1 (0 = uncompressed)")
         piece = tuple(getattr(instr, "batch_slice", ()))
         if self.plan.batch_split or piece:
-            self._check_piece(index, instr, piece, rank)
+            self._check_piece(index, instr, piece)
         key = (kind, is_send, mb, s, peer, piece) if piece else (kind, is_send, mb, s)
         channel = (self.sends if is_send else self.recvs).setdefault(peer, [])
         if is_start:
@@ -239,11 +255,11 @@ class _RankChecker:
                 for j, (slot, shape) in enumerate(zip(instr.buffer_ids, instr.buffer_shapes)):
                     tag = (kind, mb, s, j, n)
                     if piece and slot in self.assembly and self.slots[slot][0] == tag:
-                        self._add_piece(index, instr, slot, piece)
+                        self._add_piece(index, instr, slot, _block(self.plan, piece, shape))
                         continue
                     self._write(index, instr, slot, tag, shape, ready=False)
                     if piece:
-                        self.assembly[slot] = [[piece], 1]
+                        self.assembly[slot] = [[_block(self.plan, piece, shape)], 1]
                 self.bumps[index] = ("posted", peer, self.rank)
             return
         if key not in self.open:
@@ -272,20 +288,19 @@ class _RankChecker:
                 if slot in self.assembly:  # ready once every piece arrived and they cover the rows
                     pieces = self.assembly[slot]
                     pieces[1] -= 1
-                    if pieces[1] or sum(n for _, n in pieces[0]) != _rows(self.plan, mb)[1]:
+                    if pieces[1] or sum(b[1] * b[3] for b in pieces[0]) != \
+                            _rows(self.plan, mb)[1] * self.slots[slot][1][0]:
                         continue
                     del self.assembly[slot]
                 self.slots[slot][2] = True
 
-    def _check_piece(self, index, instr, piece, rank):
+    def _check_piece(self, index, instr, piece):
         """Rules of a batch-split message (see the module docstring)."""
         if not self.plan.batch_split:
             self.fail(index, instr, "batch_slice on a plan without a batch_split")
-        if len(piece) != 2 or piece[1] < 1:
-            self.fail(index, instr, "a plan with a batch split needs batch_slice = (first row, count >= 1) on "
-                      "every message")
-        if rank:
-            self.fail(index, instr, "compressed gradient messages cannot be split by rows")
+        if len(piece) not in (2, 4) or piece[1] < 1 or (len(piece) == 4 and piece[3] < 1):
+            self.fail(index, instr, "a plan with a batch split needs batch_slice = (first row, count >= 1) or "
+                      "(first row, count >= 1, first token, tokens >= 1) on every message")
         rows = _rows(self.plan, instr.microbatch)
         if rows is None or not (rows[0] <= piece[0] and piece[0] + piece[1] <= rows[0] + rows[1]):
             self.fail(index, instr, f"rows {piece[0]}..{piece[0] + piece[1] - 1} are not inside this rank's rows "
@@ -294,13 +309,20 @@ class _RankChecker:
             if len(shape) < 2 or shape[1] != rows[1]:
                 self.fail(index, instr, f"buffer shape {tuple(shape)} must hold this rank's {rows[1]} rows in "
                           "dimension 1 ([s, b, h])")
+            if len(piece) == 4:
+                a, n = _token_range(self.plan, shape)
+                if not (a <= piece[2] and piece[2] + piece[3] <= a + n):
+                    self.fail(index, instr, f"tokens {piece[2]}..{piece[2] + piece[3] - 1} are not inside this "
+                              f"rank's tokens {a}..{a + n - 1} (dimension 0 of its buffer {tuple(shape)})")
 
     def _add_piece(self, index, instr, slot, piece):
         pieces = self.assembly[slot]
-        for first, count in pieces[0]:
-            if piece[0] < first + count and first < piece[0] + piece[1]:
-                self.fail(index, instr, f"rows {piece[0]}..{piece[0] + piece[1] - 1} overlap rows "
-                          f"{first}..{first + count - 1} already received into slot {slot}")
+        for first, count, tok, ntok in pieces[0]:
+            if piece[0] < first + count and first < piece[0] + piece[1] \
+                    and piece[2] < tok + ntok and tok < piece[2] + piece[3]:
+                self.fail(index, instr, f"rows {piece[0]}..{piece[0] + piece[1] - 1}, tokens {piece[2]}.."
+                          f"{piece[2] + piece[3] - 1} overlap rows {first}..{first + count - 1}, tokens "
+                          f"{tok}..{tok + ntok - 1} already received into slot {slot}")
         pieces[0].append(piece)
         pieces[1] += 1
 

@@ -12,13 +12,22 @@ between two stages only the batch dimension is re-split:
   overlapping DP ranks of stage s, from TP index ``t % tp_s``. (Every TP rank computes the
   same input gradient: the backward of the column-parallel linears all-reduces it.)
 
+With --sequence-parallel a stage of TP > 1 also splits the sequence: TP index t holds tokens
+[t*S/tp, (t+1)*S/tp) of its rows ([S/tp, b/dp, h] between layers), and its input gradient is
+that block's only. A message then carries a block of rows x tokens: every receiver gets each
+(row, token) of its block once, from the sender that holds it (if several TP ranks of the
+sender hold it, TP index ``t % tp_s`` as above), so the sequence is re-split between stages of
+different TP the way rows are between stages of different DP.
+
 `split_plans` rewrites the per-stage plans of any static schedule (lowered for whole
 micro-batches, one plan per stage) into one plan per global rank: shapes shrink to the rank's
-rows, and each message becomes one piece per peer with `batch_slice` rows (see
-megatron.pipeline.instructions). The executor and validator do the rest; no new runtime.
-TeraPipe plans pass through unchanged in kind: a unit (one token slice of a micro-batch) keeps
-its `token_slice`, and its messages gain `batch_slice` rows like any other; rows and tokens are
-independent dimensions ([s, b, h] activations: tokens on 0, rows on 1).
+rows (and tokens), and each message becomes one piece per peer with `batch_slice` rows (and
+tokens) (see megatron.pipeline.instructions). A gradient message marked compressed
+(Optimus-CC, `compress_rank`) keeps its mark on every piece: each piece is a low-rank P/Q of
+its block. TeraPipe plans pass through unchanged in kind: a unit (one token slice of a
+micro-batch) keeps its `token_slice`, and its messages gain `batch_slice` rows like any other;
+rows and tokens are independent dimensions ([s, b, h] activations: tokens on 0, rows on 1).
+The executor and validator do the rest; no new runtime.
 """
 from __future__ import annotations
 
@@ -51,12 +60,21 @@ def _overlaps(b: int, mine: Tuple[int, int], dp_other: int):
     return out
 
 
-def _rows_dim(shapes, dim: int, rows: int):
-    return tuple(tuple(s[:dim]) + (rows,) + tuple(s[dim + 1:]) for s in shapes)
+def _local_shapes(shapes, rows: int, seq_parts: int):
+    """[s, b, h] activation shapes of the whole micro-batch -> this rank's [s / seq_parts, rows, h]."""
+    out = []
+    for x in shapes:
+        if x[0] % seq_parts:
+            raise ValueError(f"--sequence-parallel: {x[0]} tokens do not split over a stage's TP size {seq_parts}")
+        out.append((x[0] // seq_parts, rows) + tuple(x[2:]))
+    return tuple(out)
 
 
-def split_plans(plans: Sequence[I.ExecutionPlan], layouts: Layout) -> List[I.ExecutionPlan]:
-    """One plan per global rank from one plan per stage (see the module docstring)."""
+def split_plans(plans: Sequence[I.ExecutionPlan], layouts: Layout,
+                sequence_parallel: bool = False) -> List[I.ExecutionPlan]:
+    """One plan per global rank from one plan per stage (see the module docstring).
+    `sequence_parallel`: stages with TP > 1 also split the sequence (dimension 0) over their TP
+    ranks; the base plans' activation shapes must then be the whole sequence."""
     layouts = tuple(tuple(x) for x in layouts)
     if len(plans) != len(layouts):
         raise ValueError(f"{len(plans)} stage plans for a layout of {len(layouts)} stages")
@@ -68,6 +86,37 @@ def split_plans(plans: Sequence[I.ExecutionPlan], layouts: Layout) -> List[I.Exe
             if b % dp:
                 raise ValueError(f"micro-batch {mb} has {b} rows, which stage {s}'s data-parallel size {dp} does "
                                  "not divide; the micro-batch size must be a multiple of every stage's DP size")
+    # Sequence parts per stage: its TP size under sequence parallelism, else 1 (whole sequence).
+    seq_parts = [tp if sequence_parallel else 1 for tp, _ in layouts]
+    with_tokens = any(n > 1 for n in seq_parts)  # pieces then name their tokens too
+
+    def rank_of(s, d, t):
+        return offsets[s] + d * layouts[s][0] + t
+
+    table: dict = {}
+
+    def pieces(src: int, dst: int, b: int, S: int):
+        """[(sender, receiver, batch_slice)] of one message from stage src to stage dst: each
+        receiver gets each (row, token) of its block once, from the sender that holds it (of TP
+        ranks holding the same block, TP index t % tp_src, as without sequence parallelism)."""
+        key = (src, dst, b, S)
+        if key not in table:
+            (tp_s, dp_s), (tp_d, dp_d) = layouts[src], layouts[dst]
+            out = []
+            for j in range(dp_d):
+                for t2 in range(tp_d):
+                    toks = _part(S, seq_parts[dst], t2 if seq_parts[dst] > 1 else 0)
+                    for i, first, n in _overlaps(b, _part(b, dp_d, j), dp_s):
+                        if seq_parts[src] > 1:
+                            senders = [(t, a, m) for t, a, m in _overlaps(S, toks, tp_s)]
+                        else:
+                            senders = [(t2 % tp_s, toks[0], toks[1])]
+                        for t, a, m in senders:
+                            sl = (first, n, a, m) if with_tokens else (first, n)
+                            out.append((rank_of(src, i, t), rank_of(dst, j, t2), sl))
+            table[key] = out
+        return table[key]
+
     out = []
     for g in range(world):
         stage, dp_index, tp_index = stage_position(layouts, g)
@@ -76,42 +125,35 @@ def split_plans(plans: Sequence[I.ExecutionPlan], layouts: Layout) -> List[I.Exe
             raise ValueError(f"plan {stage} runs stages {base.assigned_stages}; stages with their own TP/DP sizes "
                              "need one stage per pipeline rank (no virtual stages)")
         tp, dp = layouts[stage]
-
-        def rank_of(s, d, t):
-            return offsets[s] + d * layouts[s][0] + t
-
         instrs = []
         for ins in base.instructions:
             b = mb_rows[ins.microbatch]
             mine = _part(b, dp, dp_index)
             if isinstance(ins, I.LoadInput):
-                instrs.append(dataclasses.replace(ins, buffer_shapes=_rows_dim(ins.buffer_shapes, 0, mine[1])))
+                shapes = tuple((mine[1],) + tuple(x[1:]) for x in ins.buffer_shapes)
+                instrs.append(dataclasses.replace(ins, buffer_shapes=shapes))
                 continue
             if not isinstance(ins, I.CommInstruction):
-                changes = {"buffer_shapes": _rows_dim(ins.buffer_shapes, 1, mine[1])}
+                changes = {"buffer_shapes": _local_shapes(ins.buffer_shapes, mine[1], seq_parts[stage])}
                 if hasattr(ins, "output_shapes"):
-                    changes["output_shapes"] = _rows_dim(ins.output_shapes, 1, mine[1])
+                    changes["output_shapes"] = _local_shapes(ins.output_shapes, mine[1], seq_parts[stage])
                 instrs.append(dataclasses.replace(ins, **changes))
                 continue
-            if ins.compress_rank:
-                raise ValueError("stages with their own TP/DP sizes do not combine with compressed gradient "
-                                 "messages")
-            other = ins.stage + 1 if isinstance(ins, _ACTS) else ins.stage - 1
+            S = ins.buffer_shapes[0][0]
+            src = ins.stage
+            dst = ins.stage + 1 if isinstance(ins, _ACTS) else ins.stage - 1
             if isinstance(ins, _SENDS):  # this rank sends; ins.stage is its own stage
-                tp_o, dp_o = layouts[other]
-                peers = [(rank_of(other, j, t2), first, n) for j, first, n in _overlaps(b, mine, dp_o)
-                         for t2 in range(tp_o) if t2 % tp == tp_index]
+                peers = [(r, sl) for snd, r, sl in pieces(src, dst, b, S) if snd == g]
             else:  # this rank receives from stage ins.stage
-                tp_o, dp_o = layouts[ins.stage]
-                peers = [(rank_of(ins.stage, j, tp_index % tp_o), first, n) for j, first, n in _overlaps(b, mine, dp_o)]
-            shapes = _rows_dim(ins.buffer_shapes, 1, mine[1])
-            for peer, first, n in sorted(peers):
-                instrs.append(dataclasses.replace(ins, peer=peer, buffer_shapes=shapes, batch_slice=(first, n)))
-        out.append(dataclasses.replace(base, rank=g, num_ranks=world, instructions=instrs,
-                                       batch_split=(dp_index, dp)))
+                peers = [(snd, sl) for snd, r, sl in pieces(src, dst, b, S) if r == g]
+            shapes = _local_shapes(ins.buffer_shapes, mine[1], seq_parts[stage])
+            for peer, sl in sorted(peers):
+                instrs.append(dataclasses.replace(ins, peer=peer, buffer_shapes=shapes, batch_slice=sl))
+        split = (dp_index, dp) + ((tp_index, tp) if seq_parts[stage] > 1 else ())
+        out.append(dataclasses.replace(base, rank=g, num_ranks=world, instructions=instrs, batch_split=split))
     return out
 
 
-def layout_pass(layouts: Layout):
+def layout_pass(layouts: Layout, sequence_parallel: bool = False):
     """`FixedBatchPlanner` plan pass for a heterogeneous stage layout."""
-    return lambda plans: split_plans(plans, layouts)
+    return lambda plans: split_plans(plans, layouts, sequence_parallel)

@@ -187,9 +187,7 @@ def test_flag_fills_a_heterogeneous_layout(tmp_path, capsys):
     cfg = parse_args(_args(path), world_size=4)
     assert cfg.parallel.stage_parallel == [[2, 1], [1, 2]] and cfg.parallel.tensor_model_parallel_size == 2
     assert cfg.training.micro_batch_size == 4 and cfg.num_microbatches == 2
-    with pytest.raises(SystemExit):
-        parse_args(_args(path, "--use-distributed-optimizer"), world_size=4)
-    assert "do not support --use-distributed-optimizer" in capsys.readouterr().err
+    assert parse_args(_args(path, "--use-distributed-optimizer"), world_size=4).training.use_distributed_optimizer
     json.dump(hetero_dict([1, 3], [(2, 1), (1, 2)], mbs=4, gbs=8), open(path, "w"))
     with pytest.raises(SystemExit):
         parse_args(_args(path, "--num-attention-heads", "3", "--hidden-size", "33"), world_size=4)

@@ -158,14 +158,18 @@ def _sliced_plans(rng):
 
 
 def _split_plans(rng):
-    """Stages with their own TP/DP sizes: one plan per global rank, row-sliced messages."""
+    """Stages with their own TP/DP sizes: one plan per global rank, row-sliced messages; with
+    sequence parallelism blocks of rows x tokens, and some gradient messages compressed."""
+    from megatron.compression.pipeline import mark_compressed_grads
     from megatron.planner.hetero import split_plans
     layouts = rng.choice([((2, 1), (1, 2)), ((1, 2), (1, 1)), ((1, 1), (2, 1)), ((1, 2), (2, 1), (1, 1)),
-                          ((1, 4), (2, 2))])
+                          ((1, 4), (2, 2)), ((4, 1), (2, 1))])
     m = rng.randint(1, 5)
     plans = build_static_plans(rng.choice(["1f1b", "gpipe"]), m, len(layouts), 1, [((4, 8),)] * m,
                                lambda mb, stage: ((8, 4, 8),))
-    return split_plans(plans, layouts)
+    if rng.random() < 0.5:
+        plans = mark_compressed_grads(plans, 2, epilogue_only=rng.random() < 0.5)
+    return split_plans(plans, layouts, sequence_parallel=rng.random() < 0.5)
 
 
 def _sliced_split_plans(rng):
@@ -183,15 +187,20 @@ def _mutate_attribute(rng, plans):
     split = bool(plans[0].batch_split)
     kinds = ["compress_one_end", "compress_activation"] + (["slice_offset", "slice_length", "slice_dropped"]
                                                             if sliced else [])
-    kinds += ["rows_shifted", "rows_grown", "rows_dropped"] if split else []
+    kinds += ["rows_shifted", "rows_grown", "rows_dropped", "tokens_shifted", "tokens_grown"] if split else []
     kind = rng.choice(kinds)
-    if kind.startswith("rows_"):  # one end of a row-sliced message names other rows
+    if kind.startswith(("rows_", "tokens_")):  # one end of a row-sliced message names other rows / tokens
         hit = _pick(rng, plans, COMM)
         if hit:
             x = plans[hit[0]].instructions[hit[1]]
-            first, count = x.batch_slice
-            new = {"rows_shifted": (first + 1, count) if first == 0 else (first - 1, count),
-                   "rows_grown": (first, count + 1), "rows_dropped": ()}[kind]
+            first, count = x.batch_slice[:2]
+            tok, ntok = x.batch_slice[2:] if len(x.batch_slice) == 4 else (0, x.buffer_shapes[0][0])
+            new = {"rows_shifted": (first + 1, count, tok, ntok) if first == 0 else (first - 1, count, tok, ntok),
+                   "rows_grown": (first, count + 1, tok, ntok), "rows_dropped": (),
+                   "tokens_shifted": (first, count, tok + 1 if tok == 0 else tok - 1, ntok),
+                   "tokens_grown": (first, count, tok, ntok + 1)}[kind]
+            if len(x.batch_slice) == 2 and kind.startswith("rows_") and new:
+                new = new[:2]
             plans[hit[0]].instructions[hit[1]] = dataclasses.replace(x, batch_slice=new)
         return kind if hit else None
     if kind == "compress_one_end":  # one of the four instructions of a gradient message disagrees

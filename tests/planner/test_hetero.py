@@ -99,11 +99,15 @@ def test_validator_rejects_bad_batch_splits():
     with pytest.raises(PlanValidationError, match="all plans or none"):
         validate_plans(plans)
 
-    plans = list(base)  # compressed pieces
-    _edit(plans, 0, lambda i: isinstance(i, (I.SendGradStart, I.SendGradFinish, I.RecvGradStart,
-                                             I.RecvGradFinish)), compress_rank=2)
-    with pytest.raises(PlanValidationError, match="compress"):
+    plans = list(base)  # compressed pieces on one end only (both ends compressed is valid)
+    grads = lambda i: isinstance(i, (I.SendGradStart, I.SendGradFinish, I.RecvGradStart,  # noqa: E731
+                                     I.RecvGradFinish))
+    _edit(plans, 0, grads, compress_rank=2)
+    with pytest.raises(PlanValidationError, match="does not match"):
         validate_plans(plans)
+    for r in (1, 2):
+        _edit(plans, r, grads, compress_rank=2)
+    validate_plans(plans)
 
 
 def test_micro_batch_must_divide_over_every_stage_dp():
