@@ -313,9 +313,11 @@ class Trainer:
                     allreduce_replicated_grads(params, group, ps.tp_rank == 0)
                     tied |= {id(p) for p in params}
             dp_params = [p for p in dp_params if id(p) not in tied]
-            if getattr(self.optimizer, "reduces_data_parallel_grads", False) and ps.dp_rank:
+            if getattr(self.optimizer, "reduces_data_parallel_grads", False) and ps.dp_rank \
+                    and self.fused_embedding_group is None:
                 # The distributed optimizer reduce-scatters every gradient over DP, the tied ones
-                # too: one replica carries the (already complete) sum, exactly.
+                # too: one replica carries the (already complete) sum, exactly. (After the fused
+                # sync it cuts their shard locally instead: `grads_reduced` below.)
                 for p in self.tied_params:
                     p.grad.zero_()
         elif self.emb_reducer is not None:
