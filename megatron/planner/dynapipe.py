@@ -3,13 +3,14 @@ recompute level, schedule and per-pipeline-rank `ExecutionPlan`s.
 
 Steps per iteration (`DynaPipePlanner.plan`):
 1. order the samples (GPT: longest first; T5: cluster + tour order over (input, target)
-   lengths, `partitioner.order_clustered`, optionally plain lexicographic order as a second
+   lengths, `partitioner.order_clustered`, and plain lexicographic order as a second
    candidate), pad lengths to `pad_multiple`;
 2. for each recompute level: build the segment-time matrix from the cost model under the
    per-micro-batch memory limit ("1F1B fit": the micro-batch fits with S - s copies in
    flight on stage s); if no partition fits, fall back to "single fit" (one micro-batch
    fits), which only the memory-admitting adaptive schedule can run; cut optimally
-   (`partitioner.optimal_partition`) and split across DP groups (Karmarkar-Karp);
+   (`partitioner.optimal_partition`; T5: balancing the encoder and decoder halves' totals,
+   `stage_loads.balanced_partition`) and split across DP groups (Karmarkar-Karp);
 3. per DP group, search schedules x micro-batch orders (`schedules.search`: first-round
    orders, every order of 3 cost clusters, every order outright for tiny groups), levels in
    increasing partition objective so that the best makespan so far prunes the rest;
@@ -30,6 +31,7 @@ from megatron.planner.attention_cost import AttentionCost
 from megatron.planner.cost_model import RECOMPUTE_LEVELS, CostModel
 from megatron.planner.schedules import ScheduleChoice, lower_bound, search
 from megatron.planner.simulator import PipelineCosts
+from megatron.planner.stage_loads import balanced_partition
 from megatron.planner.stage_memory import (compose, encoder_end_memory, postprocess_memory, preprocess_memory,
                                             tied_head_grad_mb, with_tied_head)
 
@@ -86,7 +88,9 @@ class DynaPipeConfig:
     order_clusters: int = 3
     exhaustive_orders_up_to: int = 4
     refine_skip_gap: float = 0.005  # skip the full search where the quick one is this close to the lower bound
-    t5_lexicographic_order: bool = False
+    # T5: also cut the lexicographic order (input length first) and keep the better objective;
+    # it wins where the encoder stages are the bottleneck (long inputs), ~1.3x the planning time.
+    t5_lexicographic_order: bool = True
     dtype: str = "float32"
     emit_plans: bool = True
     # Also search micro-batches of packed rows run with per-document attention
@@ -308,15 +312,16 @@ class DynaPipePlanner:
         (size, padded enc max, padded dec max) and the maxima are running maxima along the
         order, so the block is a few numpy passes; distinct shapes are costed once and kept
         in a per-(recompute, fit) cache across iterations (sorted int64 keys, looked up with
-        `searchsorted`: only shapes never seen before are interpolated)."""
+        `searchsorted`: only shapes never seen before are interpolated). Per entry: the
+        bottleneck time and the slowest encoder-side and decoder-side stage (`segment_times`)."""
         N = len(enc)
         idx = np.arange(N)[:, None] + np.arange(m1)[None, :]
         e = np.maximum.accumulate(enc[np.minimum(idx, N - 1)], axis=1)[:, m0:]
         d = np.maximum.accumulate(dec[np.minimum(idx, N - 1)], axis=1)[:, m0:]
         m = np.arange(m0 + 1, m1 + 1, dtype=np.int64)[None, :]
         key = ((m << 42) | (e.astype(np.int64) << 21) | d.astype(np.int64)).ravel()
-        ck, cv = self._cache.get(("t5", rc, fit), (np.zeros(0, np.int64), np.zeros(0)))
-        t = np.empty(len(key))
+        ck, cv = self._cache.get(("t5", rc, fit), (np.zeros(0, np.int64), np.zeros((0, 3))))
+        t = np.empty((len(key), 3))
         if len(ck):  # warm cache: look every key up directly (no sort of the whole block)
             pos = np.minimum(np.searchsorted(ck, key), len(ck) - 1)
             hit = ck[pos] == key
@@ -327,26 +332,31 @@ class DynaPipePlanner:
             miss, inv = np.unique(key[~hit], return_inverse=True)
             sc = self.stage_costs(rc, (miss >> 42).astype(float), ((miss >> 21) & 0x1FFFFF).astype(float),
                                   (miss & 0x1FFFFF).astype(float))
-            tm = np.where(self._feasible(sc, fit), (sc["fwd"] + sc["bwd"]).max(axis=0), np.inf)
+            st, h = sc["fwd"] + sc["bwd"], max(1, self.S // 2)  # per stage; encoder stages first
+            sides = np.stack([st.max(axis=0), st[:h].max(axis=0), st[h:].max(axis=0) if self.S > 1 else st[0]], -1)
+            tm = np.where(self._feasible(sc, fit)[:, None], sides, np.inf)
             t[~hit] = tm[inv]
             if len(ck) + len(miss) > self.T5_CACHE_ENTRIES:
-                ck, cv = np.zeros(0, np.int64), np.zeros(0)
+                ck, cv = np.zeros(0, np.int64), np.zeros((0, 3))
             allk = np.concatenate([ck, miss])
             s = np.argsort(allk, kind="stable")
             self._cache[("t5", rc, fit)] = (allk[s], np.concatenate([cv, tm])[s])
-        return t.reshape(e.shape)
+        return t.reshape(e.shape + (3,))
 
-    def segment_times(self, rc: str, fit: str, enc: np.ndarray, dec: Optional[np.ndarray]) -> np.ndarray:
-        """Segment-time matrix for samples already in planning order, padded."""
+    def segment_times(self, rc: str, fit: str, enc: np.ndarray, dec: Optional[np.ndarray],
+                      sides: bool = False) -> np.ndarray:
+        """Segment-time matrix for samples already in planning order, padded. `sides` (T5
+        with encoder and decoder stages): (N, M, 3), the bottleneck time and the slowest
+        encoder-side and decoder-side stage's time of each segment."""
         if dec is None:
             return self._gpt_segments(rc, fit, enc)
         N, M = len(enc), min(32, len(enc))
         T = self._t5_segments(rc, fit, enc, dec, 0, M)
-        while M < N and np.isfinite(T[:, -1]).any():  # grow until a whole column is infeasible
+        while M < N and np.isfinite(T[:, -1, 0]).any():  # grow until a whole column is infeasible
             M2 = min(N, 2 * M)
             T = np.concatenate([T, self._t5_segments(rc, fit, enc, dec, M, M2)], axis=1)
             M = M2
-        return T
+        return T if sides and self.S > 1 else T[..., 0]
 
     # ---- planning ---------------------------------------------------------------------
     def _pad(self, x, extra=0):
@@ -367,7 +377,7 @@ class DynaPipePlanner:
         else:
             pairs = np.asarray(lengths, dtype=np.int64).reshape(-1, 2)
             orders = [part.order_clustered(pairs)]
-            if c.t5_lexicographic_order:  # a second candidate order: ~2x the partition time
+            if c.t5_lexicographic_order:  # a second candidate order (see the config field)
                 orders.append(part.order_lexicographic(pairs))
             enc_all, dec_all = self._pad(pairs[:, 0]), self._pad(pairs[:, 1], c.decoder_extra_tokens)
         best = None  # (makespan, rc, fit, order, partition, groups[(mb_ids, ScheduleChoice)])
@@ -428,9 +438,12 @@ class DynaPipePlanner:
         for order in orders:
             enc = enc_all[order]
             dec = None if dec_all is None else dec_all[order]
-            T = self.segment_times(rc, fit, enc, dec)
+            T = self.segment_times(rc, fit, enc, dec, sides=True)
             try:
-                p = part.optimal_partition(T, self.S, self.cfg.data_parallel)
+                if T.ndim == 3:  # T5: balance the encoder and the decoder half (stage_loads.py)
+                    p = balanced_partition(T[..., 0], T[..., 1], T[..., 2], self.S, self.cfg.data_parallel)
+                else:
+                    p = part.optimal_partition(T, self.S, self.cfg.data_parallel)
             except part.PartitionError as e:
                 errors.append(f"recompute={rc}, fit={fit}: {e}")
                 continue
