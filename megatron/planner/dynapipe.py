@@ -88,6 +88,7 @@ class DynaPipeConfig:
     order_clusters: int = 3
     exhaustive_orders_up_to: int = 4
     refine_skip_gap: float = 0.005  # skip the full search where the quick one is this close to the lower bound
+    refine_spread: float = 0.03  # refine every candidate partition whose quick makespan is this close to the best
     # T5: also cut the lexicographic order (input length first) and keep the better objective;
     # it wins where the encoder stages are the bottleneck (long inputs), ~1.3x the planning time.
     t5_lexicographic_order: bool = True
@@ -387,19 +388,24 @@ class DynaPipePlanner:
             if not self.cm.has(c.tensor_parallel, rc):
                 continue
             for fit in ("1f1b", "single"):
-                cand = self._best_partition(rc, fit, orders, enc_all, dec_all, errors)
-                if cand is not None:
-                    cands.append((cand[1].objective, k, rc, fit) + cand)
+                got = self._partitions(rc, fit, orders, enc_all, dec_all, errors)
+                cands += [(p.objective, k, rc, fit, order, p) for order, p in got]
+                if got:
                     break  # "single" is only a fallback when no 1F1B-fit partition exists
         # Schedule the most promising level first: its makespan is the bound that lets
         # `search` skip the others (ties keep the lower recompute level, as before).
+        # Quick schedules rank the candidates; every one within `refine_spread` of the best is
+        # refined, since the full order search moves makespans by more than their gaps.
+        near, spread = [], 1.0 + c.refine_spread
         for _, _, rc, fit, order, p in sorted(cands, key=lambda x: (x[0], x[1])):
-            got = self._schedule_groups(rc, order, p, enc_all, dec_all, best[0] if best else np.inf)
-            if got is not None and (best is None or got[0] < best[0]):
-                best = (got[0], rc, fit, order, p, got[1])
+            got = self._schedule_groups(rc, order, p, enc_all, dec_all, best[0] * spread if best else np.inf)
+            if got is not None:
+                near.append((got[0], rc, fit, order, p, got[1]))
+                if best is None or got[0] < best[0]:
+                    best = near[-1]
         self._enc_all, self._dec_all = enc_all, dec_all
         if best is not None:
-            best = self._refine(best)
+            best = min((self._refine(x) for x in near if x[0] <= best[0] * spread), key=lambda x: x[0])
         if c.packed_rows:
             got = packed.search_packed(self, c.model_kind, lengths, self._packed_len(lengths),
                                        best[0] if best is not None else np.inf)
@@ -433,23 +439,26 @@ class DynaPipePlanner:
             padding_efficiency=sh.real_tokens / sh.computed_tokens, planning_ms=planning_ms,
             lowering_ms=(time.perf_counter() - t_start) * 1e3 - planning_ms, memory_fallback=False)
 
-    def _best_partition(self, rc, fit, orders, enc_all, dec_all, errors):
-        best = None
+    def _partitions(self, rc, fit, orders, enc_all, dec_all, errors):
+        """[(order, Partition)] to schedule. GPT: the best cut of its one order. T5: the
+        encoder/decoder-balanced cut of every order and, as a guard, the first order's cut by
+        the sum of per-micro-batch maxima (the objectives are estimates; the simulated
+        schedule decides, and the bound prunes the losers cheaply)."""
+        got = []
         for order in orders:
             enc = enc_all[order]
             dec = None if dec_all is None else dec_all[order]
             T = self.segment_times(rc, fit, enc, dec, sides=True)
             try:
                 if T.ndim == 3:  # T5: balance the encoder and the decoder half (stage_loads.py)
-                    p = balanced_partition(T[..., 0], T[..., 1], T[..., 2], self.S, self.cfg.data_parallel)
+                    got.append((order, balanced_partition(T[..., 0], T[..., 1], T[..., 2], self.S, self.cfg.data_parallel)))
+                    if order is orders[0]:
+                        got.append((order, part.optimal_partition(T[..., 0], self.S, self.cfg.data_parallel)))
                 else:
-                    p = part.optimal_partition(T, self.S, self.cfg.data_parallel)
+                    got.append((order, part.optimal_partition(T, self.S, self.cfg.data_parallel)))
             except part.PartitionError as e:
                 errors.append(f"recompute={rc}, fit={fit}: {e}")
-                continue
-            if best is None or p.objective < best[1].objective:
-                best = (order, p)
-        return best
+        return got
 
     def _mb_costs(self, rc, order, p, enc_all, dec_all) -> Tuple[PipelineCosts, list]:
         b = p.boundaries
