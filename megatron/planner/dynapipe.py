@@ -31,7 +31,7 @@ from megatron.planner.attention_cost import AttentionCost
 from megatron.planner.cost_model import RECOMPUTE_LEVELS, CostModel
 from megatron.planner.schedules import ScheduleChoice, lower_bound, search
 from megatron.planner.simulator import PipelineCosts
-from megatron.planner.stage_loads import balanced_partition
+from megatron.planner.stage_loads import t5_candidates
 from megatron.planner.stage_memory import (compose, encoder_end_memory, postprocess_memory, preprocess_memory,
                                             tied_head_grad_mb, with_tied_head)
 
@@ -88,7 +88,7 @@ class DynaPipeConfig:
     order_clusters: int = 3
     exhaustive_orders_up_to: int = 4
     refine_skip_gap: float = 0.005  # skip the full search where the quick one is this close to the lower bound
-    refine_spread: float = 0.03  # refine every candidate partition whose quick makespan is this close to the best
+    refine_spread: float = 0.07  # refine every candidate partition whose quick makespan is this close to the best
     # T5: also cut the lexicographic order (input length first) and keep the better objective;
     # it wins where the encoder stages are the bottleneck (long inputs), ~1.3x the planning time.
     t5_lexicographic_order: bool = True
@@ -175,6 +175,7 @@ class DynaPipePlanner:
         self.available = self._available_memory()
         self._cache = {}
         self.attention = AttentionCost(self.cm)
+        self._mb_memo = {}
 
     # ---- memory -----------------------------------------------------------------------
     def _available_memory(self) -> np.ndarray:
@@ -369,6 +370,7 @@ class DynaPipePlanner:
         matching, shapes); the trainer does it for the first --validate-plans-iters iterations."""
         t_start = time.perf_counter()
         c = self.cfg
+        self._mb_memo = {}
         if len(lengths) == 0:
             raise PlanningError(f"iteration {iteration}: empty batch")
         if c.model_kind == "gpt":
@@ -392,10 +394,9 @@ class DynaPipePlanner:
                 cands += [(p.objective, k, rc, fit, order, p) for order, p in got]
                 if got:
                     break  # "single" is only a fallback when no 1F1B-fit partition exists
-        # Schedule the most promising level first: its makespan is the bound that lets
-        # `search` skip the others (ties keep the lower recompute level, as before).
-        # Quick schedules rank the candidates; every one within `refine_spread` of the best is
-        # refined, since the full order search moves makespans by more than their gaps.
+        # Schedule the most promising level first: its makespan bounds (x spread) the others'
+        # searches. Candidates within `refine_spread` of the quick best are all refined: the full
+        # order search moves makespans by more than their gaps (ties keep the earlier one).
         near, spread = [], 1.0 + c.refine_spread
         for _, _, rc, fit, order, p in sorted(cands, key=lambda x: (x[0], x[1])):
             got = self._schedule_groups(rc, order, p, enc_all, dec_all, best[0] * spread if best else np.inf)
@@ -440,10 +441,7 @@ class DynaPipePlanner:
             lowering_ms=(time.perf_counter() - t_start) * 1e3 - planning_ms, memory_fallback=False)
 
     def _partitions(self, rc, fit, orders, enc_all, dec_all, errors):
-        """[(order, Partition)] to schedule. GPT: the best cut of its one order. T5: the
-        encoder/decoder-balanced cut of every order and, as a guard, the first order's cut by
-        the sum of per-micro-batch maxima (the objectives are estimates; the simulated
-        schedule decides, and the bound prunes the losers cheaply)."""
+        """[(order, Partition)] to schedule: GPT's best cut, T5's `t5_candidates` per order."""
         got = []
         for order in orders:
             enc = enc_all[order]
@@ -451,9 +449,7 @@ class DynaPipePlanner:
             T = self.segment_times(rc, fit, enc, dec, sides=True)
             try:
                 if T.ndim == 3:  # T5: balance the encoder and the decoder half (stage_loads.py)
-                    got.append((order, balanced_partition(T[..., 0], T[..., 1], T[..., 2], self.S, self.cfg.data_parallel)))
-                    if order is orders[0]:
-                        got.append((order, part.optimal_partition(T[..., 0], self.S, self.cfg.data_parallel)))
+                    got += [(order, q) for q in t5_candidates(T, self.S, self.cfg.data_parallel, order is orders[0])]
                 else:
                     got.append((order, part.optimal_partition(T, self.S, self.cfg.data_parallel)))
             except part.PartitionError as e:
@@ -461,6 +457,13 @@ class DynaPipePlanner:
         return got
 
     def _mb_costs(self, rc, order, p, enc_all, dec_all) -> Tuple[PipelineCosts, list]:
+        # Once per candidate and plan (the entry keeps its objects, so their ids stay unique).
+        key = (rc, id(order), id(p), id(enc_all))
+        if key not in self._mb_memo:
+            self._mb_memo[key] = ((order, p, enc_all), self._mb_costs_uncached(rc, order, p, enc_all, dec_all))
+        return self._mb_memo[key][1]
+
+    def _mb_costs_uncached(self, rc, order, p, enc_all, dec_all) -> Tuple[PipelineCosts, list]:
         b = p.boundaries
         samples = [order[b[k]:b[k + 1]] for k in range(len(b) - 1)]
         mbs = np.array([len(s) for s in samples], float)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from typing import List
+
 from megatron.planner.partitioner import Partition, optimal_partition
 
 BISECTION_STEPS = 2
@@ -74,3 +76,15 @@ def balanced_partition(seg_time: np.ndarray, enc: np.ndarray, dec: np.ndarray, n
         else:
             hi = mid
     return best
+
+
+def t5_candidates(sides: np.ndarray, num_stages: int, dp: int, guard: bool) -> List[Partition]:
+    """The cuts DynaPipe schedules for one T5 order: the balanced one and, with `guard`, the
+    cut by the sum of per-micro-batch maxima where it differs (both objectives are
+    estimates; the simulated schedule decides). `sides`: `segment_times(..., sides=True)`."""
+    got = [balanced_partition(sides[..., 0], sides[..., 1], sides[..., 2], num_stages, dp)]
+    if guard:
+        old = optimal_partition(sides[..., 0], num_stages, dp)
+        if old.boundaries != got[0].boundaries:
+            got.append(old)
+    return got
