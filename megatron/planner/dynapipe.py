@@ -466,9 +466,9 @@ class DynaPipePlanner:
     def _mb_costs_uncached(self, rc, order, p, enc_all, dec_all) -> Tuple[PipelineCosts, list]:
         b = p.boundaries
         samples = [order[b[k]:b[k + 1]] for k in range(len(b) - 1)]
-        mbs = np.array([len(s) for s in samples], float)
-        enc = np.array([enc_all[s].max() for s in samples], float)
-        dec = None if dec_all is None else np.array([dec_all[s].max() for s in samples], float)
+        mbs, starts = np.diff(b).astype(float), np.asarray(b[:-1])
+        enc = np.maximum.reduceat(enc_all[order], starts).astype(float)
+        dec = None if dec_all is None else np.maximum.reduceat(dec_all[order], starts).astype(float)
         sc = self.stage_costs(rc, mbs, enc, dec)
         costs = PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]),
                               grad_comm=np.array(sc["grad_comm"]) if "grad_comm" in sc else None,

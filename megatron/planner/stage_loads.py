@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from typing import List
+from typing import List, Optional
 
 from megatron.planner.partitioner import Partition, optimal_partition
 
-BISECTION_STEPS = 2
+BISECTION_STEPS = 1
 
 
 def _sides(p: Partition, enc: np.ndarray, dec: np.ndarray):
@@ -37,19 +37,21 @@ def _sides(p: Partition, enc: np.ndarray, dec: np.ndarray):
 
 
 def balanced_partition(seg_time: np.ndarray, enc: np.ndarray, dec: np.ndarray, num_stages: int,
-                       dp: int = 1) -> Partition:
+                       dp: int = 1, plain: Optional[Partition] = None) -> Partition:
     """Minimise ``(S-1)*t_max + max(E, D)/dp`` over contiguous partitions (exact where one half
     is the bottleneck at its own optimum, else the best of a short bisection; see above).
 
     `seg_time`, `enc`, `dec`: (N, M) like `optimal_partition`'s: the bottleneck time of each
     segment and its slowest encoder-side and decoder-side stage. The returned Partition's
     `times` are bottleneck times (the DP-group split balances those), `objective` the
-    balanced one, `loads` the weighted loads the winning cut summed."""
+    balanced one, `loads` the weighted loads the winning cut summed. `plain`: the sum-of-maxima
+    cut, when the caller has it already."""
     A, B = float(num_stages - 1), 1.0 / dp
 
     def run(lam):
         if lam is None:
-            p = optimal_partition(seg_time, num_stages, dp)
+            p = plain if plain is not None else optimal_partition(seg_time, num_stages, dp)
+            p = Partition(p.boundaries, p.times, p.objective, p.loads)  # the caller keeps its objective
         else:
             with np.errstate(invalid="ignore"):  # inf * 0 where a segment is infeasible anyway
                 load = lam * enc + (1.0 - lam) * dec
@@ -82,9 +84,8 @@ def t5_candidates(sides: np.ndarray, num_stages: int, dp: int, guard: bool) -> L
     """The cuts DynaPipe schedules for one T5 order: the balanced one and, with `guard`, the
     cut by the sum of per-micro-batch maxima where it differs (both objectives are
     estimates; the simulated schedule decides). `sides`: `segment_times(..., sides=True)`."""
-    got = [balanced_partition(sides[..., 0], sides[..., 1], sides[..., 2], num_stages, dp)]
-    if guard:
-        old = optimal_partition(sides[..., 0], num_stages, dp)
-        if old.boundaries != got[0].boundaries:
-            got.append(old)
+    old = optimal_partition(sides[..., 0], num_stages, dp) if guard else None
+    got = [balanced_partition(sides[..., 0], sides[..., 1], sides[..., 2], num_stages, dp, plain=old)]
+    if guard and old.boundaries != got[0].boundaries:
+        got.append(old)
     return got
