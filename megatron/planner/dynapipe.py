@@ -3,13 +3,14 @@ recompute level, schedule and per-pipeline-rank `ExecutionPlan`s.
 
 Steps per iteration (`DynaPipePlanner.plan`):
 1. order the samples (GPT: longest first; T5: cluster + tour order over (input, target)
-   lengths, `partitioner.order_clustered`, optionally plain lexicographic order as a second
+   lengths, `partitioner.order_clustered`, and plain lexicographic order as a second
    candidate), pad lengths to `pad_multiple`;
 2. for each recompute level: build the segment-time matrix from the cost model under the
    per-micro-batch memory limit ("1F1B fit": the micro-batch fits with S - s copies in
    flight on stage s); if no partition fits, fall back to "single fit" (one micro-batch
    fits), which only the memory-admitting adaptive schedule can run; cut optimally
-   (`partitioner.optimal_partition`) and split across DP groups (Karmarkar-Karp);
+   (`partitioner.optimal_partition`; T5: balancing the encoder and decoder halves' totals,
+   `stage_loads.balanced_partition`) and split across DP groups (Karmarkar-Karp);
 3. per DP group, search schedules x micro-batch orders (`schedules.search`: first-round
    orders, every order of 3 cost clusters, every order outright for tiny groups), levels in
    increasing partition objective so that the best makespan so far prunes the rest;
@@ -33,6 +34,7 @@ from megatron.planner.dynapipe_config import DynaPipeConfig  # noqa: F401 (the p
 from megatron.planner.dynapipe_layout import t5_split
 from megatron.planner.schedules import ScheduleChoice, lower_bound, search
 from megatron.planner.simulator import PipelineCosts
+from megatron.planner.stage_loads import t5_candidates
 from megatron.planner.stage_memory import (compose, encoder_end_memory, postprocess_memory, preprocess_memory,
                                             tied_head_grad_mb, with_tied_head)
 
@@ -94,6 +96,7 @@ class DynaPipePlanner:
         self.available = self._available_memory()
         self._cache = {}
         self.attention = AttentionCost(self.cm)
+        self._mb_memo = {}
 
     # ---- memory -----------------------------------------------------------------------
     def _available_memory(self) -> np.ndarray:
@@ -253,15 +256,16 @@ class DynaPipePlanner:
         (size, padded enc max, padded dec max) and the maxima are running maxima along the
         order, so the block is a few numpy passes; distinct shapes are costed once and kept
         in a per-(recompute, fit) cache across iterations (sorted int64 keys, looked up with
-        `searchsorted`: only shapes never seen before are interpolated)."""
+        `searchsorted`: only shapes never seen before are interpolated). Per entry: the
+        bottleneck time and the slowest encoder-side and decoder-side stage (`segment_times`)."""
         N = len(enc)
         idx = np.arange(N)[:, None] + np.arange(m1)[None, :]
         e = np.maximum.accumulate(enc[np.minimum(idx, N - 1)], axis=1)[:, m0:]
         d = np.maximum.accumulate(dec[np.minimum(idx, N - 1)], axis=1)[:, m0:]
         m = np.arange(m0 + 1, m1 + 1, dtype=np.int64)[None, :]
         key = ((m << 42) | (e.astype(np.int64) << 21) | d.astype(np.int64)).ravel()
-        ck, cv = self._cache.get(("t5", rc, fit), (np.zeros(0, np.int64), np.zeros(0)))
-        t = np.empty(len(key))
+        ck, cv = self._cache.get(("t5", rc, fit), (np.zeros(0, np.int64), np.zeros((0, 3))))
+        t = np.empty((len(key), 3))
         if len(ck):  # warm cache: look every key up directly (no sort of the whole block)
             pos = np.minimum(np.searchsorted(ck, key), len(ck) - 1)
             hit = ck[pos] == key
@@ -272,26 +276,31 @@ class DynaPipePlanner:
             miss, inv = np.unique(key[~hit], return_inverse=True)
             sc = self.stage_costs(rc, (miss >> 42).astype(float), ((miss >> 21) & 0x1FFFFF).astype(float),
                                   (miss & 0x1FFFFF).astype(float))
-            tm = np.where(self._feasible(sc, fit), (sc["fwd"] + sc["bwd"]).max(axis=0), np.inf)
+            st, h = sc["fwd"] + sc["bwd"], self.split or max(1, self.S // 2)  # per stage; encoder stages first
+            sides = np.stack([st.max(axis=0), st[:h].max(axis=0), st[h:].max(axis=0) if self.S > 1 else st[0]], -1)
+            tm = np.where(self._feasible(sc, fit)[:, None], sides, np.inf)
             t[~hit] = tm[inv]
             if len(ck) + len(miss) > self.T5_CACHE_ENTRIES:
-                ck, cv = np.zeros(0, np.int64), np.zeros(0)
+                ck, cv = np.zeros(0, np.int64), np.zeros((0, 3))
             allk = np.concatenate([ck, miss])
             s = np.argsort(allk, kind="stable")
             self._cache[("t5", rc, fit)] = (allk[s], np.concatenate([cv, tm])[s])
-        return t.reshape(e.shape)
+        return t.reshape(e.shape + (3,))
 
-    def segment_times(self, rc: str, fit: str, enc: np.ndarray, dec: Optional[np.ndarray]) -> np.ndarray:
-        """Segment-time matrix for samples already in planning order, padded."""
+    def segment_times(self, rc: str, fit: str, enc: np.ndarray, dec: Optional[np.ndarray],
+                      sides: bool = False) -> np.ndarray:
+        """Segment-time matrix for samples already in planning order, padded. `sides` (T5
+        with encoder and decoder stages): (N, M, 3), the bottleneck time and the slowest
+        encoder-side and decoder-side stage's time of each segment."""
         if dec is None:
             return self._gpt_segments(rc, fit, enc)
         N, M = len(enc), min(32, len(enc))
         T = self._t5_segments(rc, fit, enc, dec, 0, M)
-        while M < N and np.isfinite(T[:, -1]).any():  # grow until a whole column is infeasible
+        while M < N and np.isfinite(T[:, -1, 0]).any():  # grow until a whole column is infeasible
             M2 = min(N, 2 * M)
             T = np.concatenate([T, self._t5_segments(rc, fit, enc, dec, M, M2)], axis=1)
             M = M2
-        return T
+        return T if sides and self.S > 1 else T[..., 0]
 
     # ---- planning ---------------------------------------------------------------------
     def _pad(self, x, extra=0):
@@ -303,6 +312,7 @@ class DynaPipePlanner:
         matching, shapes); the trainer does it for the first --validate-plans-iters iterations."""
         t_start = time.perf_counter()
         c = self.cfg
+        self._mb_memo = {}
         if len(lengths) == 0:
             raise PlanningError(f"iteration {iteration}: empty batch")
         if c.model_kind == "gpt":
@@ -312,7 +322,7 @@ class DynaPipePlanner:
         else:
             pairs = np.asarray(lengths, dtype=np.int64).reshape(-1, 2)
             orders = [part.order_clustered(pairs)]
-            if c.t5_lexicographic_order:  # a second candidate order: ~2x the partition time
+            if c.t5_lexicographic_order:  # a second candidate order (see the config field)
                 orders.append(part.order_lexicographic(pairs))
             enc_all, dec_all = self._pad(pairs[:, 0]), self._pad(pairs[:, 1], c.decoder_extra_tokens)
         best = None  # (makespan, rc, fit, order, partition, groups[(mb_ids, ScheduleChoice)])
@@ -322,19 +332,23 @@ class DynaPipePlanner:
             if not all(self.cm.has(tp, rc) for tp in set(self.stage_tp)):
                 continue
             for fit in ("1f1b", "single"):
-                cand = self._best_partition(rc, fit, orders, enc_all, dec_all, errors)
-                if cand is not None:
-                    cands.append((cand[1].objective, k, rc, fit) + cand)
+                got = self._partitions(rc, fit, orders, enc_all, dec_all, errors)
+                cands += [(p.objective, k, rc, fit, order, p) for order, p in got]
+                if got:
                     break  # "single" is only a fallback when no 1F1B-fit partition exists
-        # Schedule the most promising level first: its makespan is the bound that lets
-        # `search` skip the others (ties keep the lower recompute level, as before).
+        # Schedule the most promising level first: its makespan bounds (x spread) the others'
+        # searches. Candidates within `refine_spread` of the quick best are all refined: the full
+        # order search moves makespans by more than their gaps (ties keep the earlier one).
+        near, spread = [], 1.0 + c.refine_spread
         for _, _, rc, fit, order, p in sorted(cands, key=lambda x: (x[0], x[1])):
-            got = self._schedule_groups(rc, order, p, enc_all, dec_all, best[0] if best else np.inf)
-            if got is not None and (best is None or got[0] < best[0]):
-                best = (got[0], rc, fit, order, p, got[1])
+            got = self._schedule_groups(rc, order, p, enc_all, dec_all, best[0] * spread if best else np.inf)
+            if got is not None:
+                near.append((got[0], rc, fit, order, p, got[1]))
+                if best is None or got[0] < best[0]:
+                    best = near[-1]
         self._enc_all, self._dec_all = enc_all, dec_all
         if best is not None:
-            best = self._refine(best)
+            best = min((self._refine(x) for x in near if x[0] <= best[0] * spread), key=lambda x: x[0])
         if c.token_slices and c.model_kind == "gpt":
             from megatron.planner.dynapipe_slicing import plan_sliced
             got = plan_sliced(self, best, cands, orders, lengths, iteration, t_start, validate)
@@ -373,27 +387,35 @@ class DynaPipePlanner:
             padding_efficiency=sh.real_tokens / sh.computed_tokens, planning_ms=planning_ms,
             lowering_ms=(time.perf_counter() - t_start) * 1e3 - planning_ms, memory_fallback=False)
 
-    def _best_partition(self, rc, fit, orders, enc_all, dec_all, errors):
-        best = None
+    def _partitions(self, rc, fit, orders, enc_all, dec_all, errors):
+        """[(order, Partition)] to schedule: GPT's best cut, T5's `t5_candidates` per order."""
+        got = []
         for order in orders:
             enc = enc_all[order]
             dec = None if dec_all is None else dec_all[order]
-            T = self.segment_times(rc, fit, enc, dec)
+            T = self.segment_times(rc, fit, enc, dec, sides=True)
             try:
-                p = part.optimal_partition(T, self.S, self.cfg.data_parallel)
+                if T.ndim == 3:  # T5: balance the encoder and the decoder half (stage_loads.py)
+                    got += [(order, q) for q in t5_candidates(T, self.S, self.cfg.data_parallel, order is orders[0])]
+                else:
+                    got.append((order, part.optimal_partition(T, self.S, self.cfg.data_parallel)))
             except part.PartitionError as e:
                 errors.append(f"recompute={rc}, fit={fit}: {e}")
-                continue
-            if best is None or p.objective < best[1].objective:
-                best = (order, p)
-        return best
+        return got
 
     def _mb_costs(self, rc, order, p, enc_all, dec_all) -> Tuple[PipelineCosts, list]:
+        # Once per candidate and plan (the entry keeps its objects, so their ids stay unique).
+        key = (rc, id(order), id(p), id(enc_all))
+        if key not in self._mb_memo:
+            self._mb_memo[key] = ((order, p, enc_all), self._mb_costs_uncached(rc, order, p, enc_all, dec_all))
+        return self._mb_memo[key][1]
+
+    def _mb_costs_uncached(self, rc, order, p, enc_all, dec_all) -> Tuple[PipelineCosts, list]:
         b = p.boundaries
         samples = [order[b[k]:b[k + 1]] for k in range(len(b) - 1)]
-        mbs = np.array([len(s) for s in samples], float)
-        enc = np.array([enc_all[s].max() for s in samples], float)
-        dec = None if dec_all is None else np.array([dec_all[s].max() for s in samples], float)
+        mbs, starts = np.diff(b).astype(float), np.asarray(b[:-1])
+        enc = np.maximum.reduceat(enc_all[order], starts).astype(float)
+        dec = None if dec_all is None else np.maximum.reduceat(dec_all[order], starts).astype(float)
         sc = self.stage_costs(rc, mbs, enc, dec)
         costs = PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]),
                               grad_comm=np.array(sc["grad_comm"]) if "grad_comm" in sc else None,

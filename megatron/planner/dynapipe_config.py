@@ -59,7 +59,10 @@ class DynaPipeConfig:
     order_clusters: int = 3
     exhaustive_orders_up_to: int = 4
     refine_skip_gap: float = 0.005  # skip the full search where the quick one is this close to the lower bound
-    t5_lexicographic_order: bool = False
+    refine_spread: float = 0.07  # refine every candidate partition whose quick makespan is this close to the best
+    # T5: also cut the lexicographic order (input length first); it wins where the encoder
+    # stages are the bottleneck (long inputs). Costs a second segment matrix per recompute level.
+    t5_lexicographic_order: bool = True
     dtype: str = "float32"
     emit_plans: bool = True
     # Also search micro-batches of packed rows run with per-document attention

@@ -18,38 +18,58 @@ namespace py = pybind11;
 
 namespace {
 
-py::array_t<double> min_sums(py::array_t<double, py::array::c_style | py::array::forcecast> T,
-                             py::array_t<double, py::array::c_style | py::array::forcecast> taus) {
+// The sums run over L (the segments' load) while the cap applies to T; min_sums passes T as L.
+void min_sums_core(const double* t, const double* l, std::size_t N, std::size_t M, const double* tau, std::size_t K,
+                   double* o) {
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<double> F(N + 1);
+  for (std::size_t k = 0; k < K; ++k) {
+    std::fill(F.begin(), F.end(), inf);
+    F[0] = 0.0;
+    const double limit = tau[k];
+    for (std::size_t i = 0; i < N; ++i) {
+      const double base = F[i];
+      if (base == inf) continue;
+      const double* row = t + i * M;
+      const double* lrow = l + i * M;
+      const std::size_t w = std::min(M, N - i);
+      for (std::size_t m = 0; m < w; ++m) {
+        if (row[m] <= limit) {
+          const double c = base + lrow[m];
+          if (c < F[i + 1 + m]) F[i + 1 + m] = c;
+        }
+      }
+    }
+    o[k] = F[N];
+  }
+}
+
+using Mat = py::array_t<double, py::array::c_style | py::array::forcecast>;
+
+py::array_t<double> min_sums(Mat T, Mat taus) {
   if (T.ndim() != 2 || taus.ndim() != 1) throw std::invalid_argument("min_sums: T must be (N, M), taus (K,)");
   const auto N = static_cast<std::size_t>(T.shape(0)), M = static_cast<std::size_t>(T.shape(1));
   const auto K = static_cast<std::size_t>(taus.shape(0));
-  const double* t = T.data();
-  const double* tau = taus.data();
-  const double inf = std::numeric_limits<double>::infinity();
   py::array_t<double> out(static_cast<py::ssize_t>(K));
   double* o = out.mutable_data();
-  std::vector<double> F(N + 1);
   {
     py::gil_scoped_release release;
-    for (std::size_t k = 0; k < K; ++k) {
-      std::fill(F.begin(), F.end(), inf);
-      F[0] = 0.0;
-      const double limit = tau[k];
-      for (std::size_t i = 0; i < N; ++i) {
-        const double base = F[i];
-        if (base == inf) continue;
-        const double* row = t + i * M;
-        const std::size_t w = std::min(M, N - i);
-        for (std::size_t m = 0; m < w; ++m) {
-          const double v = row[m];
-          if (v <= limit) {
-            const double c = base + v;
-            if (c < F[i + 1 + m]) F[i + 1 + m] = c;
-          }
-        }
-      }
-      o[k] = F[N];
-    }
+    min_sums_core(T.data(), T.data(), N, M, taus.data(), K, o);
+  }
+  return out;
+}
+
+// min_sums_load(T, L, taus): the same with the totals taken over L (T still caps the segments).
+py::array_t<double> min_sums_load(Mat T, Mat L, Mat taus) {
+  if (T.ndim() != 2 || taus.ndim() != 1 || L.ndim() != 2 || L.shape(0) != T.shape(0) || L.shape(1) != T.shape(1))
+    throw std::invalid_argument("min_sums_load: T and L must be (N, M), taus (K,)");
+  const auto N = static_cast<std::size_t>(T.shape(0)), M = static_cast<std::size_t>(T.shape(1));
+  const auto K = static_cast<std::size_t>(taus.shape(0));
+  py::array_t<double> out(static_cast<py::ssize_t>(K));
+  double* o = out.mutable_data();
+  {
+    py::gil_scoped_release release;
+    min_sums_core(T.data(), L.data(), N, M, taus.data(), K, o);
   }
   return out;
 }
@@ -73,10 +93,7 @@ double bottleneck(py::array_t<double, py::array::c_style | py::array::forcecast>
 
 // reconstruct(T, tau): the cuts [0, ..., N] of a partition with minimum total time whose
 // segments all take <= tau (ties: the earliest start that reached the minimum first).
-std::vector<int64_t> reconstruct(py::array_t<double, py::array::c_style | py::array::forcecast> T, double tau) {
-  if (T.ndim() != 2) throw std::invalid_argument("reconstruct: T must be (N, M)");
-  const auto N = static_cast<std::size_t>(T.shape(0)), M = static_cast<std::size_t>(T.shape(1));
-  const double* t = T.data();
+std::vector<int64_t> reconstruct_core(const double* t, const double* l, std::size_t N, std::size_t M, double tau) {
   const double inf = std::numeric_limits<double>::infinity();
   std::vector<double> F(N + 1, inf);
   std::vector<int64_t> parent(N + 1, -1);
@@ -84,8 +101,7 @@ std::vector<int64_t> reconstruct(py::array_t<double, py::array::c_style | py::ar
   for (std::size_t i = 0; i < N; ++i) {
     const std::size_t w = std::min(M, N - i);
     for (std::size_t m = 0; m < w; ++m) {
-      const double v = t[i * M + m];
-      const double cand = F[i] + (v <= tau ? v : inf);
+      const double cand = F[i] + (t[i * M + m] <= tau ? l[i * M + m] : inf);
       if (cand < F[i + 1 + m]) {
         F[i + 1 + m] = cand;
         parent[i + 1 + m] = static_cast<int64_t>(i);
@@ -100,6 +116,18 @@ std::vector<int64_t> reconstruct(py::array_t<double, py::array::c_style | py::ar
   }
   std::reverse(cuts.begin(), cuts.end());
   return cuts;
+}
+
+std::vector<int64_t> reconstruct(Mat T, double tau) {
+  if (T.ndim() != 2) throw std::invalid_argument("reconstruct: T must be (N, M)");
+  return reconstruct_core(T.data(), T.data(), static_cast<std::size_t>(T.shape(0)), static_cast<std::size_t>(T.shape(1)), tau);
+}
+
+// reconstruct_load(T, L, tau): the same with the total taken over L.
+std::vector<int64_t> reconstruct_load(Mat T, Mat L, double tau) {
+  if (T.ndim() != 2 || L.ndim() != 2 || L.shape(0) != T.shape(0) || L.shape(1) != T.shape(1))
+    throw std::invalid_argument("reconstruct_load: T and L must be (N, M)");
+  return reconstruct_core(T.data(), L.data(), static_cast<std::size_t>(T.shape(0)), static_cast<std::size_t>(T.shape(1)), tau);
 }
 
 // dp_for_caps (megatron/planner/terapipe.py, TeraPipe's slicing DP): for every cap k and end
@@ -300,6 +328,10 @@ PYBIND11_MODULE(partition_cpp, m) {
   m.doc() = "C++ inner loops of the DynaPipe partitioner and schedule search, and the TeraPipe slicing DP";
   m.def("min_sums", &min_sums, py::arg("T"), py::arg("taus"),
         "Per tau: minimum total segment time over partitions whose segments all take <= tau.");
+  m.def("min_sums_load", &min_sums_load, py::arg("T"), py::arg("L"), py::arg("taus"),
+        "Per tau: minimum total load L over partitions whose segments all take <= tau by T.");
+  m.def("reconstruct_load", &reconstruct_load, py::arg("T"), py::arg("L"), py::arg("tau"),
+        "Cuts of a minimum-load partition whose segments all take <= tau.");
   m.def("bottleneck", &bottleneck, py::arg("T"), "Smallest achievable slowest segment time.");
   m.def("reconstruct", &reconstruct, py::arg("T"), py::arg("tau"),
         "Cuts of a minimum-total partition whose segments all take <= tau.");

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -28,12 +28,16 @@ INF = np.inf
 
 from megatron.planner.native import cpp as _cpp
 
+# A build from before the load variants (the .so is rebuilt by `setup.py build_ext`): numpy then.
+_cpp_load = _cpp is not None and hasattr(_cpp, "min_sums_load")
+
 
 @dataclass
 class Partition:
     boundaries: List[int]  # [0, b1, ..., N]: micro-batch k is order[boundaries[k]:boundaries[k+1]]
     times: List[float]
     objective: float
+    loads: Optional[List[float]] = None  # per micro-batch, what the sum term counted (default: times)
 
     @property
     def num_microbatches(self) -> int:
@@ -48,19 +52,21 @@ def objective(times: Sequence[float], num_stages: int, dp: int) -> float:
     return (num_stages - 1) * max(times) + sum(times) / dp
 
 
-def _min_sums(T: np.ndarray, taus: np.ndarray) -> np.ndarray:
-    """g(tau) for every tau: min total segment time with all segments <= tau."""
-    if _cpp is not None:
+def _min_sums(T: np.ndarray, taus: np.ndarray, L: Optional[np.ndarray] = None) -> np.ndarray:
+    """g(tau) for every tau: min total segment time (of `L`, default T) with all segments <= tau."""
+    if _cpp is not None and L is None:
         return _cpp.min_sums(T, np.asarray(taus, dtype=np.float64))
-    return _min_sums_numpy(T, taus)
+    if _cpp_load:
+        return _cpp.min_sums_load(T, L, np.asarray(taus, dtype=np.float64))
+    return _min_sums_numpy(T, taus, L)
 
 
-def _min_sums_numpy(T: np.ndarray, taus: np.ndarray) -> np.ndarray:
+def _min_sums_numpy(T: np.ndarray, taus: np.ndarray, L: Optional[np.ndarray] = None) -> np.ndarray:
     N, M = T.shape
     K = len(taus)
     F = np.full((K, N + 1), INF)
     F[:, 0] = 0.0
-    masked = np.where(T[None, :, :] <= taus[:, None, None], T[None, :, :], INF)
+    masked = np.where(T[None, :, :] <= taus[:, None, None], T[None, :, :] if L is None else L[None, :, :], INF)
     for i in range(N):
         w = min(M, N - i)
         dst = F[:, i + 1:i + 1 + w]
@@ -98,18 +104,20 @@ def _first_stuck(T: np.ndarray) -> int:
     return int(np.argmin(reach)) - 1
 
 
-def _reconstruct(T: np.ndarray, tau: float) -> List[int]:
-    if _cpp is not None:
+def _reconstruct(T: np.ndarray, tau: float, L: Optional[np.ndarray] = None) -> List[int]:
+    if _cpp is not None and L is None:
         return [int(c) for c in _cpp.reconstruct(T, float(tau))]
-    return _reconstruct_numpy(T, tau)
+    if _cpp_load:
+        return [int(c) for c in _cpp.reconstruct_load(T, L, float(tau))]
+    return _reconstruct_numpy(T, tau, L)
 
 
-def _reconstruct_numpy(T: np.ndarray, tau: float) -> List[int]:
+def _reconstruct_numpy(T: np.ndarray, tau: float, L: Optional[np.ndarray] = None) -> List[int]:
     N, M = T.shape
     F = np.full(N + 1, INF)
     F[0] = 0.0
     parent = np.full(N + 1, -1, dtype=np.int64)
-    Tm = np.where(T <= tau, T, INF)
+    Tm = np.where(T <= tau, T if L is None else L, INF)
     for i in range(N):
         w = min(M, N - i)
         cand = F[i] + Tm[i, :w]
@@ -123,13 +131,19 @@ def _reconstruct_numpy(T: np.ndarray, tau: float) -> List[int]:
     return cuts[::-1]
 
 
-def optimal_partition(seg_time: np.ndarray, num_stages: int, dp: int = 1, batch_taus: int = 16) -> Partition:
+def optimal_partition(seg_time: np.ndarray, num_stages: int, dp: int = 1, batch_taus: int = 16,
+                      load: Optional[np.ndarray] = None) -> Partition:
     """Exactly minimise ``(num_stages-1)*t_max + sum(t)/dp`` over contiguous partitions.
 
     `seg_time` is (N, M): entry [i, m-1] is the time of segment [i, i+m) (inf = not allowed;
     entries with i+m > N are ignored). Raises PartitionError when no partition is feasible.
+    `load` (N, M), when given, replaces t in the sum term (t_max and feasibility still come
+    from seg_time), e.g. a weighted mix of stage times (`stage_loads.py`); exact for
+    ``(num_stages-1)*t_max + sum(load)/dp`` (the pruning only needs the minimum total to fall
+    as the cap grows, which holds for any load).
     """
     T = np.array(seg_time, dtype=np.float64)
+    Lm = None if load is None else np.array(load, dtype=np.float64)
     if T.ndim != 2 or T.shape[0] == 0:
         raise PartitionError("seg_time must be a non-empty (N, M) matrix")
     N, M = T.shape
@@ -139,6 +153,8 @@ def optimal_partition(seg_time: np.ndarray, num_stages: int, dp: int = 1, batch_
     T[over] = INF
     A, B = float(num_stages - 1), 1.0 / dp
 
+    if Lm is not None:
+        Lm = np.where(np.isfinite(T), Lm, INF)
     tau_min = _bottleneck(T)
     if not np.isfinite(tau_min):
         raise PartitionError(
@@ -147,7 +163,7 @@ def optimal_partition(seg_time: np.ndarray, num_stages: int, dp: int = 1, batch_
         )
     cands = np.unique(T[np.isfinite(T)])
     lo = int(np.searchsorted(cands, tau_min))
-    g_inf, g_lo = _min_sums(T, np.array([cands[-1], tau_min]))
+    g_inf, g_lo = _min_sums(T, np.array([cands[-1], tau_min]), Lm)
     best = A * tau_min + B * g_lo
     best_tau = tau_min
     if A > 0:
@@ -156,7 +172,8 @@ def optimal_partition(seg_time: np.ndarray, num_stages: int, dp: int = 1, batch_
         if hi > lo:
             T = np.where(T <= cands[hi], T, INF)  # larger segments can never be in a winner
             T = T[:, : int(np.isfinite(T).any(axis=0).nonzero()[0].max()) + 1]
-            known[hi] = float(_min_sums(T, cands[hi:hi + 1])[0])
+            Lm = None if Lm is None else np.ascontiguousarray(Lm[:, : T.shape[1]])
+            known[hi] = float(_min_sums(T, cands[hi:hi + 1], Lm)[0])
             if A * cands[hi] + B * known[hi] < best:
                 best, best_tau = A * cands[hi] + B * known[hi], cands[hi]
         while True:
@@ -177,7 +194,7 @@ def optimal_partition(seg_time: np.ndarray, num_stages: int, dp: int = 1, batch_
                 else:
                     new.update(a + 1 + (inner * (k + 1)) // (per + 1) for k in range(per))
             new = sorted(new)
-            g = _min_sums(T, cands[new])
+            g = _min_sums(T, cands[new], Lm)
             for x, gx in zip(new, g):
                 known[x] = float(gx)
                 h = A * cands[x] + B * gx
@@ -185,9 +202,12 @@ def optimal_partition(seg_time: np.ndarray, num_stages: int, dp: int = 1, batch_
                     best, best_tau = h, cands[x]
     else:
         best_tau = cands[-1]
-    cuts = _reconstruct(T, best_tau)
+    cuts = _reconstruct(T, best_tau, Lm)
     times = [float(T[a, b - a - 1]) for a, b in zip(cuts, cuts[1:])]
-    return Partition(cuts, times, objective(times, num_stages, dp))
+    if Lm is None:
+        return Partition(cuts, times, objective(times, num_stages, dp))
+    loads = [float(Lm[a, b - a - 1]) for a, b in zip(cuts, cuts[1:])]
+    return Partition(cuts, times, A * max(times) + B * sum(loads), loads)
 
 
 # ---- orderings ------------------------------------------------------------------------
