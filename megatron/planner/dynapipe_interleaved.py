@@ -179,6 +179,7 @@ class InterleavedDynaPipePlanner(DynaPipePlanner):
         self.split = self.enc_end = None
         self.available = self._available_memory()
         self._cache = {}
+        self._mb_memo = {}
         self._scheduled = {}  # id(partition) -> (partition, `_schedule_groups` result without a bound)
         self.attention = AttentionCost(self.cm)
         self.warmup = np.array([warmup_forwards(self.PP, self.v, r) for r in range(self.PP)], float)
@@ -224,6 +225,11 @@ class InterleavedDynaPipePlanner(DynaPipePlanner):
     # whose estimate fits but whose schedules do not would be dropped (there is no
     # memory-admitting interleaved schedule to fall back on).
     FIT_EXTRA = (0, 1, 2, 3, 4, 6, 8, 12, 16)
+
+    def _partitions(self, rc, fit, orders, enc_all, dec_all, errors):
+        """The base planner's hook: one candidate, the partition whose schedules fit."""
+        got = self._best_partition(rc, fit, orders, enc_all, dec_all, errors)
+        return [got] if got is not None else []
 
     def _best_partition(self, rc, fit, orders, enc_all, dec_all, errors):
         if fit != "1f1b":

@@ -121,7 +121,7 @@ class _SlicedCostPlanner:
     from megatron.planner.dynapipe import DynaPipePlanner as _P
     _gpt_segments = _P._gpt_segments
     segment_times = _P.segment_times
-    _best_partition = _P._best_partition
+    _partitions = _P._partitions
     _feasible = _P._feasible
     del _P
 
@@ -261,7 +261,8 @@ def _candidate_partitions(planner, cands, orders, enc_all):
         if rc == "full" or not planner.cm.has(planner.cfg.tensor_parallel, rc):
             continue
         for fit in ("1f1b", "single"):
-            got = sliced._best_partition(rc, fit, orders, enc_all, None, [])
+            got = min(sliced._partitions(rc, fit, orders, enc_all, None, []), key=lambda x: x[1].objective,
+                      default=None)
             if got is not None and not any(r == rc and p.boundaries == got[1].boundaries for r, _, p in out):
                 out.append((rc, got[0], got[1]))
     return out
