@@ -39,7 +39,8 @@ FEATURES: Dict[str, Feature] = {
                         cannot_test=("tp", "the shipped CPU cost model (cost_models/cpu_tiny_gpt.json) profiles TP 1 "
                                            "only, so no test here plans DynaPipe at TP > 1")),
     "terapipe": Feature("TeraPipe", ("--terapipe", "--terapipe-slices", "2"), frozenset({"pp"})),
-    "aceso": Feature("Aceso layout", (), aceso=True),
+    # its config (aceso_config) runs TP 2 x DP 1 then TP 1 x DP 2: every parallel dim is there
+    "aceso": Feature("Aceso layout", (), frozenset({"tp", "pp", "dp"}), aceso=True),
     "cb_lep": Feature("Optimus-CC CB/LEP", ("--inter-grad-comp", "--use-error-feedback"), frozenset({"pp"})),
     "powersgd": Feature("PowerSGD DP", ("--grad-comp",), frozenset({"dp"})),
     "embsync": Feature("fused embedding sync", ("--emb-comm-opt",), frozenset({"pp"})),
@@ -180,9 +181,10 @@ def smoke_groups(results: Dict[Tuple[str, str], Optional[str]]) -> List[Tuple[st
     names = list(FEATURES)
     groups: List[Tuple[str, ...]] = []
 
-    def fits(group):
+    def fits(group):  # (an Aceso config brings its own layout)
         needs = set().union(*(FEATURES[n].needs for n in group))
-        return len(needs) <= 2 and _untestable(group) is None and probe(group, SMOKE_WORLD) is None
+        own_layout = any(FEATURES[n].aceso for n in group)
+        return (own_layout or len(needs) <= 2) and _untestable(group) is None and probe(group, SMOKE_WORLD) is None
 
     def key(a, b):
         return (a, b) if names.index(a) < names.index(b) else (b, a)

@@ -165,11 +165,7 @@ class DynaPipePlanner:
         self.cm = cost_model or CostModel.load(config.cost_model_path)
         if self.cm.kind != config.model_kind:
             raise ValueError(f"cost model {self.cm.name!r} is for {self.cm.kind!r}, config is {config.model_kind!r}")
-        if not self.cm.levels(config.tensor_parallel):
-            # (else the first lookup at this TP fails deep inside the memory model)
-            raise ValueError(f"cost model {self.cm.name!r} has no profile for tensor-parallel size "
-                             f"{config.tensor_parallel} (it has TP {self.cm.tps()}): profile this TP "
-                             "(experiment_scripts/gen_cost_model.sh) or run with one it has")
+        self.cm.require_tp(config.tensor_parallel)
         self.layout = config.stage_layers()
         self.S = len(self.layout)
         self.available = self._available_memory()
