@@ -85,3 +85,9 @@ def test_split_compressed_mutants_rejected():
     _attribute_fuzz(_split_compressed_plans, seed=15, n=100)
     _fuzz(100, seed=16, make=_split_compressed_plans)
 
+
+
+@pytest.mark.slow
+def test_sliced_compressed_mutants_rejected_many():
+    _attribute_fuzz(_sliced_compressed_plans, seed=101, n=1000)
+    _fuzz(1000, seed=102, make=_sliced_compressed_plans)
