@@ -9,6 +9,7 @@
   after another, so the cost is the training, not the launches (~20 s on 2 loaded cores).
 """
 import importlib
+import itertools
 import math
 import multiprocessing as mp
 import os
@@ -40,34 +41,47 @@ def test_readme_table_is_generated(results):
         "README.md's composition table is stale: run `python -m megatron.composition --update-readme README.md`"
 
 
-def _param_ids(fn) -> list:
-    """The ids pytest gives `fn`'s parametrized cases (explicit ids, else the values joined by
-    '-', a value that is not a str/int/float/bool/None shown as argname + index)."""
-    ids = []
+def _param_ids(fn) -> set:
+    """The ids pytest gives `fn`'s parametrized cases: per parametrize mark explicit ids (a list
+    or a function of the value), a `pytest.param(..., id=...)`, else the values joined by '-' (a
+    value that is not a str/int/float/bool/None shown as argname + index); stacked marks join
+    their ids closest-decorator first."""
+    per_mark = []
     for mark in getattr(fn, "pytestmark", []):
         if mark.name != "parametrize":
             continue
-        names = [n.strip() for n in (mark.args[0].split(",") if isinstance(mark.args[0], str) else mark.args[0])]
-        values = mark.args[1]
+        names = mark.args[0]
+        names = [n.strip() for n in (names.split(",") if isinstance(names, str) else names)]
         explicit = mark.kwargs.get("ids")
-        for i, v in enumerate(values):
-            if explicit is not None:
+        ids = []
+        for i, v in enumerate(mark.args[1]):
+            given = getattr(v, "id", None)
+            v = v.values if hasattr(v, "values") and hasattr(v, "marks") else (v if len(names) > 1 else (v,))
+            if given is not None:
+                ids.append(given)
+            elif explicit is not None and not callable(explicit):
                 ids.append(explicit[i])
-                continue
-            v = v if len(names) > 1 else (v,)
-            ids.append("-".join(str(x) if isinstance(x, (str, int, float, bool, type(None))) else f"{n}{i}"
-                                for n, x in zip(names, v)))
-    return ids
+            else:
+                parts = []
+                for n, x in zip(names, v):
+                    got = explicit(x) if callable(explicit) else None
+                    parts.append(str(got) if got is not None else
+                                 str(x) if isinstance(x, (str, int, float, bool, type(None))) else f"{n}{i}")
+                ids.append("-".join(parts))
+        per_mark.append(ids)
+    return {"-".join(combo) for combo in itertools.product(*per_mark)} if per_mark else set()
 
 
 def _test_exists(node_id: str) -> bool:
-    m = re.fullmatch(r"(tests/[\w/]+)\.py::(\w+)(?:\[(.+)\])?", node_id)
+    m = re.fullmatch(r"(tests/[\w/]+)\.py::(?:(\w+)::)?(\w+)(?:\[(.+)\])?", node_id)
     if m is None:
         return False
-    path, func, param = m.groups()
+    path, cls, func, param = m.groups()
     if not os.path.isfile(os.path.join(ROOT, path + ".py")):
         return False
-    fn = getattr(importlib.import_module(path.replace("/", ".")), func, None)
+    owner = importlib.import_module(path.replace("/", "."))
+    owner = getattr(owner, cls, None) if cls else owner
+    fn = getattr(owner, func, None)
     if fn is None:
         return False
     return param is None or param in _param_ids(fn)
@@ -91,6 +105,16 @@ def test_the_resolver_finds_parametrized_ids():
     assert not _test_exists(C.PROOFS[("sp", "rc_sel")].replace("kw2", "kw9"))
     assert _test_exists(f"{C.SMOKE_TEST}[{SMOKE_IDS[0]}]")
     assert not _test_exists("tests/test_composition.py::test_no_such_test")
+    # ids of pytest.param, id functions and stacked marks, as pytest writes them
+    import types
+
+    def f():
+        pass
+    f.pytestmark = [pytest.mark.parametrize("y", [2, pytest.param(3, id="three")]).mark,
+                    pytest.mark.parametrize("x,kw", [("a", {}), ("b", {})], ids=lambda v: None).mark]
+    assert _param_ids(f) == {"2-a-kw0", "2-b-kw1", "three-a-kw0", "three-b-kw1"}
+    mod = types.ModuleType("m")
+    assert not _param_ids(mod)
 
 
 # Refusals worded as missing features that issue #26's other branches lift; whoever merges them
