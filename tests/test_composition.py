@@ -97,7 +97,6 @@ def test_every_working_pair_names_an_existing_test(results):
     stale = [p for p in C.PROOFS if p not in works]
     assert not stale, f"PROOFS names pairs the parser refuses (drop them): {stale}"
     assert groups == SMOKE_GROUPS
-    assert not any(g in p for p in C.PROOFS for g in gaps), "a pair with a dedicated test is not untested"
 
 
 def test_the_resolver_finds_parametrized_ids():
@@ -106,15 +105,12 @@ def test_the_resolver_finds_parametrized_ids():
     assert _test_exists(f"{C.SMOKE_TEST}[{SMOKE_IDS[0]}]")
     assert not _test_exists("tests/test_composition.py::test_no_such_test")
     # ids of pytest.param, id functions and stacked marks, as pytest writes them
-    import types
 
     def f():
         pass
     f.pytestmark = [pytest.mark.parametrize("y", [2, pytest.param(3, id="three")]).mark,
                     pytest.mark.parametrize("x,kw", [("a", {}), ("b", {})], ids=lambda v: None).mark]
     assert _param_ids(f) == {"2-a-kw0", "2-b-kw1", "three-a-kw0", "three-b-kw1"}
-    mod = types.ModuleType("m")
-    assert not _param_ids(mod)
 
 
 # Refusals worded as missing features that issue #26's other branches lift; whoever merges them
