@@ -230,29 +230,32 @@ def proof(pair: Tuple[str, str], groups: Optional[List[Tuple[str, ...]]] = None)
 
 
 def markdown(results: Optional[Dict[Tuple[str, str], Optional[str]]] = None) -> str:
-    """The README's composition section: a matrix (✓ works, ✗n refused, ? accepted but untested,
-    — same flag), then the refusals with their reasons and the proofs of the working pairs."""
+    """The README's composition section: a matrix (✓Tn / ✓Sn works, proved by dedicated test n or
+    smoke set n; ✗n refused; ? accepted but untested; — same flag), then the refusals with their
+    reasons, the dedicated tests and the smoke sets."""
     results = probe_all() if results is None else results
     names = list(FEATURES)
     refusals: List[Tuple[Tuple[str, str], str]] = [(p, r) for p, r in results.items() if r is not None]
     gaps = untested(results)
+    groups = smoke_groups(results)
+    tests = list(dict.fromkeys(t for p, t in PROOFS.items() if results.get(p, "") is None))
     number = {p: i + 1 for i, (p, _) in enumerate(refusals)}
+
+    def cell(p):
+        if p in SAME_FLAG:
+            return "—"
+        if p in number:
+            return f"✗{number[p]}"
+        if p in gaps:
+            return "?"
+        if p in PROOFS:
+            return f"✓T{tests.index(PROOFS[p]) + 1}"
+        return f"✓S{next(k + 1 for k, g in enumerate(groups) if p[0] in g and p[1] in g)}"  # the first set
+
     lines = ["| | " + " | ".join(f"{i + 1}" for i in range(len(names))) + " |",
              "| --- | " + " | ".join("---" for _ in names) + " |"]
     for i, a in enumerate(names):
-        cells = []
-        for j, b in enumerate(names):
-            p = (a, b) if i < j else (b, a)
-            if i == j:
-                cells.append("·")
-            elif p in SAME_FLAG:
-                cells.append("—")
-            elif p in number:
-                cells.append(f"✗{number[p]}")
-            elif p in gaps:
-                cells.append("?")
-            else:
-                cells.append("✓")
+        cells = ["·" if i == j else cell((a, b) if i < j else (b, a)) for j, b in enumerate(names)]
         lines.append(f"| {i + 1} {FEATURES[a].label} | " + " | ".join(cells) + " |")
     lines += ["", "— " + "; ".join(f"{FEATURES[a].label} × {FEATURES[b].label}: {why}"
                                     for (a, b), why in SAME_FLAG.items()), "",
@@ -261,11 +264,12 @@ def markdown(results: Optional[Dict[Tuple[str, str], Optional[str]]] = None) -> 
     if gaps:
         lines += ["", "? Accepted, but no test trains it:", ""]
         lines += [f"- {FEATURES[a].label} × {FEATURES[b].label}: {why}" for (a, b), why in gaps.items()]
-    lines += ["", "Works, proved by a dedicated test:", ""]
-    lines += [f"- {FEATURES[a].label} × {FEATURES[b].label}: `{t}`" for (a, b), t in PROOFS.items()]
-    lines += ["", f"Works, proved by training the features together for 2 iterations on {SMOKE_WORLD} ranks "
-              f"(every pair inside a set; `{SMOKE_TEST}[...]`):", ""]
-    lines += [f"- `{smoke_id(g)}`: " + ", ".join(FEATURES[n].label for n in g) for g in smoke_groups(results)]
+    lines += ["", "Works, proved by a dedicated test (T):", ""]
+    lines += [f"- T{k + 1} `{t}`: " + ", ".join(f"{FEATURES[a].label} × {FEATURES[b].label}"
+                                                 for (a, b), u in PROOFS.items() if u == t) for k, t in enumerate(tests)]
+    lines += ["", f"Works, proved by training a set of features together for 2 iterations on {SMOKE_WORLD} ranks "
+              f"(S; every pair inside the set; `{SMOKE_TEST}[<set>]`):", ""]
+    lines += [f"- S{k + 1} `{smoke_id(g)}`: " + ", ".join(FEATURES[n].label for n in g) for k, g in enumerate(groups)]
     return "\n".join(lines) + "\n"
 
 
