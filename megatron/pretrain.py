@@ -13,7 +13,7 @@ from megatron.checkpointing import CheckpointError, load_checkpoint, save_checkp
 from megatron.config import MegatronConfig
 from megatron.initialize import initialize_megatron
 from megatron.logging_utils import gpt_flops_per_sample, print_rank_0
-from megatron.compression.pipeline import grad_compression_pass
+from megatron.planner.compression_marks import grad_compression_pass
 
 
 def tokenizer_from_config(cfg: MegatronConfig):

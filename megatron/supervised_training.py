@@ -29,7 +29,7 @@ from megatron.data.packing import (collate_supervised_gpt, collate_supervised_t5
                                    pack_samples, pack_t5_rows)
 from megatron.data.samplers import TokenBudgetSampler
 from megatron.training import FixedBatchPlanner, IterationWork
-from megatron.compression.pipeline import grad_compression_pass
+from megatron.planner.compression_marks import grad_compression_pass
 
 PAD_MULTIPLE = 8
 

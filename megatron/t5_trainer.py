@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatron.config import MegatronConfig
 from megatron.pretrain import sample_counts, tokenizer_from_config
-from megatron.compression.pipeline import grad_compression_pass
+from megatron.planner.compression_marks import grad_compression_pass
 
 
 def t5_datasets(cfg: MegatronConfig, tokenizer):

@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from megatron.compression.pipeline import grad_compression_pass
+from megatron.planner.compression_marks import grad_compression_pass
 from megatron.planner.terapipe import (GRID, build_terapipe_plans, parse_slices, plan_slices, slice_memory_mb,
                                        uniform_slices)
 from megatron.training import FixedBatchSource, Trainer

@@ -2,10 +2,12 @@
 
 Only the activation *gradient* sent to the previous stage is compressed (activations stay
 exact: an error there changes the loss, not just one gradient estimate). Which messages are
-compressed, and at which rank, is part of the instruction stream: `grad_compression_pass`
-sets `compress_rank` on matching `SendGrad*`/`RecvGrad*` instructions of all ranks' plans, the
-validator checks both sides agree, and the wire shapes follow from the plan's shapes alone
-(`wire_shapes`), so nothing about compression is negotiated at run time.
+compressed, and at which rank, is part of the instruction stream: the planner pass
+`megatron.planner.compression_marks.grad_compression_pass` sets `compress_rank` on matching
+`SendGrad*`/`RecvGrad*` instructions of all ranks' plans, the validator checks both sides agree,
+and the wire shapes follow from the plan's shapes alone (`wire_shapes`), so nothing about
+compression is negotiated at run time. This module (the compressor and the wire layout) sits
+below the pipeline executor that uses it, so it knows nothing of instructions.
 
 Epilogue-only: only the gradients a rank sends after its last forward (the last steady-state
 backward and the cool-down) are compressed; that drain is on the critical path of 1F1B,
@@ -20,14 +22,12 @@ micro-batch is cut into token slices (TeraPipe) is `error_key`'s docstring.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
 from megatron.compression import lowrank
 from megatron.compression.stats import Timer
-from megatron.pipeline import instructions as I
 
 Shape = Tuple[int, ...]
 
@@ -184,41 +184,3 @@ def wire_dtypes(shapes: Sequence[Sequence[int]], rank: int, plan_dtype: str) -> 
         layout = tensor_wire_shapes(s, rank)
         out.extend([plan_dtype] if len(layout) == 1 else ["float32", "float32"])
     return out
-
-
-def mark_compressed_grads(plans: List[I.ExecutionPlan], rank: int,
-                          epilogue_only: bool = False) -> List[I.ExecutionPlan]:
-    """Set `compress_rank` on the gradient messages to compress, on both ends.
-
-    `plans` are all pipeline ranks' plans of one iteration (one data-parallel group). A
-    message is named by (micro-batch, sending stage); the sender's Start/Finish and the
-    receiver's Start/Finish of that message all get the same rank."""
-    if rank <= 0:
-        return plans
-    chosen = set()
-    for plan in plans:
-        last_forward = -1
-        if epilogue_only:
-            for i, ins in enumerate(plan.instructions):
-                if isinstance(ins, I.ForwardPass):
-                    last_forward = i
-        for i, ins in enumerate(plan.instructions):
-            if isinstance(ins, I.SendGradStart) and i > last_forward:
-                chosen.add((ins.microbatch, ins.stage))
-    grad_comm = (I.SendGradStart, I.SendGradFinish, I.RecvGradStart, I.RecvGradFinish)
-    out = []
-    for plan in plans:
-        instrs = [dataclasses.replace(ins, compress_rank=rank)
-                  if isinstance(ins, grad_comm) and (ins.microbatch, ins.stage) in chosen else ins
-                  for ins in plan.instructions]
-        out.append(dataclasses.replace(plan, instructions=instrs))
-    return out
-
-
-def grad_compression_pass(cfg) -> Optional[Callable[[list], list]]:
-    """The plan pass for this run's flags, or None when compressed backpropagation is off."""
-    c = getattr(cfg, "compression", None)
-    if c is None or not c.inter_grad_comp:
-        return None
-    rank, epilogue = c.inter_grad_comp_rank, c.inter_grad_comp_epilogue_only
-    return lambda plans: mark_compressed_grads(plans, rank, epilogue)

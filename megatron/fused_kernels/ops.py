@@ -166,7 +166,10 @@ def bias_dropout_add(x, bias, residual, p: float, training: bool, rng: Optional[
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, scale, causal, dropout_p, seed):
-        out, lse = _ops().varlen_attention_forward(q, k, v, cu_q, cu_k, scale, causal, dropout_p, seed)
+        # Autocast off inside: the kernel's own matmuls accumulate in float32 (a 16-bit autocast
+        # would hand it 16-bit scores it has no code for: --bf16/--fp16 with packed rows).
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = _ops().varlen_attention_forward(q, k, v, cu_q, cu_k, scale, causal, dropout_p, seed)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         ctx.args = (scale, causal, dropout_p, seed)
         return out
@@ -174,7 +177,8 @@ class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        dq, dk, dv = _ops().varlen_attention_backward(g, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = _ops().varlen_attention_backward(g, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None
 
 

@@ -188,6 +188,13 @@ class CostModel:
     def tps(self) -> list:
         return sorted({tp for tp, _ in self._profiles})
 
+    def require_tp(self, tp: int) -> None:
+        """A planner at TP `tp` needs profiles of it (else its first lookup fails deep inside)."""
+        if not self.levels(tp):
+            raise ValueError(f"cost model {self.name!r} has no profile for tensor-parallel size {tp} (it has TP "
+                             f"{self.tps()}): profile this TP (experiment_scripts/gen_cost_model.sh) or run with one "
+                             "it has")
+
     def has(self, tp: int, recompute: str) -> bool:
         return (tp, recompute) in self._profiles
 

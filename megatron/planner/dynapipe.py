@@ -85,6 +85,7 @@ class DynaPipePlanner:
         self.cm = cost_model or CostModel.load(config.cost_model_path)
         if self.cm.kind != config.model_kind:
             raise ValueError(f"cost model {self.cm.name!r} is for {self.cm.kind!r}, config is {config.model_kind!r}")
+        self.cm.require_tp(config.tensor_parallel)
         self.layout = config.stage_layers()
         self.S = len(self.layout)
         self.stage_to_rank = list(range(self.S))

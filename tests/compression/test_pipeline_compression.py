@@ -4,7 +4,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.compression.pipeline import PipelineGradCompressor, mark_compressed_grads
+from megatron.compression.pipeline import PipelineGradCompressor
+from megatron.planner.compression_marks import mark_compressed_grads
 from megatron.config import CompressionConfig
 from megatron.pipeline import instructions as I
 from megatron.pipeline.validator import PlanValidationError, validate_plans

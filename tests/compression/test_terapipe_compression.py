@@ -74,7 +74,7 @@ def test_lep_keys_each_slice_by_its_token_offset(plain):
 def test_sliced_plans_with_compressed_gradients_validate_and_round_trip():
     """Plans carrying token_slice and compress_rank at once: the validator accepts them, catches
     a receive that disagrees with its send, and the binary format keeps both attributes."""
-    from megatron.compression.pipeline import mark_compressed_grads
+    from megatron.planner.compression_marks import mark_compressed_grads
     from megatron.pipeline import instructions as I
     from megatron.pipeline.validator import PlanValidationError, validate_plans
     from megatron.planner.terapipe import build_terapipe_plans

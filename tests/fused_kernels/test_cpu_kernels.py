@@ -215,3 +215,16 @@ def test_bfloat16_forward_close_to_fp32():
     q, k, v = (torch.randn(16, 2, 8) for _ in range(3))
     _close(ops.varlen_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu, fused=True).float(),
            ops.varlen_attention(q, k, v, cu, fused=False), 5e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen_under_16bit_autocast(dtype):
+    # --bf16/--fp16 training runs the packed attention inside autocast: the kernel's internal
+    # matmuls must stay float32 (autocast would hand it 16-bit scores)
+    cu = torch.tensor([0, 7, 16])
+    q, k, v = (torch.randn(16, 2, 8, requires_grad=True) for _ in range(3))
+    with torch.autocast("cpu", dtype=dtype):
+        out = ops.varlen_attention(q.to(dtype), k.to(dtype), v.to(dtype), cu, fused=True)
+    out.float().sum().backward()
+    _close(out.float(), ops.varlen_attention(q, k, v, cu, fused=False), 5e-2)
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))

@@ -137,7 +137,7 @@ def test_harmful_mutants_rejected():
 #    token_slice (TeraPipe). Each mutation breaks an agreement the executor relies on.
 
 def _compressed_plans(rng):
-    from megatron.compression.pipeline import mark_compressed_grads
+    from megatron.planner.compression_marks import mark_compressed_grads
     plans = _valid_plans(rng)
     if rng.random() < 0.5:  # plans of one data-parallel group, marked as the trainer does
         return mark_compressed_grads(plans, rng.choice([1, 2, 4]), epilogue_only=rng.random() < 0.3)
@@ -160,7 +160,7 @@ def _sliced_plans(rng):
 def _split_plans(rng):
     """Stages with their own TP/DP sizes: one plan per global rank, row-sliced messages; with
     sequence parallelism blocks of rows x tokens, and some gradient messages compressed."""
-    from megatron.compression.pipeline import mark_compressed_grads
+    from megatron.planner.compression_marks import mark_compressed_grads
     from megatron.planner.hetero import split_plans
     layouts = rng.choice([((2, 1), (1, 2)), ((1, 2), (1, 1)), ((1, 1), (2, 1)), ((1, 2), (2, 1), (1, 1)),
                           ((1, 4), (2, 2)), ((4, 1), (2, 1))])

@@ -227,3 +227,10 @@ def test_model_state_memory_follows_the_distributed_optimizer_flag():
         assert 36000 - a == pytest.approx(mb16 * 16 / 2)           # 16 bytes per parameter
         assert 36000 - b == pytest.approx(mb16 * (8 + 12 / 2) / 2)  # 14 bytes per parameter at DP 2
 
+
+
+def test_cost_model_without_the_runs_tp_is_named():
+    cfg = DynaPipeConfig(cost_model_path="cost_models/cpu_tiny_gpt.json", hidden_size=32, num_layers=4,
+                         pipeline_parallel=2, tensor_parallel=2)
+    with pytest.raises(ValueError, match=r"no profile for tensor-parallel size 2 \(it has TP \[1\]\)"):
+        DynaPipePlanner(cfg)
