@@ -66,8 +66,43 @@ SAME_FLAG: Dict[Tuple[str, str], str] = {
 # its test here.
 _EVERY_CC = "tests/compression/test_fused_embedding_and_resume.py::test_resume_with_every_compression_on_is_exact"
 _SP = "tests/test_sequence_parallel.py::test_sequence_parallel_matches_single_process"
+_TP = "tests/test_terapipe_composition.py::"
+_TP_DP = _TP + "test_terapipe_with_optimizer_and_dp_features_matches_unsliced"
+_DYN_CC = "tests/compression/test_dynapipe_compression.py::"
+_HETERO = "tests/aceso/"
 PROOFS: Dict[Tuple[str, str], str] = {
-    ("dynapipe", "cb_lep"): "tests/compression/test_pipeline_compression.py::test_dynapipe_plans_carry_compressed_gradients",
+    ("dynapipe", "terapipe"): "tests/test_dynapipe_terapipe.py::test_dynapipe_terapipe_two_slices_equals_plain_dynapipe",
+    ("dynapipe", "aceso"): _HETERO + "test_hetero_compose.py::test_dynapipe_on_heterogeneous_stages_matches_whole_batch_step",
+    ("dynapipe", "cb_lep"): _DYN_CC + "test_compressed_backprop_with_lep_at_full_rank_equals_plain_dynapipe",
+    ("dynapipe", "powersgd"): _DYN_CC + "test_powersgd_and_fused_embedding_sync_at_full_rank_equal_plain_dynapipe[False]",
+    ("dynapipe", "embsync"): _DYN_CC + "test_fused_embedding_sync_alone_is_exact_on_dynapipe",
+    ("dynapipe", "distopt"): _DYN_CC + "test_powersgd_and_fused_embedding_sync_at_full_rank_equal_plain_dynapipe[True]",
+    ("dynapipe", "interleaved"): "tests/test_dynapipe_interleaved.py::test_dynapipe_interleaved_equals_plain_dynapipe",
+    ("terapipe", "aceso"): _HETERO + "test_hetero_compose.py::test_terapipe_on_heterogeneous_stages_matches_single_process",
+    ("terapipe", "cb_lep"): "tests/compression/test_terapipe_compression.py::"
+                            "test_full_rank_compressed_slices_with_lep_equal_plain_terapipe",
+    ("terapipe", "powersgd"): _TP_DP + "[grad_comp]",
+    ("terapipe", "embsync"): _TP_DP + "[emb_comm_opt]",
+    ("terapipe", "distopt"): _TP_DP + "[distopt_overlap]",
+    ("terapipe", "sp"): _TP + "test_terapipe_sequence_parallel_tp2_pp2_matches_unsliced",
+    ("terapipe", "interleaved"): _TP + "test_terapipe_virtual_stages_pp2_matches_unsliced",
+    ("terapipe", "packing"): _TP + "test_terapipe_packed_rows_pp2_matches_unsliced",
+    ("terapipe", "rc_full"): _TP + "test_terapipe_recompute_pp2_matches_unsliced[full]",
+    ("terapipe", "rc_sel"): _TP + "test_terapipe_recompute_pp2_matches_unsliced[selective]",
+    ("terapipe", "fp16"): _TP + "test_terapipe_mixed_precision_trains_like_unsliced[fp16]",
+    ("terapipe", "bf16"): _TP + "test_terapipe_mixed_precision_trains_like_unsliced[bf16]",
+    ("aceso", "cb_lep"): _HETERO + "test_hetero_compression.py::"
+                         "test_compressed_pieces_between_stages_equal_single_process_with_the_same_codec[cb-lep]",
+    ("aceso", "powersgd"): _HETERO + "test_hetero_compression.py::test_powersgd_over_a_stage_dp_group_equals_the_uniform_layout",
+    ("aceso", "embsync"): _HETERO + "test_hetero_compression.py::test_powersgd_over_a_stage_dp_group_equals_the_uniform_layout",
+    ("aceso", "distopt"): _HETERO + "test_hetero_grads.py::test_distributed_optimizer_shards_over_each_stage_dp_group",
+    ("aceso", "sp"): _HETERO + "test_hetero_sequence_parallel.py::test_sequence_parallel_stages_match_single_process[tp2-dp2]",
+    ("aceso", "packing"): _HETERO + "test_hetero_compose.py::"
+                          "test_multitask_data_on_heterogeneous_stages_matches_whole_batch_step[packing]",
+    ("powersgd", "distopt"): "tests/compression/test_distributed_optimizer_compression.py::"
+                             "test_powersgd_with_the_distributed_optimizer_equals_it_with_the_plain_optimizer",
+    ("embsync", "distopt"): "tests/compression/test_fused_embedding_with_optimizers.py::"
+                            "test_fused_embedding_sync_with[distributed-optimizer]",
     ("cb_lep", "powersgd"): _EVERY_CC,
     ("cb_lep", "embsync"): _EVERY_CC,
     ("powersgd", "embsync"): _EVERY_CC,

@@ -115,8 +115,7 @@ def test_the_resolver_finds_parametrized_ids():
 
 # Refusals worded as missing features that issue #26's other branches lift; whoever merges them
 # deletes the entries (the test fails on an entry whose pair no longer reads that way).
-BEING_LIFTED = {("terapipe", "cb_lep"), ("terapipe", "packing"), ("aceso", "cb_lep"), ("aceso", "embsync"),
-                ("aceso", "distopt"), ("aceso", "sp"), ("aceso", "packing")}
+BEING_LIFTED: set = set()  # all lifted (issue #26 merges)
 NOT_YET = re.compile(r"\byet\b|not supported|unsupported|not implemented", re.I)
 
 

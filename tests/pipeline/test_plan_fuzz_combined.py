@@ -74,9 +74,6 @@ def test_sliced_compressed_mutants_rejected():
     _fuzz(100, seed=14, make=_sliced_compressed_plans)
 
 
-@pytest.mark.xfail(raises=ValueError, strict=True,
-                   reason="the hetero lowering refuses compressed messages on this branch; issue #26's "
-                          "hetero-compression branch lifts it: drop this mark when both are merged")
 def test_split_compressed_mutants_rejected():
     rng = random.Random(17)
     plans = _split_compressed_plans(rng)
