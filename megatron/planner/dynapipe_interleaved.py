@@ -35,7 +35,7 @@ import numpy as np
 from megatron.planner import partitioner as part
 from megatron.planner.attention_cost import AttentionCost
 from megatron.planner.cost_model import CostModel
-from megatron.planner.dynapipe import DynaPipeConfig, DynaPipePlanner, PlanningError
+from megatron.planner.dynapipe_base import DynaPipeBase, DynaPipeConfig, PlanningError
 from megatron.planner.schedules import ScheduleChoice, search_orders
 from megatron.planner.simulator import Op, PipelineCosts, SimulationError, simulate
 
@@ -153,7 +153,7 @@ def replay(costs: PipelineCosts, orders: List[List[Op]], stage_to_rank: Sequence
     return makespan, peak
 
 
-class InterleavedDynaPipePlanner(DynaPipePlanner):
+class InterleavedDynaPipePlanner(DynaPipeBase):
     """`DynaPipePlanner` on PP * v virtual stages, v per pipeline rank (GPT)."""
 
     def __init__(self, config: DynaPipeConfig, cost_model: Optional[CostModel] = None):

@@ -118,7 +118,7 @@ class _SlicedCostPlanner:
         return tot
 
     # the DynaPipePlanner methods that read `self.stage_costs` / `self._cache`
-    from megatron.planner.dynapipe import DynaPipePlanner as _P
+    from megatron.planner.dynapipe_base import DynaPipeBase as _P
     _gpt_segments = _P._gpt_segments
     segment_times = _P.segment_times
     _partitions = _P._partitions
@@ -271,7 +271,7 @@ def _candidate_partitions(planner, cands, orders, enc_all):
 def plan_sliced(planner, best, cands, orders, lengths, iteration: int, t_start: float, validate: bool):
     """The sliced plan (a DynaPipeIterationPlan) or None where `--terapipe-slices auto` finds the
     unsliced `best` faster. Raises PlanningError if nothing fits."""
-    from megatron.planner.dynapipe import DynaPipeIterationPlan, PlanningError
+    from megatron.planner.dynapipe_base import DynaPipeIterationPlan, PlanningError
     c = planner.cfg
     fixed = int(c.token_slices)
     enc_all = planner._pad(np.asarray(lengths, dtype=np.int64).reshape(-1))
@@ -323,7 +323,7 @@ def plan_sliced(planner, best, cands, orders, lengths, iteration: int, t_start: 
 def _group_plan(planner, rc, samples, g: SlicedGroup, iteration, validate):
     """GroupPlan whose micro-batch ids are sequences in run order (what the data loader
     collates) and whose plans run units tagged with `token_slice = (sequence, offset, len)`."""
-    from megatron.planner.dynapipe import GroupPlan
+    from megatron.planner.dynapipe_base import GroupPlan
     from megatron.pipeline.lowering import ComputeOp
     rank_of = {old: new for new, old in enumerate(g.order)}
     # Renumber: sequences in forward order, units in (sequence, offset) order.

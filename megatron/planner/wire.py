@@ -122,7 +122,7 @@ def _ints(x, depth, where):
 
 
 def _dynapipe_from_json(head, blobs):
-    from megatron.planner.dynapipe import DynaPipeIterationPlan, GroupPlan
+    from megatron.planner.dynapipe_base import DynaPipeIterationPlan, GroupPlan
     _typed(head, _SCALARS, "plan")
     groups_json = head.get("groups")
     if not isinstance(groups_json, list):
