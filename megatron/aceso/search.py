@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron.aceso.model import PerfModel, Plan, Prediction, Stage
+from megatron.aceso.search_local import polish
 
 State = Tuple[int, Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]  # mbs, bounds, tps, dps
 INF = float("inf")
@@ -88,7 +89,8 @@ class Searcher:
                  max_hops: int = 7, width: int = 2, restart_ratio: float = 1.2,
                  budget_trials: Optional[int] = None, budget_seconds: Optional[float] = None,
                  runnable: bool = False, granularity: str = "layer",
-                 max_micro_batch: Optional[int] = None, patience_trials: Optional[int] = None):
+                 max_micro_batch: Optional[int] = None, patience_trials: Optional[int] = None,
+                 polish: bool = False):
         self.pm = pm
         self.G = num_gpus
         self.gbs = global_batch
@@ -111,10 +113,14 @@ class Searcher:
         self.max_micro_batch = max_micro_batch
         # convergence stop: after a restart, give up once this many trials brought no gain
         self.patience_trials = patience_trials
+        # run(): end with a best-improvement local search over every stage (search_local.polish);
+        # search_all polishes only its best results instead
+        self.polish = polish
         # what --aceso-config runs: stage cuts on layer boundaries, recompute of layer ops only
         self.runnable = runnable
         self.cache: Dict[State, Evaluated] = {}
         self._fit_cache: Dict[tuple, Tuple[Tuple[int, ...], float]] = {}
+        self._rec_ms: Dict[tuple, float] = {}  # recompute ms of a fit (search_local)
         self.trials = 0
         self.t0 = time.perf_counter()
         # recompute candidates, ranked once per (local mbs, tp): MB saved per ms recomputed
@@ -303,6 +309,14 @@ class Searcher:
                     out.append(st)
         return out
 
+    def stage_moves(self, st: State, b: int) -> List[State]:
+        """Every primitive with stage ``b`` as the target (the final polish's neighbourhood)."""
+        out = self._move(st, b) + self._grow(st, b, "dp") + self._grow(st, b, "tp") + \
+            self._shrink(st, b, "dp") + self._shrink(st, b, "tp") + self._swap(st, b)
+        if b == 0:
+            out += self._mbs(st, 2) + self._mbs(st, 0.5)
+        return [x for x in out if x != st and self.legal(x)]
+
     def _move(self, st: State, b: int) -> List[State]:
         mbs, bounds, tps, dps = st
         S = len(tps)
@@ -459,6 +473,8 @@ class Searcher:
                     break
                 cur = min(pool, key=lambda e: (e.key, e.state))
                 restarts += 1
+            if best is not None and self.polish:
+                best = polish(self, best, self.evaluate, self.stage_moves)
         except BudgetExhausted:
             pass
         return SearchResult(S, best, self.trials, time.perf_counter() - self.t0, hops, restarts)
@@ -478,6 +494,18 @@ def best_grid(pm: PerfModel, num_gpus: int, global_batch: int,
                 if ev is not None and (best is None or ev.key < best.key):
                     best = ev
     return best, n
+
+
+def refit_recompute(pm: PerfModel, plan: Plan) -> Prediction:
+    """``plan``'s layout (stage ops, TP, DP, micro-batch) with each stage's recompute chosen by
+    this model's fit (the least recompute that fits): how another planner's configuration is
+    compared here when its own recompute choice does not fit this memory model."""
+    srch = Searcher(pm, plan.num_gpus, plan.global_batch)
+    S, M = len(plan.stages), plan.global_batch // plan.micro_batch
+    stages = [Stage(st.start, st.end, st.tp, st.dp,
+                    srch.fit_recompute(plan.micro_batch, st.start, st.end, st.tp, st.dp, s, S, M)[0])
+              for s, st in enumerate(plan.stages)]
+    return pm.predict(Plan(plan.model, plan.micro_batch, plan.global_batch, stages))
 
 
 def _grid_eval(srch: Searcher, st: State, mode: str) -> Optional[Evaluated]:
@@ -505,9 +533,11 @@ def _search_one(args):
 
 def search_all(pm: PerfModel, num_gpus: int, global_batch: int, *,
                budget_trials: Optional[int] = None, budget_seconds: Optional[float] = None,
-               max_stages: int = 16, jobs: int = 1, progress=None, **kw) -> List[SearchResult]:
+               max_stages: int = 16, jobs: int = 1, progress=None, polish_top: int = 1,
+               **kw) -> List[SearchResult]:
     """One search per stage count (in ``jobs`` processes), each seeded with the best grid point
-    of that stage count. Returns the results sorted best first."""
+    of that stage count, then the final polish of the best ``polish_top`` results. Returns the
+    results sorted best first."""
     probe = Searcher(pm, num_gpus, global_batch,  # the grid cuts by layer
                      max_micro_batch=kw.get("max_micro_batch"))
     counts = list(range(1, min(num_gpus, probe.U, max_stages) + 1))
@@ -543,5 +573,21 @@ def search_all(pm: PerfModel, num_gpus: int, global_batch: int, *,
             if progress:
                 progress(r)
     results = [r for r in results if r.best is not None]
+    results.sort(key=lambda r: (r.best.key, r.num_stages))
+    # the final polish (every stage a target, resource changes rebalanced) is costly at op
+    # granularity, so only the best ``polish_top`` stage counts get it
+    for r in results[:polish_top]:
+        left = None if budget_trials is None else budget_trials - r.trials
+        if r.best.key[0] or (left is not None and left <= 0):
+            continue
+        srch = Searcher(pm, num_gpus, global_batch, budget_trials=left,
+                        budget_seconds=budget_seconds, **kw)
+        t0 = time.perf_counter()
+        try:
+            r.best = polish(srch, r.best, srch.evaluate, srch.stage_moves)
+        except BudgetExhausted:
+            pass
+        r.trials += srch.trials
+        r.seconds += time.perf_counter() - t0
     results.sort(key=lambda r: (r.best.key, r.num_stages))
     return results
