@@ -90,7 +90,7 @@ class Searcher:
                  budget_trials: Optional[int] = None, budget_seconds: Optional[float] = None,
                  runnable: bool = False, granularity: str = "layer",
                  max_micro_batch: Optional[int] = None, patience_trials: Optional[int] = None,
-                 polish: bool = False):
+                 polish: bool = False, prune_ratio: Optional[float] = 1.05):
         self.pm = pm
         self.G = num_gpus
         self.gbs = global_batch
@@ -116,6 +116,7 @@ class Searcher:
         # run(): end with a best-improvement local search over every stage (search_local.polish);
         # search_all polishes only its best results instead
         self.polish = polish
+        self.prune_ratio = prune_ratio
         # what --aceso-config runs: stage cuts on layer boundaries, recompute of layer ops only
         self.runnable = runnable
         self.cache: Dict[State, Evaluated] = {}
@@ -431,10 +432,13 @@ class Searcher:
                 return r
         return None
 
-    def run(self, S: int, seeds: Sequence[Evaluated] = ()) -> SearchResult:
+    def run(self, S: int, seeds: Sequence[Evaluated] = (),
+             incumbent_ms: Optional[float] = None) -> SearchResult:
         """Search with S stages. ``seeds`` are already-evaluated plans (the grid point): the
         search starts from them too, and keeps their recompute choice where it is better
-        than the greedy fit, so the result is never worse than a seed."""
+        than the greedy fit, so the result is never worse than a seed. ``incumbent_ms``: the
+        best time another stage count reached; no restarts once this one is ``prune_ratio``
+        behind it (restarts rarely gain more than a few per cent)."""
         self.t0 = time.perf_counter()
         best: Optional[Evaluated] = None
         started: set = set()
@@ -462,6 +466,9 @@ class Searcher:
                         best = cur
                         gained_at = self.trials
                     continue
+                if incumbent_ms is not None and self.prune_ratio is not None and \
+                        (best.key[0] or best.key[1] > incumbent_ms * self.prune_ratio):
+                    break  # hopeless against the other stage counts
                 if self.patience_trials is not None and restarts and \
                         self.trials - gained_at >= self.patience_trials:
                     break  # converged: a restart brought no gain in patience_trials trials
@@ -526,9 +533,9 @@ def _grid_eval(srch: Searcher, st: State, mode: str) -> Optional[Evaluated]:
     return Evaluated(st, (0, pred.iteration_ms), plan, pred)
 
 
-def _search_one(args):
+def _search_one(args, incumbent_ms=None):
     pm, G, gbs, S, kw, seeds = args
-    return Searcher(pm, G, gbs, **kw).run(S, seeds)
+    return Searcher(pm, G, gbs, **kw).run(S, seeds, incumbent_ms)
 
 
 def search_all(pm: PerfModel, num_gpus: int, global_batch: int, *,
@@ -558,6 +565,8 @@ def search_all(pm: PerfModel, num_gpus: int, global_batch: int, *,
             seeds.append(gbest)
         tasks.append((pm, num_gpus, global_batch, S,
                       dict(budget_trials=budget_trials, budget_seconds=budget_seconds, **kw), seeds))
+    # most promising stage counts first (by their grid seed), so the pruning bound is tight early
+    tasks.sort(key=lambda t: (t[5][0].key if t[5] else (2, 0.0), t[3]))
     if jobs > 1:
         with mp.get_context("fork").Pool(jobs) as pool:
             results = []
@@ -568,7 +577,8 @@ def search_all(pm: PerfModel, num_gpus: int, global_batch: int, *,
     else:
         results = []
         for t in tasks:
-            r = _search_one(t)
+            fit = [x.best.key[1] for x in results if x.best is not None and x.best.key[0] == 0]
+            r = _search_one(t, min(fit) if fit else None)  # one process: prune against the best
             results.append(r)
             if progress:
                 progress(r)
