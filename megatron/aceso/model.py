@@ -233,6 +233,7 @@ class PerfModel:
         self._ar_cache: Dict[Tuple[int, int], float] = {}
         self._layer_terms: Dict[tuple, Tuple[float, float, float]] = {}
         self._stage_cache: Dict[tuple, Tuple[float, float, float]] = {}
+        self._res_cache: Dict[tuple, float] = {}
         # _group_end[i]: the first op after i in another layer (head ops form their own groups)
         self._group_end = [0] * len(self.ops)
         for i in range(len(self.ops) - 1, -1, -1):
@@ -307,11 +308,19 @@ class PerfModel:
             delta += a.inp[i0 + k]
         return delta, peak, rec
 
+    def _reserved(self, a: _Arrays, start: int, end: int) -> float:
+        """Largest allocator reserve of ops [start, end) (cached: O(ops) per stage otherwise)."""
+        key = (a.key, start, end)
+        r = self._res_cache.get(key)
+        if r is None:
+            r = self._res_cache[key] = max(a.res[start:end])
+        return r
+
     def stage_memory_mb(self, mbs: int, st: Stage, s: int, num_stages: int, m: int) -> float:
         a = self.arrays(mbs // st.dp, st.tp, st.algo)
         kept, peak = self.activation_terms(a, st)
         w = a.pw[st.end] - a.pw[st.start]
-        res = max(a.res[st.start:st.end])
+        res = self._reserved(a, st.start, st.end)
         return 8.0 * w + kept * min(num_stages - s, m) + peak + res
 
     def allreduce_ms(self, grad_mb: float, st: Stage) -> float:
@@ -370,7 +379,7 @@ class PerfModel:
                 p2p_fwd_ms=p_in + p_out, p2p_bwd_ms=p_in + p_out,
                 allreduce_ms=self.allreduce_ms(w, st),
                 weights_mb=w, act_per_mb_mb=kept, inflight=min(S - s, M),
-                peak_recompute_mb=peak, reserved_mb=max(a.res[st.start:st.end])))
+                peak_recompute_mb=peak, reserved_mb=self._reserved(a, st.start, st.end)))
         times = [c.time_ms for c in costs]
         pipe = (M - 1) * max(times) + sum(times)
         total = 0.0
