@@ -123,6 +123,9 @@ class Searcher(Primitives):
         # search_all polishes only its best results instead
         self.polish = polish
         self.prune_ratio = prune_ratio
+        self.prune_after = 300
+        self._hopeless_ms: Optional[float] = None
+        self._run_trials = 0
         # what --aceso-config runs: stage cuts on layer boundaries, recompute of layer ops only
         self.runnable = runnable
         self.cache: Dict[State, Evaluated] = {}
@@ -320,6 +323,9 @@ class Searcher(Primitives):
     def _hop(self, ev: Evaluated, target: Tuple[int, float], depth: int,
              path: set) -> Optional[Evaluated]:
         """Depth-first multi-hop: first neighbour better than ``target`` wins."""
+        if self._hopeless_ms is not None and self.trials - self._run_trials >= self.prune_after \
+                and target[1] > self._hopeless_ms:
+            raise BudgetExhausted  # far behind another stage count: not worth the deep step
         cands = []
         for st in self.neighbours(ev):
             if st in path:
@@ -344,8 +350,13 @@ class Searcher(Primitives):
         search starts from them too, and keeps their recompute choice where it is better
         than the greedy fit, so the result is never worse than a seed. ``incumbent_ms``: the
         best time another stage count reached; no restarts once this one is ``prune_ratio``
-        behind it (restarts rarely gain more than a few per cent)."""
+        behind it (restarts rarely gain more than a few per cent), and after ``prune_after``
+        trials no deep step from a state three times that far behind."""
         self.t0 = time.perf_counter()
+        self._run_trials = self.trials
+        self._hopeless_ms = None
+        if incumbent_ms is not None and self.prune_ratio is not None:
+            self._hopeless_ms = incumbent_ms * (1 + 3 * (self.prune_ratio - 1))
         best: Optional[Evaluated] = None
         started: set = set()
         hops = restarts = 0
