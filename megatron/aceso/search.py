@@ -19,7 +19,8 @@ deterministic. Per stage count:
    ``restart_ratio`` of the best one; stop when none is left, the budget is spent, or (with
    ``patience_trials``) once restarts have run that many trials without improving the best,
    or (``prune_ratio``, one process) once this stage count is that far behind the best
-   other stage count searched before it (search_all runs them best grid seed first).
+   other stage count searched before it (search_all runs them best grid seed first); one
+   three times that far behind also stops its deep step after ``prune_after`` trials.
 
 Then the best stage count's result gets a final polish (``search_local.polish``: every stage
 a target for every primitive, resource changes followed by a min-max re-cut of the stages).
