@@ -9,7 +9,9 @@ One trial = one state evaluated by the model; a budget in trials makes the searc
 deterministic. Per stage count:
 
 1. seeds: the "balance" start (equal layers, GPUs doubled round-robin, TP first, smallest
-   micro-batch) and the best uniform grid point with that many stages;
+   micro-batch), the best uniform grid point with that many stages, and the two best
+   two-size layouts (``search_local.two_level_seeds``: k stages of 2g GPUs, the rest g,
+   stage cuts rebalanced);
 2. a multi-hop step: find the bottleneck (largest per-micro-batch time, or the stage furthest
    over the memory limit), split its time into compute / recompute / p2p, order the
    primitives by which share dominates, apply them in that order and take the first that
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron.aceso.model import PerfModel, Plan, Prediction, Stage
-from megatron.aceso.search_local import polish
+from megatron.aceso.search_local import polish, two_level_seeds
 from megatron.aceso.search_moves import Primitives
 
 State = Tuple[int, Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]  # mbs, bounds, tps, dps
@@ -97,7 +99,8 @@ class Searcher(Primitives):
                  budget_trials: Optional[int] = None, budget_seconds: Optional[float] = None,
                  runnable: bool = False, granularity: str = "layer",
                  max_micro_batch: Optional[int] = None, patience_trials: Optional[int] = None,
-                 polish: bool = False, prune_ratio: Optional[float] = 1.05):
+                 polish: bool = False, prune_ratio: Optional[float] = 1.05,
+                 two_level: bool = True):
         self.pm = pm
         self.G = num_gpus
         self.gbs = global_batch
@@ -124,6 +127,8 @@ class Searcher(Primitives):
         # search_all polishes only its best results instead
         self.polish = polish
         self.prune_ratio = prune_ratio
+        # extra starts: stages of two sizes, rebalanced (search_local.two_level_seeds)
+        self.two_level_seeds = two_level
         self.prune_after = 300
         self._hopeless_ms: Optional[float] = None
         self._run_trials = 0
@@ -369,7 +374,8 @@ class Searcher(Primitives):
                 if seed.key < own.key:
                     self.cache[seed.state] = seed
             bal = self.balance_state(S)
-            for st in [e.state for e in starts] + ([bal] if bal is not None else []):
+            extra = two_level_seeds(self, S) if self.two_level_seeds else []
+            for st in [e.state for e in starts] + ([bal] if bal is not None else []) + extra:
                 ev = self.evaluate(st)
                 if best is None or ev.key < best.key:
                     best = ev

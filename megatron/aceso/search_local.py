@@ -189,3 +189,43 @@ def polish(srch, ev, evaluate: Callable, neighbours_of: Callable[[State, int], L
         best = improved
         if patience is not None and srch.trials - start_trials > patience:
             return best
+
+
+def two_level_seeds(srch, S: int, top: int = 2) -> List[State]:
+    """Start points beyond the uniform grid: S stages of two sizes, the k larger ones (2g GPUs)
+    first or last, one TP per size class, cuts proportional to GPUs; the ``top`` best by the
+    model, each re-cut by ``rebalance``. Early stages keep more micro-batches in flight, so
+    giving them more GPUs is the heterogeneous layout the bottleneck moves reach only slowly
+    (GPT-13B on 32 GPUs: 6 x 4 + 4 x 2 GPUs)."""
+    G, U = srch.G, srch.U
+    cands: List[State] = []
+    g = 1
+    while g * S < G:
+        k = G // g - S  # g * (S + k) == G with k stages of 2g GPUs
+        if g * (S + k) == G and 0 < k < S:
+            for big_first in (True, False):
+                gpus = [2 * g] * k + [g] * (S - k) if big_first else [g] * (S - k) + [2 * g] * k
+                acc, bounds = 0, [0]
+                for x in gpus[:-1]:
+                    acc += x
+                    bounds.append(max(bounds[-1] + 1, round(U * acc / G)))
+                bounds.append(U)
+                if any(bounds[i] >= bounds[i + 1] for i in range(S)):
+                    continue
+                for tb in srch.tps:
+                    for ts in srch.tps:
+                        if (2 * g) % tb or g % ts:
+                            continue
+                        tps = tuple(tb if x == 2 * g else ts for x in gpus)
+                        dps = tuple(x // t for x, t in zip(gpus, tps))
+                        for m in srch.mbs_local:
+                            st = (m * max(dps), tuple(bounds), tps, dps)
+                            if srch.legal(st):
+                                cands.append(st)
+        g *= 2
+    scored = sorted((srch.evaluate(st).key, st) for st in cands)
+    out = []
+    for _, st in scored[:top]:
+        rb = rebalance(srch, st)
+        out.append(rb if rb is not None else st)
+    return out

@@ -177,3 +177,16 @@ def test_rebalance_minimises_the_slowest_stage_and_polish_is_a_local_optimum(pm)
     for k in range(len(out.state[2])):
         for n in s.stage_moves(out.state, k):
             assert s.evaluate(n).key >= out.key
+
+
+def test_two_level_seeds_are_legal_two_sized_and_rebalanced(pm):
+    from megatron.aceso.search_local import rebalance, two_level_seeds
+    s = Searcher(pm, 4, 512, granularity="op")
+    seeds = two_level_seeds(s, 3, top=2)
+    assert len(seeds) == 2
+    for st in seeds:
+        assert s.legal(st)
+        gpus = [t * d for t, d in zip(st[2], st[3])]
+        assert sorted(gpus) == [1, 1, 2]
+        assert rebalance(s, st) is None  # already the min-max cut for its resources
+    assert two_level_seeds(s, 4) == [] and two_level_seeds(s, 1) == []  # one size only
