@@ -21,8 +21,15 @@ it, as Aceso's own model does.
 `--paper`: the paper's settings instead (eurosys tables; GPT 350M/1.3B/2.6B/6.7B/13B on
 1/4/8/16/32 GPUs, T5 770M/3B/6B/11B on 1/4/8/16; 28000 MB; global batch 1024; pipeline
 micro-batch <= 8 in the search and the grid), each search stopping on convergence
-(`--patience-trials` without a gain after a restart) instead of a trial budget. Fields: model,
-gpus, memory_mb, ours_s, grid_s, speedup, ours_cpu_s, grid_cpu_s, trials, restarts, config.
+(`--patience-trials` without a gain after a restart) instead of a trial budget, stage cuts at
+any operator as the published search (`--granularity layer` for what --aceso-config runs).
+Fields: model, gpus, memory_mb, ours_s, grid_s, speedup, ours_cpu_s, grid_cpu_s, trials,
+restarts, config, granularity. With `--published-aceso DIR` also: ours_under_published_s (our
+configuration as is), ours_refit_published_s (our layout, recompute chosen by the published
+model), published_s, published_under_ours_s, published_refit_ours_s (its layout, our recompute
+fit), each with whether it fits; ratio_ours_model / ratio_published_model = our time / the
+published search's under that model, feasible configurations only (<= 1: ours is as fast);
+cpu_ratio = ours_cpu_s / published_cpu_s (target <= 0.05).
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.aceso.db import SHIPPED_DIR, OpDatabase  # noqa: E402
 from megatron.aceso.model import PerfModel, get_model_spec  # noqa: E402
-from megatron.aceso.search import best_grid, search_all  # noqa: E402
+from megatron.aceso.search import best_grid, refit_recompute, search_all  # noqa: E402
 
 # (set, model, gpus, memory GB, global batch, published Aceso / Megatron throughput)
 SETUPS = [
@@ -61,7 +68,8 @@ PAPER_SETUPS = [("gpt-350m", 1), ("gpt-1.3b", 4), ("gpt-2.6b", 8), ("gpt-6.7b", 
 PAPER_MEMORY_MB, PAPER_GBS, PAPER_MAX_MBS = 28000, 1024, 8
 
 
-def run_paper(model, gpus, patience, include_allreduce, published_dir=None, published_budget=200):
+def run_paper(model, gpus, patience, include_allreduce, published_dir=None, published_budget=200,
+              granularity="op"):
     """One --paper row: our search (stopping on convergence) and the grid, same space; with
     ``published_dir`` also the published search and each side's best under the other's model."""
     spec = get_model_spec(model)
@@ -70,18 +78,20 @@ def run_paper(model, gpus, patience, include_allreduce, published_dir=None, publ
     g0 = time.process_time()
     grid, _ = best_grid(pm, gpus, PAPER_GBS, max_micro_batch=PAPER_MAX_MBS)
     c0 = time.process_time()
-    res = search_all(pm, gpus, PAPER_GBS, max_micro_batch=PAPER_MAX_MBS, patience_trials=patience)
+    res = search_all(pm, gpus, PAPER_GBS, max_micro_batch=PAPER_MAX_MBS, patience_trials=patience,
+                     granularity=granularity)
     cpu = time.process_time() - c0
     fit = [r for r in res if r.best.key[0] == 0]
     best = fit[0].best if fit else None
     published = next((p for d, m, *_, p in SETUPS if d == "eurosys" and m == model), None)
     row = _paper_row(model, gpus, patience, published, best, grid, cpu, c0 - g0, res)
+    row["granularity"] = granularity
     if published_dir and best is not None:
-        row.update(_published_columns(published_dir, pm, spec, best, gpus, published_budget))
+        row.update(_published_columns(published_dir, pm, spec, best, gpus, published_budget, cpu))
     return row
 
 
-def _published_columns(root, pm, spec, best, gpus, budget):
+def _published_columns(root, pm, spec, best, gpus, budget, cpu_ours=None):
     import tempfile
 
     import published_aceso as pub
@@ -90,19 +100,38 @@ def _published_columns(root, pm, spec, best, gpus, budget):
     ours_json = os.path.join(tempfile.mkdtemp(prefix="aceso_ours_"), "ours.json")
     save_plan(ours_json, best.plan, spec)
     ours_pub = pub.price(root, db, ours_json, gpus, PAPER_MEMORY_MB)
+    # our layout with the recompute ops the published model picks for it (its memory rule)
+    ours_refit = pub.price(root, db, ours_json, gpus, PAPER_MEMORY_MB, refit=True)
     out = {"ours_under_published_s": round(ours_pub["s"], 3),
            "ours_fits_published": ours_pub["memory_mb"] <= PAPER_MEMORY_MB,
+           "ours_refit_published_s": round(ours_refit["s"], 3),
+           "ours_refit_fits_published": ours_refit["memory_mb"] <= PAPER_MEMORY_MB,
            "published_budget_s": budget}
     path, cpu = pub.search(root, db, spec.family, spec.size, gpus, PAPER_GBS, PAPER_MEMORY_MB, budget)
     out["published_cpu_s"] = round(cpu, 2)
     if path is None:
         return {**out, "published_s": None}
     theirs = pub.price(root, db, path, gpus, PAPER_MEMORY_MB)
-    pred = pm.predict(load_plan(path, pm.num_ops))
+    plan = load_plan(path, pm.num_ops)
+    pred = pm.predict(plan)
+    refit = refit_recompute(pm, plan)  # the published layout with our recompute fit
     out.update({"published_s": round(theirs["s"], 3),
                 "published_fits_published": theirs["memory_mb"] <= PAPER_MEMORY_MB,
                 "published_under_ours_s": round(pred.iteration_ms / 1000, 3),
-                "published_fits_ours": pred.fits})
+                "published_fits_ours": pred.fits,
+                "published_refit_ours_s": round(refit.iteration_ms / 1000, 3),
+                "published_refit_fits_ours": refit.fits})
+    # feasible against feasible under each model (a side's own best, the other's refitted
+    # layout): ours/published time ratio, <= 1 where our search's configuration is as fast
+    ours_s = best.key[1] / 1000
+    theirs_ours = min([refit.iteration_ms / 1000] + ([pred.iteration_ms / 1000] if pred.fits else []))
+    ours_theirs = min([ours_refit["s"]] + ([ours_pub["s"]] if out["ours_fits_published"] else []))
+    if refit.fits:
+        out["ratio_ours_model"] = round(ours_s / theirs_ours, 4)
+    if out["ours_refit_fits_published"] and out["published_fits_published"]:
+        out["ratio_published_model"] = round(ours_theirs / theirs["s"], 4)
+    if cpu_ours is not None and cpu > 0:
+        out["cpu_ratio"] = round(cpu_ours / cpu, 4)
     return out
 
 
@@ -162,8 +191,9 @@ def main():
     ap.add_argument("--budget-trials", type=int, default=1000, help="per stage count")
     ap.add_argument("--only", default=None, help="comma-separated set:model filters, e.g. eurosys:gpt-1.3b")
     ap.add_argument("--no-allreduce", action="store_true")
-    ap.add_argument("--granularity", choices=["layer", "op"], default="layer",
-                    help="stage cuts on layer boundaries (what --aceso-config runs) or anywhere")
+    ap.add_argument("--granularity", choices=["layer", "op"], default=None,
+                    help="stage cuts on layer boundaries (what --aceso-config runs) or anywhere (the "
+                         "published search's space); default: layer, op with --paper")
     ap.add_argument("--paper", action="store_true",
                     help="the Aceso paper's settings: GPUs by model size, 28000 MB, global batch 1024, "
                          "pipeline micro-batch <= 8; the search stops on convergence (--patience-trials)")
@@ -182,13 +212,14 @@ def main():
             if only and model not in only and f"eurosys:{model}" not in only:
                 continue
             print(json.dumps(run_paper(model, gpus, args.patience_trials, not args.no_allreduce,
-                                       args.published_aceso, args.published_budget)), flush=True)
+                                       args.published_aceso, args.published_budget,
+                                       args.granularity or "op")), flush=True)
         return
     for dbset, model, gpus, mem, gbs, pub in SETUPS:
         if only and f"{dbset}:{model}" not in only:
             continue
         print(json.dumps(run(dbset, model, gpus, mem, gbs, pub, args.budget_trials,
-                             not args.no_allreduce, args.granularity)), flush=True)
+                             not args.no_allreduce, args.granularity or "layer")), flush=True)
 
 
 if __name__ == "__main__":

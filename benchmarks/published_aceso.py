@@ -36,7 +36,7 @@ def _run(cmd, cwd) -> Tuple[str, float]:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if out.returncode:
-        raise RuntimeError(f"{cmd[0]} failed ({out.returncode}): {out.stderr.strip()[-500:]}")
+        raise RuntimeError(f"{cmd[0] if cmd[0] != '-c' else 'published refit'} failed ({out.returncode}): {out.stderr.strip()[-500:]}")
     return out.stdout, cpu
 
 
@@ -65,12 +65,26 @@ def search(root: str, fallback_db: str, family: str, size: str, gpus: int, gbs: 
     return (found[0] if found else None), cpu
 
 
-def price(root: str, fallback_db: str, config_json: str, gpus: int, memory_mb: int) -> Dict[str, float]:
-    """The published cost model's iteration time (s) and peak stage memory (MB) of a config."""
+# Runs in the published search folder: load a config, let the published model choose each
+# stage's recompute ops itself (its update_recompute), then print its time/memory breakdown.
+_REFIT = ("import sys; sys.argv = ['aceso_cost_model.py'] + sys.argv[1:]\n"
+          "import aceso_cost_model as m\n"
+          "from aceso_utils import read_config_from_json\n"
+          "config, d = read_config_from_json(m.args, return_config_dict=True)\n"
+          "m.read_profiled_time(d['model_name'], d['model_size'], m.args.profiled_time_path)\n"
+          "m.update_recompute(config)\n"
+          "m.predict_time_breakdown(config, print_time=True, print_memory=True)\n")
+
+
+def price(root: str, fallback_db: str, config_json: str, gpus: int, memory_mb: int,
+          refit: bool = False) -> Dict[str, float]:
+    """The published cost model's iteration time (s) and peak stage memory (MB) of a config;
+    ``refit``: with the recompute ops the published model picks for that layout (its own
+    memory rule), so a layout that is out of memory as given is compared where it fits."""
     n, g = _nodes(gpus)
-    out, _ = _run(["aceso_cost_model.py", "--initial-point", config_json, "--profiled-time-path",
-                   _db(root, fallback_db), "--num-nodes", str(n), "--num-gpus-per-node", str(g),
-                   "--memory-limit", str(memory_mb)], _search_dir(root))
+    args = ["--initial-point", config_json, "--profiled-time-path", _db(root, fallback_db),
+            "--num-nodes", str(n), "--num-gpus-per-node", str(g), "--memory-limit", str(memory_mb)]
+    out, _ = _run((["-c", _REFIT] if refit else ["aceso_cost_model.py"]) + args, _search_dir(root))
     t = re.search(r"overall time = ([0-9.]+) ms", out)
     m = re.search(r"max allocated memory = ([0-9.]+) MB", out)
     if not t or not m:

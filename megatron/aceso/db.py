@@ -239,6 +239,7 @@ class _P2P:
             raise ValueError("p2p table: sizes and bandwidths differ in length")
         self.log_sizes = [math.log2(s) for s in sizes]
         self.bw = bw
+        self._t: dict = {}  # size -> ms: a search asks for the same few boundary sizes often
 
     def bandwidth(self, size_mb: float) -> float:
         x = math.log2(max(size_mb, 1e-9))
@@ -253,7 +254,10 @@ class _P2P:
 
     def time_ms(self, size_mb: float) -> float:
         # GB/s taken as MB/ms (1 GB = 1000 MB, as a bandwidth figure).
-        return size_mb / self.bandwidth(size_mb)
+        t = self._t.get(size_mb)
+        if t is None:
+            t = self._t[size_mb] = size_mb / self.bandwidth(size_mb)
+        return t
 
 
 def _read_p2p(path: str) -> Optional[_P2P]:

@@ -208,6 +208,7 @@ class _Arrays:
         self.pb = _prefix(self.bwd)
         self.pa = _prefix(self.act)
         self.pw = _prefix([x.weight_mb for x in r])
+        self.key: Tuple[int, int, int] = (0, 0, 0)  # (local mbs, tp, algo), set by PerfModel.arrays
 
 
 def _prefix(xs: List[float]) -> List[float]:
@@ -230,6 +231,15 @@ class PerfModel:
         self.layer_of = [o.layer for o in self.ops]
         self._arrays: Dict[Tuple[int, int, int], _Arrays] = {}
         self._ar_cache: Dict[Tuple[int, int], float] = {}
+        self._layer_terms: Dict[tuple, Tuple[float, float, float]] = {}
+        self._stage_cache: Dict[tuple, Tuple[float, float, float]] = {}
+        self._res_cache: Dict[tuple, float] = {}
+        # _group_end[i]: the first op after i in another layer (head ops form their own groups)
+        self._group_end = [0] * len(self.ops)
+        for i in range(len(self.ops) - 1, -1, -1):
+            nxt = i + 1
+            self._group_end[i] = (self._group_end[nxt] if nxt < len(self.ops)
+                                  and self.layer_of[nxt] == self.layer_of[i] else nxt)
 
     @property
     def num_ops(self) -> int:
@@ -240,6 +250,7 @@ class PerfModel:
         a = self._arrays.get(key)
         if a is None:
             a = self._arrays[key] = _Arrays(self.db.ops(mbs_local, tp, algo), self.ops)
+            a.key = key
         return a
 
     def local_mbs_ok(self, mbs: int, stage: Stage) -> bool:
@@ -248,29 +259,68 @@ class PerfModel:
     # ---- memory pieces that depend only on the stage's own choices
     def activation_terms(self, a: _Arrays, st: Stage) -> Tuple[float, float]:
         """(activations kept per micro-batch, recompute peak) for ``st``'s recompute flags."""
+        return self._stage_terms(a, st)[:2]
+
+    def _stage_terms(self, a: _Arrays, st: Stage) -> Tuple[float, float, float]:
+        """(activations kept, recompute peak, recompute ms) per micro-batch; cached, as the
+        search prices the same stage in many plans."""
         kept = a.pa[st.end] - a.pa[st.start]
         if not st.recompute or not any(st.recompute):
-            return kept, 0.0
-        peak = 0.0
+            return kept, 0.0, 0.0
+        skey = (a.key, st.start, st.recompute)
+        hit = self._stage_cache.get(skey)
+        if hit is not None:
+            return hit
+        peak = rec = 0.0
+        # checkpoint segments never span two layers, so each layer's share is its own; the
+        # search asks for the same (rows, flags) of a layer many times, hence the cache
+        ends, flags = self._group_end, st.recompute
+        i = st.start
+        while i < st.end:
+            j = min(ends[i], st.end)
+            f = flags[i - st.start:j - st.start]
+            if any(f):
+                key = (a.key, self.ops[i].row, j - i, f)
+                hit = self._layer_terms.get(key)
+                if hit is None:
+                    hit = self._layer_terms[key] = self._layer_activation_terms(a, i, j, f)
+                kept += hit[0]
+                peak = max(peak, hit[1])
+                rec += hit[2]
+            i = j
+        out = self._stage_cache[skey] = (kept, peak, rec)
+        return out
+
+    def _layer_activation_terms(self, a: _Arrays, i0: int, i1: int, flags) -> Tuple[float, float, float]:
+        """(change of kept activations, recompute peak, recompute ms) of ops [i0, i1) of one layer."""
+        delta = peak = 0.0
+        rec = sum(a.fwd[i0 + k] for k, f in enumerate(flags) if f)
         # the runtime's checkpoint segments (megatron/models/layer_ops.py): runs of consecutive
         # flagged ops inside one layer, each keeping its input and freeing its ops' activations
-        group = self.layer_of[st.start:st.end]
-        for lo, hi in contiguous_runs(st.recompute, group):
-            i, j = st.start + lo, st.start + hi
+        for lo, hi in contiguous_runs(flags):
+            i, j = i0 + lo, i0 + hi
             run_act = a.pa[j] - a.pa[i]
-            kept += a.inp[i] - run_act
+            delta += a.inp[i] - run_act
             peak = max(peak, run_act)
         # a segment holding a residual add may also keep the residual stream (core/recompute.py)
-        names = [self.db.op_names[o.row] for o in self.ops[st.start:st.end]]
-        for k in residual_inputs_kept(names, st.recompute, group):
-            kept += a.inp[st.start + k]
-        return kept, peak
+        names = [self.db.op_names[o.row] for o in self.ops[i0:i1]]
+        for k in residual_inputs_kept(names, flags):
+            delta += a.inp[i0 + k]
+        return delta, peak, rec
+
+    def _reserved(self, a: _Arrays, start: int, end: int) -> float:
+        """Largest allocator reserve of ops [start, end) (cached: O(ops) per stage otherwise)."""
+        key = (a.key, start, end)
+        r = self._res_cache.get(key)
+        if r is None:
+            r = self._res_cache[key] = max(a.res[start:end])
+        return r
 
     def stage_memory_mb(self, mbs: int, st: Stage, s: int, num_stages: int, m: int) -> float:
         a = self.arrays(mbs // st.dp, st.tp, st.algo)
         kept, peak = self.activation_terms(a, st)
         w = a.pw[st.end] - a.pw[st.start]
-        res = max(a.res[st.start:st.end])
+        res = self._reserved(a, st.start, st.end)
         return 8.0 * w + kept * min(num_stages - s, m) + peak + res
 
     def allreduce_ms(self, grad_mb: float, st: Stage) -> float:
@@ -314,9 +364,7 @@ class PerfModel:
             a = arrs[s]
             fwd = a.pf[st.end] - a.pf[st.start]
             bwd = a.pb[st.end] - a.pb[st.start]
-            rec = 0.0
-            if st.recompute:
-                rec = sum(a.fwd[st.start + j] for j, f in enumerate(st.recompute) if f)
+            kept, peak, rec = self._stage_terms(a, st)
             p_in = p_out = 0.0
             if s > 0:
                 inter = self._inter(first_rank[s - 1], first_rank[s] + st.gpus)
@@ -325,14 +373,13 @@ class PerfModel:
                 nxt = stages[s + 1]
                 inter = self._inter(first_rank[s], first_rank[s + 1] + nxt.gpus)
                 p_out = self.db.p2p_ms(full_out[s] * nxt.tp / st.gpus, inter)
-            kept, peak = self.activation_terms(a, st)
             w = a.pw[st.end] - a.pw[st.start]
             costs.append(StageCost(
                 fwd_ms=fwd, bwd_ms=bwd, recompute_ms=rec,
                 p2p_fwd_ms=p_in + p_out, p2p_bwd_ms=p_in + p_out,
                 allreduce_ms=self.allreduce_ms(w, st),
                 weights_mb=w, act_per_mb_mb=kept, inflight=min(S - s, M),
-                peak_recompute_mb=peak, reserved_mb=max(a.res[st.start:st.end])))
+                peak_recompute_mb=peak, reserved_mb=self._reserved(a, st.start, st.end)))
         times = [c.time_ms for c in costs]
         pipe = (M - 1) * max(times) + sum(times)
         total = 0.0

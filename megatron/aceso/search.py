@@ -9,7 +9,9 @@ One trial = one state evaluated by the model; a budget in trials makes the searc
 deterministic. Per stage count:
 
 1. seeds: the "balance" start (equal layers, GPUs doubled round-robin, TP first, smallest
-   micro-batch) and the best uniform grid point with that many stages;
+   micro-batch), the best uniform grid point with that many stages, and the two best
+   two-size layouts (``search_local.two_level_seeds``: k stages of 2g GPUs, the rest g,
+   stage cuts rebalanced);
 2. a multi-hop step: find the bottleneck (largest per-micro-batch time, or the stage furthest
    over the memory limit), split its time into compute / recompute / p2p, order the
    primitives by which share dominates, apply them in that order and take the first that
@@ -17,7 +19,13 @@ deterministic. Per stage count:
    ``max_hops`` moves deep;
 3. when a step finds nothing, restart from the best not-yet-started state within
    ``restart_ratio`` of the best one; stop when none is left, the budget is spent, or (with
-   ``patience_trials``) once restarts have run that many trials without improving the best.
+   ``patience_trials``) once restarts have run that many trials without improving the best,
+   or (``prune_ratio``, one process) once this stage count is that far behind the best
+   other stage count searched before it (search_all runs them best grid seed first); one
+   three times that far behind also stops its deep step after ``prune_after`` trials.
+
+Then the best stage count's result gets a final polish (``search_local.polish``: every stage
+a target for every primitive, resource changes followed by a min-max re-cut of the stages).
 
 Legality: every stage has a power-of-two GPU count, the counts sum to the cluster, a stage
 never straddles a node (larger ones start on a node boundary), TP is within a node and
@@ -32,6 +40,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron.aceso.model import PerfModel, Plan, Prediction, Stage
+from megatron.aceso.search_local import polish, two_level_seeds
+from megatron.aceso.search_moves import Primitives
 
 State = Tuple[int, Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]  # mbs, bounds, tps, dps
 INF = float("inf")
@@ -83,12 +93,14 @@ class SearchResult:
     restarts: int = 0
 
 
-class Searcher:
+class Searcher(Primitives):
     def __init__(self, pm: PerfModel, num_gpus: int, global_batch: int, *,
                  max_hops: int = 7, width: int = 2, restart_ratio: float = 1.2,
                  budget_trials: Optional[int] = None, budget_seconds: Optional[float] = None,
                  runnable: bool = False, granularity: str = "layer",
-                 max_micro_batch: Optional[int] = None, patience_trials: Optional[int] = None):
+                 max_micro_batch: Optional[int] = None, patience_trials: Optional[int] = None,
+                 polish: bool = False, prune_ratio: Optional[float] = 1.05,
+                 two_level: bool = True):
         self.pm = pm
         self.G = num_gpus
         self.gbs = global_batch
@@ -111,10 +123,20 @@ class Searcher:
         self.max_micro_batch = max_micro_batch
         # convergence stop: after a restart, give up once this many trials brought no gain
         self.patience_trials = patience_trials
+        # run(): end with a best-improvement local search over every stage (search_local.polish);
+        # search_all polishes only its best results instead
+        self.polish = polish
+        self.prune_ratio = prune_ratio
+        # extra starts: stages of two sizes, rebalanced (search_local.two_level_seeds)
+        self.two_level_seeds = two_level
+        self.prune_after = 300
+        self._hopeless_ms: Optional[float] = None
+        self._run_trials = 0
         # what --aceso-config runs: stage cuts on layer boundaries, recompute of layer ops only
         self.runnable = runnable
         self.cache: Dict[State, Evaluated] = {}
         self._fit_cache: Dict[tuple, Tuple[Tuple[int, ...], float]] = {}
+        self._rec_ms: Dict[tuple, float] = {}  # recompute ms of a fit (search_local)
         self.trials = 0
         self.t0 = time.perf_counter()
         # recompute candidates, ranked once per (local mbs, tp): MB saved per ms recomputed
@@ -303,102 +325,13 @@ class Searcher:
                     out.append(st)
         return out
 
-    def _move(self, st: State, b: int) -> List[State]:
-        mbs, bounds, tps, dps = st
-        S = len(tps)
-        out = []
-        size = bounds[b + 1] - bounds[b]
-        steps = (1, 2, size // 4) if self.granularity == "layer" else (1, 3, size // 8, size // 4)
-        for k in sorted({max(1, k) for k in steps}):
-            if size - k < 1:
-                continue
-            if b > 0:  # give the first k units to the previous stage
-                nb = list(bounds)
-                nb[b] += k
-                out.append((mbs, tuple(nb), tps, dps))
-            if b < S - 1:  # give the last k units to the next stage
-                nb = list(bounds)
-                nb[b + 1] -= k
-                out.append((mbs, tuple(nb), tps, dps))
-        return out
-
-    def _grow(self, st: State, b: int, dim: str) -> List[State]:
-        mbs, bounds, tps, dps = st
-        gb = tps[b] * dps[b]
-        out = []
-        # the donor gives half of its GPUs; donors ordered by how idle they are
-        donors = [d for d in range(len(tps)) if d != b and tps[d] * dps[d] == 2 * gb]
-        for d in donors:
-            for ddim in ("dp", "tp"):
-                nt, nd = list(tps), list(dps)
-                if dim == "dp":
-                    nd[b] *= 2
-                else:
-                    nt[b] *= 2
-                if ddim == "dp":
-                    if nd[d] % 2:
-                        continue
-                    nd[d] //= 2
-                else:
-                    if nt[d] % 2:
-                        continue
-                    nt[d] //= 2
-                out.append((mbs, bounds, tuple(nt), tuple(nd)))
-                # a stage that doubles its DP may need a larger micro-batch
-                if dim == "dp" and mbs % nd[b]:
-                    out.append((mbs * 2, bounds, tuple(nt), tuple(nd)))
-        return out
-
-    def _shrink(self, st: State, b: int, dim: str) -> List[State]:
-        mbs, bounds, tps, dps = st
-        gb = tps[b] * dps[b]
-        if gb < 2:
-            return []
-        out = []
-        for c in range(len(tps)):
-            if c == b or 2 * tps[c] * dps[c] != gb:
-                continue
-            for cdim in ("dp", "tp"):
-                nt, nd = list(tps), list(dps)
-                if dim == "dp":
-                    if nd[b] % 2:
-                        continue
-                    nd[b] //= 2
-                else:
-                    if nt[b] % 2:
-                        continue
-                    nt[b] //= 2
-                if cdim == "dp":
-                    nd[c] *= 2
-                else:
-                    nt[c] *= 2
-                out.append((mbs, bounds, tuple(nt), tuple(nd)))
-        return out
-
-    def _swap(self, st: State, b: int) -> List[State]:
-        mbs, bounds, tps, dps = st
-        out = []
-        if dps[b] % 2 == 0:
-            nt, nd = list(tps), list(dps)
-            nt[b] *= 2
-            nd[b] //= 2
-            out.append((mbs, bounds, tuple(nt), tuple(nd)))
-        if tps[b] % 2 == 0:
-            nt, nd = list(tps), list(dps)
-            nt[b] //= 2
-            nd[b] *= 2
-            out.append((mbs, bounds, tuple(nt), tuple(nd)))
-        return out
-
-    def _mbs(self, st: State, factor: float) -> List[State]:
-        mbs, bounds, tps, dps = st
-        m = int(mbs * factor)
-        return [(m, bounds, tps, dps)] if m >= 1 and m * 1.0 == mbs * factor else []
-
     # ------------------------------------------------------------------ driver
     def _hop(self, ev: Evaluated, target: Tuple[int, float], depth: int,
              path: set) -> Optional[Evaluated]:
         """Depth-first multi-hop: first neighbour better than ``target`` wins."""
+        if self._hopeless_ms is not None and self.trials - self._run_trials >= self.prune_after \
+                and target[1] > self._hopeless_ms:
+            raise BudgetExhausted  # far behind another stage count: not worth the deep step
         cands = []
         for st in self.neighbours(ev):
             if st in path:
@@ -417,11 +350,19 @@ class Searcher:
                 return r
         return None
 
-    def run(self, S: int, seeds: Sequence[Evaluated] = ()) -> SearchResult:
+    def run(self, S: int, seeds: Sequence[Evaluated] = (),
+             incumbent_ms: Optional[float] = None) -> SearchResult:
         """Search with S stages. ``seeds`` are already-evaluated plans (the grid point): the
         search starts from them too, and keeps their recompute choice where it is better
-        than the greedy fit, so the result is never worse than a seed."""
+        than the greedy fit, so the result is never worse than a seed. ``incumbent_ms``: the
+        best time another stage count reached; no restarts once this one is ``prune_ratio``
+        behind it (restarts rarely gain more than a few per cent), and after ``prune_after``
+        trials no deep step from a state three times that far behind."""
         self.t0 = time.perf_counter()
+        self._run_trials = self.trials
+        self._hopeless_ms = None
+        if incumbent_ms is not None and self.prune_ratio is not None:
+            self._hopeless_ms = incumbent_ms * (1 + 3 * (self.prune_ratio - 1))
         best: Optional[Evaluated] = None
         started: set = set()
         hops = restarts = 0
@@ -433,7 +374,8 @@ class Searcher:
                 if seed.key < own.key:
                     self.cache[seed.state] = seed
             bal = self.balance_state(S)
-            for st in [e.state for e in starts] + ([bal] if bal is not None else []):
+            extra = two_level_seeds(self, S) if self.two_level_seeds else []
+            for st in [e.state for e in starts] + ([bal] if bal is not None else []) + extra:
                 ev = self.evaluate(st)
                 if best is None or ev.key < best.key:
                     best = ev
@@ -448,6 +390,9 @@ class Searcher:
                         best = cur
                         gained_at = self.trials
                     continue
+                if incumbent_ms is not None and self.prune_ratio is not None and \
+                        (best.key[0] or best.key[1] > incumbent_ms * self.prune_ratio):
+                    break  # hopeless against the other stage counts
                 if self.patience_trials is not None and restarts and \
                         self.trials - gained_at >= self.patience_trials:
                     break  # converged: a restart brought no gain in patience_trials trials
@@ -459,6 +404,8 @@ class Searcher:
                     break
                 cur = min(pool, key=lambda e: (e.key, e.state))
                 restarts += 1
+            if best is not None and self.polish:
+                best = polish(self, best, self.evaluate, self.stage_moves)
         except BudgetExhausted:
             pass
         return SearchResult(S, best, self.trials, time.perf_counter() - self.t0, hops, restarts)
@@ -480,6 +427,18 @@ def best_grid(pm: PerfModel, num_gpus: int, global_batch: int,
     return best, n
 
 
+def refit_recompute(pm: PerfModel, plan: Plan) -> Prediction:
+    """``plan``'s layout (stage ops, TP, DP, micro-batch) with each stage's recompute chosen by
+    this model's fit (the least recompute that fits): how another planner's configuration is
+    compared here when its own recompute choice does not fit this memory model."""
+    srch = Searcher(pm, plan.num_gpus, plan.global_batch)
+    S, M = len(plan.stages), plan.global_batch // plan.micro_batch
+    stages = [Stage(st.start, st.end, st.tp, st.dp,
+                    srch.fit_recompute(plan.micro_batch, st.start, st.end, st.tp, st.dp, s, S, M)[0])
+              for s, st in enumerate(plan.stages)]
+    return pm.predict(Plan(plan.model, plan.micro_batch, plan.global_batch, stages))
+
+
 def _grid_eval(srch: Searcher, st: State, mode: str) -> Optional[Evaluated]:
     mbs, bounds, tps, dps = st
     pm = srch.pm
@@ -498,16 +457,18 @@ def _grid_eval(srch: Searcher, st: State, mode: str) -> Optional[Evaluated]:
     return Evaluated(st, (0, pred.iteration_ms), plan, pred)
 
 
-def _search_one(args):
+def _search_one(args, incumbent_ms=None):
     pm, G, gbs, S, kw, seeds = args
-    return Searcher(pm, G, gbs, **kw).run(S, seeds)
+    return Searcher(pm, G, gbs, **kw).run(S, seeds, incumbent_ms)
 
 
 def search_all(pm: PerfModel, num_gpus: int, global_batch: int, *,
                budget_trials: Optional[int] = None, budget_seconds: Optional[float] = None,
-               max_stages: int = 16, jobs: int = 1, progress=None, **kw) -> List[SearchResult]:
+               max_stages: int = 16, jobs: int = 1, progress=None, polish_top: int = 1,
+               **kw) -> List[SearchResult]:
     """One search per stage count (in ``jobs`` processes), each seeded with the best grid point
-    of that stage count. Returns the results sorted best first."""
+    of that stage count, then the final polish of the best ``polish_top`` results. Returns the
+    results sorted best first."""
     probe = Searcher(pm, num_gpus, global_batch,  # the grid cuts by layer
                      max_micro_batch=kw.get("max_micro_batch"))
     counts = list(range(1, min(num_gpus, probe.U, max_stages) + 1))
@@ -528,6 +489,8 @@ def search_all(pm: PerfModel, num_gpus: int, global_batch: int, *,
             seeds.append(gbest)
         tasks.append((pm, num_gpus, global_batch, S,
                       dict(budget_trials=budget_trials, budget_seconds=budget_seconds, **kw), seeds))
+    # most promising stage counts first (by their grid seed), so the pruning bound is tight early
+    tasks.sort(key=lambda t: (t[5][0].key if t[5] else (2, 0.0), t[3]))
     if jobs > 1:
         with mp.get_context("fork").Pool(jobs) as pool:
             results = []
@@ -538,10 +501,27 @@ def search_all(pm: PerfModel, num_gpus: int, global_batch: int, *,
     else:
         results = []
         for t in tasks:
-            r = _search_one(t)
+            fit = [x.best.key[1] for x in results if x.best is not None and x.best.key[0] == 0]
+            r = _search_one(t, min(fit) if fit else None)  # one process: prune against the best
             results.append(r)
             if progress:
                 progress(r)
     results = [r for r in results if r.best is not None]
+    results.sort(key=lambda r: (r.best.key, r.num_stages))
+    # the final polish (every stage a target, resource changes rebalanced) is costly at op
+    # granularity, so only the best ``polish_top`` stage counts get it
+    for r in results[:polish_top]:
+        left = None if budget_trials is None else budget_trials - r.trials
+        if r.best.key[0] or (left is not None and left <= 0):
+            continue
+        srch = Searcher(pm, num_gpus, global_batch, budget_trials=left,
+                        budget_seconds=budget_seconds, **kw)
+        t0 = time.perf_counter()
+        try:
+            r.best = polish(srch, r.best, srch.evaluate, srch.stage_moves)
+        except BudgetExhausted:
+            pass
+        r.trials += srch.trials
+        r.seconds += time.perf_counter() - t0
     results.sort(key=lambda r: (r.best.key, r.num_stages))
     return results

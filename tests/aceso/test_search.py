@@ -144,3 +144,49 @@ def test_paper_space_and_convergence_stop(pm):
     assert runs[0][0].best.key <= grid.key
     longer = search_all(pm, 4, 512, max_stages=4, max_micro_batch=8, patience_trials=200)
     assert sum(r.trials for r in longer) >= sum(r.trials for r in runs[0])
+
+
+def test_rebalance_minimises_the_slowest_stage_and_polish_is_a_local_optimum(pm):
+    from megatron.aceso.search_local import _StageTimes, polish, rebalance
+    s = Searcher(pm, 4, 512, granularity="op")
+    st = (1, (0, 40, 80, 200, s.U), (1, 1, 1, 1), (1, 1, 1, 1))  # badly cut
+    assert s.legal(st)
+    rb = rebalance(s, st)
+    assert rb is not None and rb[0] == st[0] and rb[2:] == st[2:]
+    times = _StageTimes(s, 1, st[2], st[3])
+
+    def slowest(bounds):
+        return max(times.time(k, bounds[k], bounds[k + 1]) for k in range(4))
+
+    best = slowest(rb[1])
+    assert best < slowest(st[1])
+    # no single cut moved by one op lowers the slowest stage by more than the search tolerance
+    for k in range(1, 4):
+        for d in (-1, 1):
+            nb = list(rb[1])
+            nb[k] += d
+            if nb[k - 1] < nb[k] < nb[k + 1]:
+                assert slowest(nb) >= best * (1 - 1e-3)
+    # the rebalanced state is what the model prices: every stage within the threshold found
+    ev = s.evaluate(rb)
+    assert ev.key[0] == 0 and max(c.time_ms for c in ev.pred.stages) == pytest.approx(best)
+    # polish never loses and ends where no stage's primitive improves any more
+    start = s.evaluate(st)
+    out = polish(s, start, s.evaluate, s.stage_moves)
+    assert out.key <= ev.key and out.key <= start.key
+    for k in range(len(out.state[2])):
+        for n in s.stage_moves(out.state, k):
+            assert s.evaluate(n).key >= out.key
+
+
+def test_two_level_seeds_are_legal_two_sized_and_rebalanced(pm):
+    from megatron.aceso.search_local import rebalance, two_level_seeds
+    s = Searcher(pm, 4, 512, granularity="op")
+    seeds = two_level_seeds(s, 3, top=2)
+    assert len(seeds) == 2
+    for st in seeds:
+        assert s.legal(st)
+        gpus = [t * d for t, d in zip(st[2], st[3])]
+        assert sorted(gpus) == [1, 1, 2]
+        assert rebalance(s, st) is None  # already the min-max cut for its resources
+    assert two_level_seeds(s, 4) == [] and two_level_seeds(s, 1) == []  # one size only
