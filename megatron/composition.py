@@ -78,6 +78,8 @@ PROOFS: Dict[Tuple[str, str], str] = {
     ("dynapipe", "embsync"): _DYN_CC + "test_fused_embedding_sync_alone_is_exact_on_dynapipe",
     ("dynapipe", "distopt"): _DYN_CC + "test_powersgd_and_fused_embedding_sync_at_full_rank_equal_plain_dynapipe[True]",
     ("dynapipe", "interleaved"): "tests/test_dynapipe_interleaved.py::test_dynapipe_interleaved_equals_plain_dynapipe",
+    ("interleaved", "packing"): "tests/test_interleaved_multitask.py::"
+                                "test_interleaved_multitask_pp2_matches_plain_pipeline[packing-2-480]",
     ("terapipe", "aceso"): _HETERO + "test_hetero_compose.py::test_terapipe_on_heterogeneous_stages_matches_single_process",
     ("terapipe", "cb_lep"): "tests/compression/test_terapipe_compression.py::"
                             "test_full_rank_compressed_slices_with_lep_equal_plain_terapipe",

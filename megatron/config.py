@@ -457,11 +457,6 @@ class MegatronConfig:
                      f"--num-layers ({m.num_layers}) / --pipeline-model-parallel-size "
                      f"({p.pipeline_model_parallel_size}) must be divisible by "
                      f"--num-layers-per-virtual-pipeline-stage ({p.num_layers_per_virtual_pipeline_stage})")
-            # (else the first global batch whose micro-batch count PP does not divide stops the run)
-            _require(not self.data.targets_data_path or self.data.dynapipe,  # (DynaPipe says why itself)
-                     "multi-task data (--targets-data-path) is batched by tokens, so the number of micro-batches "
-                     "varies with the data, and the interleaved schedule (--num-layers-per-virtual-pipeline-stage) "
-                     "runs them in groups of --pipeline-model-parallel-size: drop one of them")
         if p.pipeline_stage_layers is None and p.num_layers_per_virtual_pipeline_stage is None and m.model_type == "gpt":
             _require(m.num_layers % p.pipeline_model_parallel_size == 0,
                      f"--num-layers ({m.num_layers}) is not divisible by --pipeline-model-parallel-size "

@@ -36,48 +36,16 @@ from megatron.planner import partitioner as part
 from megatron.planner.attention_cost import AttentionCost
 from megatron.planner.cost_model import CostModel
 from megatron.planner.dynapipe_base import DynaPipeBase, DynaPipeConfig, PlanningError
+from megatron.planner.interleaved_order import interleaved_op_orders, microbatch_groups, warmup_forwards  # noqa: F401 (re-exported)
 from megatron.planner.schedules import ScheduleChoice, search_orders
 from megatron.planner.simulator import Op, PipelineCosts, SimulationError, simulate
 
 
-def warmup_forwards(pp: int, v: int, rank: int, group: int = 0) -> int:
-    """Chunk forwards rank `rank` runs before its first backward in interleaved 1F1B with
-    micro-batch groups of at most `group` (default PP): Megatron's 2 (PP - r - 1) + (v - 1) PP."""
-    return (pp - rank - 1) * 2 + (v - 1) * (group or pp)
-
-
-def microbatch_groups(pp: int, order: Sequence[int]) -> List[List[int]]:
-    """Groups of PP consecutive micro-batches of `order`; a remainder joins the last group
-    (a short last group of its own deadlocks the steady state for some PP, v, m)."""
-    K = len(order)
-    cuts = list(range(0, max(K - K % pp, 1), pp)) + [K] if K > pp else [0, K]
-    return [list(order[a:b]) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
-
-
 def interleaved_orders(pp: int, v: int, order: Sequence[int], extra_warmup: int = 0) -> List[List[Op]]:
-    """Per-rank op orders of interleaved 1F1B for micro-batches run in `order` (any count).
-
-    Rank r's forward sequence: for each group of micro-batches (`microbatch_groups`), chunk 0
-    of the group, then chunk 1, ...; its backward sequence: the same groups with the chunks
-    reversed. Rank r runs `warmup_forwards(pp, v, r, largest group)` forwards, then one forward
-    / one backward, then drains. With m a multiple of PP this is exactly
-    `megatron.planner.static.interleaved_orders`. `extra_warmup`: that many more forwards
-    first on every rank (all forwards first never deadlocks)."""
-    groups = microbatch_groups(pp, order)
-    G = max(len(g) for g in groups)
-    orders = []
-    for r in range(pp):
-        fwd = [Op("F", mb, c * pp + r) for g in groups for c in range(v) for mb in g]
-        bwd = [Op("B", mb, c * pp + r) for g in groups for c in reversed(range(v)) for mb in g]
-        total = len(fwd)
-        # One group: every forward first (Megatron's m == PP case).
-        warm = total if len(groups) == 1 else min(warmup_forwards(pp, v, r, G) + extra_warmup, total)
-        ops = fwd[:warm]
-        for k in range(total - warm):
-            ops += [fwd[warm + k], bwd[k]]
-        ops += bwd[total - warm:]
-        orders.append(ops)
-    return orders
+    """Per-rank simulator ops of interleaved 1F1B for micro-batches run in `order` (any count):
+    `interleaved_order.interleaved_op_orders`. With m a multiple of PP this is exactly
+    `megatron.planner.static.interleaved_orders`."""
+    return interleaved_op_orders(pp, v, order, Op, extra_warmup)
 
 
 def replay(costs: PipelineCosts, orders: List[List[Op]], stage_to_rank: Sequence[int], cut: float = np.inf,

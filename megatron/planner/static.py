@@ -9,7 +9,8 @@ Schedules (names accepted by `build_static_plans`):
   ``min(PP - r - 1, m)`` warm-up forwards, then alternates one forward / one backward, then
   drains the remaining backwards. At most ``PP - r`` forwards are in flight on rank r.
 * ``"interleaved"``: Megatron's interleaved 1F1B with ``v`` model chunks per rank; chunk k of
-  rank r is stage ``k * PP + r``. Requires ``m % PP == 0``.
+  rank r is stage ``k * PP + r``. Any micro-batch count: when PP does not divide it, the
+  remainder joins the last group of PP (`interleaved_order`).
 
 Stage ids are global virtual stages; `stage_to_rank(s) = s % PP`.
 """
@@ -20,6 +21,7 @@ from typing import Callable, Sequence, Union
 from megatron.pipeline.instructions import ExecutionPlan
 from megatron.pipeline.lowering import ComputeOp, lower_to_plans
 from megatron.models.stage_split import stage_layer_split  # noqa: F401 (re-exported)
+from megatron.planner.interleaved_order import interleaved_op_orders
 
 SCHEDULES = ("gpipe", "gpipe-fifo", "1f1b", "interleaved")
 
@@ -54,28 +56,11 @@ def interleaved_orders(num_microbatches: int, pp: int, num_model_chunks: int):
     ``(k // (PP*v)) * PP + k % PP``: groups of PP micro-batches go through all chunks before
     the next group starts. Warm-up is ``(PP - r - 1) * 2 + (v - 1) * PP`` virtual forwards
     (everything when m == PP), then 1F1B over virtual micro-batches, then cool-down.
+    Micro-batch counts that PP does not divide (packed rows, multi-task batches by tokens) run
+    with the remainder in the last group (`interleaved_order`); a multiple of PP gives exactly
+    Megatron's order.
     """
-    m, v = num_microbatches, num_model_chunks
-    if m % pp:
-        raise ValueError(f"the interleaved schedule needs the number of micro-batches ({m}) to "
-                         f"be a multiple of --pipeline-model-parallel-size ({pp})")
-    total = m * v
-
-    def op(kind, k, r):
-        chunk = (k % (pp * v)) // pp
-        if kind == "B":
-            chunk = v - 1 - chunk
-        return ComputeOp(kind, (k // (pp * v)) * pp + k % pp, chunk * pp + r)
-
-    orders = []
-    for r in range(pp):
-        warmup = total if m == pp else min((pp - r - 1) * 2 + (v - 1) * pp, total)
-        order = [op("F", k, r) for k in range(warmup)]
-        for k in range(total - warmup):
-            order += [op("F", k + warmup, r), op("B", k, r)]
-        order += [op("B", k, r) for k in range(total - warmup, total)]
-        orders.append(order)
-    return orders
+    return interleaved_op_orders(pp, num_model_chunks, range(num_microbatches), ComputeOp)
 
 
 def static_orders(schedule: str, num_microbatches: int, pp: int, num_model_chunks: int = 1):
