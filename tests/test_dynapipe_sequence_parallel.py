@@ -1,0 +1,82 @@
+"""DynaPipe with --sequence-parallel at TP2 x PP2 leaves exactly the parameters of one
+single-process step on the whole batch (fp32): its micro-batches of any padded length are cut
+along the sequence between the two TP ranks and sent between the stages as sequence shards."""
+import json
+
+import pytest
+
+from tests.dist_harness import run_distributed
+from tests.parity_utils import assert_parity
+from tests.test_dynapipe_training import GPT_COST_MODEL, multitask  # noqa: F401 (fixture: multi-task data)
+
+pytestmark = pytest.mark.parity
+
+
+def tp2_cost_model(path) -> str:
+    """The shipped CPU cost model (TP 1 only) with every profile copied for TP 2: per-rank
+    parameter counts, bytes and model state halved, times and activation memory left as they
+    are. The planner's choices (micro-batches, schedule, recompute) depend on these numbers, the
+    training's correctness does not: any plan must give the whole-batch step."""
+    with open(GPT_COST_MODEL) as f:
+        doc = json.load(f)
+    doc["parameters"]["2"] = {c: {k: v // 2 for k, v in p.items()} for c, p in doc["parameters"]["1"].items()}
+    doc["profiles"] += [dict(p, tp=2, model_state_mb={c: mb / 2 for c, mb in p["model_state_mb"].items()})
+                        for p in doc["profiles"] if p["tp"] == 1]
+    doc["name"] += "_tp2_copy"
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    return str(path)
+
+
+def _train(rank, world, data, mode, cost_model=None):
+    """tests/test_dynapipe_training.py's GPT run; 'dynapipe' here is TP2 x PP2 with SP."""
+    import dataclasses
+    from datetime import timedelta
+
+    import torch
+
+    from megatron.initialize import initialize_parallel, set_seeds
+    from megatron.pretrain import build_gpt_trainer
+    from tests.parity_utils import shards, tolerance_inputs
+    from tests.test_dynapipe_training import VOCAB, _cfg
+
+    tp, pp = (2, 2) if mode == "dynapipe" else (1, 1)
+    cfg = _cfg(world, "gpt", data, mode, pp=pp, tp=tp)
+    if mode == "dynapipe":  # rebuilt, so the configuration's checks run on the combination
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sequence_parallel=True),
+                                  data=dataclasses.replace(cfg.data, dynapipe_cost_model=cost_model))
+    cfg.model.vocab_size = VOCAB
+    ps = initialize_parallel(cfg, timedelta(minutes=1))
+    set_seeds(cfg.training.seed, ps, torch.device("cpu"))
+    trainer = build_gpt_trainer(cfg, ps, torch.device("cpu"))
+    grads, zero = [], trainer.optimizer.zero_grad
+
+    def snapshot_then_zero():  # every step's gradients bound the parameters' tolerance
+        grads.append(shards(trainer, "grad"))
+        zero()
+    trainer.optimizer.zero_grad = snapshot_then_zero
+    history = trainer.train()
+    return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
+            "grads": grads, "params": shards(trainer, "param"), "is_last": ps.rank == world - 1,
+            "sp_params": len(trainer.sequence_parallel_params),
+            "info": [h["planner"] for h in history], "samples": [h["num_samples"] for h in history],
+            **tolerance_inputs(cfg)}
+
+
+def test_tp2_copy_of_the_cpu_cost_model_passes_the_readers_checks(tmp_path):
+    from megatron.planner.cost_model import CostModel
+    cm = CostModel.load(tp2_cost_model(tmp_path / "cm.json"))
+    cm.require_tp(2)
+    assert cm.tps() == [1, 2] and cm.levels(2) == cm.levels(1)
+    assert cm.param_mb("encoder", 2) == pytest.approx(cm.param_mb("encoder", 1) / 2)
+
+
+def test_dynapipe_sequence_parallel_tp2_pp2_equals_whole_batch_step(multitask, tmp_path):
+    ref = run_distributed(_train, 1, multitask, "whole")
+    outs = run_distributed(_train, 4, multitask, "dynapipe", tp2_cost_model(tmp_path / "cm.json"))
+    last = [o for o in outs if o["is_last"]][0]
+    assert all(i["planner"] == "dynapipe" for i in last["info"])
+    assert all(o["sp_params"] > 0 for o in outs)  # the layer norms run on sequence shards
+    assert max(i["num_microbatches"][0] for i in last["info"]) > 1  # really cut into several micro-batches
+    assert last["samples"] == [o for o in ref if o["is_last"]][0]["samples"]
+    assert_parity(ref, outs)
