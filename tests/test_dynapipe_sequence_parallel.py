@@ -12,17 +12,17 @@ from tests.test_dynapipe_training import GPT_COST_MODEL, multitask  # noqa: F401
 pytestmark = pytest.mark.parity
 
 
-def tp2_cost_model(path) -> str:
-    """The shipped CPU cost model (TP 1 only) with every profile copied for TP 2: per-rank
-    parameter counts, bytes and model state halved, times and activation memory left as they
-    are. The planner's choices (micro-batches, schedule, recompute) depend on these numbers, the
-    training's correctness does not: any plan must give the whole-batch step."""
+def tp_cost_model(path, tp: int = 2) -> str:
+    """The shipped CPU cost model (TP 1 only) with every profile copied for TP `tp`: per-rank
+    parameter counts, bytes and model state divided by `tp`, times and activation memory left
+    as they are. The planner's choices (micro-batches, schedule, recompute) depend on these
+    numbers, the training's correctness does not: any plan must give the whole-batch step."""
     with open(GPT_COST_MODEL) as f:
         doc = json.load(f)
-    doc["parameters"]["2"] = {c: {k: v // 2 for k, v in p.items()} for c, p in doc["parameters"]["1"].items()}
-    doc["profiles"] += [dict(p, tp=2, model_state_mb={c: mb / 2 for c, mb in p["model_state_mb"].items()})
+    doc["parameters"][str(tp)] = {c: {k: v // tp for k, v in p.items()} for c, p in doc["parameters"]["1"].items()}
+    doc["profiles"] += [dict(p, tp=tp, model_state_mb={c: mb / tp for c, mb in p["model_state_mb"].items()})
                         for p in doc["profiles"] if p["tp"] == 1]
-    doc["name"] += "_tp2_copy"
+    doc["name"] += f"_tp{tp}_copy"
     with open(path, "w") as f:
         json.dump(doc, f)
     return str(path)
@@ -65,7 +65,7 @@ def _train(rank, world, data, mode, cost_model=None):
 
 def test_tp2_copy_of_the_cpu_cost_model_passes_the_readers_checks(tmp_path):
     from megatron.planner.cost_model import CostModel
-    cm = CostModel.load(tp2_cost_model(tmp_path / "cm.json"))
+    cm = CostModel.load(tp_cost_model(tmp_path / "cm.json"))
     cm.require_tp(2)
     assert cm.tps() == [1, 2] and cm.levels(2) == cm.levels(1)
     assert cm.param_mb("encoder", 2) == pytest.approx(cm.param_mb("encoder", 1) / 2)
@@ -73,10 +73,31 @@ def test_tp2_copy_of_the_cpu_cost_model_passes_the_readers_checks(tmp_path):
 
 def test_dynapipe_sequence_parallel_tp2_pp2_equals_whole_batch_step(multitask, tmp_path):
     ref = run_distributed(_train, 1, multitask, "whole")
-    outs = run_distributed(_train, 4, multitask, "dynapipe", tp2_cost_model(tmp_path / "cm.json"))
+    outs = run_distributed(_train, 4, multitask, "dynapipe", tp_cost_model(tmp_path / "cm.json"))
     last = [o for o in outs if o["is_last"]][0]
     assert all(i["planner"] == "dynapipe" for i in last["info"])
     assert all(o["sp_params"] > 0 for o in outs)  # the layer norms run on sequence shards
     assert max(i["num_microbatches"][0] for i in last["info"]) > 1  # really cut into several micro-batches
     assert last["samples"] == [o for o in ref if o["is_last"]][0]["samples"]
     assert_parity(ref, outs)
+
+
+def test_lengths_are_padded_to_a_multiple_of_every_tp_under_sequence_parallel(tmp_path):
+    """Each TP rank holds an equal piece of the sequence, so at a TP that does not divide 8
+    (here 3) the trainer pads lengths to lcm(8, TP); the planner refuses a padding that leaves
+    pieces of different lengths instead of sending [s // tp, b, h] pieces that do not fit."""
+    import numpy as np
+
+    from megatron.planner.dynapipe import DynaPipeConfig, DynaPipePlanner
+    from megatron.supervised_training import pad_multiple
+    from tests.parity_utils import tiny_config
+    tp3 = dict(world=3, tp=3, hidden=48, heads=6, seq=48)
+    assert pad_multiple(tiny_config(**tp3, arch=dict(sequence_parallel=True))) == 24
+    assert pad_multiple(tiny_config(**tp3)) == 8
+    cfg = dict(cost_model_path=tp_cost_model(tmp_path / "cm.json", 3), hidden_size=48, num_layers=4,
+               pipeline_parallel=2, tensor_parallel=3, sequence_parallel=True, memory_limit_mb=400)
+    with pytest.raises(ValueError, match=r"pad_multiple \(8\) must be a multiple of every TP size \(\[3\]\)"):
+        DynaPipeConfig(**cfg)
+    plan = DynaPipePlanner(DynaPipeConfig(**cfg, pad_multiple=24)).plan(np.random.default_rng(0).integers(5, 60, 40))
+    lengths = {s[0][1] for g in plan.groups for s in g.shapes}
+    assert len(lengths) > 1 and all(n % 24 == 0 for n in lengths)
