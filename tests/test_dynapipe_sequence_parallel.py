@@ -1,6 +1,7 @@
-"""DynaPipe with --sequence-parallel at TP2 x PP2 leaves exactly the parameters of one
-single-process step on the whole batch (fp32): its micro-batches of any padded length are cut
-along the sequence between the two TP ranks and sent between the stages as sequence shards."""
+"""DynaPipe with --sequence-parallel (TP2 x PP2, and stages with their own TP/DP sizes) leaves
+exactly the parameters of one single-process step on the whole batch (fp32): its micro-batches
+of any padded length are cut along the sequence between the TP ranks and sent between the
+stages as sequence shards."""
 import json
 
 import pytest
@@ -28,8 +29,9 @@ def tp_cost_model(path, tp: int = 2) -> str:
     return str(path)
 
 
-def _train(rank, world, data, mode, cost_model=None):
-    """tests/test_dynapipe_training.py's GPT run; 'dynapipe' here is TP2 x PP2 with SP."""
+def _train(rank, world, data, mode, cost_model=None, stage_parallel=None, stage_layers=None):
+    """tests/test_dynapipe_training.py's GPT run; 'dynapipe' here is TP2 x PP2 with SP, or with
+    `stage_parallel` one pipeline whose stages have their own (TP, DP) sizes."""
     import dataclasses
     from datetime import timedelta
 
@@ -43,8 +45,14 @@ def _train(rank, world, data, mode, cost_model=None):
     tp, pp = (2, 2) if mode == "dynapipe" else (1, 1)
     cfg = _cfg(world, "gpt", data, mode, pp=pp, tp=tp)
     if mode == "dynapipe":  # rebuilt, so the configuration's checks run on the combination
+        parallel, training = cfg.parallel, cfg.training
+        if stage_parallel:  # as tests/aceso/test_hetero_compose.py's multi-task run lays them out
+            parallel = dataclasses.replace(parallel, stage_parallel=stage_parallel, pipeline_stage_layers=stage_layers,
+                                           tensor_model_parallel_size=max(t for t, _ in stage_parallel))
+            training = dataclasses.replace(training, micro_batch_size=4, global_batch_size=None)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sequence_parallel=True),
-                                  data=dataclasses.replace(cfg.data, dynapipe_cost_model=cost_model))
+                                  data=dataclasses.replace(cfg.data, dynapipe_cost_model=cost_model),
+                                  parallel=parallel, training=training)
     cfg.model.vocab_size = VOCAB
     ps = initialize_parallel(cfg, timedelta(minutes=1))
     set_seeds(cfg.training.seed, ps, torch.device("cpu"))
@@ -71,15 +79,30 @@ def test_tp2_copy_of_the_cpu_cost_model_passes_the_readers_checks(tmp_path):
     assert cm.param_mb("encoder", 2) == pytest.approx(cm.param_mb("encoder", 1) / 2)
 
 
-def test_dynapipe_sequence_parallel_tp2_pp2_equals_whole_batch_step(multitask, tmp_path):
-    ref = run_distributed(_train, 1, multitask, "whole")
-    outs = run_distributed(_train, 4, multitask, "dynapipe", tp_cost_model(tmp_path / "cm.json"))
+@pytest.fixture(scope="module")
+def reference(multitask):
+    return run_distributed(_train, 1, multitask, "whole")
+
+
+def _check(ref, outs):
     last = [o for o in outs if o["is_last"]][0]
     assert all(i["planner"] == "dynapipe" for i in last["info"])
-    assert all(o["sp_params"] > 0 for o in outs)  # the layer norms run on sequence shards
+    assert any(o["sp_params"] for o in outs)  # layer norms run on sequence shards (at TP > 1)
     assert max(i["num_microbatches"][0] for i in last["info"]) > 1  # really cut into several micro-batches
     assert last["samples"] == [o for o in ref if o["is_last"]][0]["samples"]
     assert_parity(ref, outs)
+
+
+def test_dynapipe_sequence_parallel_tp2_pp2_equals_whole_batch_step(multitask, reference, tmp_path):
+    _check(reference, run_distributed(_train, 4, multitask, "dynapipe", tp_cost_model(tmp_path / "cm.json")))
+
+
+def test_dynapipe_sequence_parallel_on_heterogeneous_stages_equals_whole_batch_step(multitask, reference, tmp_path):
+    """Stages TP2 x DP1 | TP1 x DP2 (an Aceso layout): the planner lowers whole-sequence
+    messages and the layout pass cuts each stage's sequence pieces at that stage's own TP."""
+    outs = run_distributed(_train, 4, multitask, "dynapipe", tp_cost_model(tmp_path / "cm.json"),
+                           [[2, 1], [1, 2]], [1, 3])
+    _check(reference, outs)
 
 
 def test_lengths_are_padded_to_a_multiple_of_every_tp_under_sequence_parallel(tmp_path):
