@@ -28,7 +28,7 @@ class Feature:
     needs: frozenset = frozenset()   # parallel dims it needs > 1: "tp", "pp", "dp"
     multitask: bool = False          # trains on (input, target) data
     aceso: bool = False              # sets its own per-stage layout from an Aceso config
-    cannot_test: Tuple[str, str] = ("", "")  # (parallel dim, why no test here can give it that dim)
+    cannot_test: Tuple[str, str] = ("", "")  # (parallel dim, why the smoke runs cannot give it that dim)
 
 
 _RC_FULL = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
@@ -37,7 +37,8 @@ FEATURES: Dict[str, Feature] = {
                                      "--dynapipe-cost-model-any", "--dynapipe-planner-workers", "0",
                                      "--dynapipe-memory-limit", "400"), multitask=True,
                         cannot_test=("tp", "the shipped CPU cost model (cost_models/cpu_tiny_gpt.json) profiles TP 1 "
-                                           "only, so no test here plans DynaPipe at TP > 1")),
+                                           "only, so the pair smoke runs cannot plan DynaPipe at TP > 1 (a dedicated "
+                                           "test writes its own TP 2 copy)")),
     "terapipe": Feature("TeraPipe", ("--terapipe", "--terapipe-slices", "2"), frozenset({"pp"})),
     # its config (aceso_config) runs TP 2 x DP 1 then TP 1 x DP 2: every parallel dim is there
     "aceso": Feature("Aceso layout", (), frozenset({"tp", "pp", "dp"}), aceso=True),
@@ -80,6 +81,7 @@ PROOFS: Dict[Tuple[str, str], str] = {
     ("dynapipe", "interleaved"): "tests/test_dynapipe_interleaved.py::test_dynapipe_interleaved_equals_plain_dynapipe",
     ("interleaved", "packing"): "tests/test_interleaved_multitask.py::"
                                 "test_interleaved_multitask_pp2_matches_plain_pipeline[packing-2-480]",
+    ("dynapipe", "sp"): "tests/test_dynapipe_sequence_parallel.py::test_dynapipe_sequence_parallel_tp2_pp2_equals_whole_batch_step",
     ("terapipe", "aceso"): _HETERO + "test_hetero_compose.py::test_terapipe_on_heterogeneous_stages_matches_single_process",
     ("terapipe", "cb_lep"): "tests/compression/test_terapipe_compression.py::"
                             "test_full_rank_compressed_slices_with_lep_equal_plain_terapipe",

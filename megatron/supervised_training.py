@@ -34,8 +34,16 @@ from megatron.planner.compression_marks import grad_compression_pass
 PAD_MULTIPLE = 8
 
 
-def _round_up(n) -> int:
-    return int(-(-int(n) // PAD_MULTIPLE) * PAD_MULTIPLE)
+def pad_multiple(cfg: MegatronConfig) -> int:
+    """What micro-batch lengths are padded to: a multiple of 8 and, with --sequence-parallel, of
+    every stage's TP size (each TP rank holds an equal piece of the sequence)."""
+    p = cfg.parallel
+    tps = [t for t, _ in p.stage_parallel] if p.stage_parallel else [p.tensor_model_parallel_size]
+    return math.lcm(PAD_MULTIPLE, *tps) if cfg.model.sequence_parallel else PAD_MULTIPLE
+
+
+def _round_up(n, q: int = PAD_MULTIPLE) -> int:
+    return int(-(-int(n) // q) * q)
 
 
 def _tensors(d: dict) -> dict:
@@ -323,8 +331,9 @@ class BaselineSource(_SupervisedSource):
             for c in self._mine(chunks):
                 longest = self.lengths[c].max(axis=0)
                 b = len(c)
-                shape = ((b, _round_up(longest)),) if self.lengths.ndim == 1 else \
-                    ((b, _round_up(longest[0])), (b, _round_up(longest[1])))
+                q = pad_multiple(self.cfg)
+                shape = ((b, _round_up(longest, q)),) if self.lengths.ndim == 1 else \
+                    ((b, _round_up(longest[0], q)), (b, _round_up(longest[1], q)))
                 mbs.append(self.collate(c, shape))
         if not mbs:
             raise RuntimeError(f"iteration {iteration}: data-parallel rank {self.ps.dp_rank} got no micro-batch; "
@@ -364,7 +373,7 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   # explicit stage layer counts (--pipeline-stage-layers, an Aceso layout): priced per stage
                   stage_layer_counts=tuple(cfg.parallel.pipeline_stage_layers or [m.num_layers // ps.pp_size] * ps.pp_size)
                   if hetero or cfg.parallel.pipeline_stage_layers else None,
-                  memory_limit_mb=d.dynapipe_memory_limit, pad_multiple=PAD_MULTIPLE,
+                  memory_limit_mb=d.dynapipe_memory_limit, pad_multiple=pad_multiple(cfg),
                   dtype=cfg.training.params_dtype_name,
                   # What this trainer holds: fp32 weights and gradients (autocast computes in 16 bits),
                   # Adam's two fp32 moments, and with --use-distributed-optimizer an fp32 copy of the

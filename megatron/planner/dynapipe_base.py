@@ -498,7 +498,9 @@ class DynaPipeBase:
         plans = []
         if self.cfg.emit_plans:
             from megatron.pipeline.lowering import ComputeOp, lower_to_plans
-            sp = self.cfg.tensor_parallel if self.cfg.sequence_parallel else 1
+            # sequence parallel: [s/tp, b, h] pieces; with per-stage TP the lowered plans carry
+            # the whole sequence and `split_plans` cuts each stage's pieces at its own TP
+            sp = self.cfg.tensor_parallel if self.cfg.sequence_parallel and not self.cfg.stage_parallel else 1
 
             def activation_shapes(mb, stage):
                 b, se, sd = act[mb]
@@ -515,7 +517,7 @@ class DynaPipeBase:
             if self.cfg.stage_parallel:  # one plan per global rank, row-sliced messages
                 from megatron.pipeline.validator import validate_plans
                 from megatron.planner.hetero import split_plans
-                plans = split_plans(plans, self.cfg.stage_parallel)
+                plans = split_plans(plans, self.cfg.stage_parallel, self.cfg.sequence_parallel)
                 if validate:
                     validate_plans(plans)
         return GroupPlan([[int(i) for i in s] for s in mbs], shapes, ch.name, float(ch.result.makespan),
