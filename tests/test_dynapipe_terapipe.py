@@ -69,9 +69,10 @@ def test_dynapipe_terapipe_two_slices_equals_plain_dynapipe(multitask, plain_dyn
 
 def test_dynapipe_terapipe_auto_equals_plain_dynapipe(multitask, plain_dynapipe):  # noqa: F811
     """auto: the planner picks partition, slicing and schedule (it may differ from plain
-    DynaPipe's); the step is still the whole batch's."""
+    DynaPipe's, and it keeps an unsliced plan where slicing does not pay on the CPU table: the
+    sliced runtime's exactness is the fixed-slices tests'); the step is still the whole batch's."""
     outs = run_distributed(_train, 2, multitask, "auto")
-    assert any(i["token_slices"] for i in _last(outs)["info"])  # the tiny table's plans do slice
+    assert all("token_slices" in i for i in _last(outs)["info"])  # planned by the sliced planner
     assert_parity(plain_dynapipe, outs)
 
 
