@@ -82,7 +82,9 @@ def test_dynapipe_terapipe_with_compressed_backprop_equals_plain_dynapipe(multit
     outs = run_distributed(_train, 2, multitask, "2", 2, 0, True)
     assert all(i["token_slices"] for i in _last(outs)["info"])
     assert outs[1]["counts"]["pipeline"] > 0  # the slices' gradients really went compressed
-    assert_parity(plain_dynapipe, outs, codec_roundings=1)
+    # A stage-0 gradient of slice i crosses its own decoded message and, through the key/value
+    # cache's gradients, those of the later slice of its micro-batch: two codec roundings.
+    assert_parity(plain_dynapipe, outs, codec_roundings=2)
 
 
 def test_dynapipe_terapipe_refusals_name_the_flag(multitask):  # noqa: F811
