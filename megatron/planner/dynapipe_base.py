@@ -426,17 +426,19 @@ class DynaPipeBase:
         if p.num_microbatches < self.cfg.data_parallel:
             return None
         costs, _ = self._mb_costs(rc, order, p, enc_all, dec_all)
-        groups = part.balance_groups(p.times, self.cfg.data_parallel)
         out, makespan = [], 0.0
-        for g in groups:
-            ch = search(costs.subset(g), self.available, schedules=self.cfg.schedules, bound=bound,
-                        max_orders=self.cfg.max_orders, num_clusters=0, polish_budget=0,
-                        exhaustive_up_to=self.cfg.exhaustive_orders_up_to)
+        for g in part.balance_groups(p.times, self.cfg.data_parallel):
+            ch = self._quick_search(costs.subset(g), bound)
             if ch is None:
                 return None
             makespan = max(makespan, ch.result.makespan)
             out.append((g, ch))
         return makespan, out
+
+    def _quick_search(self, sub: PipelineCosts, bound: float) -> Optional[ScheduleChoice]:
+        """One DP group's schedule from the first round's orders (no clusters, no polish)."""
+        return search(sub, self.available, schedules=self.cfg.schedules, bound=bound, max_orders=self.cfg.max_orders,
+                      num_clusters=0, polish_budget=0, exhaustive_up_to=self.cfg.exhaustive_orders_up_to)
 
     def _refine(self, best):
         """Full order search (clusters, polish) on the chosen level's groups; a group keeps its

@@ -253,25 +253,18 @@ class InterleavedDynaPipePlanner(DynaPipeBase):
         known = self._scheduled.get(id(p))
         if known is not None and known[0] is p:  # the unbounded search's best; a bound only prunes
             return known[1] if known[1][0] < bound else None
-        if p.num_microbatches < self.cfg.data_parallel:
-            return None
-        costs, _ = self._mb_costs(rc, order, p, enc_all, dec_all)
-        out, makespan = [], 0.0
-        for g in part.balance_groups(p.times, self.cfg.data_parallel):
-            sub = costs.subset(g)
-            # The cheap orders (longest / shortest / slowest first, long-short alternating), then
-            # the cluster orders: with every micro-batch in flight v times over, the order
-            # decides whether the peak fits at all, and there is no memory-admitting fallback.
-            quick = search_orders(sub, 4, 0, self.cfg.exhaustive_orders_up_to)
-            ch = self.search(sub, quick, bound)
-            if ch is None and self.cfg.order_clusters >= 2:
-                more = search_orders(sub, 4, self.cfg.order_clusters, self.cfg.exhaustive_orders_up_to)
-                ch = self.search(sub, [o for o in more if o not in quick], bound)
-            if ch is None:
-                return None
-            makespan = max(makespan, ch.result.makespan)
-            out.append((g, ch))
-        return makespan, out
+        return super()._schedule_groups(rc, order, p, enc_all, dec_all, bound)
+
+    def _quick_search(self, sub, bound):
+        # The cheap orders (longest / shortest / slowest first, long-short alternating), then
+        # the cluster orders: with every micro-batch in flight v times over, the order
+        # decides whether the peak fits at all, and there is no memory-admitting fallback.
+        quick = search_orders(sub, 4, 0, self.cfg.exhaustive_orders_up_to)
+        ch = self.search(sub, quick, bound)
+        if ch is None and self.cfg.order_clusters >= 2:
+            more = search_orders(sub, 4, self.cfg.order_clusters, self.cfg.exhaustive_orders_up_to)
+            ch = self.search(sub, [o for o in more if o not in quick], bound)
+        return ch
 
     def _refine(self, best):
         """Every order of `order_clusters` clusters of micro-batches, per DP group."""
