@@ -89,20 +89,28 @@ def make_trainer(cfg):
 def run_layout(rank, world, cfg_kwargs, steps_with_grads=None):
     """Train with the given layout; return losses, grad norms, every step's grads (the first
     `steps_with_grads` if given: they bound the parameters' tolerance) and final params."""
-    trainer = make_trainer(tiny_config(world=world, **cfg_kwargs))
-    ps = trainer.ps
-    grads = []
-    zero = trainer.optimizer.zero_grad
+    return train_and_record(make_trainer(tiny_config(world=world, **cfg_kwargs)), world,
+                            steps_with_grads=steps_with_grads)
+
+
+def train_and_record(trainer, world: int, get=None, steps_with_grads=None) -> dict:
+    """Train `trainer` and return what `assert_parity` compares: losses, grad norms, every step's
+    gradients (the first `steps_with_grads` if given; they bound the parameters' tolerance), the
+    final parameters, whether this rank reports the loss, and each step's planner line and sample
+    count. `get(what)` reads this rank's "grad" or "param" shards (default `shards`)."""
+    get = get or (lambda what: shards(trainer, what))
+    grads, zero = [], trainer.optimizer.zero_grad
 
     def snapshot_then_zero():
         if steps_with_grads is None or len(grads) < steps_with_grads:
-            grads.append(shards(trainer, "grad"))
+            grads.append(get("grad"))
         zero()
 
     trainer.optimizer.zero_grad = snapshot_then_zero
     history = trainer.train()
     return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
-            "grads": grads, "params": shards(trainer, "param"), "is_last": ps.rank == world - 1,
+            "grads": grads, "params": get("param"), "is_last": trainer.ps.rank == world - 1,
+            "info": [h.get("planner") for h in history], "samples": [h.get("num_samples") for h in history],
             **tolerance_inputs(trainer.cfg)}
 
 

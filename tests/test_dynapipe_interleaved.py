@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.dist_harness import run_distributed
-from tests.parity_utils import assert_parity, shards, tolerance_inputs
+from tests.parity_utils import assert_parity, train_and_record
 from tests.test_dynapipe_runtime import data  # noqa: F401 (fixture)
 from tests.test_dynapipe_training import VOCAB, _cfg, multitask  # noqa: F401 (fixture)
 
@@ -31,16 +31,7 @@ def _train(rank, world, data, vpp_layers, pp=2, workers=0):
     ps = initialize_model_parallel(1, pp, timedelta(minutes=1))
     set_seeds(cfg.training.seed, ps, torch.device("cpu"))
     trainer = build_gpt_trainer(cfg, ps, torch.device("cpu"))
-    grads, zero = [], trainer.optimizer.zero_grad
-
-    def snapshot_then_zero():
-        grads.append(shards(trainer, "grad"))
-        zero()
-    trainer.optimizer.zero_grad = snapshot_then_zero
-    history = trainer.train()
-    return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
-            "grads": grads, "params": shards(trainer, "param"), "is_last": ps.rank == world - 1,
-            "stages": sorted(trainer.stages), "info": [h["planner"] for h in history], **tolerance_inputs(cfg)}
+    return dict(train_and_record(trainer, world), stages=sorted(trainer.stages))
 
 
 def test_dynapipe_interleaved_equals_plain_dynapipe(multitask):  # noqa: F811

@@ -39,7 +39,7 @@ def _train(rank, world, data, mode, cost_model=None, stage_parallel=None, stage_
 
     from megatron.initialize import initialize_parallel, set_seeds
     from megatron.pretrain import build_gpt_trainer
-    from tests.parity_utils import shards, tolerance_inputs
+    from tests.parity_utils import train_and_record
     from tests.test_dynapipe_training import VOCAB, _cfg
 
     tp, pp = (2, 2) if mode == "dynapipe" else (1, 1)
@@ -57,18 +57,7 @@ def _train(rank, world, data, mode, cost_model=None, stage_parallel=None, stage_
     ps = initialize_parallel(cfg, timedelta(minutes=1))
     set_seeds(cfg.training.seed, ps, torch.device("cpu"))
     trainer = build_gpt_trainer(cfg, ps, torch.device("cpu"))
-    grads, zero = [], trainer.optimizer.zero_grad
-
-    def snapshot_then_zero():  # every step's gradients bound the parameters' tolerance
-        grads.append(shards(trainer, "grad"))
-        zero()
-    trainer.optimizer.zero_grad = snapshot_then_zero
-    history = trainer.train()
-    return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
-            "grads": grads, "params": shards(trainer, "param"), "is_last": ps.rank == world - 1,
-            "sp_params": len(trainer.sequence_parallel_params),
-            "info": [h["planner"] for h in history], "samples": [h["num_samples"] for h in history],
-            **tolerance_inputs(cfg)}
+    return dict(train_and_record(trainer, world), sp_params=len(trainer.sequence_parallel_params))
 
 
 def test_tp2_copy_of_the_cpu_cost_model_passes_the_readers_checks(tmp_path):

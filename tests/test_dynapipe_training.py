@@ -9,7 +9,7 @@ import torch
 
 from megatron.data.indexed_dataset import IndexedDatasetBuilder, bin_path, idx_path
 from tests.dist_harness import run_distributed
-from tests.parity_utils import assert_parity, shards, tolerance_inputs
+from tests.parity_utils import assert_parity, train_and_record
 
 pytestmark = pytest.mark.parity
 
@@ -89,18 +89,7 @@ def _train(rank, world, kind, data, mode, pp=1, tp=1, workers=0):
     set_seeds(cfg.training.seed, ps, torch.device("cpu"))
     build = build_gpt_trainer if kind == "gpt" else build_t5_trainer
     trainer = build(cfg, ps, torch.device("cpu"))
-    grads, zero = [], trainer.optimizer.zero_grad
-
-    def snapshot_then_zero():  # every step's gradients bound the parameters' tolerance
-        grads.append(shards(trainer, "grad") if kind == "gpt" else {})
-        zero()
-    trainer.optimizer.zero_grad = snapshot_then_zero
-    history = trainer.train()
-    params = shards(trainer, "param") if kind == "gpt" else {}
-    return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
-            "grads": grads, "params": params, "is_last": ps.rank == world - 1,
-            "info": [h["planner"] for h in history], "samples": [h["num_samples"] for h in history],
-            **tolerance_inputs(cfg)}
+    return train_and_record(trainer, world, None if kind == "gpt" else (lambda what: {}))
 
 
 def _check(ref, outs):

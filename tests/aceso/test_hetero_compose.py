@@ -33,7 +33,7 @@ def _train_multitask(rank, world, data, mode, stage_parallel=None, stage_layers=
     from megatron.initialize import initialize_parallel, set_seeds
     from megatron.pretrain import build_gpt_trainer
     from megatron.t5_trainer import build_t5_trainer
-    from tests.parity_utils import shards, tolerance_inputs
+    from tests.parity_utils import train_and_record
     from tests.test_dynapipe_training import VOCAB, _cfg
     from tests.test_t5_parity import _shards
 
@@ -50,18 +50,7 @@ def _train_multitask(rank, world, data, mode, stage_parallel=None, stage_layers=
     ps = initialize_parallel(cfg, timedelta(minutes=1))
     set_seeds(cfg.training.seed, ps, torch.device("cpu"))
     trainer = (build_gpt_trainer if kind == "gpt" else build_t5_trainer)(cfg, ps, torch.device("cpu"))
-    grads, zero = [], trainer.optimizer.zero_grad
-    get = (lambda what: shards(trainer, what)) if kind == "gpt" else (lambda what: _shards(trainer, what)[0])
-
-    def snapshot_then_zero():
-        grads.append(get("grad"))
-        zero()
-    trainer.optimizer.zero_grad = snapshot_then_zero
-    history = trainer.train()
-    return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
-            "grads": grads, "params": get("param"), "is_last": ps.rank == world - 1,
-            "info": [h["planner"] for h in history], "samples": [h["num_samples"] for h in history],
-            **tolerance_inputs(cfg)}
+    return train_and_record(trainer, world, None if kind == "gpt" else (lambda what: _shards(trainer, what)[0]))
 
 
 @pytest.fixture(scope="module")
