@@ -229,9 +229,15 @@ def _mutate_attribute(rng, plans):
 @pytest.mark.parametrize("make", [_compressed_plans, _sliced_plans, _split_plans, _sliced_split_plans],
                          ids=["compress_rank", "token_slice", "batch_slice", "token_slice+batch_slice"])
 def test_attribute_mutants_rejected(make):
-    rng = random.Random(7)
+    _attribute_fuzz(make, seed=7, n=100)
+
+
+def _attribute_fuzz(make, seed, n):
+    """`n` plans from `make`, each valid, each then given one attribute mutation the validator
+    must reject (`_mutate_attribute`; plans it finds nothing to mutate in are skipped)."""
+    rng = random.Random(seed)
     tried = 0
-    while tried < 100:
+    while tried < n:
         plans = make(rng)
         validate_plans(plans)
         kind = _mutate_attribute(rng, plans)

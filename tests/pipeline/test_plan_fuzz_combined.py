@@ -12,10 +12,10 @@ import random
 import pytest
 
 from megatron.pipeline import instructions as I
-from megatron.pipeline.validator import PlanValidationError, validate_plans
+from megatron.pipeline.validator import validate_plans
 from megatron.planner.compression_marks import mark_compressed_grads
 from megatron.planner.static import build_static_plans
-from tests.pipeline.test_plan_fuzz import _fuzz, _mutate_attribute, _sliced_plans
+from tests.pipeline.test_plan_fuzz import _attribute_fuzz, _fuzz, _sliced_plans
 
 
 def _sliced_compressed_plans(rng):
@@ -38,21 +38,6 @@ def _attrs(plans):
     ins = [x for p in plans for x in p.instructions]
     return (any(getattr(x, "token_slice", ()) for x in ins), any(getattr(x, "compress_rank", 0) for x in ins),
             any(getattr(x, "batch_slice", ()) for x in ins))
-
-
-def _attribute_fuzz(make, seed, n):
-    rng = random.Random(seed)
-    tried = 0
-    while tried < n:
-        plans = make(rng)
-        validate_plans(plans)
-        kind = _mutate_attribute(rng, plans)
-        if kind is None:
-            continue
-        tried += 1
-        with pytest.raises(PlanValidationError):
-            validate_plans(plans)
-            pytest.fail(f"mutant #{tried} ({kind}) was accepted")
 
 
 def test_sliced_compressed_plans_validate_and_carry_both_attributes():
