@@ -1,7 +1,9 @@
 """The planners' time models against the clock, on this machine (issue 25, item 2).
 
 For TeraPipe: profile the CPU latency model of the benchmark's layer here
-(`megatron.planner.terapipe_latency.profile_cpu_model`), then train the same GPT on 2 CPU ranks
+(`megatron.planner.terapipe_latency.profile_cpu_model`), fit its host calibration from plain
+unsliced runs (`megatron.profiling.calibrate`: compute slow-down of ranks sharing the cores,
+per-slice and per-step overheads; `--no-calibrate` leaves it out), then train the same GPT on 2 CPU ranks
 (PP=2) unsliced, with fixed slices and with `--terapipe-slices auto`, each run planned from that
 model. Every iteration's log line carries the planner's "simulated / measured iteration ms"; the
 bench reports their medians over the timed iterations and the relative error.
@@ -13,6 +15,7 @@ How to run (from the repository root; a few minutes on 2 idle cores):
 
 Output: one JSON object per line.
 
+`"benchmark": "terapipe_calibration"`: the fitted calibration and its fit errors on its own runs.
 `"benchmark": "terapipe_time_model"` (one per slicing): slices ("1" = unsliced, "4", "auto"),
 chosen (the slicing the planner ran), simulated_ms / measured_ms (medians over the timed
 iterations), error (simulated / measured - 1), profile_s (the profiling run's wall time).
@@ -52,6 +55,24 @@ def profile(out: str, a) -> float:
     return time.perf_counter() - t0
 
 
+def calibrate(out: str, a) -> float:
+    """Fit the host calibration of the fresh latency file (planner/calibration.py) from plain runs
+    of this model at unsliced shapes inside its grid (micro-batch size 1, as profiled)."""
+    t0 = time.perf_counter()
+    seqs = sorted({max(8, a.seq // d) for d in (16, 8, 4, 2, 1)})
+    shapes = [f"1x{s}x{n}" for s in seqs for n in (2, 8)]
+    subprocess.run([sys.executable, "-m", "megatron.profiling.calibrate", "--terapipe-cost-model", out,
+                    "--shapes", ",".join(shapes), "--", *model_flags(a)],
+                   cwd=ROOT, env=_env(), check=True, capture_output=True, text=True)
+    return time.perf_counter() - t0
+
+
+def model_flags(a) -> list:
+    return ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--vocab-size", "512",
+            "--max-position-embeddings", str(a.seq)]
+
+
 def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
                 GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
@@ -59,10 +80,8 @@ def _env() -> dict:
 
 def train(a, slices: str, latency: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "pretrain_gpt.py",
-           "--pipeline-model-parallel-size", "2", "--num-layers", str(a.layers), "--hidden-size", str(a.hidden),
-           "--num-attention-heads", str(a.heads), "--seq-length", str(a.seq), "--micro-batch-size", "1",
-           "--global-batch-size", str(a.batch), "--train-iters", str(a.iters), "--lr", "1e-3",
-           "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--vocab-size", "512",
+           "--pipeline-model-parallel-size", "2", *model_flags(a), "--seq-length", str(a.seq), "--micro-batch-size", "1",
+           "--global-batch-size", str(a.batch), "--train-iters", str(a.iters), "--lr", "1e-3", "--mock-data",
            "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "0",
            "--terapipe", "--terapipe-slices", slices, "--terapipe-cost-model", latency]
     out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=3600)
@@ -90,10 +109,16 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2, help="iterations left out of the medians")
     p.add_argument("--fixed", default="4", help="the fixed slice count compared besides 1 and auto")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="leave the latency file uncalibrated (the table's layer times alone)")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         lat = os.path.join(tmp, "latency.json")
         prof_s = profile(lat, a)
+        cal_s = calibrate(lat, a) if a.calibrate else 0.0
+        cal = json.load(open(lat)).get("calibration")
+        print(json.dumps({"benchmark": "terapipe_calibration", "seconds": round(cal_s, 1), "calibration": cal}),
+              flush=True)
         rows = {}
         for slices in ("1", a.fixed, "auto"):
             rows[slices] = train(a, slices, lat)

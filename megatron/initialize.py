@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import MegatronConfig
+from megatron.core.host_memory import keep_freed_host_memory
 from megatron.core.parallel_state import ParallelState, initialize_heterogeneous_parallel, initialize_model_parallel
 from megatron.core.tensor_parallel.random import model_parallel_seed
 
@@ -28,7 +29,9 @@ def initialize_megatron(cfg: MegatronConfig) -> Tuple[ParallelState, torch.devic
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    elif "OMP_NUM_THREADS" not in os.environ and world > 1:
+    else:
+        keep_freed_host_memory()
+    if not use_cuda and "OMP_NUM_THREADS" not in os.environ and world > 1:
         # Several ranks on one host each defaulting to all cores slow down ~4x (oversubscription).
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)

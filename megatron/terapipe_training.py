@@ -16,6 +16,13 @@ from megatron.planner.terapipe import (GRID, build_terapipe_plans, parse_slices,
 from megatron.training import FixedBatchSource, Trainer
 
 
+def pipelined_ms(times, pp: int, chunks: int = 1) -> float:
+    """Units of per-rank times `times` run back to back through `pp` stages (GPipe order):
+    sum t_i + (pp - 1) / chunks * max t_i. The step adds the calibrated work outside the
+    pipeline (planner/calibration.py)."""
+    return sum(times) + (pp - 1) / chunks * max(times)
+
+
 class TeraPipePlanner:
     """`plans(iteration, microbatch_shapes)` like `FixedBatchPlanner`; slicings from
     --terapipe-slices (fixed) or the DP over the latency model (auto), cached per shape."""
@@ -100,7 +107,7 @@ class TeraPipePlanner:
             for ln in self.slicing(b, s)[0]:
                 times.append(self.stage_ms(b, ln, c))
                 c += ln
-        return sum(times) + (self.pp - 1) / self.chunks * max(times)
+        return pipelined_ms(times, self.pp, self.chunks) + self.latency.calibration.step_overhead_ms
 
     def plans(self, iteration: int, microbatch_shapes) -> list:
         shapes = tuple(tuple(tuple(x) for x in s) for s in microbatch_shapes)

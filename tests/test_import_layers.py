@@ -19,7 +19,7 @@ LAYERS = {
     "megatron.pretrain": 7, "megatron.t5_trainer": 7, "megatron.startup_checks": 7, "megatron.arguments": 7,
     "megatron.arguments_systems": 7, "megatron.arg_parser": 7, "megatron.composition": 7,
     "megatron.experiments": 7, "megatron.aceso.__main__": 7, "megatron.fused_kernels.__main__": 7,
-    "megatron.profiling.profile_model": 7,
+    "megatron.profiling.profile_model": 7, "megatron.profiling.calibrate": 7,
     # training: the loop, its checkpoints, logging and process setup
     "megatron.training": 6, "megatron.supervised_training": 6, "megatron.terapipe_training": 6,
     "megatron.batching": 6, "megatron.checkpointing": 6, "megatron.checkpointing_dist": 6,

@@ -233,6 +233,15 @@ class CostModel:
         """Embedding (word + position, dropout) on `seq` tokens; only files that profiled it."""
         return self._grid(tp, recompute, "preprocess")(mbs, seq)
 
+    @property
+    def calibration(self):
+        """The host calibration stored with this table (`planner.calibration`), else identity."""
+        from megatron.planner.calibration import HostCalibration
+        try:
+            return HostCalibration.from_dict(self.meta.get("calibration"), f"cost model {self.name!r}")
+        except ValueError as e:
+            raise CostModelError(str(e)) from None
+
     def param_mb(self, component: str, tp: int) -> float:
         """16-bit parameter memory of one layer (or of the embedding), MB."""
         p = self._profiles.get((tp, "none")) or self.profile(tp, self.levels(tp)[0])

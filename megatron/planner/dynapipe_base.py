@@ -94,6 +94,14 @@ class DynaPipeBase:
         self._cache = {}
         self.attention = AttentionCost(self.cm)
         self._mb_memo = {}
+        # What the table leaves out of a step on the host that trains (fitted by
+        # megatron.profiling.calibrate; identity for tables without it, e.g. the A100 ones).
+        self.calibration = self.cm.calibration
+
+    def iteration_ms(self, makespan: float) -> float:
+        """The step time a plan of this pipeline `makespan` predicts: plus the per-iteration
+        work outside the pipeline (optimizer step, reductions), the same for every plan."""
+        return float(makespan) + self.calibration.step_overhead_ms
 
     # ---- memory -----------------------------------------------------------------------
     def _available_memory(self) -> np.ndarray:
@@ -152,6 +160,7 @@ class DynaPipeBase:
             if s == 0:
                 pre_index.append(len(parts))
                 parts.append(self._pre_post("pre", rc, mbs, enc, tp))
+                f, b = self._pre_time(rc, mbs, enc, tp, f, b)
             for comp, n in comps:
                 key = (comp, tp, self.stage_dp[s])
                 if key not in layer and packed is not None:
@@ -163,6 +172,7 @@ class DynaPipeBase:
                 if comp == "decoder" and s == self.split:
                     pre_index.append(len(parts))
                     parts.append(self._pre_post("pre", rc, mbs, dec, tp))
+                    f, b = self._pre_time(rc, mbs, dec, tp, f, b)
                 st_l = n * c["stored_mb"]
                 pk_l = c["stored_mb"] * (n - 1) + c["peak_mb"] if n > 1 else c["peak_mb"]  # no inf * 0
                 if sp:
@@ -179,6 +189,7 @@ class DynaPipeBase:
                 if pre_index:  # the embedding and the head share their weight on this stage
                     parts = with_tied_head(parts, pre_index, tied_head_grad_mb(self.cm, tp, self.cfg.activation_bytes))
             st, pk = compose(parts)
+            f, b = self.calibration.op_ms(f), self.calibration.op_ms(b)
             for k, v in zip(("fwd", "bwd", "stored", "peak"), (f, b, st, pk)):
                 out[k].append(np.broadcast_to(v, mbs.shape))
         out = {k: np.stack(v) for k, v in out.items()}
@@ -207,6 +218,14 @@ class DynaPipeBase:
         """(stored, peak) MB of the embedding ("pre") or head + loss ("post")."""
         fn = preprocess_memory if which == "pre" else postprocess_memory
         return fn(self.cm, tp, rc, mbs, seq, self.cfg.activation_bytes)
+
+    def _pre_time(self, rc: str, mbs, seq, tp: int, f, b):
+        """(f, b) plus the embedding's forward and backward ms where the table profiled it
+        (the CPU tables; the converted A100 tables have no embedding column, so there it is left out)."""
+        if "preprocess" not in self.cm.profile(tp, rc).components:
+            return f, b
+        p = self.cm.preprocess(tp, rc, mbs, seq)
+        return f + p["forward_ms"], b + p["backward_ms"]
 
     def _feasible(self, sc: dict, fit: str) -> np.ndarray:
         S = self.S
@@ -382,7 +401,7 @@ class DynaPipeBase:
                                   dims=[dims[i] for i in g], rows=rows)
             group_plans.append(gp)
         return DynaPipeIterationPlan(
-            iteration=iteration, recompute=rc, groups=group_plans, makespan_ms=float(makespan),
+            iteration=iteration, recompute=rc, groups=group_plans, makespan_ms=self.iteration_ms(makespan),
             padding_efficiency=sh.real_tokens / sh.computed_tokens, planning_ms=planning_ms,
             lowering_ms=(time.perf_counter() - t_start) * 1e3 - planning_ms, memory_fallback=False)
 
@@ -473,7 +492,7 @@ class DynaPipeBase:
         raw = np.asarray(lengths, dtype=np.int64)
         real = int(raw.sum())
         return DynaPipeIterationPlan(
-            iteration=iteration, recompute=rc, groups=group_plans, makespan_ms=float(makespan),
+            iteration=iteration, recompute=rc, groups=group_plans, makespan_ms=self.iteration_ms(makespan),
             padding_efficiency=real / float(computed), planning_ms=planning_ms,
             lowering_ms=(time.perf_counter() - t_start) * 1e3 - planning_ms, memory_fallback=(fit == "single"))
 

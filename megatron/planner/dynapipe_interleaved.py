@@ -148,6 +148,7 @@ class InterleavedDynaPipePlanner(DynaPipeBase):
         self.available = self._available_memory()
         self._cache = {}
         self._mb_memo = {}
+        self.calibration = self.cm.calibration
         self._scheduled = {}  # id(partition) -> (partition, `_schedule_groups` result without a bound)
         self.attention = AttentionCost(self.cm)
         self.warmup = np.array([warmup_forwards(self.PP, self.v, r) for r in range(self.PP)], float)

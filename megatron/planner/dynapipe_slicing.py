@@ -75,8 +75,9 @@ def slice_costs(planner, rc: str, b, l, c) -> dict:
     n = np.asarray(_layers_per_stage(planner), float).reshape((-1,) + (1,) * b.ndim)
     cross = b * 2.0 * l * c  # extra "squared length" of attending to the context
     out = {"comm": np.array(sc["comm"])}
-    out["fwd"] = sc["fwd"] + n * _quad_coef(planner, rc, "forward_ms") * cross
-    out["bwd"] = sc["bwd"] + n * _quad_coef(planner, rc, "backward_ms") * cross
+    scale = planner.calibration.compute_scale  # stage_costs applied it to the rest of the slice
+    out["fwd"] = sc["fwd"] + scale * n * _quad_coef(planner, rc, "forward_ms") * cross
+    out["bwd"] = sc["bwd"] + scale * n * _quad_coef(planner, rc, "backward_ms") * cross
     d_stored = _quad_coef(planner, rc, "stored_mb") * cross
     d_peak = _quad_coef(planner, rc, "peak_mb") * cross
     out["stored"] = sc["stored"] + n * (d_stored + kv_cache_mb(planner, b, l, c))
@@ -315,7 +316,7 @@ def plan_sliced(planner, best, cands, orders, lengths, iteration: int, t_start: 
     group_plans = [_group_plan(planner, rc, samples, g, iteration, validate) for samples, g in groups]
     computed = sum(len(s) * int(enc_all[s].max()) for samples, _ in groups for s in samples)
     return DynaPipeIterationPlan(
-        iteration=iteration, recompute=rc, groups=group_plans, makespan_ms=float(makespan),
+        iteration=iteration, recompute=rc, groups=group_plans, makespan_ms=planner.iteration_ms(makespan),
         padding_efficiency=float(np.asarray(lengths).sum()) / computed, planning_ms=planning_ms,
         lowering_ms=(time.perf_counter() - t_start) * 1e3 - planning_ms, memory_fallback=False)
 

@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from megatron.planner import cost_model_checks as checks
+from megatron.planner.calibration import IDENTITY, HostCalibration
 
 FORMAT_NAME = "megatron-terapipe-latency"
 FORMAT_VERSION = 1
@@ -92,6 +93,9 @@ class SliceLatencyModel:
         self.p2p_ms_per_mb, self.p2p_latency_ms = float(p2p_ms_per_mb), float(p2p_latency_ms)
         self.hidden_size = int(hidden_size)
         self.meta = dict(meta or {})
+        # What the layer table leaves out of a training step on this host (planner/calibration.py;
+        # fitted by megatron.profiling.calibrate, identity until then).
+        self.calibration = IDENTITY
 
     def layer_ms(self, b, l, c):
         """Scalars or numpy-broadcastable arrays (the planner's DP asks for all slices at once)."""
@@ -140,8 +144,9 @@ class SliceLatencyModel:
 
     def stage_ms(self, b: int, l: int, c: int, layers: int) -> float:
         """Forward + backward of one slice on a stage of `layers` layers, with its two transfers
-        (activation forward, gradient back)."""
-        return layers * self.layer_ms(b, l, c) + 2 * self.p2p_ms(b, l)
+        (activation forward, gradient back), as a training step on the calibrated host sees them."""
+        return self.calibration.op_ms(layers * self.layer_ms(b, l, c)) + self.calibration.op_overhead_ms \
+            + 2 * self.p2p_ms(b, l)
 
     # -- persistence ---------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -150,7 +155,8 @@ class SliceLatencyModel:
                 # an unmeasured (or infeasible) shape is null: JSON has no NaN/Infinity
                 "t0_ms": [[float(x) if np.isfinite(x) else None for x in row] for row in self.t0_ms],
                 "context_coef": list(self.coef),
-                "p2p_ms_per_mb": self.p2p_ms_per_mb, "p2p_latency_ms": self.p2p_latency_ms}
+                "p2p_ms_per_mb": self.p2p_ms_per_mb, "p2p_latency_ms": self.p2p_latency_ms,
+                **({} if self.calibration.identity else {"calibration": self.calibration.to_dict()})}
 
     def save(self, path) -> None:
         path = Path(path)
@@ -175,6 +181,7 @@ class SliceLatencyModel:
         try:
             model = cls(doc["mbs"], doc["seq"], doc["t0_ms"], doc["context_coef"], doc.get("p2p_ms_per_mb", 0.0),
                         doc.get("p2p_latency_ms", 0.0), doc.get("hidden_size", 0), doc.get("meta"))
+            model.calibration = HostCalibration.from_dict(doc.get("calibration"), f"--terapipe-cost-model {path}")
         except (KeyError, ValueError) as e:
             raise ValueError(f"--terapipe-cost-model {path}: malformed ({e})") from None
         bad = model.problems()
@@ -242,7 +249,9 @@ def profile_cpu_model(model_cfg, mbs: Sequence[int], seqs: Sequence[int], contex
     t(b, l, c) - t(b, l, 0) on mbs x seqs x contexts, fitted with `fit_context`."""
     import torch
 
+    from megatron.core.host_memory import keep_freed_host_memory
     from megatron.models.transformer import TransformerLayer
+    keep_freed_host_memory()  # the allocator the CPU trainer runs with (initialize.py)
     torch.manual_seed(seed)
     layer = TransformerLayer(model_cfg, None, layer_number=0, num_layers_total=1, seed=seed, key="profile")
     h = model_cfg.hidden_size

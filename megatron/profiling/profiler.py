@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from megatron.config import ModelConfig
+from megatron.core.host_memory import keep_freed_host_memory
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import get_rng_tracker, model_parallel_seed
 from megatron.planner.attention_cost import fit_grid
@@ -159,6 +160,8 @@ def profile_rank(spec: ProfileSpec, ps: ParallelState, agree: Callable[[bool], b
     {quantity: per-layer array}}}}. `agree(flag)` ORs a flag over the TP group so every rank
     skips the same shapes (a rank alone leaving a collective would hang the others)."""
     device = torch.device(spec.device)
+    if device.type == "cpu":
+        keep_freed_host_memory()  # the allocator the CPU trainer runs with (initialize.py)
     dtype = DTYPES[spec.dtype]
     n, tp, cfg = spec.layers, ps.tp_size, spec.model
     cap = spec.max_seconds

@@ -1,0 +1,184 @@
+"""Fit what a cost table leaves out of a training step on this host, and store it in the table.
+
+    python -m megatron.profiling.calibrate --dynapipe-cost-model cost_models/cpu_tiny_gpt.json \\
+        --pipeline-model-parallel-size 2 -- --num-layers 4 --hidden-size 64 --num-attention-heads 4 \\
+        --ffn-hidden-size 256 --max-position-embeddings 512 --vocab-size 4096
+
+Runs `pretrain_gpt.py` (torchrun, mock data, plain 1F1B, data-parallel size 1) at several uniform
+micro-batch shapes and counts (`--shapes`), takes each run's median iteration time after
+`--warmup` iterations, and fits `planner.calibration.HostCalibration` (compute slow-down of
+ranks sharing the host, per-instruction overhead, per-iteration overhead) so that the table's
+simulated 1F1B time matches. The fit is written into the given file(s) (`"calibration"`),
+atomically; the planners then apply it to every op they price. Flags after `--` go to the
+trainer unchanged: give it the model the table was profiled for (and the dropout, precision
+and recompute you train with). `--terapipe-cost-model` calibrates a TeraPipe latency file the
+same way (its prediction of an unsliced run: `terapipe_training.pipelined_ms`).
+
+Re-run it after re-profiling: the fit belongs to the table, the model and the host together.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_SHAPES = "1x256x4,1x128x8,2x128x4,2x64x12,4x64x6,4x32x16,8x32x8,1x64x16"
+
+
+def parse_shapes(text: str) -> list:
+    out = []
+    for part in text.split(","):
+        try:
+            b, s, n = (int(x) for x in part.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--shapes: {part!r} is not MBSxSEQxCOUNT (e.g. 2x128x8)") from None
+        if min(b, s, n) < 1:
+            raise argparse.ArgumentTypeError(f"--shapes: {part!r} has a value below 1")
+        out.append((b, s, n))
+    if len(out) < 3:
+        raise argparse.ArgumentTypeError("--shapes: at least 3 shapes (three numbers are fitted)")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron.profiling.calibrate", description=__doc__.split("\n")[0])
+    p.add_argument("--dynapipe-cost-model", help="cost-model JSON to calibrate (DynaPipe / packing planners)")
+    p.add_argument("--terapipe-cost-model", help="TeraPipe latency JSON to calibrate")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=2, help="ranks of the calibration runs (PP)")
+    p.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
+                   help=f"runs as MBSxSEQxMICROBATCHES, comma-separated (default {DEFAULT_SHAPES})")
+    p.add_argument("--iters", type=int, default=7, help="iterations per run")
+    p.add_argument("--warmup", type=int, default=2, help="first iterations of a run left out of its median")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    p.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
+    p.add_argument("trainer_args", nargs=argparse.REMAINDER, help="after --: pretrain_gpt.py model flags")
+    return p
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def measure(args, b: int, s: int, n: int) -> float:
+    """Median iteration ms of one plain run at micro-batches of b x s, n per iteration."""
+    from megatron.experiments.logparse import parse_log
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(args.pipeline_model_parallel_size), str(ROOT / "pretrain_gpt.py"), *args.trainer_args,
+           "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size), "--micro-batch-size", str(b),
+           "--seq-length", str(s), "--global-batch-size", str(b * n), "--train-iters", str(args.iters),
+           "--mock-data", "--log-interval", "1", "--eval-interval", "1000000", "--eval-iters", "0", "--lr", "1e-4"]
+    out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=args.timeout)
+    rows = parse_log(out.stdout)
+    times = [r["elapsed_ms"] for r in rows if r["iteration"] > args.warmup and r.get("elapsed_ms")]
+    if out.returncode or not times:
+        tail = "\n".join((out.stdout + out.stderr).splitlines()[-12:])
+        raise SystemExit(f"calibrate: the run at {b}x{s}x{n} failed (exit {out.returncode}):\n{tail}")
+    return statistics.median(times)
+
+
+def dynapipe_predictor(path: str, args, shapes):
+    """predict(scale, overhead) -> simulated 1F1B ms of every run under the table at `path`."""
+    from megatron.planner.baselines import group_costs
+    from megatron.planner.calibration import IDENTITY
+    from megatron.planner.dynapipe import DynaPipeConfig, DynaPipePlanner
+    from megatron.planner.schedules import one_f_one_b
+    from megatron.planner.simulator import PipelineCosts, simulate
+    layers, hidden = _flag(args.trainer_args, "--num-layers"), _flag(args.trainer_args, "--hidden-size")
+    planner = DynaPipePlanner(DynaPipeConfig(cost_model_path=path, model_kind="gpt", hidden_size=hidden,
+                                          num_layers=layers, pipeline_parallel=args.pipeline_model_parallel_size,
+                                          memory_limit_mb=1e12, emit_plans=False))
+    planner.calibration = IDENTITY  # the table's own times; the fit applies its candidates below
+    base = []
+    for b, s, n in shapes:
+        c = group_costs(planner, "gpt", [(b, s)] * n, "none")
+        if c is None:
+            raise SystemExit(f"calibrate: {path} has no finite cost for micro-batches of {b}x{s}; pick --shapes "
+                             "inside its profiled grid")
+        base.append((c, one_f_one_b(planner.S, list(range(n)))))
+
+    def predict(scale, overhead):
+        return [simulate(PipelineCosts(c.fwd * scale + overhead, c.bwd * scale + overhead, c.stored, c.transient,
+                                       c.comm), order).makespan for c, order in base]
+    return predict
+
+
+def terapipe_predictor(path: str, args, shapes):
+    from megatron.planner.calibration import HostCalibration
+    from megatron.planner.terapipe_latency import SliceLatencyModel
+    from megatron.terapipe_training import pipelined_ms
+    model = SliceLatencyModel.load(path)
+    pp = args.pipeline_model_parallel_size
+    per_stage = -(-_flag(args.trainer_args, "--num-layers") // pp)
+
+    def predict(scale, overhead):
+        model.calibration = HostCalibration(scale, overhead, 0.0)
+        return [pipelined_ms([model.stage_ms(b, s, 0, per_stage)] * n, pp) for b, s, n in shapes]
+    for (b, s, n), ms in zip(shapes, predict(1.0, 0.0)):
+        if not np.isfinite(ms):
+            raise SystemExit(f"calibrate: {path} has no finite latency for micro-batches of {b}x{s} (its grid: "
+                             f"micro-batch sizes {model.mbs}, lengths {model.seq}); pick --shapes inside it")
+    return predict
+
+
+def _flag(argv, name) -> int:
+    if name not in argv or argv.index(name) + 1 >= len(argv):
+        raise SystemExit(f"calibrate: give the trainer's {name} after -- (the model the table was profiled for)")
+    return int(argv[argv.index(name) + 1])
+
+
+def write_calibration(path: str, cal) -> None:
+    """Store `cal` in the JSON file at `path` (rename over it: never half a file)."""
+    doc = json.loads(Path(path).read_text())
+    doc["calibration"] = cal.to_dict()
+    fd, tmp = tempfile.mkstemp(dir=str(Path(path).parent), prefix=Path(path).name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:  # cost tables are stored compact, latency files indented
+        f.write((json.dumps(doc, separators=(",", ":")) if "profiles" in doc else json.dumps(doc, indent=1)) + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.trainer_args[:1] == ["--"]:
+        args.trainer_args = args.trainer_args[1:]
+    targets = [(k, p) for k, p in (("dynapipe", args.dynapipe_cost_model), ("terapipe", args.terapipe_cost_model)) if p]
+    if not targets:
+        print("calibrate: error: give --dynapipe-cost-model and/or --terapipe-cost-model", file=sys.stderr)
+        return 2
+    if args.iters <= args.warmup:
+        print("calibrate: error: --iters must exceed --warmup", file=sys.stderr)
+        return 2
+    from megatron.planner.calibration import fit
+    predictors = {k: (dynapipe_predictor if k == "dynapipe" else terapipe_predictor)(p, args, args.shapes)
+                  for k, p in targets}
+    t0 = time.perf_counter()
+    measured = []
+    for b, s, n in args.shapes:
+        measured.append(measure(args, b, s, n))
+        print(json.dumps({"run": f"{b}x{s}x{n}", "measured_ms": round(measured[-1], 1)}), flush=True)
+    for kind, path in targets:
+        cal = fit(measured, predictors[kind])
+        pred = np.asarray(predictors[kind](cal.compute_scale, cal.op_overhead_ms)) + cal.step_overhead_ms
+        cal.meta.update({"shapes": ["x".join(map(str, sh)) for sh in args.shapes], "measured_ms": [round(m, 1) for m in measured],
+                         "predicted_ms": [round(float(p), 1) for p in pred], "pipeline_parallel": args.pipeline_model_parallel_size,
+                         "trainer_args": " ".join(args.trainer_args), "seconds": round(time.perf_counter() - t0, 1),
+                         "source": "megatron.profiling.calibrate"})
+        print(json.dumps({"file": path, "calibration": cal.to_dict()}), flush=True)
+        if not args.dry_run:
+            write_calibration(path, cal)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
