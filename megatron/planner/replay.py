@@ -47,55 +47,72 @@ def replay(c, orders: List[List[Op]], stage_to_rank: Optional[Sequence[int]] = N
     last_f = [max((i for i, o in enumerate(order) if o[0] == "F"), default=-1) if epilogue_only else -1
               for order in orders]
     f_end = [[-1.0] * K for _ in range(S)]
-    arr_f = [[-1.0] * K for _ in range(S)]  # activation of mb available on stage s
-    arr_b = [[-1.0] * K for _ in range(S)]  # gradient of mb available on stage s
+    # When mb's activation / gradient is available on stage s (-1: not yet). Stage 0's inputs
+    # and the last stage's (absent) gradients count as there from time 0: an op's start is
+    # the max of its rank's free time (>= 0) and its inputs, so a 0 changes no time and
+    # spares a stage test per op.
+    arr_f = [[0.0 if s == 0 else -1.0] * K for s in range(S)]
+    arr_b = [[0.0 if s == S - 1 else -1.0] * K for s in range(S)]
     link = [0.0] * (R * R)  # when each directed rank pair's link is free
     free, mem, peak, ptr = [0.0] * R, [0.0] * R, [0.0] * R, [0] * R
     remaining, makespan = sum(len(o) for o in orders), 0.0
     limit = [float("inf")] * R if mem_limit is None else [float(m) + MEM_SLACK_MB for m in mem_limit]
+    # Hot loop (a search replays thousands of candidates): a rank's state lives in locals while
+    # it runs ops and is written back when it waits; `b if b > a else a` is `max(a, b)` (same
+    # value and tie rule) without the call.
     while remaining:
         progressed = False
         for r in range(R):
-            order, n = orders[r], len(orders[r])
-            while ptr[r] < n:
-                kind, mb, s = order[ptr[r]]
+            order, p = orders[r], ptr[r]
+            n = len(order)
+            if p == n:
+                continue
+            p0, t, m, pk, lim, lf = p, free[r], mem[r], peak[r], limit[r], last_f[r]
+            while p < n:
+                kind, mb, s = order[p]
                 if kind == "F":
-                    if s > 0 and arr_f[s][mb] < 0:
+                    a = arr_f[s][mb]
+                    if a < 0:
                         break
-                    t0 = max(free[r], arr_f[s][mb] if s > 0 else 0.0)
-                    t1 = t0 + fwd[s][mb]
-                    hi = mem[r] + stored[s][mb] + trans[s][mb]
-                    mem[r] += stored[s][mb]
+                    t1 = (a if a > t else t) + fwd[s][mb]
+                    st = stored[s][mb]
+                    hi = m + st + trans[s][mb]
+                    m += st
                     f_end[s][mb] = t1
                     x = f_link[s]
                     if x >= 0:
-                        link[x] = arr_f[s + 1][mb] = max(t1, link[x]) + comm[s][mb]
+                        y = link[x]
+                        link[x] = arr_f[s + 1][mb] = (y if y > t1 else t1) + comm[s][mb]
                     elif x == -1:
                         arr_f[s + 1][mb] = t1
                 else:
-                    if f_end[s][mb] < 0 or (s < S - 1 and arr_b[s][mb] < 0):
+                    fe, a = f_end[s][mb], arr_b[s][mb]
+                    if fe < 0 or a < 0:
                         break
-                    t0 = max(free[r], f_end[s][mb], arr_b[s][mb])
-                    t1 = t0 + bwd[s][mb]
-                    hi = mem[r] + trans[s][mb]
-                    mem[r] -= stored[s][mb]
+                    t0 = fe if fe > t else t
+                    t1 = (a if a > t0 else t0) + bwd[s][mb]
+                    hi = m + trans[s][mb]
+                    m -= stored[s][mb]
                     x = b_link[s]
                     if x >= 0:
-                        table = gcomm if ptr[r] > last_f[r] else comm
-                        link[x] = arr_b[s - 1][mb] = max(t1, link[x]) + table[s - 1][mb]
+                        y = link[x]
+                        table = gcomm if p > lf else comm
+                        link[x] = arr_b[s - 1][mb] = (y if y > t1 else t1) + table[s - 1][mb]
                     elif x == -1:
                         arr_b[s - 1][mb] = t1
                 if t1 >= cut:
                     return None
-                if hi > peak[r]:
-                    if hi > limit[r]:
+                if hi > pk:
+                    if hi > lim:
                         return None
-                    peak[r] = hi
-                free[r] = t1
+                    pk = hi
+                t = t1
                 if t1 > makespan:
                     makespan = t1
-                ptr[r] += 1
-                remaining -= 1
+                p += 1
+            if p > p0:
+                ptr[r], free[r], mem[r], peak[r] = p, t, m, pk
+                remaining -= p - p0
                 progressed = True
         if not progressed:
             raise SimulationError("schedule deadlocks")
