@@ -20,10 +20,10 @@ micro-batch orders, lower), with three changes:
   order and to any number of them (`interleaved_orders`): micro-batches go in groups of PP
   through chunk 0, 1, ..., v-1 (a remainder joins the last group, whose size G then replaces
   PP in W_r); backwards mirror that with the chunks reversed; rank r runs W_r forwards, then
-  alternates, then drains. Candidates
-  are replayed with `replay.replay(..., stage_to_rank)` (the rules of `simulate(...,
-  stage_to_rank)`, which serialises a rank's chunks on one compute stream and sums their
-  memory); a candidate whose per-rank peak passes the rank's limit is dropped. The memory-admitting adaptive schedule and the token-slice / packed-row
+  alternates, then drains. Candidates are replayed with `replay.replay(..., stage_to_rank)`
+  (the rules of `simulate(..., stage_to_rank)`, which serialises a rank's chunks on one compute
+  stream and sums their memory); a candidate whose per-rank peak passes the rank's limit is
+  dropped. The memory-admitting adaptive schedule and the token-slice / packed-row
   searches of `DynaPipePlanner` schedule one stage per rank, so they are not used here.
 """
 from __future__ import annotations
