@@ -310,12 +310,19 @@ def save_checkpoint(trainer, root: Optional[str] = None) -> str:
         if ps.rank == 0:
             # The manifest marks the iteration complete; only then may the tracker move to it.
             _write_manifest(root, trainer.iteration)
-            _atomic_write_bytes(os.path.join(root, TRACKER), lambda f: f.write(f"{trainer.iteration}\n".encode()))
-            print(f"saved checkpoint at iteration {trainer.iteration} to {root}", flush=True)
+            _move_tracker(root, trainer.iteration)
         _barrier()
     except OSError as e:
         raise _write_error(ps, root, e) from e
     return path
+
+
+def _move_tracker(root: str, iteration: int, fmt: str = "") -> None:
+    """Rank 0, last step of both save formats (after the iteration's manifest, so the tracker
+    never names an incomplete checkpoint): point the tracker at `iteration`, atomically (a
+    reader sees the old number or the new one), and say so."""
+    _atomic_write_bytes(os.path.join(root, TRACKER), lambda f: f.write(f"{iteration}\n".encode()))
+    print(f"saved checkpoint{f' ({fmt})' if fmt else ''} at iteration {iteration} to {root}", flush=True)
 
 
 def _write_error(ps, root: str, e: OSError) -> CheckpointError:
@@ -365,8 +372,7 @@ def _save_dist(trainer, root: str) -> str:
                 os.replace(stage, it_dir)
                 _fsync_dir(root)
                 shutil.rmtree(it_dir + ".replaced", ignore_errors=True)
-            _atomic_write_bytes(os.path.join(root, TRACKER), lambda f: f.write(f"{trainer.iteration}\n".encode()))
-            print(f"saved checkpoint (torch_dist) at iteration {trainer.iteration} to {root}", flush=True)
+            _move_tracker(root, trainer.iteration, "torch_dist")
         _barrier()
     except OSError as e:
         raise _write_error(ps, root, e) from e

@@ -20,10 +20,10 @@ micro-batch orders, lower), with three changes:
   order and to any number of them (`interleaved_orders`): micro-batches go in groups of PP
   through chunk 0, 1, ..., v-1 (a remainder joins the last group, whose size G then replaces
   PP in W_r); backwards mirror that with the chunks reversed; rank r runs W_r forwards, then
-  alternates, then drains. Candidates
-  are simulated with `simulate(..., stage_to_rank)`, which serialises a rank's chunks on one
-  compute stream and sums their memory; a candidate whose per-rank peak passes the rank's
-  limit is dropped. The memory-admitting adaptive schedule and the token-slice / packed-row
+  alternates, then drains. Candidates are replayed with `replay.replay(..., stage_to_rank)`
+  (the rules of `simulate(..., stage_to_rank)`, which serialises a rank's chunks on one compute
+  stream and sums their memory); a candidate whose per-rank peak passes the rank's limit is
+  dropped. The memory-admitting adaptive schedule and the token-slice / packed-row
   searches of `DynaPipePlanner` schedule one stage per rank, so they are not used here.
 """
 from __future__ import annotations
@@ -37,6 +37,7 @@ from megatron.planner.attention_cost import AttentionCost
 from megatron.planner.cost_model import CostModel
 from megatron.planner.dynapipe_base import DynaPipeBase, DynaPipeConfig, PlanningError
 from megatron.planner.interleaved_order import interleaved_op_orders, microbatch_groups, warmup_forwards  # noqa: F401 (re-exported)
+from megatron.planner.replay import cost_lists, replay
 from megatron.planner.schedules import ScheduleChoice, search_orders
 from megatron.planner.simulator import Op, PipelineCosts, SimulationError, simulate
 
@@ -46,79 +47,6 @@ def interleaved_orders(pp: int, v: int, order: Sequence[int], extra_warmup: int 
     `interleaved_order.interleaved_op_orders`. With m a multiple of PP this is exactly
     `megatron.planner.static.interleaved_orders`."""
     return interleaved_op_orders(pp, v, order, Op, extra_warmup)
-
-
-def replay(costs: PipelineCosts, orders: List[List[Op]], stage_to_rank: Sequence[int], cut: float = np.inf,
-           mem_limit: Optional[Sequence[float]] = None):
-    """(makespan, per-rank peak) of `simulate(costs, orders, stage_to_rank)` on plain lists (no
-    per-op records, same rules and the same processing order, so the same numbers); None once
-    an op would end at or after `cut` or a rank's memory passes `mem_limit`. Raises
-    SimulationError on a deadlock. The schedule search replays candidates and simulates only
-    the winner."""
-    S, K, R = costs.num_stages, costs.num_microbatches, len(orders)
-    fwd, bwd, stored, trans, comm = (a.tolist() for a in
-                                     (costs.fwd, costs.bwd, costs.stored, costs.transient, costs.comm))
-    gcomm = comm if costs.grad_comm is None else costs.grad_comm.tolist()
-    last_f = [max((i for i, o in enumerate(order) if o[0] == "F"), default=-1)
-              if costs.grad_comm_epilogue_only else -1 for order in orders]
-    arr_f = [[-1.0] * K for _ in range(S)]
-    arr_b = [[-1.0] * K for _ in range(S)]
-    f_end = [[-1.0] * K for _ in range(S)]
-    link = [[0.0] * R for _ in range(R)]
-    free, mem, peak, ptr = [0.0] * R, [0.0] * R, [0.0] * R, [0] * R
-    limit = [np.inf] * R if mem_limit is None else list(mem_limit)
-    remaining, makespan = sum(len(o) for o in orders), 0.0
-    while remaining:
-        progressed = False
-        for r in range(R):
-            order, n = orders[r], len(orders[r])
-            while ptr[r] < n:
-                kind, mb, s = order[ptr[r]]
-                if kind == "F":
-                    if s > 0 and arr_f[s][mb] < 0:
-                        break
-                    t0 = max(free[r], arr_f[s][mb] if s > 0 else 0.0)
-                    t1 = t0 + fwd[s][mb]
-                    hi = mem[r] + stored[s][mb] + trans[s][mb]
-                    mem[r] += stored[s][mb]
-                    f_end[s][mb] = t1
-                    if s < S - 1:
-                        dst = stage_to_rank[s + 1]
-                        if dst == r:
-                            arr_f[s + 1][mb] = t1
-                        else:
-                            x = max(t1, link[r][dst]) + comm[s][mb]
-                            link[r][dst] = arr_f[s + 1][mb] = x
-                else:
-                    if f_end[s][mb] < 0 or (s < S - 1 and arr_b[s][mb] < 0):
-                        break
-                    t0 = max(free[r], f_end[s][mb], arr_b[s][mb])
-                    t1 = t0 + bwd[s][mb]
-                    hi = mem[r] + trans[s][mb]
-                    mem[r] -= stored[s][mb]
-                    if s > 0:
-                        dst = stage_to_rank[s - 1]
-                        if dst == r:
-                            arr_b[s - 1][mb] = t1
-                        else:
-                            table = gcomm if ptr[r] > last_f[r] else comm
-                            x = max(t1, link[r][dst]) + table[s - 1][mb]
-                            link[r][dst] = arr_b[s - 1][mb] = x
-                if t1 >= cut:
-                    return None
-                if hi > peak[r]:
-                    if hi > limit[r]:
-                        return None
-                    peak[r] = hi
-                free[r] = t1
-                if t1 > makespan:
-                    makespan = t1
-                ptr[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise SimulationError("schedule deadlocks")
-    return makespan, peak
 
 
 class InterleavedDynaPipePlanner(DynaPipeBase):
@@ -232,7 +160,7 @@ class InterleavedDynaPipePlanner(DynaPipeBase):
 
     def search(self, costs: PipelineCosts, orders: List[List[int]], bound: float) -> Optional[ScheduleChoice]:
         """Fastest interleaved schedule over `orders` whose per-rank peak fits and beats `bound`."""
-        limit = (self.available + 1e-6).tolist()
+        lists, limit = cost_lists(costs), self.available.tolist()
         best = None  # (makespan, order, ops)
         for order in orders:
             # Every forward first is the safety net should the steady state deadlock (the
@@ -240,7 +168,7 @@ class InterleavedDynaPipePlanner(DynaPipeBase):
             for extra in (0, 2 * len(order) * self.v):
                 ops = interleaved_orders(self.PP, self.v, order, extra)
                 try:
-                    got = replay(costs, ops, self.stage_to_rank, min(bound, best[0] if best else np.inf), limit)
+                    got = replay(lists, ops, self.stage_to_rank, min(bound, best[0] if best else np.inf), limit)
                 except SimulationError:
                     continue
                 if got is not None:

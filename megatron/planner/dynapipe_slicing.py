@@ -38,7 +38,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from megatron.planner import partitioner as part
-from megatron.planner.schedules import _adaptive, _lists, _replay, ScheduleInfeasible, lower_bound
+from megatron.planner.replay import cost_lists, replay
+from megatron.planner.schedules import _adaptive, ScheduleInfeasible, lower_bound
 from megatron.planner.simulator import Op, PipelineCosts, SimulationError, simulate
 from megatron.planner.terapipe import lower_sliced, plan_slices
 from megatron.terapipe_options import SLICE_GRID, uniform_slices
@@ -211,7 +212,7 @@ def search_group(planner, rc: str, shapes, slicings, mb_orders, bound=np.inf) ->
     trans = np.stack([sc["transient"][:, u].max(axis=1) for u in units_of], axis=1)
     comm = np.stack([sc["comm"][:, u[0]] for u in units_of], axis=1)
     mb_costs = PipelineCosts(agg["fwd"], agg["bwd"], agg["stored"], trans, comm)
-    lists = _lists(costs)
+    lists = cost_lists(costs)
     best = None
     for order in mb_orders:
         if best is not None and best.makespan <= floor * (1.0 + 1e-9):
@@ -225,7 +226,7 @@ def search_group(planner, rc: str, shapes, slicings, mb_orders, bound=np.inf) ->
         for name, ops in cands:
             unit_ops = expand(ops, units_of)
             try:
-                got = _replay(lists, unit_ops, min(bound, best.makespan if best else np.inf), avail)
+                got = replay(lists, unit_ops, None, min(bound, best.makespan if best else np.inf), avail)
             except SimulationError:
                 continue
             if got is not None:

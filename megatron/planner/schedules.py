@@ -19,8 +19,8 @@ first. With at most `exhaustive_up_to` micro-batches every order is tried, so th
 the optimum over all orders and both schedules. Candidates are pruned by an order-specific
 lower bound (the first micro-batch's fill time on each stage plus that stage's total work)
 and a simulation stops as soon as it runs past the best makespan so far; the 1F1B candidates
-are replayed with a list-based copy of the simulator's rules (`_replay`), and only the winner
-is simulated in full. Deterministic: no random numbers, ties keep the earlier candidate.
+are replayed with a list-based copy of the simulator's rules (`megatron.planner.replay`), and
+only the winner is simulated in full. Deterministic: no random numbers, ties keep the earlier candidate.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from megatron.planner.native import cpp as _cpp
+from megatron.planner.replay import cost_lists, replay
 from megatron.planner.simulator import Op, PipelineCosts, SimResult, SimulationError, simulate
 
 
@@ -266,67 +267,6 @@ def search_orders(costs: PipelineCosts, max_orders: int = 2, num_clusters: int =
     return out
 
 
-def _replay(c, orders, cut=float("inf"), mem_limit=None):
-    """Makespan and per-stage activation peak of fixed per-stage orders, one stage per rank:
-    the rules of `simulator.simulate` on plain lists (no per-op records). None once an op
-    would end at or after `cut`, or a stage's memory would pass `mem_limit` (+1e-6); raises
-    SimulationError on a deadlock."""
-    fwd, bwd, stored, trans, comm, gcomm, epilogue_only = c
-    S, K = len(orders), len(fwd[0])
-    f_end = [[-1.0] * K for _ in range(S)]
-    arr_f = [[-1.0] * K for _ in range(S)]  # activation of mb available on stage s
-    arr_b = [[-1.0] * K for _ in range(S)]  # gradient of mb available on stage s
-    last_f = [max((i for i, o in enumerate(order) if o[0] == "F"), default=-1) if epilogue_only else -1
-              for order in orders]
-    link_f, link_b = [0.0] * S, [0.0] * S
-    free, mem, peak, ptr = [0.0] * S, [0.0] * S, [0.0] * S, [0] * S
-    remaining, makespan = sum(len(o) for o in orders), 0.0
-    limit = [float("inf")] * S if mem_limit is None else [m + 1e-6 for m in mem_limit]
-    while remaining:
-        progressed = False
-        for s in range(S):
-            order, n = orders[s], len(orders[s])
-            while ptr[s] < n:
-                kind, mb, _ = order[ptr[s]]
-                if kind == "F":
-                    if s > 0 and arr_f[s][mb] < 0:
-                        break
-                    t0 = max(free[s], arr_f[s][mb] if s > 0 else 0.0)
-                    t1 = t0 + fwd[s][mb]
-                    hi = mem[s] + stored[s][mb] + trans[s][mb]
-                    mem[s] += stored[s][mb]
-                    f_end[s][mb] = t1
-                    if s < S - 1:
-                        x = max(t1, link_f[s])
-                        link_f[s] = arr_f[s + 1][mb] = x + comm[s][mb]
-                else:
-                    if f_end[s][mb] < 0 or (s < S - 1 and arr_b[s][mb] < 0):
-                        break
-                    t0 = max(free[s], f_end[s][mb], arr_b[s][mb])
-                    t1 = t0 + bwd[s][mb]
-                    hi = mem[s] + trans[s][mb]
-                    mem[s] -= stored[s][mb]
-                    if s > 0:
-                        table = gcomm if ptr[s] > last_f[s] else comm
-                        x = max(t1, link_b[s])
-                        link_b[s] = arr_b[s - 1][mb] = x + table[s - 1][mb]
-                if t1 >= cut:
-                    return None
-                if hi > peak[s]:
-                    if hi > limit[s]:
-                        return None
-                    peak[s] = hi
-                free[s] = t1
-                if t1 > makespan:
-                    makespan = t1
-                ptr[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise SimulationError("schedule deadlocks")  # pragma: no cover - 1F1B orders never do
-    return makespan, peak
-
-
 def lower_bound(costs: PipelineCosts) -> float:
     """A makespan no order or schedule can beat: on every stage s, all of its work, after the
     earliest any forward can reach it (fill) and before the quickest any gradient can get from
@@ -339,13 +279,6 @@ def lower_bound(costs: PipelineCosts) -> float:
     tail[1:] = np.cumsum(costs.bwd[:-1] + gcomm[:-1], axis=0)
     work = (costs.fwd + costs.bwd).sum(axis=1)
     return float((head.min(axis=1) + work + tail.min(axis=1)).max())
-
-
-def _lists(costs: PipelineCosts):
-    comm = costs.comm.tolist()
-    gcomm = comm if costs.grad_comm is None else costs.grad_comm.tolist()
-    return (costs.fwd.tolist(), costs.bwd.tolist(), costs.stored.tolist(), costs.transient.tolist(), comm, gcomm,
-            bool(costs.grad_comm is not None and costs.grad_comm_epilogue_only))
 
 
 def search(costs: PipelineCosts, mem_limit: Sequence[float], orders: Optional[List[List[int]]] = None,
@@ -367,13 +300,13 @@ def search(costs: PipelineCosts, mem_limit: Sequence[float], orders: Optional[Li
     # Stage s cannot start before the first micro-batch's forwards (and transfers) above it.
     head = np.zeros_like(costs.fwd)
     head[1:] = np.cumsum(costs.fwd[:-1] + costs.comm[:-1], axis=0)
-    lists = _lists(costs)
+    lists = cost_lists(costs)
 
     def run(name, order, cut):
         """(makespan, ops) of one candidate if it fits and ends before `cut`, else None."""
         if name == "1f1b":
             ops = one_f_one_b(S, order)
-            got = _replay(lists, ops, cut, mem_limit)
+            got = replay(lists, ops, None, cut, mem_limit)
             return None if got is None else (got[0], ops)
         try:  # fits by construction
             got = _adaptive(costs, order, mem_limit, cut)

@@ -102,7 +102,7 @@ def test_refuses_what_it_cannot_plan():
 @pytest.mark.parametrize("epilogue", [False, True])
 def test_replay_equals_simulate(epilogue):
     """The search's list replay gives the simulator's makespan and per-rank peaks."""
-    from megatron.planner.dynapipe_interleaved import replay
+    from megatron.planner.replay import cost_lists, replay
     rng = np.random.default_rng(1)
     for pp, v, m in [(2, 2, 5), (4, 2, 9), (3, 3, 7), (4, 4, 12)]:
         S = pp * v
@@ -111,7 +111,8 @@ def test_replay_equals_simulate(epilogue):
         order = list(rng.permutation(m))
         ops = interleaved_orders(pp, v, order)
         ref = simulate(costs, ops, [s % pp for s in range(S)])
-        got = replay(costs, ops, [s % pp for s in range(S)])
+        lists = cost_lists(costs)
+        got = replay(lists, ops, [s % pp for s in range(S)])
         assert got[0] == pytest.approx(ref.makespan) and got[1] == pytest.approx(ref.peak_memory)
-        assert replay(costs, ops, [s % pp for s in range(S)], cut=ref.makespan) is None
-        assert replay(costs, ops, [s % pp for s in range(S)], mem_limit=[p - 1e-3 for p in ref.peak_memory]) is None
+        assert replay(lists, ops, [s % pp for s in range(S)], cut=ref.makespan) is None
+        assert replay(lists, ops, [s % pp for s in range(S)], mem_limit=[p - 1e-3 for p in ref.peak_memory]) is None

@@ -60,9 +60,8 @@ def test_bound_prunes():
 # ---- order search -----------------------------------------------------------------------------
 import itertools  # noqa: E402
 
-from megatron.planner.schedules import (  # noqa: E402
-    _adaptive, _lists, _replay, cluster_orders, lower_bound, search_orders,
-)
+from megatron.planner.replay import cost_lists, replay  # noqa: E402
+from megatron.planner.schedules import _adaptive, cluster_orders, lower_bound, search_orders  # noqa: E402
 
 
 def hetero_costs(rng, S, K, grad=False, epilogue=False):
@@ -84,10 +83,10 @@ def test_list_replay_equals_simulator(grad, epilogue):
         c = hetero_costs(rng, 4, 7, grad, epilogue)
         ops = one_f_one_b(4, [int(x) for x in rng.permutation(7)])
         ref = simulate(c, ops)
-        makespan, peak = _replay(_lists(c), ops)
+        makespan, peak = replay(cost_lists(c), ops)
         assert makespan == pytest.approx(ref.makespan, rel=1e-12)
         assert peak == pytest.approx(ref.peak_memory, rel=1e-12)
-        assert _replay(_lists(c), ops, cut=ref.makespan) is None  # stops once it cannot win
+        assert replay(cost_lists(c), ops, cut=ref.makespan) is None  # stops once it cannot win
 
 
 def _brute_force(costs, limit):
@@ -118,10 +117,10 @@ def test_order_search_against_brute_force(K, seed):
     c = hetero_costs(rng, 4, K)
     limit = [float(rng.uniform(2.0, 5.0) * (c.stored + c.transient).max())] * 4
     if K == 7:  # 5040 orders: brute force with the list replay (checked against simulate above)
-        L = _lists(c)
+        L = cost_lists(c)
         opt = np.inf
         for o in itertools.permutations(range(K)):
-            r = _replay(L, one_f_one_b(4, list(o)))
+            r = replay(L, one_f_one_b(4, list(o)))
             if all(p <= m + 1e-6 for p, m in zip(r[1], limit)):
                 opt = min(opt, r[0])
             try:
