@@ -1,9 +1,39 @@
-"""One-line advice for a --load that cannot be used as it is (no model, no torch needed)."""
+"""One-line advice for a --load that cannot be used as it is, and the settings a checkpoint and
+the run loading it must share (no model, no torch needed)."""
 from __future__ import annotations
 
 import os
 import re
 from typing import Optional
+
+# (config section, field, flag) that must match between a checkpoint and the run loading it.
+MUST_MATCH = [
+    ("model", "model_type", "model type (pretrain_gpt.py vs pretrain_t5.py)"),
+    ("model", "num_layers", "--num-layers"),
+    ("model", "encoder_num_layers", "--encoder-num-layers"),
+    ("model", "decoder_num_layers", "--decoder-num-layers"),
+    ("model", "hidden_size", "--hidden-size"),
+    ("model", "num_attention_heads", "--num-attention-heads"),
+    ("model", "ffn_hidden_size", "--ffn-hidden-size"),
+    ("model", "kv_channels", "--kv-channels"),
+    ("model", "max_position_embeddings", "--max-position-embeddings"),
+    ("model", "vocab_size", "--vocab-size / tokenizer vocabulary"),
+    ("model", "make_vocab_size_divisible_by", "--make-vocab-size-divisible-by"),
+    ("model", "untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+    ("model", "position_embedding_type", "--position-embedding-type"),
+    ("model", "normalization", "--normalization"),
+    ("model", "swiglu", "--swiglu"),
+    ("model", "add_bias_linear", "--disable-bias-linear"),
+    ("model", "num_query_groups", "--num-query-groups"),
+    ("model", "rotary_percent", "--rotary-percent"),
+    ("model", "rotary_base", "--rotary-base"),
+    ("parallel", "tensor_model_parallel_size", "--tensor-model-parallel-size"),
+    ("parallel", "pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    ("parallel", "num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),
+    ("parallel", "pipeline_stage_layers", "--pipeline-stage-layers"),
+    ("parallel", "pipeline_model_parallel_split_rank", "--pipeline-model-parallel-split-rank"),
+    ("parallel", "stage_parallel", "--aceso-config (per-stage TP x DP sizes)"),
+]
 
 
 def missing_load_dir_message(load: Optional[str], save: Optional[str]) -> Optional[str]:

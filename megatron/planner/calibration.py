@@ -77,9 +77,10 @@ class HostCalibration:
 IDENTITY = HostCalibration()
 
 # The search range of `fit`: compute slow-downs from none to the full sharing of two ranks on
-# one core, per-op overheads up to 5 ms (a CPU executor's; a GPU's are tens of microseconds);
+# one core, per-op overheads up to 10 ms (gloo on a 2-vCPU host: ~2 ms a message; a GPU job
+# pays tens of microseconds);
 # a coarse grid, then a fine one around its best point.
-SCALE_RANGE, OVERHEAD_RANGE = (1.0, 2.5), (0.0, 5.0)
+SCALE_RANGE, OVERHEAD_RANGE = (1.0, 2.5), (0.0, 10.0)
 COARSE, FINE = (0.05, 0.25), (0.01, 0.05)
 
 
