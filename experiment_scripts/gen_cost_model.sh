@@ -21,6 +21,7 @@
 #   STATISTIC  median | min per shape             (default: min on CPU, median on CUDA)
 #   WARMUP / ITERS / LAYERS                       (default: 1 / 5 (QUICK: 3) / 2)
 #   QUICK=1    coarse grid for a smoke test
+#   CALIBRATE  1: fit the GPT table's host calibration (default on CPU without QUICK; megatron.profiling.calibrate)
 #   PYTHON     interpreter                        (default: .venv/bin/python if present)
 # Extra arguments are passed to every invocation, e.g. --max-seconds-per-shape 5.
 set -euo pipefail
@@ -68,3 +69,10 @@ for m in $MODELS; do
     *) echo "gen_cost_model.sh: MODELS may list gpt and t5, got '$m'" >&2; exit 2 ;;
   esac
 done
+
+# On a CPU the ranks of a job share the host's cores: fit what the layer table leaves out of a
+# training step here (megatron/planner/calibration.py) from short plain GPT runs, into the table.
+if [ "${CALIBRATE:-$( [ "$DEVICE" = cpu ] && [ "${QUICK:-0}" != 1 ] && echo 1 || echo 0 )}" = 1 ] && [[ " $MODELS " == *" gpt "* ]]; then
+  "$PYTHON" -m megatron.profiling.calibrate --dynapipe-cost-model "$OUT_DIR/${PREFIX}_tiny_gpt.json" \
+    -- --num-layers 4 "${MODEL_ARGS[@]}" --max-position-embeddings 512
+fi

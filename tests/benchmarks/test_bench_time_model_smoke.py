@@ -1,5 +1,5 @@
-"""bench_time_model.py end to end at a toy size: it profiles, trains three slicings and prints
-the rows it documents (slow: three 2-rank torchrun jobs)."""
+"""bench_time_model.py end to end at a toy size: it profiles, calibrates, trains three slicings
+and prints the rows it documents (slow: eleven 2-rank torchrun jobs)."""
 import json
 import subprocess
 import sys
@@ -17,6 +17,8 @@ def test_bench_time_model_prints_its_rows():
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    cal = [r for r in rows if r["benchmark"] == "terapipe_calibration"]
+    assert len(cal) == 1 and cal[0]["calibration"]["meta"]["runs"] == 8
     models = [r for r in rows if r["benchmark"] == "terapipe_time_model"]
     assert [r["slices"] for r in models] == ["1", "2", "auto"]
     assert models[0]["chosen"] == "[64]" and models[1]["chosen"] == "[32, 32]"
