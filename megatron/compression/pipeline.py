@@ -129,9 +129,10 @@ class PipelineGradCompressor:
                     e = self.state.take_error(key, m.shape)
                     if e is not None:
                         m = m + e.to(m.device)
-                q = self.state.q_for((stage, idx) + tuple(piece) + (r,), m.shape[1], r, m.device)
+                q_key = (stage, idx) + tuple(piece) + (r,)
+                q = self.state.q_for(q_key, m.shape[1], r, m.device)
                 p, q = lowrank.compress(m, q)
-                self.state.q[(stage, idx, r)] = q.detach().cpu()
+                self.state.q[q_key] = q.detach().cpu()
                 residual = None
                 if self.lep:
                     residual = m - lowrank.decompress(p, q)

@@ -95,8 +95,9 @@ def group_costs(planner, kind, shapes, rc) -> PipelineCosts | None:
 
 
 def iteration_time(planner, kind, groups, rc, schedules: Sequence[str] = ("1f1b",), max_orders: int = 1) -> float:
-    """Slowest group's makespan for micro-batches of fixed shapes at recompute level rc; inf if
-    a micro-batch does not fit. With the default ("1f1b", data order) this is Megatron's run."""
+    """Slowest group's makespan for micro-batches of fixed shapes at recompute level rc, plus the
+    calibrated step overhead (as DynaPipe's plans report it); inf if a micro-batch does not fit.
+    With the default ("1f1b", data order) this is Megatron's run."""
     makespan = 0.0
     for shapes in groups:
         costs = group_costs(planner, kind, shapes, rc)
@@ -113,7 +114,7 @@ def iteration_time(planner, kind, groups, rc, schedules: Sequence[str] = ("1f1b"
                 return np.inf
             t = ch.result.makespan
         makespan = max(makespan, t)
-    return makespan
+    return planner.iteration_ms(makespan)
 
 
 def baseline_time(planner, kind, mb_shapes_per_group, rcs):

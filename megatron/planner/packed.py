@@ -263,8 +263,9 @@ def contiguous_groups(n: int, dp: int):
 
 
 def one_f_one_b_time(planner, rc: str, sh: PackedShapes, groups) -> float:
-    """Megatron's run of these micro-batches: 1F1B in data order per DP group, slowest group;
-    inf if a micro-batch does not fit or the 1F1B peak passes a stage's memory."""
+    """Megatron's run of these micro-batches: 1F1B in data order per DP group, slowest group,
+    plus the calibrated step overhead; inf if a micro-batch does not fit or the 1F1B peak
+    passes a stage's memory."""
     worst = 0.0
     for g in groups:
         costs = pipeline_costs(planner, rc, sh, g)
@@ -274,7 +275,7 @@ def one_f_one_b_time(planner, rc: str, sh: PackedShapes, groups) -> float:
         if any(p > a for p, a in zip(res.peak_memory, planner.available)):
             return np.inf
         worst = max(worst, res.makespan)
-    return worst
+    return planner.iteration_ms(worst)
 
 
 def variable_partition(planner, rc: str, kind: str, lengths, max_len, rows=None,

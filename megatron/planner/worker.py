@@ -47,7 +47,10 @@ def iteration_trace(plan) -> dict:
             if ev.get("ph") == "M":
                 ev["args"] = {"name": f"DP group {g} / pipeline rank {ev['pid'] - g * S}"}
             events.append(ev)
+    # simulated_ms is the step: the slowest group's pipeline (pipeline_ms, the trace's length) plus
+    # the table's calibrated work outside it (planner/calibration.py)
     meta = {"iteration": plan.iteration, "recompute": plan.recompute, "simulated_ms": plan.makespan_ms,
+            "pipeline_ms": max(gp.makespan_ms for gp in plan.groups),
             "schedules": [gp.schedule for gp in plan.groups],
             "microbatch_shapes": [[list(map(list, s)) for s in gp.shapes] for gp in plan.groups],
             "padding_efficiency": plan.padding_efficiency}

@@ -98,3 +98,30 @@ def test_multi_tensor_message_compresses_each_tensor_on_its_own():
     back = PipelineGradCompressor.decode([big.shape, small.shape], 2, wire, torch.float32)
     torch.testing.assert_close(back[0], big, atol=1e-5, rtol=1e-5)
     assert torch.equal(back[1], small)
+
+
+def test_a_warm_start_that_lost_rank_is_restored():
+    """A message whose rows are partly zero (padded positions get exactly zero gradients) leaves
+    a warm start of lower rank; the next full-rank message must still be reproduced."""
+    g = torch.Generator().manual_seed(5)
+    state = lowrank.LowRankState(seed=3)
+    padded = torch.randn(40, 16, generator=g)
+    padded[5:] = 0  # 5 real tokens: Q = M^T P has rank 5
+    p, q = lowrank.compress(padded, state.q_for("k", 16, 16, "cpu"))
+    assert torch.linalg.matrix_rank(q) == 5
+    state.q["k"] = q
+    full = torch.randn(40, 16, generator=g)
+    start = state.q_for("k", 16, 16, "cpu")
+    assert torch.linalg.matrix_rank(start) == 16
+    p2, q2 = lowrank.compress(full, start)
+    torch.testing.assert_close(lowrank.decompress(p2, q2), full, atol=1e-4, rtol=1e-4)
+    # without the restore, the same warm start reproduces only 5 of 16 directions
+    p3, q3 = lowrank.compress(full, q)
+    assert (lowrank.decompress(p3, q3) - full).norm() / full.norm() > 0.3
+
+
+def test_a_full_rank_warm_start_is_used_unchanged():
+    state = lowrank.LowRankState(seed=3)
+    q = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    state.q["k"] = q
+    assert torch.equal(state.q_for("k", 16, 4, "cpu"), q)
