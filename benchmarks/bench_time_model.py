@@ -56,11 +56,14 @@ def profile(out: str, a) -> float:
 
 
 def calibrate(out: str, a) -> float:
-    """Fit the host calibration of the fresh latency file (planner/calibration.py) from plain runs
-    of this model at unsliced shapes inside its grid (micro-batch size 1, as profiled)."""
+    """Fit the host calibration of the fresh latency file (planner/calibration.py) from runs of
+    this model inside its grid (micro-batch size 1, as profiled), unsliced and cut into 2, 4 or
+    8 uniform slices, none of them a configuration `train` measures (4 sequences per batch where
+    the bench trains `--batch`; 4 slices only of half-length sequences)."""
     t0 = time.perf_counter()
-    seqs = sorted({max(8, a.seq // d) for d in (16, 8, 4, 2, 1)})
-    shapes = [f"1x{s}x{n}" for s in seqs for n in (2, 8)]
+    s, h, q, e = a.seq, a.seq // 2, a.seq // 4, max(8, a.seq // 8)
+    shapes = [f"1x{e}x16", f"1x{q}x8", f"1x{h}x4", f"1x{s}x4", f"1x{s}x4x2", f"1x{s}x4x8", f"1x{h}x4x4",
+              f"1x{h}x8x2"]
     subprocess.run([sys.executable, "-m", "megatron.profiling.calibrate", "--terapipe-cost-model", out,
                     "--shapes", ",".join(shapes), "--", *model_flags(a)],
                    cwd=ROOT, env=_env(), check=True, capture_output=True, text=True)

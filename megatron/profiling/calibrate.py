@@ -35,18 +35,26 @@ DEFAULT_SHAPES = "1x256x4,1x128x8,2x128x4,2x64x12,4x64x6,4x32x16,8x32x8,1x64x16"
 
 
 def parse_shapes(text: str) -> list:
+    """MBSxSEQxCOUNT[xSLICES] -> [(b, s, n, slices)]; slices > 1 runs --terapipe with that many."""
     out = []
     for part in text.split(","):
         try:
-            b, s, n = (int(x) for x in part.lower().split("x"))
+            vals = [int(x) for x in part.lower().split("x")]
+            if len(vals) not in (3, 4):
+                raise ValueError
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--shapes: {part!r} is not MBSxSEQxCOUNT (e.g. 2x128x8)") from None
-        if min(b, s, n) < 1:
+            raise argparse.ArgumentTypeError(f"--shapes: {part!r} is not MBSxSEQxCOUNT[xSLICES] (e.g. 2x128x8, "
+                                             "1x512x2x4)") from None
+        if min(vals) < 1:
             raise argparse.ArgumentTypeError(f"--shapes: {part!r} has a value below 1")
-        out.append((b, s, n))
+        out.append(tuple(vals) + ((1,) if len(vals) == 3 else ()))
     if len(out) < 3:
         raise argparse.ArgumentTypeError("--shapes: at least 3 shapes (three numbers are fitted)")
     return out
+
+
+def shape_name(shape) -> str:
+    return "x".join(map(str, shape if shape[3] > 1 else shape[:3]))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--terapipe-cost-model", help="TeraPipe latency JSON to calibrate")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=2, help="ranks of the calibration runs (PP)")
     p.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
-                   help=f"runs as MBSxSEQxMICROBATCHES, comma-separated (default {DEFAULT_SHAPES})")
+                   help=f"runs as MBSxSEQxMICROBATCHES[xTOKEN_SLICES], comma-separated (default {DEFAULT_SHAPES}); "
+                        "token slices (TeraPipe, uniform) only with --terapipe-cost-model alone")
     p.add_argument("--iters", type=int, default=7, help="iterations per run")
     p.add_argument("--warmup", type=int, default=2, help="first iterations of a run left out of its median")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
@@ -70,20 +79,23 @@ def _env() -> dict:
                 PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def measure(args, b: int, s: int, n: int) -> float:
-    """Median iteration ms of one plain run at micro-batches of b x s, n per iteration."""
+def measure(args, b: int, s: int, n: int, k: int = 1) -> float:
+    """Median iteration ms of one plain run at micro-batches of b x s, n per iteration (k > 1:
+    each cut into k uniform token slices by --terapipe)."""
     from megatron.experiments.logparse import parse_log
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            str(args.pipeline_model_parallel_size), str(ROOT / "pretrain_gpt.py"), *args.trainer_args,
            "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size), "--micro-batch-size", str(b),
            "--seq-length", str(s), "--global-batch-size", str(b * n), "--train-iters", str(args.iters),
            "--mock-data", "--log-interval", "1", "--eval-interval", "1000000", "--eval-iters", "0", "--lr", "1e-4"]
+    if k > 1:
+        cmd += ["--terapipe", "--terapipe-slices", str(k)]
     out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=args.timeout)
     rows = parse_log(out.stdout)
     times = [r["elapsed_ms"] for r in rows if r["iteration"] > args.warmup and r.get("elapsed_ms")]
     if out.returncode or not times:
         tail = "\n".join((out.stdout + out.stderr).splitlines()[-12:])
-        raise SystemExit(f"calibrate: the run at {b}x{s}x{n} failed (exit {out.returncode}):\n{tail}")
+        raise SystemExit(f"calibrate: the run at {b}x{s}x{n}x{k} failed (exit {out.returncode}):\n{tail}")
     return statistics.median(times)
 
 
@@ -100,7 +112,7 @@ def dynapipe_predictor(path: str, args, shapes):
                                           memory_limit_mb=1e12, emit_plans=False))
     planner.calibration = IDENTITY  # the table's own times; the fit applies its candidates below
     base = []
-    for b, s, n in shapes:
+    for b, s, n, _ in shapes:
         c = group_costs(planner, "gpt", [(b, s)] * n, "none")
         if c is None:
             raise SystemExit(f"calibrate: {path} has no finite cost for micro-batches of {b}x{s}; pick --shapes "
@@ -116,15 +128,20 @@ def dynapipe_predictor(path: str, args, shapes):
 def terapipe_predictor(path: str, args, shapes):
     from megatron.planner.calibration import HostCalibration
     from megatron.planner.terapipe_latency import SliceLatencyModel
+    from megatron.terapipe_options import uniform_slices
     from megatron.terapipe_training import pipelined_ms
     model = SliceLatencyModel.load(path)
     pp = args.pipeline_model_parallel_size
     per_stage = -(-_flag(args.trainer_args, "--num-layers") // pp)
 
+    def sliced(b, s, k):  # one micro-batch's units as the TeraPipe planner prices them
+        lengths = uniform_slices(s, k)
+        return [model.stage_ms(b, ln, int(c), per_stage) for ln, c in zip(lengths, np.cumsum([0] + lengths[:-1]))]
+
     def predict(scale, overhead):
         model.calibration = HostCalibration(scale, overhead, 0.0)
-        return [pipelined_ms([model.stage_ms(b, s, 0, per_stage)] * n, pp) for b, s, n in shapes]
-    for (b, s, n), ms in zip(shapes, predict(1.0, 0.0)):
+        return [pipelined_ms(sliced(b, s, k) * n, pp) for b, s, n, k in shapes]
+    for (b, s, n, _), ms in zip(shapes, predict(1.0, 0.0)):
         if not np.isfinite(ms):
             raise SystemExit(f"calibrate: {path} has no finite latency for micro-batches of {b}x{s} (its grid: "
                              f"micro-batch sizes {model.mbs}, lengths {model.seq}); pick --shapes inside it")
@@ -156,6 +173,10 @@ def main(argv=None) -> int:
     if not targets:
         print("calibrate: error: give --dynapipe-cost-model and/or --terapipe-cost-model", file=sys.stderr)
         return 2
+    if args.dynapipe_cost_model and any(k > 1 for *_, k in args.shapes):
+        print("calibrate: error: --shapes with token slices (a 4th number) calibrate a TeraPipe latency file; "
+              "give --terapipe-cost-model alone, or drop the slices for --dynapipe-cost-model", file=sys.stderr)
+        return 2
     if args.iters <= args.warmup:
         print("calibrate: error: --iters must exceed --warmup", file=sys.stderr)
         return 2
@@ -164,13 +185,13 @@ def main(argv=None) -> int:
                   for k, p in targets}
     t0 = time.perf_counter()
     measured = []
-    for b, s, n in args.shapes:
-        measured.append(measure(args, b, s, n))
-        print(json.dumps({"run": f"{b}x{s}x{n}", "measured_ms": round(measured[-1], 1)}), flush=True)
+    for b, s, n, k in args.shapes:
+        measured.append(measure(args, b, s, n, k))
+        print(json.dumps({"run": shape_name((b, s, n, k)), "measured_ms": round(measured[-1], 1)}), flush=True)
     for kind, path in targets:
         cal = fit(measured, predictors[kind])
         pred = np.asarray(predictors[kind](cal.compute_scale, cal.op_overhead_ms)) + cal.step_overhead_ms
-        cal.meta.update({"shapes": ["x".join(map(str, sh)) for sh in args.shapes], "measured_ms": [round(m, 1) for m in measured],
+        cal.meta.update({"shapes": [shape_name(sh) for sh in args.shapes], "measured_ms": [round(m, 1) for m in measured],
                          "predicted_ms": [round(float(p), 1) for p in pred], "pipeline_parallel": args.pipeline_model_parallel_size,
                          "trainer_args": " ".join(args.trainer_args), "seconds": round(time.perf_counter() - t0, 1),
                          "source": "megatron.profiling.calibrate"})

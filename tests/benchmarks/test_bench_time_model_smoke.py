@@ -19,6 +19,7 @@ def test_bench_time_model_prints_its_rows():
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     cal = [r for r in rows if r["benchmark"] == "terapipe_calibration"]
     assert len(cal) == 1 and cal[0]["calibration"]["meta"]["runs"] == 8
+    assert "1x64x4x8" in cal[0]["calibration"]["meta"]["shapes"]  # sliced runs too
     models = [r for r in rows if r["benchmark"] == "terapipe_time_model"]
     assert [r["slices"] for r in models] == ["1", "2", "auto"]
     assert models[0]["chosen"] == "[64]" and models[1]["chosen"] == "[32, 32]"

@@ -32,7 +32,7 @@ def test_fit_is_written_into_both_files(tmp_path, monkeypatch, capsys):
     args.trainer_args = args.trainer_args[1:]
     truth = calibrate.dynapipe_predictor(str(t["dynapipe"]), args, args.shapes)(1.25, 1.5)
     fake = dict(zip(args.shapes, np.asarray(truth) + 20.0))
-    monkeypatch.setattr(calibrate, "measure", lambda a, b, s, n: fake[(b, s, n)])
+    monkeypatch.setattr(calibrate, "measure", lambda a, b, s, n, k: fake[(b, s, n, k)])
     assert calibrate.main(["--dynapipe-cost-model", str(t["dynapipe"]), "--terapipe-cost-model", str(t["terapipe"]),
                            "--shapes", SHAPES, "--", *MODEL]) == 0
     cal = CostModel.load(t["dynapipe"]).calibration
@@ -48,7 +48,7 @@ def test_fit_is_written_into_both_files(tmp_path, monkeypatch, capsys):
 def test_dry_run_writes_nothing(tmp_path, monkeypatch):
     t = _tables(tmp_path)
     before = t["dynapipe"].read_bytes()
-    monkeypatch.setattr(calibrate, "measure", lambda a, b, s, n: 100.0 + 10 * n)
+    monkeypatch.setattr(calibrate, "measure", lambda a, b, s, n, k: 100.0 + 10 * n)
     assert calibrate.main(["--dynapipe-cost-model", str(t["dynapipe"]), "--shapes", SHAPES, "--dry-run",
                            "--", *MODEL]) == 0
     assert t["dynapipe"].read_bytes() == before
@@ -56,6 +56,7 @@ def test_dry_run_writes_nothing(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("argv,msg", [
     (["--shapes", "1x2"], "MBSxSEQxCOUNT"),
+    (["--shapes", "1x2x3x4x5,1x2x4,1x1x1"], "MBSxSEQxCOUNT"),
     (["--shapes", "1x2x3,1x2x4"], "at least 3"),
     (["--shapes", "0x2x3,1x2x4,1x1x1"], "below 1"),
 ])
@@ -81,3 +82,25 @@ def test_shapes_outside_the_table_are_named(tmp_path):
     with pytest.raises(SystemExit, match="8x32.*its grid"):
         calibrate.main(["--terapipe-cost-model", str(t["terapipe"]), "--shapes", "8x32x2,1x32x2,1x64x2",
                         "--", *MODEL])
+
+
+def test_sliced_runs_calibrate_the_latency_file(tmp_path, monkeypatch):
+    """Runs cut into token slices price each slice with its context (the planner's own units),
+    so their per-slice overhead is fitted too; they are refused for a DynaPipe table."""
+    t = _tables(tmp_path)
+    shapes = "1x64x4,1x64x4x4,1x32x8x2,2x64x2x8"
+    args = calibrate.build_parser().parse_args(["--shapes", shapes, "--", *MODEL])
+    args.trainer_args = args.trainer_args[1:]
+    predict = calibrate.terapipe_predictor(str(t["terapipe"]), args, args.shapes)
+    one, four = predict(1.0, 0.0)[:2]
+    assert four > one  # four slices of 16 pay their context terms and p2p four times
+    with_op = predict(1.0, 1.0)
+    assert with_op[1] - four == pytest.approx(2 * 1.0 * (4 * 4 + 1), rel=1e-6)  # 2 ops a unit: 16 units + (pp - 1) max
+    truth = np.asarray(predict(1.1, 0.8)) + 5.0
+    fake = dict(zip(args.shapes, truth))
+    monkeypatch.setattr(calibrate, "measure", lambda a, b, s, n, k: fake[(b, s, n, k)])
+    assert calibrate.main(["--terapipe-cost-model", str(t["terapipe"]), "--shapes", shapes, "--", *MODEL]) == 0
+    cal = SliceLatencyModel.load(t["terapipe"]).calibration
+    assert (cal.compute_scale, cal.op_overhead_ms) == pytest.approx((1.1, 0.8), abs=0.051)
+    assert cal.meta["shapes"] == shapes.split(",")
+    assert calibrate.main(["--dynapipe-cost-model", str(t["dynapipe"]), "--shapes", shapes, "--", *MODEL]) == 2
