@@ -161,8 +161,12 @@ class MetricsLogger:
                 if ratio > 3.0 or ratio < 1 / 3.0:
                     self._drift_warned = True
                     # TeraPipe plans from its own latency model, DynaPipe from the per-layer cost model.
-                    tool = ("python -m megatron.planner.terapipe_latency --output FILE, then --terapipe-cost-model "
-                            "FILE" if info.get("planner") == "terapipe" else "experiment_scripts/gen_cost_model.sh")
+                    # A table that describes the layers but not the host (ranks sharing cores, per-op
+                    # overheads) is fixed by calibrating it (planner/calibration.py).
+                    tool = ("python -m megatron.planner.terapipe_latency --output FILE, then python -m "
+                            "megatron.profiling.calibrate --terapipe-cost-model FILE -- <model flags>, then "
+                            "--terapipe-cost-model FILE" if info.get("planner") == "terapipe"
+                            else "experiment_scripts/gen_cost_model.sh, which also calibrates it on CPU")
                     print(f"WARNING: measured iteration time is {ratio:.1f}x the planner's simulated time; the cost "
                           "model does not describe this model or device, so plans (and memory) are unreliable: "
                           f"profile it here ({tool})", file=sys.stderr, flush=True)

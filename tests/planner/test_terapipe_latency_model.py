@@ -107,3 +107,4 @@ def test_drift_warning_of_a_terapipe_run_names_terapipes_profiler(capsys):
     err = capsys.readouterr().err
     assert "measured iteration time is 100.0x" in err
     assert "python -m megatron.planner.terapipe_latency" in err and "gen_cost_model.sh" not in err
+    assert "megatron.profiling.calibrate --terapipe-cost-model" in err
