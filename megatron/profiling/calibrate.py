@@ -107,9 +107,13 @@ def dynapipe_predictor(path: str, args, shapes):
     from megatron.planner.schedules import one_f_one_b
     from megatron.planner.simulator import PipelineCosts, simulate
     layers, hidden = _flag(args.trainer_args, "--num-layers"), _flag(args.trainer_args, "--hidden-size")
-    planner = DynaPipePlanner(DynaPipeConfig(cost_model_path=path, model_kind="gpt", hidden_size=hidden,
-                                          num_layers=layers, pipeline_parallel=args.pipeline_model_parallel_size,
-                                          memory_limit_mb=1e12, emit_plans=False))
+    try:  # the calibration runs are pretrain_gpt.py jobs: a GPT table's
+        planner = DynaPipePlanner(DynaPipeConfig(cost_model_path=path, model_kind="gpt", hidden_size=hidden,
+                                                 num_layers=layers, pipeline_parallel=args.pipeline_model_parallel_size,
+                                                 memory_limit_mb=1e12, emit_plans=False))
+    except ValueError as e:
+        raise SystemExit(f"calibrate: --dynapipe-cost-model {path}: {e} (calibration runs GPT; a T5 table takes "
+                         "the calibration of the GPT table of the same layer shape and host)") from None
     planner.calibration = IDENTITY  # the table's own times; the fit applies its candidates below
     base = []
     for b, s, n, _ in shapes:
@@ -151,7 +155,10 @@ def terapipe_predictor(path: str, args, shapes):
 def _flag(argv, name) -> int:
     if name not in argv or argv.index(name) + 1 >= len(argv):
         raise SystemExit(f"calibrate: give the trainer's {name} after -- (the model the table was profiled for)")
-    return int(argv[argv.index(name) + 1])
+    value = argv[argv.index(name) + 1]
+    if not value.isdigit():
+        raise SystemExit(f"calibrate: the trainer's {name} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def write_calibration(path: str, cal) -> None:
@@ -159,10 +166,14 @@ def write_calibration(path: str, cal) -> None:
     doc = json.loads(Path(path).read_text())
     doc["calibration"] = cal.to_dict()
     fd, tmp = tempfile.mkstemp(dir=str(Path(path).parent), prefix=Path(path).name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:  # cost tables are stored compact, latency files indented
-        f.write((json.dumps(doc, separators=(",", ":")) if "profiles" in doc else json.dumps(doc, indent=1)) + "\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:  # cost tables are stored compact, latency files indented
+            f.write((json.dumps(doc, separators=(",", ":")) if "profiles" in doc else json.dumps(doc, indent=1)) + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def main(argv=None) -> int:

@@ -72,6 +72,10 @@ def test_needs_a_table_and_the_model(tmp_path, capsys):
     t = _tables(tmp_path)
     with pytest.raises(SystemExit, match="--num-layers"):
         calibrate.main(["--dynapipe-cost-model", str(t["dynapipe"]), "--", "--hidden-size", "64"])
+    with pytest.raises(SystemExit, match="positive integer"):
+        calibrate.main(["--dynapipe-cost-model", str(t["dynapipe"]), "--", *MODEL[:1], "four", *MODEL[2:]])
+    with pytest.raises(SystemExit, match="calibration runs GPT"):
+        calibrate.main(["--dynapipe-cost-model", str(CM / "cpu_tiny_t5.json"), "--", *MODEL])
 
 
 def test_shapes_outside_the_table_are_named(tmp_path):
