@@ -1,7 +1,7 @@
 """What a per-layer table leaves out of a training step, fitted on the host that trains.
 
 A cost table times each layer alone in a warm loop. A training step on the same host adds
-three things the table cannot see, and the planners' predictions were 16-39 % low on the CPU
+three things the table cannot see, and the planners' predictions were 27-43 % low on the CPU
 box without them (issue 25):
 
 * ``compute_scale``: ranks that share a host's cores and memory slow each other down while
