@@ -12,9 +12,10 @@ from tests.test_dynapipe_training import multitask  # noqa: F401 (fixture: multi
 pytestmark = pytest.mark.parity
 
 
-def _train(rank, world, data, cost_model, slices):
+def _train(rank, world, data, cost_model, slices, stage_parallel=None, stage_layers=None):
     """TP2 x PP2 --dynapipe --sequence-parallel on the TP-2 copy of the CPU cost model;
-    `slices` (None: unsliced) turns on --terapipe with that --terapipe-slices."""
+    `slices` (None: unsliced) turns on --terapipe with that --terapipe-slices; `stage_parallel`:
+    one pipeline whose stages have their own (TP, DP) sizes (an Aceso layout)."""
     import dataclasses
     import multiprocessing as mp
     from datetime import timedelta
@@ -29,8 +30,13 @@ def _train(rank, world, data, cost_model, slices):
 
     mp.current_process().daemon = False
     cfg = _cfg(world, "gpt", data, "dynapipe", pp=2, tp=2)
+    parallel, training = cfg.parallel, cfg.training
+    if stage_parallel:  # as tests/test_dynapipe_sequence_parallel.py lays them out
+        parallel = dataclasses.replace(parallel, stage_parallel=stage_parallel, pipeline_stage_layers=stage_layers)
+        training = dataclasses.replace(training, micro_batch_size=4, global_batch_size=None)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sequence_parallel=True),
-                              data=dataclasses.replace(cfg.data, dynapipe_cost_model=cost_model))
+                              data=dataclasses.replace(cfg.data, dynapipe_cost_model=cost_model),
+                              parallel=parallel, training=training)
     if slices is not None:  # replace() re-runs the configuration checks on the combination
         cfg = dataclasses.replace(cfg, terapipe=TeraPipeConfig(enabled=True, slices=slices, with_dynapipe=True))
     cfg.model.vocab_size = VOCAB
@@ -70,5 +76,16 @@ def test_dynapipe_terapipe_sequence_parallel_auto_equals_plain_dynapipe(multitas
     """auto: the sliced planner picks partition, slicing (on the lcm(8, TP) grid) and schedule."""
     outs = run_distributed(_train, 4, multitask, cost_model, "auto")
     assert all("token_slices" in i for i in _last(outs)["info"])  # planned by the sliced planner
+    assert _last(outs)["samples"] == _last(plain_sp)["samples"]
+    assert_parity(plain_sp, outs)
+
+
+def test_dynapipe_terapipe_on_heterogeneous_stages_equals_plain_dynapipe(multitask, cost_model,  # noqa: F811
+                                                                         plain_sp):
+    """Stages TP2 x DP1 | TP1 x DP2 (an Aceso layout), with SP: the sliced plans are lowered on
+    whole-sequence slices and cut onto each stage's ranks (rows, and tokens at that stage's TP)
+    by the layout pass, as DynaPipe's own plans are."""
+    outs = run_distributed(_train, 4, multitask, cost_model, "2", [[2, 1], [1, 2]], [1, 3])
+    assert all(i["token_slices"] and i["token_slices"] > len(i["microbatch_shapes"]) for i in _last(outs)["info"])
     assert _last(outs)["samples"] == _last(plain_sp)["samples"]
     assert_parity(plain_sp, outs)

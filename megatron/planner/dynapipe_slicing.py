@@ -362,13 +362,24 @@ def _group_plan(planner, rc, samples, g: SlicedGroup, iteration, validate):
     new_id = {u: k for k, u in enumerate(units)}
     new_units = [(rank_of[g.units[u][0]],) + tuple(g.units[u][1:]) for u in units]
     orders = [[(op.kind, new_id[op.microbatch], op.stage) for op in ops] for ops in g.orders]
+    c = planner.cfg
     mbs = [samples[old] for old in g.order]
-    shapes = [((len(s), sum(g.slicings[old])),) for old, s in zip(g.order, mbs)]
+
+    def rows(b):  # stages with their own DP sizes: loss-free filler rows, as DynaPipe's own plans
+        return int(planner.padded_rows(b))
+    shapes = [((rows(len(s)), sum(g.slicings[old])),) for old, s in zip(g.order, mbs)]
     plans = []
-    if planner.cfg.emit_plans:
+    if c.emit_plans:
         plans = lower_sliced([[ComputeOp(*o) for o in ops] for ops in orders], new_units,
-                             [g.unit_rows[u] for u in units], planner.cfg.hidden_size, dtype=planner.cfg.dtype,
-                             iteration=iteration, recompute=rc, validate=validate, seq_split=_seq_split(planner))
+                             [rows(g.unit_rows[u]) for u in units], c.hidden_size, dtype=c.dtype,
+                             iteration=iteration, recompute=rc, validate=validate and not c.stage_parallel,
+                             stage_to_rank=planner.stage_to_rank, seq_split=_seq_split(planner))
+        if c.stage_parallel:  # one plan per global rank (row and, under SP, token pieces), as dynapipe_base
+            from megatron.pipeline.validator import validate_plans
+            from megatron.planner.hetero import split_plans
+            plans = split_plans(plans, c.stage_parallel, c.sequence_parallel)
+            if validate:
+                validate_plans(plans)
     result = simulate(g.costs, g.orders)
     return GroupPlan([[int(i) for i in s] for s in mbs], shapes, g.name, float(g.makespan),
                      [float(x) for x in result.peak_memory], plans, orders, result, token_slices=new_units)
