@@ -74,7 +74,7 @@ def check_terapipe_config(cfg) -> None:
 def check_dynapipe_slicing(cfg) -> None:
     """`--dynapipe --terapipe`: what the sliced DynaPipe planner cannot run (multi-task data is
     its input; GPT and one stage per rank were checked by the caller / --dynapipe)."""
-    m, d = cfg.model, cfg.data
+    d = cfg.data
     spec = cfg.terapipe.slices.strip()
     if spec != "auto" and not spec.isdigit() or spec == "0":
         raise ValueError(f"--terapipe-slices {spec} with --dynapipe: give auto (the planner decides) or a count N "
@@ -86,7 +86,8 @@ def check_dynapipe_slicing(cfg) -> None:
                          "documents (the executor refuses segment ids in slices); drop one of them")
     if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
         raise ValueError("--dynapipe --terapipe with --num-layers-per-virtual-pipeline-stage: the sliced planner "
-                         "expands one stage per rank into slices; drop the virtual stages or the slices")
-    if m.sequence_parallel:
-        raise ValueError("--dynapipe --terapipe with --sequence-parallel: the sliced planner prices and lowers whole "
-                         "slices per TP rank; drop --sequence-parallel (slices already bound activation memory)")
+                         "pipelines each micro-batch's slices over one stage per rank, which fills the pipeline as "
+                         "virtual stages would; drop --num-layers-per-virtual-pipeline-stage, or drop --dynapipe "
+                         "(plain --terapipe runs slices on virtual stages)")
+    # --sequence-parallel: slices on a grid of lcm(8, TP) tokens, split over the TP ranks
+    # (megatron/planner/dynapipe_slicing.py `_grid`, `_seq_split`).

@@ -88,6 +88,12 @@ def test_dynapipe_terapipe_refusals_name_the_flag(multitask):  # noqa: F811
     packed = _cfg(2, "gpt", multitask, "dynapipe_packed", pp=2)
     with pytest.raises(ConfigError, match="--dynapipe-packed-rows with --terapipe"):
         dataclasses.replace(packed, terapipe=TeraPipeConfig(enabled=True, slices="2", with_dynapipe=True))
+    vpp = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, num_layers_per_virtual_pipeline_stage=1))
+    with pytest.raises(ConfigError, match="drop --num-layers-per-virtual-pipeline-stage, or drop --dynapipe"):
+        dataclasses.replace(vpp, terapipe=TeraPipeConfig(enabled=True, slices="2", with_dynapipe=True))
+    sp = _cfg(4, "gpt", multitask, "dynapipe", pp=2, tp=2)  # accepted (tests/test_dynapipe_terapipe_sp.py runs it)
+    sp = dataclasses.replace(sp, model=dataclasses.replace(sp.model, sequence_parallel=True))
+    assert dataclasses.replace(sp, terapipe=TeraPipeConfig(enabled=True, slices="2", with_dynapipe=True)).terapipe.enabled
 
 
 def test_dynapipe_terapipe_flags_reach_the_planner():

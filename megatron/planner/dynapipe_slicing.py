@@ -27,11 +27,20 @@ N per micro-batch, N in `AUTO_SLICES`, or TeraPipe's DP per micro-batch shape) x
 (1F1B with at most f micro-batches in flight, f = 1..S, and the memory-admitting adaptive
 schedule, expanded to slices) are simulated, the fastest that fits memory wins. With
 `--terapipe-slices auto` an unsliced plan is kept when it is faster; with N every
-micro-batch runs in N uniform slices on the 8-token grid. Full recompute is never sliced
+micro-batch runs in N uniform slices on the slicing grid. Full recompute is never sliced
 (it would replay a layer and write its slice's keys/values twice, see terapipe_options).
+
+--sequence-parallel (`_grid`, `_seq_split`): each slice is split along its tokens over the TP
+ranks, so slice boundaries lie on a grid of lcm(8, TP) tokens (the trainer pads lengths to
+that multiple, `supervised_training.pad_multiple`) and the plans are lowered by TeraPipe's
+`lower_sliced` with `seq_split = TP` (stages exchange [l / TP, b, h]), as `build_terapipe_plans`
+does. Memory: a slice's dense part is `stage_costs` at (b, l), which applies DynaPipe's
+`sp_memory_factor` at the slice's length; the attention to the context and the K/V cache are
+not scaled, since both live after the all-gather, split by heads (h / TP) with or without SP.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import List, Optional, Sequence
 
@@ -86,6 +95,22 @@ def slice_costs(planner, rc: str, b, l, c) -> dict:
     return out
 
 
+def _seq_split(planner) -> int:
+    """How many pieces a slice's stage messages are cut into along the tokens: the TP size
+    under --sequence-parallel (one TP for every stage), else 1."""
+    c = planner.cfg
+    return c.tensor_parallel if c.sequence_parallel and not c.stage_parallel else 1
+
+
+def _grid(planner) -> int:
+    """Slice boundaries: multiples of 8 tokens and, under --sequence-parallel, of every TP
+    size (each TP rank holds an equal piece of every slice)."""
+    c = planner.cfg
+    if not c.sequence_parallel:
+        return SLICE_GRID
+    return math.lcm(SLICE_GRID, *([t for t, _ in c.stage_parallel] if c.stage_parallel else [c.tensor_parallel]))
+
+
 def offsets(slices: Sequence[int]) -> List[int]:
     return [int(x) for x in np.cumsum([0] + list(slices[:-1]))]
 
@@ -135,17 +160,20 @@ def _cap(planner) -> int:
     return int(grid.axes[1][-1])
 
 
-def uniform_slicing(L: int, n: int, cap: int) -> List[int]:
+def uniform_slicing(L: int, n: int, cap: int, grid: int = SLICE_GRID) -> List[int]:
+    """n slices of L tokens on the grid (L is a multiple of it: the padding), at most `cap`
+    tokens and at least max(grid, MIN_SLICE_TOKENS) each."""
     n = max(n, -(-L // cap))
-    n = min(n, max(1, L // max(SLICE_GRID, MIN_SLICE_TOKENS)))
-    return uniform_slices(L, n)
+    n = min(n, max(1, L // max(grid, MIN_SLICE_TOKENS)))
+    return uniform_slices(L, n, grid)
 
 
 def dp_slicing(planner, rc: str, b: int, L: int, k_eff: float, cap: int) -> List[int]:
     """TeraPipe's slice DP on this micro-batch's shape (stage time: the slowest stage's
-    forward + backward of the slice), on a grid of about 64 cells."""
+    forward + backward of the slice), on a grid of about 64 cells, each a multiple of `_grid`."""
+    unit = _grid(planner)
     cell = -(-L // 64)
-    grid = max(SLICE_GRID, -(-cell // SLICE_GRID) * SLICE_GRID)
+    grid = max(unit, -(-cell // unit) * unit)
 
     def t(ln, c):
         sc = slice_costs(planner, rc, b, ln, c)
@@ -154,7 +182,7 @@ def dp_slicing(planner, rc: str, b: int, L: int, k_eff: float, cap: int) -> List
     try:
         return plan_slices(L, k_eff, t, grid=grid, vectorized=True, cap_tolerance=0.01).slices
     except ValueError:
-        return uniform_slicing(L, 1, cap)
+        return uniform_slicing(L, 1, cap, unit)
 
 
 # ---------------------------------------------------------------------------- schedules
@@ -236,8 +264,9 @@ def search_group(planner, rc: str, shapes, slicings, mb_orders, bound=np.inf) ->
 
 # ---------------------------------------------------------------------------- the planner pass
 def _slicing_sets(planner, rc, shapes, fixed: int, cap: int, k_eff: float):
+    grid = _grid(planner)
     if fixed > 0:
-        return [[uniform_slicing(L, fixed, cap) for _, L in shapes]]
+        return [[uniform_slicing(L, fixed, cap, grid) for _, L in shapes]]
     cache = planner.__dict__.setdefault("_dp_slicings", {})  # per shape, kept across iterations
     dp = []
     for b, L in shapes:
@@ -247,7 +276,7 @@ def _slicing_sets(planner, rc, shapes, fixed: int, cap: int, k_eff: float):
         dp.append(cache[key])
     out = [dp]  # first: it wins most often (bench_dynapipe_slicing), so its makespan prunes the rest
     for n in AUTO_SLICES:
-        sl = [uniform_slicing(L, n, cap) for _, L in shapes]
+        sl = [uniform_slicing(L, n, cap, grid) for _, L in shapes]
         if sl not in out:
             out.append(sl)
     return out
@@ -333,13 +362,24 @@ def _group_plan(planner, rc, samples, g: SlicedGroup, iteration, validate):
     new_id = {u: k for k, u in enumerate(units)}
     new_units = [(rank_of[g.units[u][0]],) + tuple(g.units[u][1:]) for u in units]
     orders = [[(op.kind, new_id[op.microbatch], op.stage) for op in ops] for ops in g.orders]
+    c = planner.cfg
     mbs = [samples[old] for old in g.order]
-    shapes = [((len(s), sum(g.slicings[old])),) for old, s in zip(g.order, mbs)]
+
+    def rows(b):  # stages with their own DP sizes: loss-free filler rows, as DynaPipe's own plans
+        return int(planner.padded_rows(b))
+    shapes = [((rows(len(s)), sum(g.slicings[old])),) for old, s in zip(g.order, mbs)]
     plans = []
-    if planner.cfg.emit_plans:
+    if c.emit_plans:
         plans = lower_sliced([[ComputeOp(*o) for o in ops] for ops in orders], new_units,
-                             [g.unit_rows[u] for u in units], planner.cfg.hidden_size, dtype=planner.cfg.dtype,
-                             iteration=iteration, recompute=rc, validate=validate)
+                             [rows(g.unit_rows[u]) for u in units], c.hidden_size, dtype=c.dtype,
+                             iteration=iteration, recompute=rc, validate=validate and not c.stage_parallel,
+                             stage_to_rank=planner.stage_to_rank, seq_split=_seq_split(planner))
+        if c.stage_parallel:  # one plan per global rank (row and, under SP, token pieces), as dynapipe_base
+            from megatron.pipeline.validator import validate_plans
+            from megatron.planner.hetero import split_plans
+            plans = split_plans(plans, c.stage_parallel, c.sequence_parallel)
+            if validate:
+                validate_plans(plans)
     result = simulate(g.costs, g.orders)
     return GroupPlan([[int(i) for i in s] for s in mbs], shapes, g.name, float(g.makespan),
                      [float(x) for x in result.peak_memory], plans, orders, result, token_slices=new_units)

@@ -157,3 +157,46 @@ def test_mutants_of_sliced_dynapipe_plans_rejected():
         with pytest.raises(PlanValidationError):
             validate_plans(plans)
             pytest.fail(f"mutant #{tried} ({kind}) was accepted")
+
+
+def _tp_planner(tmp_path, sp, tp=3, token_slices=2):
+    """GPT hidden 48 at TP `tp` (the CPU table copied for that TP); under SP lengths pad to
+    lcm(8, TP), as the trainer pads them (supervised_training.pad_multiple)."""
+    from tests.test_dynapipe_sequence_parallel import tp_cost_model
+    return DynaPipePlanner(DynaPipeConfig(
+        cost_model_path=tp_cost_model(tmp_path / f"cm{tp}.json", tp), model_kind="gpt", hidden_size=48,
+        num_layers=4, pipeline_parallel=2, tensor_parallel=tp, sequence_parallel=sp, num_attention_heads=6,
+        memory_limit_mb=400.0, token_slices=token_slices, pad_multiple=24 if sp else 8))
+
+
+def test_sequence_parallel_prices_a_slices_dense_part_like_stage_costs(tmp_path):
+    """SP shrinks what a slice stores per layer by DynaPipe's `sp_memory_factor` at the slice's
+    length (through stage_costs); the attention to the context and the K/V cache live after
+    the all-gather, split by heads either way, so they cost the same with and without SP."""
+    sp, no = _tp_planner(tmp_path, True), _tp_planner(tmp_path, False)
+    b, ln, c = np.array([1, 2, 2]), np.array([24, 48, 24]), np.array([0, 24, 48])
+    got_sp, got_no = ds.slice_costs(sp, "none", b, ln, c), ds.slice_costs(no, "none", b, ln, c)
+    assert np.allclose(got_sp["fwd"], got_no["fwd"]) and np.allclose(got_sp["bwd"], got_no["bwd"])
+    assert (got_sp["stored"] < got_no["stored"]).all()
+    dense_sp, dense_no = sp.stage_costs("none", b, ln), no.stage_costs("none", b, ln)
+    assert np.allclose(got_sp["stored"] - got_no["stored"], dense_sp["stored"] - dense_no["stored"])
+    assert np.allclose(ds.kv_cache_mb(sp, b, ln, c), ds.kv_cache_mb(no, b, ln, c))
+
+
+@pytest.mark.parametrize("token_slices", [2, -1])
+def test_sequence_parallel_slices_are_multiples_of_tp_and_messages_are_shards(tmp_path, token_slices):
+    """TP 3 under SP: every slice is a multiple of lcm(8, 3) = 24 tokens (fixed N and auto's
+    DP/uniform slicings), and the lowered stage messages are [l / 3, b, h], as TeraPipe's."""
+    planner = _tp_planner(tmp_path, True, token_slices=token_slices)
+    plan = planner.plan(np.random.default_rng(1).integers(20, 500, 24))  # long enough for auto to slice
+    sliced = [g for g in plan.groups if g.token_slices]
+    assert sliced and all(len(g.token_slices) > len(g.microbatches) for g in sliced)
+    for g in sliced:
+        assert all(ln % 24 == 0 and off % 24 == 0 for _, off, ln in g.token_slices)
+        msgs = [(ins.token_slice, s) for p in g.plans for ins in p.instructions
+                if isinstance(ins, I.ForwardPass) for s in ins.output_shapes]
+        assert msgs and all(s == (sl[2] // 3, g.shapes[sl[0]][0][0], 48) for sl, s in msgs)
+    for L in (24, 48, 96, 144):  # the auto candidates themselves
+        for n in ds.AUTO_SLICES:
+            assert all(x % 24 == 0 for x in ds.uniform_slicing(L, n, 4096, ds._grid(planner)))
+        assert all(x % 24 == 0 for x in ds.dp_slicing(planner, "none", 2, L, 2.0, ds._cap(planner)))
