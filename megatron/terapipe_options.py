@@ -4,6 +4,7 @@ planner (megatron/planner/terapipe.py) imports these; nothing here imports the p
 configuration layer does not depend on a planner."""
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 SLICE_GRID = 8
@@ -64,11 +65,13 @@ def check_terapipe_config(cfg) -> None:
          "less than all of it) would write a slice's keys/values into the cache again on replay: clear those "
          "flags or set whole layers, or drop --terapipe")
     fixed = parse_slices(cfg.terapipe.slices, m.seq_length)
-    tp = p.tensor_model_parallel_size
+    # stages with their own TP sizes (--aceso-config) each split a slice over their own TP ranks
+    tps = sorted({t for t, _ in p.stage_parallel}) if p.stage_parallel else [p.tensor_model_parallel_size]
+    tp = math.lcm(*tps)
     if m.sequence_parallel and tp > 1 and fixed is not None:
         need(all(ln % tp == 0 for ln in fixed),
-             f"--sequence-parallel splits each token slice over the {tp} TP ranks: --terapipe-slices "
-             f"{cfg.terapipe.slices} gives {fixed}, give lengths that are multiples of {tp}")
+             f"--sequence-parallel splits each token slice over the TP ranks ({'/'.join(map(str, tps))}): "
+             f"--terapipe-slices {cfg.terapipe.slices} gives {fixed}, give lengths that are multiples of {tp}")
 
 
 def check_dynapipe_slicing(cfg) -> None:

@@ -37,9 +37,12 @@ class TeraPipePlanner:
         self.layers_per_stage = -(-m.num_layers // pp_size)
         self.tp = cfg.parallel.tensor_model_parallel_size
         # --sequence-parallel: each slice is split over the TP ranks, so slice lengths are
-        # multiples of TP (the DP's grid is a common multiple of 8 tokens and TP)
-        self.seq_split = self.tp if m.sequence_parallel else 1
-        self.grid = math.lcm(GRID, self.seq_split)
+        # multiples of TP (the DP's grid is a common multiple of 8 tokens and every stage's TP).
+        # With stage layouts the plans carry whole slices and `plan_pass` cuts each stage's
+        # tokens at its own TP (planner/hetero.py), so they are not cut here as well.
+        self.seq_split = self.tp if m.sequence_parallel and not stage_layouts else 1
+        tps = [tp for tp, _ in stage_layouts] or [self.tp]
+        self.grid = math.lcm(GRID, *tps) if m.sequence_parallel else GRID
         # Stages with their own (TP, DP) sizes (--aceso-config): the slicing is priced on the
         # slowest stage, each on its rows and layers; `plan_pass` lowers the plans onto them.
         layers = cfg.parallel.pipeline_stage_layers or [self.layers_per_stage] * pp_size
@@ -156,7 +159,7 @@ def terapipe_planner(cfg, ps) -> TeraPipePlanner:
     plan_pass = None
     if ps.stage_layouts:
         from megatron.planner.hetero import layout_pass
-        plan_pass = layout_pass(ps.stage_layouts)
+        plan_pass = layout_pass(ps.stage_layouts, cfg.model.sequence_parallel)
     return TeraPipePlanner(cfg, ps.pp_size, latency, ps.stage_layouts, plan_pass)
 
 

@@ -50,3 +50,27 @@ def reference():
 def test_sequence_parallel_stages_match_single_process(reference, world, kw):
     outs = run_distributed(hetero_run, world, dict(kw, iters=ITERS), **{"model.sequence_parallel": True})
     check(reference, outs)
+
+
+def test_terapipe_slices_on_sequence_parallel_stages_match_single_process(reference):
+    """--terapipe with fixed 2 slices on TP2xDP1 | TP1xDP2 with --sequence-parallel: the slices
+    are lowered whole (TeraPipe's seq_split = 1) and the layout pass cuts each stage's tokens at
+    that stage's own TP, as for 1F1B; cutting by the configured TP as well would halve them twice
+    on the TP2 stage and give the TP1 stage half a slice."""
+    outs = run_distributed(hetero_run, 4, dict(TP2_DP2, iters=ITERS), **{
+        "model.sequence_parallel": True, "terapipe.enabled": True, "terapipe.slices": "2"})
+    check(reference, outs)
+
+
+def test_terapipe_slice_lengths_must_split_over_every_stage_tp():
+    """TP3 | TP2 stages with --sequence-parallel: each slice is cut at each stage's TP, so fixed
+    lengths are multiples of lcm(3, 2) = 6 (9,15 splits over TP3 only)."""
+    import dataclasses
+
+    from megatron.config import ConfigError, TeraPipeConfig
+    from tests.parity_utils import tiny_config
+    cfg = tiny_config(world=5, pp=2, stage_parallel=[[3, 1], [2, 1]], stage_layers=[2, 2], seq=24, hidden=36, heads=6,
+                      arch=dict(sequence_parallel=True))
+    assert dataclasses.replace(cfg, terapipe=TeraPipeConfig(enabled=True, slices="18,6")).terapipe.enabled
+    with pytest.raises(ConfigError, match=r"TP ranks \(2/3\).*multiples of 6"):
+        dataclasses.replace(cfg, terapipe=TeraPipeConfig(enabled=True, slices="9,15"))
