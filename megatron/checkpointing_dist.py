@@ -17,9 +17,12 @@ would avoid it and is the next step for models whose stage does not fit unsharde
 
 Nothing is unpickled: tensors load with `weights_only=True` (DCP does this), DCP's own index is
 read with an unpickler that accepts only DCP's metadata classes, and the rest is JSON. What the
-format holds: model, AdamW state (per parameter, resharded like it), RNG states per rank (restored
-only when the layout is the same), counters. Not yet: the distributed optimizer's flat shards,
-Optimus-CC residuals, per-stage TP/DP (Aceso) layouts and T5 (refused when the flags are parsed).
+format holds: model, AdamW state (per parameter, resharded like it: the optimizer's
+`param_states()` / `load_param_states()`, where the distributed optimizer gathers its DP shards
+into whole moments and cuts its own shard back out), RNG states and Optimus-CC compression
+state per rank (restored only when the job's layout is the same: they belong to one rank of
+one layout), counters. GPT and T5 (encoder and decoder layers each under their global index),
+uniform or per-stage (--aceso-config) layouts.
 """
 from __future__ import annotations
 
@@ -42,19 +45,6 @@ _LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(.*)$")
 # Tensors with a row per (padded) vocabulary entry: stored cut to the real vocabulary.
 _VOCAB = re.compile(r"(word_embeddings\.weight|output_layer\.weight|lm_head_bias)$")
 _TIED = "embedding.word_embeddings.weight"
-
-
-def unsupported(cfg) -> Optional[str]:
-    """Why this run cannot use --ckpt-format torch_dist, or None."""
-    c = cfg.compression
-    # --emb-comm-opt only fuses a gradient sync: nothing to checkpoint.
-    stateful = [f for on, f in ((c.inter_grad_comp, "--inter-grad-comp"), (c.grad_comp, "--grad-comp"),
-                                (c.emb_grad_comp, "--emb-grad-comp")) if on]
-    if stateful:
-        return (f"--ckpt-format torch_dist stores layout-free tensors, and the compression state of "
-                f"{' '.join(stateful)} (error-feedback residuals, low-rank factors) belongs to one data-parallel "
-                f"rank of one layout; use --ckpt-format torch, which keeps it per rank")
-    return None
 
 
 # ---- DCP's index, read without running code ---------------------------------------------
@@ -210,6 +200,35 @@ def _set_rng(sd: Dict[str, torch.Tensor], rank: int) -> None:
     get_rng_tracker().set_states(tracker)
 
 
+def _compression_tensors(trainer, rank: int) -> Dict[str, torch.Tensor]:
+    """This rank's Optimus-CC state (warm-start Q factors, error-feedback residuals: a
+    `LowRankState` per compressor) as tensors `compression.<rank>.<name>.<q|error>.<key as
+    JSON>`; like the RNG states they belong to one rank of one layout."""
+    out = {}
+    for name, holder in getattr(trainer, "extra_checkpoint_state", {}).items():
+        st = holder.obj.state_dict()  # this rank's own entry (no DP gather: each rank writes its own)
+        out[f"compression.{rank}.{name}.seed"] = torch.tensor([int(st["seed"])], dtype=torch.int64)
+        for field in ("q", "error"):
+            for k, v in st[field].items():
+                out[f"compression.{rank}.{name}.{field}.{json.dumps(list(k), separators=(',', ':'))}"] = _own(v)
+    return out
+
+
+def _set_compression(trainer, sd: Dict[str, torch.Tensor], rank: int) -> None:
+    def key(v):
+        return tuple(key(x) for x in v) if isinstance(v, list) else v
+    for name, holder in getattr(trainer, "extra_checkpoint_state", {}).items():
+        p = f"compression.{rank}.{name}."
+        if p + "seed" not in sd:
+            continue  # saved without this compressor: it starts afresh
+        st = {"seed": int(sd[p + "seed"][0]), "q": {}, "error": {}}
+        for k, v in sd.items():
+            if k.startswith(p) and k != p + "seed":
+                field, _, js = k[len(p):].partition(".")
+                st[field][key(json.loads(js))] = v
+        holder.obj.load_state_dict(st)
+
+
 def _layout(trainer) -> dict:
     """The job's layout (the same on every rank): per-stage sizes under --aceso-config, where
     this rank's TP / DP sizes are its stage's only."""
@@ -252,6 +271,7 @@ def save(trainer, it_dir: str) -> None:
         if "step" in st:
             sd[f"optimizer.{key}.step"] = torch.as_tensor(st["step"]).detach().clone().reshape(1)
     sd.update(_rng_tensors(ps.rank))
+    sd.update(_compression_tensors(trainer, ps.rank))
     os.makedirs(it_dir, exist_ok=True)
     dcp.save(sd, storage_writer=FileSystemWriter(it_dir, thread_count=1))
 
@@ -274,8 +294,9 @@ def read_common(it_dir: str) -> dict:
     return common
 
 
-def load(trainer, it_dir: str, common: dict, load_optim: bool, load_rng: bool) -> None:
-    """Every rank: fill this rank's stages (and optimizer, RNG) from `it_dir` at its own layout."""
+def load(trainer, it_dir: str, common: dict, load_optim: bool, load_rng: bool, load_compression: bool) -> None:
+    """Every rank: fill this rank's stages (and optimizer, RNG, compression state) from `it_dir`
+    at its own layout; RNG and compression state only at the layout that saved them."""
     import torch.distributed.checkpoint as dcp
     cfg, ps = trainer.cfg, trainer.ps
     index = read_index(it_dir)
@@ -293,7 +314,13 @@ def load(trainer, it_dir: str, common: dict, load_optim: bool, load_rng: bool) -
         targets.append((key, p))
     same_layout = common["layout"] == _layout(trainer)
     rng_keys = [k for k in index if k.startswith(f"rng.{ps.rank}.")] if load_rng and same_layout else []
-    for k in rng_keys:
+    comp_keys = [k for k in index if k.startswith(f"compression.{ps.rank}.")] if load_compression else []
+    if comp_keys and not same_layout:
+        if ps.rank == 0:
+            print(f"note: {it_dir} was saved at layout {common['layout']}, this run is {_layout(trainer)}: "
+                  f"compression residuals and warm starts begin afresh", file=sys.stderr, flush=True)
+        comp_keys = []
+    for k in rng_keys + comp_keys:
         shape, dtype = index[k]
         sd[k] = torch.empty(shape, dtype=dtype)
     dcp.load(sd, storage_reader=_reader(it_dir))
@@ -308,6 +335,8 @@ def load(trainer, it_dir: str, common: dict, load_optim: bool, load_rng: bool) -
                                     for k in ("exp_avg", "exp_avg_sq")}}
     # The plain optimizer takes them as they are; the distributed one cuts its DP shard.
     trainer.optimizer.load_param_states(states)
+    if comp_keys:
+        _set_compression(trainer, sd, ps.rank)
     if rng_keys:
         _set_rng(sd, ps.rank)
     elif load_rng and ps.rank == 0:

@@ -1,6 +1,8 @@
 """--ckpt-format torch_dist under --aceso-config (each stage its own TP x DP size) and with
---emb-comm-opt: bit-exact resume at the same layout, and a checkpoint saved with per-stage
-sizes continues at a uniform layout (and back) with the uninterrupted run's losses."""
+Optimus-CC: bit-exact resume at the same layout (compression residuals and factors restored
+per rank), a checkpoint saved with per-stage sizes continues at a uniform layout (and back)
+with the uninterrupted run's losses, and compression state saved at another layout starts
+afresh with a note (as the torch format does at another DP size)."""
 import pytest
 
 from megatron.checkpointing import load_checkpoint
@@ -16,9 +18,26 @@ def test_per_stage_layout_resume_is_bit_exact(tmp_path, kw):
     assert_resume_bit_exact(tmp_path, 4, dict(kw, fmt="torch_dist"))
 
 
-def test_fused_embedding_sync_resume_is_bit_exact(tmp_path):
-    assert_resume_bit_exact(tmp_path, 4, dict(pp=2, fmt="torch_dist", dist_opt=True,
-                                              compression=dict(emb_comm_opt=True)))
+EMB_COMP = dict(emb_comm_opt=True, emb_grad_comp=True, emb_grad_comp_rank=2, grad_comp=True, grad_comp_rank=2,
+                use_error_feedback=True)
+
+
+def test_embedding_and_data_parallel_compression_resume_is_bit_exact(tmp_path):
+    assert_resume_bit_exact(tmp_path, 4, dict(pp=2, fmt="torch_dist", dist_opt=True, compression=EMB_COMP))
+
+
+def _trains(rank, world, ckpt, kw):
+    t = make_trainer(resume_cfg(world, load=ckpt, fmt="torch_dist", **kw))
+    assert load_checkpoint(t)
+    return [h["loss"] for h in t.train()]
+
+
+def test_compression_state_of_another_layout_starts_afresh(tmp_path, capfd):
+    comp = dict(grad_comp=True, grad_comp_rank=2, use_error_feedback=True)
+    run_distributed(first_half, 2, str(tmp_path), dict(fmt="torch_dist", compression=comp))
+    losses = run_distributed(_trains, 4, str(tmp_path), dict(tp=2, compression=comp))[-1]
+    assert len(losses) == TOTAL // 2 and all(x == x for x in losses)
+    assert "compression residuals and warm starts begin afresh" in capfd.readouterr().err
 
 
 def _losses(rank, world, ckpt, kw):
