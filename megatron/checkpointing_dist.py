@@ -299,6 +299,9 @@ def load(trainer, it_dir: str, common: dict, load_optim: bool, load_rng: bool, l
     at its own layout; RNG and compression state only at the layout that saved them."""
     import torch.distributed.checkpoint as dcp
     cfg, ps = trainer.cfg, trainer.ps
+    finish = getattr(trainer.optimizer, "finish_param_gather", None)
+    if finish is not None:  # --overlap-param-gather: no gather in flight may overwrite what loads
+        finish()
     index = read_index(it_dir)
     padded = cfg.model.padded_vocab_size(ps.tp_size)
     sd, targets = {}, []

@@ -12,9 +12,10 @@ TOTAL = 4
 
 
 def resume_cfg(world, save=None, load=None, iters=TOTAL, fmt="torch", dropout=0.1, dist_opt=False, t5=None, compression=None,
-               **kw):
+               bucket=None, **kw):
     """`t5`: a dict of `tiny_t5_config` arguments to run T5 instead of GPT (no dropout);
-    `compression`: CompressionConfig fields to set."""
+    `compression`: CompressionConfig fields to set; `bucket`: --overlap-grad-reduce (and
+    --overlap-param-gather with the distributed optimizer) with buckets of that many elements."""
     if t5 is not None:
         from tests.test_t5_parity import tiny_t5_config
         cfg = tiny_t5_config(world=world, iters=iters, **t5)
@@ -22,6 +23,9 @@ def resume_cfg(world, save=None, load=None, iters=TOTAL, fmt="torch", dropout=0.
     else:
         cfg = tiny_config(world=world, iters=iters, dropout=dropout, save=save, load=load, **kw)
     cfg.training.use_distributed_optimizer = dist_opt
+    if bucket:
+        cfg.training.overlap_grad_reduce, cfg.training.ddp_bucket_size = True, bucket
+        cfg.training.overlap_param_gather = dist_opt
     for k, v in (compression or {}).items():
         setattr(cfg.compression, k, v)
     cfg.training.lr_decay_iters = TOTAL  # same schedule whether or not the run is split

@@ -13,7 +13,7 @@ from tests.parity_utils import make_trainer
 from tests.resume_harness import TOTAL, assert_resume_bit_exact, first_half, resume_cfg
 
 
-@pytest.mark.parametrize("world,kw", [(2, {}), (4, dict(tp=2))])  # DP = 2
+@pytest.mark.parametrize("world,kw", [(2, {}), (4, dict(tp=2)), (2, dict(bucket=1000))])  # DP = 2
 def test_distributed_optimizer_resume_is_bit_exact(tmp_path, world, kw):
     def check_saved(path):
         index = read_index(str(path / f"iter_{TOTAL // 2:07d}"))
@@ -32,11 +32,11 @@ def _losses(rank, world, ckpt, kw):
 
 def test_distributed_optimizer_checkpoint_loads_at_another_dp_size(tmp_path):
     """Saved at DP = 2 (sharded moments); the second half at DP = 1 with the distributed
-    optimizer, at DP = 1 with the plain one and at TP = 2 x DP = 2 gives the uninterrupted
-    run's losses (fp32 reduction order only)."""
+    optimizer, at DP = 1 with the plain one, at TP = 2 x DP = 2 and at DP = 2 with overlapped
+    1000-element buckets gives the uninterrupted run's losses (fp32 reduction order only)."""
     ref = run_distributed(_losses, 2, None, dict(dist_opt=True))[-1][TOTAL // 2:]
     run_distributed(first_half, 2, str(tmp_path), dict(fmt="torch_dist", dropout=0.0, dist_opt=True))
-    for world, kw in ((1, dict(dist_opt=True)), (1, {}), (4, dict(tp=2, dist_opt=True))):
+    for world, kw in ((1, dict(dist_opt=True)), (1, {}), (4, dict(tp=2, dist_opt=True)), (2, dict(dist_opt=True, bucket=1000))):
         got = run_distributed(_losses, world, str(tmp_path), kw)[-1]
         assert got == pytest.approx(ref, rel=1e-5, abs=1e-6), (world, kw, got, ref)
 

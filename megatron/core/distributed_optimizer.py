@@ -365,10 +365,10 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def load_param_states(self, states: dict) -> None:
         """The inverse of `param_states` (no collective): each rank cuts its shard; a parameter
-        missing from `states` starts with zero moments."""
+        missing from `states` starts with zero moments. The parameters are read at the next
+        step (see step()), so the caller loads them first or after, as it likes."""
         if not states:
             return
-        self.finish_param_gather()
         step = max(float(s["step"]) for s in states.values())
         for i, b in enumerate(self.buckets):
             cut = {}
