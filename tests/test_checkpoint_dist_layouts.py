@@ -12,7 +12,7 @@ from tests.resume_harness import TOTAL, assert_resume_bit_exact, first_half, mak
 HETERO = dict(pp=2, stage_parallel=[[2, 1], [1, 2]], stage_layers=[1, 3])  # TP2 -> DP2 on 4 ranks
 
 
-@pytest.mark.parametrize("kw", [HETERO, dict(HETERO, dist_opt=True)])
+@pytest.mark.parametrize("kw", [HETERO, pytest.param(dict(HETERO, dist_opt=True), marks=pytest.mark.slow)])
 def test_per_stage_layout_resume_is_bit_exact(tmp_path, kw):
     # dropout on: every rank's RNG streams are restored (the layout recorded is the job's)
     assert_resume_bit_exact(tmp_path, 4, dict(kw, fmt="torch_dist"))
@@ -47,7 +47,8 @@ def _losses(rank, world, ckpt, kw):
     return [h["loss"] for h in t.train()]
 
 
-@pytest.mark.parametrize("saved,loaded", [((4, HETERO), (1, {})), ((2, dict(tp=2)), (4, HETERO))])
+@pytest.mark.parametrize("saved,loaded", [((4, HETERO), (1, {})),
+                                          pytest.param((2, dict(tp=2)), (4, HETERO), marks=pytest.mark.slow)])
 def test_per_stage_layout_reshards(tmp_path, saved, loaded):
     ref = run_distributed(_losses, 1, None, {})[-1][TOTAL // 2:]
     run_distributed(first_half, saved[0], str(tmp_path), dict(saved[1], fmt="torch_dist", dropout=0.0))

@@ -11,7 +11,8 @@ from tests.test_t5_parity import VOCAB
 
 
 @pytest.mark.parametrize("world,t5,dist_opt", [(2, dict(pp=2, split=1), False), (4, dict(tp=2), True),
-                                                (2, dict(pp=2, split=1, pos="learned_absolute"), True)])
+                                                pytest.param(2, dict(pp=2, split=1, pos="learned_absolute"), True,
+                                                             marks=pytest.mark.slow)])
 def test_t5_torch_dist_resume_is_bit_exact(tmp_path, world, t5, dist_opt):
     def check_saved(path):
         index = read_index(str(path / f"iter_{TOTAL // 2:07d}"))
