@@ -1,8 +1,9 @@
 """Save and load time of the two checkpoint formats (--ckpt-format torch / torch_dist).
 
   nice -n 10 python benchmarks/bench_checkpoint.py [--hidden 512] [--layers 12] [--tp 2] [--pp 2]
+                                                   [--dp 1] [--use-distributed-optimizer]
 
-Builds a GPT of about 50 M parameters (default) on tp x pp gloo ranks on CPU, trains one step
+Builds a GPT of about 50 M parameters (default) on tp x pp x dp gloo ranks on CPU, trains one step
 (so the AdamW state exists), then for each format saves a checkpoint and loads it back into the
 same trainer, --reps times, and prints one JSON line: the best save and load wall time of each
 (slowest rank, between barriers, checksums and manifest included), the bytes on disk and the
@@ -32,10 +33,10 @@ def _config(args):
     return MegatronConfig(
         model=ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
                           seq_length=args.seq, vocab_size=args.vocab, hidden_dropout=0.0, attention_dropout=0.0),
-        parallel=ParallelConfig(world_size=args.tp * args.pp, tensor_model_parallel_size=args.tp,
+        parallel=ParallelConfig(world_size=args.tp * args.pp * args.dp, tensor_model_parallel_size=args.tp,
                                 pipeline_model_parallel_size=args.pp, distributed_timeout_minutes=10),
-        training=TrainingConfig(micro_batch_size=1, global_batch_size=1, train_iters=1, lr=1e-4,
-                                eval_interval=10 ** 6),
+        training=TrainingConfig(micro_batch_size=1, global_batch_size=args.dp, train_iters=1, lr=1e-4,
+                                eval_interval=10 ** 6, use_distributed_optimizer=args.use_distributed_optimizer),
         data=DataConfig(mock_data=True), checkpoint=CheckpointConfig(), logging=LoggingConfig(log_interval=10 ** 6))
 
 
@@ -90,8 +91,11 @@ def main(argv=None):
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel size")
+    ap.add_argument("--use-distributed-optimizer", action="store_true",
+                    help="Adam state sharded over DP (torch_dist gathers it per parameter when saving)")
     args = ap.parse_args(argv)
-    world = args.tp * args.pp
+    world = args.tp * args.pp * args.dp
     with tempfile.TemporaryDirectory() as d:
         res = run_ranks(_worker, world, args, os.path.join(d, "ckpt"), what="checkpoint benchmark")[0]
     res.update(config=vars(args), dist_over_torch_save=res["torch_dist"]["save_s"] / res["torch"]["save_s"],

@@ -478,10 +478,6 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
             SliceLatencyModel.load(cfg.terapipe.cost_model)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if cfg.checkpoint.ckpt_format == "torch_dist":
-        from megatron.checkpointing_dist import unsupported
-        if unsupported(cfg):
-            raise ConfigError(unsupported(cfg))
     return cfg
 
 

@@ -354,9 +354,6 @@ def _load_dist(trainer, root: str, tracked: int) -> bool:
     """The newest torch_dist checkpoint at or below the tracked iteration that verifies (every
     rank checks a share of its files against the manifest; all agree), as the torch format does."""
     ps = trainer.ps
-    why = checkpointing_dist.unsupported(trainer.cfg)
-    if why:
-        raise CheckpointError(f"{os.path.join(root, f'iter_{tracked:07d}')}: {why}")
     first = None
     for iteration in [tracked] + _older_complete_iterations(root, tracked):
         problem = checkpointing_dist.verify(os.path.join(root, f"iter_{iteration:07d}"), MANIFEST, ps.rank,
@@ -390,7 +387,8 @@ def _read_dist(trainer, root: str, iteration: int) -> bool:
     load_optim = not cfg.checkpoint.no_load_optim and not cfg.checkpoint.finetune
     try:
         checkpointing_dist.load(trainer, it_dir, common, load_optim,
-                                not cfg.checkpoint.no_load_rng and not cfg.checkpoint.finetune)
+                                not cfg.checkpoint.no_load_rng and not cfg.checkpoint.finetune,
+                                not cfg.checkpoint.finetune)
     except (ValueError, RuntimeError) as e:
         raise CheckpointError(f"{ps.describe()}: cannot read torch_dist checkpoint {it_dir}: {e}") from None
     if not cfg.checkpoint.finetune:

@@ -17,9 +17,12 @@ would avoid it and is the next step for models whose stage does not fit unsharde
 
 Nothing is unpickled: tensors load with `weights_only=True` (DCP does this), DCP's own index is
 read with an unpickler that accepts only DCP's metadata classes, and the rest is JSON. What the
-format holds: model, AdamW state (per parameter, resharded like it), RNG states per rank (restored
-only when the layout is the same), counters. Not yet: the distributed optimizer's flat shards,
-Optimus-CC residuals, per-stage TP/DP (Aceso) layouts and T5 (refused when the flags are parsed).
+format holds: model, AdamW state (per parameter, resharded like it: the optimizer's
+`param_states()` / `load_param_states()`, where the distributed optimizer gathers its DP shards
+into whole moments and cuts its own shard back out), RNG states and Optimus-CC compression
+state per rank (restored only when the job's layout is the same: they belong to one rank of
+one layout), counters. GPT and T5 (encoder and decoder layers each under their global index),
+uniform or per-stage (--aceso-config) layouts.
 """
 from __future__ import annotations
 
@@ -38,21 +41,10 @@ import torch
 import torch.distributed as dist
 
 COMMON = "common.json"
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_VOCAB = re.compile(r"(word_embeddings|output_layer)\.weight$")
+_LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(.*)$")
+# Tensors with a row per (padded) vocabulary entry: stored cut to the real vocabulary.
+_VOCAB = re.compile(r"(word_embeddings\.weight|output_layer\.weight|lm_head_bias)$")
 _TIED = "embedding.word_embeddings.weight"
-
-
-def unsupported(cfg) -> Optional[str]:
-    """Why this run cannot use --ckpt-format torch_dist, or None."""
-    t = cfg.training
-    for on, flag in ((cfg.model.model_type != "gpt", "T5 (pretrain_t5.py)"),
-                     (t.use_distributed_optimizer, "--use-distributed-optimizer"),
-                     (cfg.compression.enabled, "Optimus-CC compression"),
-                     (cfg.parallel.stage_parallel is not None, "--aceso-config (per-stage TP x DP sizes)")):
-        if on:
-            return f"--ckpt-format torch_dist does not support {flag} yet; use --ckpt-format torch"
-    return None
 
 
 # ---- DCP's index, read without running code ---------------------------------------------
@@ -121,17 +113,25 @@ def verify(it_dir: str, manifest: str, rank: int = 0, world: int = 1) -> Optiona
 
 # ---- names and shards ----------------------------------------------------------------------
 def _global(stage, name: str) -> str:
+    """A layer's name with its index in the whole encoder / decoder (GPT stages start at
+    `layer_start`, T5 stages at `encoder_layers[0]` / `decoder_layers[0]`)."""
     m = _LAYER.match(name)
-    return f"decoder.layers.{stage.layer_start + int(m.group(1))}.{m.group(2)}" if m else name
+    if not m:
+        return name
+    start = (stage.encoder_layers if m.group(1) == "encoder" else stage.decoder_layers)[0] \
+        if hasattr(stage, "decoder_layers") else stage.layer_start
+    return f"{m.group(1)}.layers.{start + int(m.group(2))}.{m.group(3)}"
 
 
 def _params(trainer):
-    """(global key, param, saved_here) of this rank's stages. The last stage's tied copy of the
-    word embedding reads the embedding's entry and is not saved twice."""
+    """(global key, param, saved_here) of this rank's stages. Tied copies (GPT's and T5's last
+    stage output layer, T5's first decoder stage embedding) read the first stage's entry and
+    are not saved twice."""
     for stage in trainer.stages.values():
         for name, p in stage.named_parameters():
             shared = getattr(p, "shared_embedding", False)
-            yield (_TIED if shared else _global(stage, name)), p, not shared
+            key = _TIED if shared and name == "output_layer.weight" else _global(stage, name)
+            yield key, p, not shared
 
 
 def _dim(p) -> Optional[int]:
@@ -164,7 +164,7 @@ def _shard(full: torch.Tensor, like: torch.Tensor, dim, key: str, ps, padded: in
     if tuple(full.shape) != tuple(like.shape):
         raise ValueError(f"{key}: checkpoint gives shape {tuple(full.shape)} for this rank, the model has "
                          f"{tuple(like.shape)}")
-    return full.to(like.dtype).clone()
+    return full.to(like.device, like.dtype).clone()
 
 
 def _rng_tensors(rank: int) -> Dict[str, torch.Tensor]:
@@ -200,7 +200,41 @@ def _set_rng(sd: Dict[str, torch.Tensor], rank: int) -> None:
     get_rng_tracker().set_states(tracker)
 
 
-def _layout(ps) -> dict:
+def _compression_tensors(trainer, rank: int) -> Dict[str, torch.Tensor]:
+    """This rank's Optimus-CC state (warm-start Q factors, error-feedback residuals: a
+    `LowRankState` per compressor) as tensors `compression.<rank>.<name>.<q|error>.<key as
+    JSON>`; like the RNG states they belong to one rank of one layout."""
+    out = {}
+    for name, holder in getattr(trainer, "extra_checkpoint_state", {}).items():
+        st = holder.obj.state_dict()  # this rank's own entry (no DP gather: each rank writes its own)
+        out[f"compression.{rank}.{name}.seed"] = torch.tensor([int(st["seed"])], dtype=torch.int64)
+        for field in ("q", "error"):
+            for k, v in st[field].items():
+                out[f"compression.{rank}.{name}.{field}.{json.dumps(list(k), separators=(',', ':'))}"] = _own(v)
+    return out
+
+
+def _set_compression(trainer, sd: Dict[str, torch.Tensor], rank: int) -> None:
+    def key(v):
+        return tuple(key(x) for x in v) if isinstance(v, list) else v
+    for name, holder in getattr(trainer, "extra_checkpoint_state", {}).items():
+        p = f"compression.{rank}.{name}."
+        if p + "seed" not in sd:
+            continue  # saved without this compressor: it starts afresh
+        st = {"seed": int(sd[p + "seed"][0]), "q": {}, "error": {}}
+        for k, v in sd.items():
+            if k.startswith(p) and k != p + "seed":
+                field, _, js = k[len(p):].partition(".")
+                st[field][key(json.loads(js))] = v
+        holder.obj.load_state_dict(st)
+
+
+def _layout(trainer) -> dict:
+    """The job's layout (the same on every rank): per-stage sizes under --aceso-config, where
+    this rank's TP / DP sizes are its stage's only."""
+    ps, sp = trainer.ps, trainer.cfg.parallel.stage_parallel
+    if sp is not None:
+        return {"stage_parallel": [list(x) for x in sp], "pp": ps.pp_size, "world": ps.world_size}
     return {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size, "world": ps.world_size}
 
 
@@ -212,11 +246,13 @@ def save(trainer, it_dir: str) -> None:
     from torch.distributed.checkpoint import FileSystemWriter
     cfg, ps = trainer.cfg, trainer.ps
     vocab = cfg.model.vocab_size
-    opt = trainer.optimizer.optimizer  # torch AdamW (unsupported() refuses the distributed optimizer)
+    # Adam state per parameter, whole over DP (the distributed optimizer gathers its shards
+    # here, collectively), then gathered over TP below like the weights.
+    states = trainer.optimizer.param_states()
     sd: Dict[str, torch.Tensor] = {}
     for key, p, here in _params(trainer):
         dim = _dim(p)
-        st = opt.state.get(p, {})
+        st = states.get(id(p), {})
         names = ["model"] + [k for k in ("exp_avg", "exp_avg_sq") if k in st]
         # One TP gather per parameter for the weight and its moments together (collective:
         # every TP rank walks the same parameters in the same order).
@@ -235,12 +271,13 @@ def save(trainer, it_dir: str) -> None:
         if "step" in st:
             sd[f"optimizer.{key}.step"] = torch.as_tensor(st["step"]).detach().clone().reshape(1)
     sd.update(_rng_tensors(ps.rank))
+    sd.update(_compression_tensors(trainer, ps.rank))
     os.makedirs(it_dir, exist_ok=True)
     dcp.save(sd, storage_writer=FileSystemWriter(it_dir, thread_count=1))
 
 
 def common_bytes(trainer, common: dict) -> bytes:
-    return json.dumps({**common, "layout": _layout(trainer.ps)}, indent=1, sort_keys=True, allow_nan=False,
+    return json.dumps({**common, "layout": _layout(trainer)}, indent=1, sort_keys=True, allow_nan=False,
                       default=str).encode()
 
 
@@ -257,10 +294,14 @@ def read_common(it_dir: str) -> dict:
     return common
 
 
-def load(trainer, it_dir: str, common: dict, load_optim: bool, load_rng: bool) -> None:
-    """Every rank: fill this rank's stages (and optimizer, RNG) from `it_dir` at its own layout."""
+def load(trainer, it_dir: str, common: dict, load_optim: bool, load_rng: bool, load_compression: bool) -> None:
+    """Every rank: fill this rank's stages (and optimizer, RNG, compression state) from `it_dir`
+    at its own layout; RNG and compression state only at the layout that saved them."""
     import torch.distributed.checkpoint as dcp
     cfg, ps = trainer.cfg, trainer.ps
+    finish = getattr(trainer.optimizer, "finish_param_gather", None)
+    if finish is not None:  # --overlap-param-gather: no gather in flight may overwrite what loads
+        finish()
     index = read_index(it_dir)
     padded = cfg.model.padded_vocab_size(ps.tp_size)
     sd, targets = {}, []
@@ -274,25 +315,35 @@ def load(trainer, it_dir: str, common: dict, load_optim: bool, load_rng: bool) -
             elif n == names[0] and n not in index:
                 raise ValueError(f"{it_dir} holds no tensor {n} (saved from another model?)")
         targets.append((key, p))
-    same_layout = common["layout"] == _layout(ps)
+    same_layout = common["layout"] == _layout(trainer)
     rng_keys = [k for k in index if k.startswith(f"rng.{ps.rank}.")] if load_rng and same_layout else []
-    for k in rng_keys:
+    comp_keys = [k for k in index if k.startswith(f"compression.{ps.rank}.")] if load_compression else []
+    if comp_keys and not same_layout:
+        if ps.rank == 0:
+            print(f"note: {it_dir} was saved at layout {common['layout']}, this run is {_layout(trainer)}: "
+                  f"compression residuals and warm starts begin afresh", file=sys.stderr, flush=True)
+        comp_keys = []
+    for k in rng_keys + comp_keys:
         shape, dtype = index[k]
         sd[k] = torch.empty(shape, dtype=dtype)
     dcp.load(sd, storage_reader=_reader(it_dir))
-    opt = trainer.optimizer.optimizer
+    states = {}
     with torch.no_grad():
         for key, p in targets:
             dim = _dim(p)
             p.copy_(_shard(sd[f"model.{key}"], p, dim, key, ps, padded))
             if load_optim and f"optimizer.{key}.exp_avg" in sd:
-                opt.state[p] = {"step": sd[f"optimizer.{key}.step"].reshape(()).clone(),
-                                **{k: _shard(sd[f"optimizer.{key}.{k}"], p, dim, key, ps, padded)
-                                   for k in ("exp_avg", "exp_avg_sq")}}
+                states[id(p)] = {"step": sd[f"optimizer.{key}.step"].reshape(()).clone(),
+                                 **{k: _shard(sd[f"optimizer.{key}.{k}"], p, dim, key, ps, padded)
+                                    for k in ("exp_avg", "exp_avg_sq")}}
+    # The plain optimizer takes them as they are; the distributed one cuts its DP shard.
+    trainer.optimizer.load_param_states(states)
+    if comp_keys:
+        _set_compression(trainer, sd, ps.rank)
     if rng_keys:
         _set_rng(sd, ps.rank)
     elif load_rng and ps.rank == 0:
-        print(f"note: {it_dir} was saved at layout {common['layout']}, this run is {_layout(ps)}: RNG states start "
+        print(f"note: {it_dir} was saved at layout {common['layout']}, this run is {_layout(trainer)}: RNG states start "
               f"from this run's seed", file=sys.stderr, flush=True)
 
 

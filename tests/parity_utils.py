@@ -36,9 +36,11 @@ def tiny_config(world=1, tp=1, pp=1, vpp_layers=None, schedule="1f1b", stage_lay
 
 
 def _global_name(stage, name: str) -> str:
-    m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
-    if m:
-        return f"decoder.layers.{stage.layer_start + int(m.group(1))}.{m.group(2)}"
+    m = re.match(r"(encoder|decoder)\.layers\.(\d+)\.(.*)", name)
+    if m:  # GPT stages start at layer_start, T5 stages at encoder_layers[0] / decoder_layers[0]
+        start = ((stage.encoder_layers if m.group(1) == "encoder" else stage.decoder_layers)[0]
+                 if hasattr(stage, "decoder_layers") else stage.layer_start)
+        return f"{m.group(1)}.layers.{start + int(m.group(2))}.{m.group(3)}"
     return name
 
 

@@ -134,12 +134,9 @@ def test_saving_one_iteration_twice_never_leaves_it_missing(tmp_path):
     assert run_distributed(_loaded_iteration, 1, str(tmp_path), {}) == [TOTAL // 2]
 
 
-def test_unsupported_combination_is_one_line_at_parse_time(capsys):
+def test_every_combination_parses_with_torch_dist():
     from megatron.arguments import parse_args
     from tests.test_arguments import BASE
-    with pytest.raises(SystemExit) as e:
-        parse_args(BASE + ["--ckpt-format", "torch_dist", "--use-distributed-optimizer"], world_size=1)
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and len(err.splitlines()) == 1
-    assert "--ckpt-format torch_dist does not support --use-distributed-optimizer" in err
-    assert parse_args(BASE + ["--ckpt-format", "torch_dist"], world_size=1).checkpoint.ckpt_format == "torch_dist"
+    for extra in ([], ["--use-distributed-optimizer"], ["--grad-comp"]):
+        cfg = parse_args(BASE + ["--ckpt-format", "torch_dist"] + extra, world_size=2)
+        assert cfg.checkpoint.ckpt_format == "torch_dist"

@@ -340,6 +340,48 @@ class DistributedOptimizer(MegatronOptimizer):
         if self.grad_scaler is not None and shards[0].get("grad_scaler"):
             self.grad_scaler.load_state_dict(shards[0]["grad_scaler"])
 
+    # --ckpt-format torch_dist: the moments per parameter (views into each bucket's moments
+    # gathered over DP), so that any DP size, bucketing or a plain optimizer reads them back.
+    def param_states(self) -> dict:
+        """{id(param): {"step", "exp_avg", "exp_avg_sq"}} of every parameter of this rank's
+        stages, whole (collective over the DP group; empty before the first step)."""
+        self.finish_param_gather()
+        st = self.optimizer.state
+        if not any(t in st for t in self.main):
+            return {}
+        step = max(float(st[t]["step"]) for t in self.main if t in st)
+        out = {}
+        for i, b in enumerate(self.buckets):
+            full = {}
+            for k in ("exp_avg", "exp_avg_sq"):
+                shard = torch.cat([st[t][k] if t in st else torch.zeros_like(t) for t in self.main[2 * i:2 * i + 2]])
+                full[k] = self._gather(i, shard.detach(), False)[1]
+            pos = 0
+            for p in b.params:
+                n = p.numel()
+                out[id(p)] = {"step": torch.tensor(step), **{k: v[pos:pos + n].view_as(p) for k, v in full.items()}}
+                pos += n
+        return out
+
+    def load_param_states(self, states: dict) -> None:
+        """The inverse of `param_states` (no collective): each rank cuts its shard; a parameter
+        missing from `states` starts with zero moments. The parameters are read at the next
+        step (see step()), so the caller loads them first or after, as it likes."""
+        if not states:
+            return
+        step = max(float(s["step"]) for s in states.values())
+        for i, b in enumerate(self.buckets):
+            cut = {}
+            for k in ("exp_avg", "exp_avg_sq"):
+                dt = self.main[2 * i].dtype
+                flat = b.flat([states[id(p)][k].to(p.device, dt) if id(p) in states
+                               else torch.zeros(p.shape, dtype=dt, device=p.device) for p in b.params])
+                cut[k] = flat[b.lo:b.lo + b.chunk]
+            for j, (lo, hi) in enumerate(((0, b.split), (b.split, b.chunk))):
+                t = self.main[2 * i + j]
+                self.optimizer.state[t] = {"step": torch.tensor(step),
+                                           **{k: v[lo:hi].clone().to(t.device) for k, v in cut.items()}}
+
     def state_bytes(self) -> int:
         return sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
                    for v in st.values() if torch.is_tensor(v))

@@ -118,6 +118,16 @@ class MegatronOptimizer:
         return {"optimizer": self.optimizer.state_dict(),
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None}
 
+    # Per-parameter Adam state ({"step", "exp_avg", "exp_avg_sq"} keyed by id(param)), the
+    # layout-free form --ckpt-format torch_dist saves; the distributed optimizer offers the same.
+    def param_states(self) -> dict:
+        return {id(p): st for p, st in self.optimizer.state.items()}
+
+    def load_param_states(self, states: dict) -> None:
+        for p in self.params:
+            if id(p) in states:
+                self.optimizer.state[p] = states[id(p)]
+
     def load_state_dict(self, sd):
         self.optimizer.load_state_dict(sd["optimizer"])
         if self.grad_scaler is not None and sd.get("grad_scaler"):

@@ -58,9 +58,10 @@ CB_ALL = dict(inter_grad_comp=True, inter_grad_comp_rank=2, use_error_feedback=T
               grad_comp_rank=2, grad_comp_warm_up=0.25, emb_comm_opt=True, lep_carry_across_iterations=True)
 
 
-def _cfg(save=None, load=None, iters=TOTAL):
+def _cfg(save=None, load=None, iters=TOTAL, fmt="torch"):
     cfg = tiny_config(world=4, pp=2, iters=iters, dropout=0.1, save=save, load=load)
     cfg.training.lr_decay_iters = TOTAL
+    cfg.checkpoint.ckpt_format = fmt
     cfg.compression = CompressionConfig(**CB_ALL)
     return cfg
 
@@ -71,14 +72,14 @@ def _straight(rank, world):
     return shards(t), [h["loss"] for h in hist]
 
 
-def _first(rank, world, ckpt):
-    t = make_trainer(_cfg(save=ckpt, iters=TOTAL // 2))
+def _first(rank, world, ckpt, fmt):
+    t = make_trainer(_cfg(save=ckpt, iters=TOTAL // 2, fmt=fmt))
     t.train()
     save_checkpoint(t)
 
 
-def _second(rank, world, ckpt):
-    t = make_trainer(_cfg(load=ckpt))
+def _second(rank, world, ckpt, fmt):
+    t = make_trainer(_cfg(load=ckpt, fmt=fmt))
     assert load_checkpoint(t)
     # Residuals differ per DP replica: each rank must get its own back.
     err = t.grad_compressor.state.error if t.ps.pp_rank == 1 else {}
@@ -86,10 +87,11 @@ def _second(rank, world, ckpt):
     return shards(t), [h["loss"] for h in hist], bool(err)
 
 
-def test_resume_with_every_compression_on_is_exact(tmp_path):
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_resume_with_every_compression_on_is_exact(tmp_path, fmt):
     straight = run_distributed(_straight, 4)
-    run_distributed(_first, 4, str(tmp_path))
-    resumed = run_distributed(_second, 4, str(tmp_path))
+    run_distributed(_first, 4, str(tmp_path), fmt)
+    resumed = run_distributed(_second, 4, str(tmp_path), fmt)
     assert straight[-1][1][TOTAL // 2:] == resumed[-1][1]
     assert any(r[2] for r in resumed)
     for (a, _), (b, _, _) in zip(straight, resumed):
