@@ -468,15 +468,17 @@ class DynaPipeBase:
         costs, _ = self._mb_costs(rc, order, p, self._enc_all, self._dec_all)
         out = []
         for g, ch in groups:
-            sub = costs.subset(g)
-            if ch.result.makespan <= lower_bound(sub) * (1.0 + self.cfg.refine_skip_gap):
-                out.append((g, ch))  # already (nearly) at a bound no order can beat
-                continue
-            better = search(sub, self.available, schedules=self.cfg.schedules,
-                            bound=ch.result.makespan, max_orders=self.cfg.max_orders,
-                            num_clusters=self.cfg.order_clusters, exhaustive_up_to=self.cfg.exhaustive_orders_up_to)
+            better = self._refine_group(costs.subset(g), ch)
             out.append((g, better if better is not None else ch))
         return (max(ch.result.makespan for _, ch in out), rc, fit, order, p, out)
+
+    def _refine_group(self, sub: PipelineCosts, ch: ScheduleChoice) -> Optional[ScheduleChoice]:
+        """A strictly faster schedule for one DP group than its quick result `ch`, or None."""
+        if ch.result.makespan <= lower_bound(sub) * (1.0 + self.cfg.refine_skip_gap):
+            return None  # already (nearly) at a bound no order can beat
+        return search(sub, self.available, schedules=self.cfg.schedules, bound=ch.result.makespan,
+                      max_orders=self.cfg.max_orders, num_clusters=self.cfg.order_clusters,
+                      exhaustive_up_to=self.cfg.exhaustive_orders_up_to)
 
     def _finish(self, best, iteration, lengths, enc_all, dec_all, t_start, validate=True) -> DynaPipeIterationPlan:
         makespan, rc, fit, order, p, groups = best

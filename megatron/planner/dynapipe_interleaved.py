@@ -195,16 +195,7 @@ class InterleavedDynaPipePlanner(DynaPipeBase):
             ch = self.search(sub, [o for o in more if o not in quick], bound)
         return ch
 
-    def _refine(self, best):
-        """Every order of `order_clusters` clusters of micro-batches, per DP group."""
-        makespan, rc, fit, order, p, groups = best
-        if self.cfg.order_clusters < 2:
-            return best
-        costs, _ = self._mb_costs(rc, order, p, self._enc_all, self._dec_all)
-        out = []
-        for g, ch in groups:
-            sub = costs.subset(g)
-            cands = search_orders(sub, self.cfg.max_orders, self.cfg.order_clusters, self.cfg.exhaustive_orders_up_to)
-            better = self.search(sub, [o for o in cands if o != ch.order], ch.result.makespan)
-            out.append((g, better if better is not None else ch))
-        return (max(ch.result.makespan for _, ch in out), rc, fit, order, p, out)
+    def _refine_group(self, sub: PipelineCosts, ch: ScheduleChoice) -> Optional[ScheduleChoice]:
+        """Every order of `order_clusters` clusters of micro-batches (the base loops the groups)."""
+        cands = search_orders(sub, self.cfg.max_orders, self.cfg.order_clusters, self.cfg.exhaustive_orders_up_to)
+        return self.search(sub, [o for o in cands if o != ch.order], ch.result.makespan)
