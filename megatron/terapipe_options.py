@@ -5,7 +5,7 @@ configuration layer does not depend on a planner."""
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 SLICE_GRID = 8
 
@@ -24,6 +24,15 @@ def uniform_slices(seq_len: int, n: int, grid: int = SLICE_GRID) -> List[int]:
     sizes = [seq_len // n] * n
     sizes[0] += seq_len - sum(sizes)
     return sizes
+
+
+def slice_offsets(lengths: Sequence[int]) -> List[int]:
+    """First token position of each slice of a sequence cut into `lengths` (its context)."""
+    out, at = [], 0
+    for ln in lengths:
+        out.append(at)
+        at += int(ln)
+    return out
 
 
 def parse_slices(spec: str, seq_len: int) -> Optional[List[int]]:

@@ -13,7 +13,14 @@ import numpy as np
 from megatron.planner.compression_marks import grad_compression_pass
 from megatron.planner.terapipe import (GRID, build_terapipe_plans, parse_slices, plan_slices, slice_memory_mb,
                                        uniform_slices)
+from megatron.terapipe_options import slice_offsets
 from megatron.training import FixedBatchSource, Trainer
+
+
+def slice_times(stage_ms, b: int, lengths) -> list:
+    """A rank's time per unit for one micro-batch of `b` rows cut into `lengths`: each slice
+    after the context of the slices before it."""
+    return [stage_ms(b, ln, c) for ln, c in zip(lengths, slice_offsets(lengths))]
 
 
 def pipelined_ms(times, pp: int, chunks: int = 1) -> float:
@@ -104,12 +111,7 @@ class TeraPipePlanner:
         order; t_i is a rank's time for unit i over all its virtual stages)."""
         if self.latency is None:
             return None
-        times = []
-        for (b, s), in microbatch_shapes:
-            c = 0
-            for ln in self.slicing(b, s)[0]:
-                times.append(self.stage_ms(b, ln, c))
-                c += ln
+        times = [t for (b, s), in microbatch_shapes for t in slice_times(self.stage_ms, b, self.slicing(b, s)[0])]
         return pipelined_ms(times, self.pp, self.chunks) + self.latency.calibration.step_overhead_ms
 
     def plans(self, iteration: int, microbatch_shapes) -> list:

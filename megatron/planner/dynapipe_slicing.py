@@ -52,6 +52,7 @@ from megatron.planner.schedules import _adaptive, ScheduleInfeasible, lower_boun
 from megatron.planner.simulator import Op, PipelineCosts, SimulationError, simulate
 from megatron.planner.terapipe import lower_sliced, plan_slices
 from megatron.terapipe_options import SLICE_GRID, uniform_slices
+from megatron.terapipe_options import slice_offsets as offsets
 
 AUTO_SLICES = (1, 2, 4, 8, 16)
 COST_SLICE_TOKENS = 1024  # slice length the sliced partition costs a long micro-batch with
@@ -109,10 +110,6 @@ def _grid(planner) -> int:
     if not c.sequence_parallel:
         return SLICE_GRID
     return math.lcm(SLICE_GRID, *([t for t, _ in c.stage_parallel] if c.stage_parallel else [c.tensor_parallel]))
-
-
-def offsets(slices: Sequence[int]) -> List[int]:
-    return [int(x) for x in np.cumsum([0] + list(slices[:-1]))]
 
 
 class _SlicedCostPlanner:

@@ -102,7 +102,7 @@ def measure(args, b: int, s: int, n: int, k: int = 1) -> float:
 def dynapipe_predictor(path: str, args, shapes):
     """predict(scale, overhead) -> simulated 1F1B ms of every run under the table at `path`."""
     from megatron.planner.baselines import group_costs
-    from megatron.planner.calibration import IDENTITY
+    from megatron.planner.calibration import IDENTITY, HostCalibration
     from megatron.planner.dynapipe import DynaPipeConfig, DynaPipePlanner
     from megatron.planner.schedules import one_f_one_b
     from megatron.planner.simulator import PipelineCosts, simulate
@@ -124,8 +124,9 @@ def dynapipe_predictor(path: str, args, shapes):
         base.append((c, one_f_one_b(planner.S, list(range(n)))))
 
     def predict(scale, overhead):
-        return [simulate(PipelineCosts(c.fwd * scale + overhead, c.bwd * scale + overhead, c.stored, c.transient,
-                                       c.comm), order).makespan for c, order in base]
+        cal = HostCalibration(scale, overhead)  # applied as stage_costs applies a stored one
+        return [simulate(PipelineCosts(cal.op_ms(c.fwd), cal.op_ms(c.bwd), c.stored, c.transient, c.comm),
+                         order).makespan for c, order in base]
     return predict
 
 
@@ -133,18 +134,15 @@ def terapipe_predictor(path: str, args, shapes):
     from megatron.planner.calibration import HostCalibration
     from megatron.planner.terapipe_latency import SliceLatencyModel
     from megatron.terapipe_options import uniform_slices
-    from megatron.terapipe_training import pipelined_ms
+    from megatron.terapipe_training import pipelined_ms, slice_times
     model = SliceLatencyModel.load(path)
     pp = args.pipeline_model_parallel_size
     per_stage = -(-_flag(args.trainer_args, "--num-layers") // pp)
 
-    def sliced(b, s, k):  # one micro-batch's units as the TeraPipe planner prices them
-        lengths = uniform_slices(s, k)
-        return [model.stage_ms(b, ln, int(c), per_stage) for ln, c in zip(lengths, np.cumsum([0] + lengths[:-1]))]
-
     def predict(scale, overhead):
         model.calibration = HostCalibration(scale, overhead, 0.0)
-        return [pipelined_ms(sliced(b, s, k) * n, pp) for b, s, n, k in shapes]
+        stage_ms = lambda b, ln, c: model.stage_ms(b, ln, c, per_stage)  # noqa: E731
+        return [pipelined_ms(slice_times(stage_ms, b, uniform_slices(s, k)) * n, pp) for b, s, n, k in shapes]
     for (b, s, n, _), ms in zip(shapes, predict(1.0, 0.0)):
         if not np.isfinite(ms):
             raise SystemExit(f"calibrate: {path} has no finite latency for micro-batches of {b}x{s} (its grid: "
