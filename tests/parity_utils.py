@@ -95,25 +95,31 @@ def run_layout(rank, world, cfg_kwargs, steps_with_grads=None):
                             steps_with_grads=steps_with_grads)
 
 
-def train_and_record(trainer, world: int, get=None, steps_with_grads=None) -> dict:
+def train_and_record(trainer, world: int, get=None, steps_with_grads=None, each_step=None) -> dict:
     """Train `trainer` and return what `assert_parity` compares: losses, grad norms, every step's
     gradients (the first `steps_with_grads` if given; they bound the parameters' tolerance), the
-    final parameters, whether this rank reports the loss, and each step's planner line and sample
-    count. `get(what)` reads this rank's "grad" or "param" shards (default `shards`)."""
+    final parameters (after any in-flight parameter gather), whether this rank reports the loss,
+    and each step's planner line, sample count and communication bytes. `get(what)` reads this
+    rank's "grad" or "param" shards (default `shards`); `each_step()` runs after each step's
+    gradients are read, before they are zeroed (e.g. a reference codec ending its iteration)."""
     get = get or (lambda what: shards(trainer, what))
     grads, zero = [], trainer.optimizer.zero_grad
 
     def snapshot_then_zero():
         if steps_with_grads is None or len(grads) < steps_with_grads:
             grads.append(get("grad"))
+        if each_step is not None:
+            each_step()
         zero()
 
     trainer.optimizer.zero_grad = snapshot_then_zero
     history = trainer.train()
+    if hasattr(trainer.optimizer, "finish_param_gather"):
+        trainer.optimizer.finish_param_gather()
     return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
             "grads": grads, "params": get("param"), "is_last": trainer.ps.rank == world - 1,
             "info": [h.get("planner") for h in history], "samples": [h.get("num_samples") for h in history],
-            **tolerance_inputs(trainer.cfg)}
+            "comm_bytes": [h.get("comm_bytes") for h in history], **tolerance_inputs(trainer.cfg)}
 
 
 def tolerance_inputs(cfg) -> dict:

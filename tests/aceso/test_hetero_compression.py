@@ -17,7 +17,7 @@ import pytest
 from megatron.compression.pipeline import PipelineGradCompressor
 from tests.aceso.test_hetero_grads import DP2_TP2, TP2_DP2, check, hetero_run
 from tests.dist_harness import run_distributed
-from tests.parity_utils import make_trainer, shards, tiny_config, tolerance_inputs
+from tests.parity_utils import make_trainer, tiny_config, train_and_record
 
 pytestmark = pytest.mark.parity
 
@@ -52,18 +52,8 @@ def _single_with_codec(rank, world, r, lep, blocks):
     t = make_trainer(cfg)
     codec = _PieceCodec(r, lep, cfg.training.seed, blocks)
     t.stages[0].decoder.layers[TP2_DP2["stage_layers"][0] - 1].register_forward_hook(codec)
-    grads = []
-    zero = t.optimizer.zero_grad
-
-    def snap():
-        grads.append(shards(t, "grad"))
-        codec.comp.end_iteration()  # as the trainer does after each iteration's pipeline
-        zero()
-
-    t.optimizer.zero_grad = snap
-    hist = t.train()
-    return {"loss": [h["loss"] for h in hist], "grad_norm": [h["grad_norm"] for h in hist], "grads": grads,
-            "params": shards(t, "param"), "is_last": True, **tolerance_inputs(cfg)}
+    # the codec ends each iteration as the trainer's does after the pipeline
+    return train_and_record(t, 1, each_step=codec.comp.end_iteration)
 
 
 # TP2_DP2 sends each micro-batch's gradient (2 rows) back as one piece per row, to both TP ranks;

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.dist_harness import run_distributed
-from tests.parity_utils import assemble, assert_parity, make_trainer, run_layout, shards, tiny_config, tolerance_inputs
+from tests.parity_utils import assemble, assert_parity, make_trainer, run_layout, shards, tiny_config, train_and_record
 
 pytestmark = pytest.mark.parity
 
@@ -25,24 +25,12 @@ def hetero_run(rank, world, kw, **overrides):
         setattr(getattr(cfg, section), name, value)
     cfg.__post_init__()
     t = make_trainer(cfg)
-    grads = []
-    zero = t.optimizer.zero_grad
-
-    def snap():
-        grads.append(shards(t, "grad"))
-        zero()
-
-    t.optimizer.zero_grad = snap
-    hist = t.train()
-    if hasattr(t.optimizer, "finish_param_gather"):
-        t.optimizer.finish_param_gather()
+    out = train_and_record(t, world)
     tied_copy = {}
     last = t.stages.get(t.ps.pp_size - 1)
     if last is not None and 0 not in t.stages and t.ps.dp_rank == 0:
         tied_copy = {EMB: (last.output_layer.weight.detach().clone(), 0, t.ps.tp_rank)}
-    return {"loss": [h["loss"] for h in hist], "grad_norm": [h["grad_norm"] for h in hist], "grads": grads,
-            "params": shards(t, "param"), "is_last": t.ps.rank == world - 1, "trainer_info": _info(t),
-            "tied_copy": tied_copy, "comm_bytes": [h["comm_bytes"] for h in hist], **tolerance_inputs(cfg)}
+    return dict(out, trainer_info=_info(t), tied_copy=tied_copy)
 
 
 def check(reference, outs, compare_grads=True):

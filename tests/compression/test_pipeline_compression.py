@@ -11,7 +11,7 @@ from megatron.pipeline import instructions as I
 from megatron.pipeline.validator import PlanValidationError, validate_plans
 from megatron.planner.static import build_static_plans
 from tests.dist_harness import run_distributed
-from tests.parity_utils import assemble, make_trainer, shards, tiny_config
+from tests.parity_utils import assemble, make_trainer, tiny_config, train_and_record
 
 GRAD_COMM = (I.SendGradStart, I.SendGradFinish, I.RecvGradStart, I.RecvGradFinish)
 
@@ -76,17 +76,8 @@ def _cb_config(world, cb=None, **kw):
 
 
 def _train(rank, world, cb, kw):
-    t = make_trainer(_cb_config(world, cb, **kw))
-    grads = []
-    zero = t.optimizer.zero_grad
-
-    def snap():
-        grads.append(shards(t, "grad"))
-        zero()
-
-    t.optimizer.zero_grad = snap
-    hist = t.train()
-    return [h["loss"] for h in hist], grads, [h["comm_bytes"] for h in hist]
+    out = train_and_record(make_trainer(_cb_config(world, cb, **kw)), world)
+    return out["loss"], out["grads"], out["comm_bytes"]
 
 
 def test_marked_but_incompressible_messages_equal_the_baseline_bit_for_bit():
@@ -121,17 +112,9 @@ def _single_with_codec(rank, world, r, lep):
     stage = t.stages[0]
     codec = _BoundaryCodec(r, lep, t.cfg.training.seed)
     stage.decoder.layers[1].register_forward_hook(codec)
-    grads = []
-    zero = t.optimizer.zero_grad
-
-    def snap():
-        grads.append(shards(t, "grad"))
-        codec.comp.end_iteration()  # as the trainer does after each iteration's pipeline
-        zero()
-
-    t.optimizer.zero_grad = snap
-    hist = t.train()
-    return [h["loss"] for h in hist], grads
+    # the codec ends each iteration as the trainer's does after the pipeline
+    out = train_and_record(t, 1, each_step=codec.comp.end_iteration)
+    return out["loss"], out["grads"]
 
 
 @pytest.mark.parametrize("lep", [False, True])

@@ -5,7 +5,7 @@ import torch
 from megatron.config import CompressionConfig, ConfigError
 from megatron.core.tensor_parallel import mappings
 from tests.dist_harness import run_distributed
-from tests.parity_utils import make_trainer, shards, tiny_config
+from tests.parity_utils import make_trainer, tiny_config, train_and_record
 
 
 def _train(rank, world, comp, force_factors=False, recompute=None):
@@ -15,18 +15,10 @@ def _train(rank, world, comp, force_factors=False, recompute=None):
     t = make_trainer(cfg)
     for hook in t.tp_compressors.values():
         hook.only_if_smaller = not force_factors
-    grads = []
-    zero = t.optimizer.zero_grad
-
-    def snap():
-        grads.append(shards(t, "grad"))
-        zero()
-
-    t.optimizer.zero_grad = snap
-    hist = t.train()
+    out = train_and_record(t, world)
     sizes = {k: (h.sent_bytes, h.raw_bytes) for k, h in t.tp_compressors.items()}
     assert all(mappings.ALL_REDUCE_HOOKS[k] is t.tp_compressors.get(k) for k in ("grad", "act"))
-    return [h["loss"] for h in hist], grads, sizes
+    return out["loss"], out["grads"], sizes
 
 
 BOTH = dict(mp_grad_comp=True, mp_acti_comp=True)
