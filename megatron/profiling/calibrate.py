@@ -95,7 +95,7 @@ def measure(args, b: int, s: int, n: int, k: int = 1) -> float:
     times = [r["elapsed_ms"] for r in rows if r["iteration"] > args.warmup and r.get("elapsed_ms")]
     if out.returncode or not times:
         tail = "\n".join((out.stdout + out.stderr).splitlines()[-12:])
-        raise SystemExit(f"calibrate: the run at {b}x{s}x{n}x{k} failed (exit {out.returncode}):\n{tail}")
+        raise SystemExit(f"calibrate: the run at {shape_name((b, s, n, k))} failed (exit {out.returncode}):\n{tail}")
     return statistics.median(times)
 
 

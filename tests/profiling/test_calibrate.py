@@ -108,3 +108,16 @@ def test_sliced_runs_calibrate_the_latency_file(tmp_path, monkeypatch):
     assert (cal.compute_scale, cal.op_overhead_ms) == pytest.approx((1.1, 0.8), abs=0.051)
     assert cal.meta["shapes"] == shapes.split(",")
     assert calibrate.main(["--dynapipe-cost-model", str(t["dynapipe"]), "--shapes", shapes, "--", *MODEL]) == 2
+
+
+def test_a_failed_run_is_named_with_its_log_tail(monkeypatch):
+    """A calibration run that dies (a rank crashed, a bad trainer flag) stops the fit with the
+    shape and the end of the trainer's log, not a fit of whatever came back."""
+    import subprocess
+    from types import SimpleNamespace
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(
+        returncode=1, stdout="", stderr="rank 1: RuntimeError: boom\n"))
+    args = calibrate.build_parser().parse_args(["--", *MODEL])
+    args.trainer_args = args.trainer_args[1:]
+    with pytest.raises(SystemExit, match=r"run at 2x64x12 failed \(exit 1\):\nrank 1: RuntimeError: boom"):
+        calibrate.measure(args, 2, 64, 12)
