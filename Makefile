@@ -8,7 +8,7 @@ NPROC ?= 4
 
 .PHONY: venv demo test test-variants bench clean
 
-$(VENV)/.installed: setup.py pyproject.toml megatron/data/helpers.cpp megatron/planner/partition.cpp
+$(VENV)/.installed: setup.py pyproject.toml megatron/data/helpers.cpp megatron/planner/dynapipe/partition.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)"

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import sys
 
-from megatron.arguments import parse_args
-from megatron.pretrain import run_pretraining
-from megatron.startup_checks import check_inputs_or_exit
+from megatron.cli.arguments import parse_args
+from megatron.training.pretrain import run_pretraining
+from megatron.cli.startup_checks import check_inputs_or_exit
 
 if __name__ == "__main__":
     cfg = parse_args(sys.argv[1:], model_type="gpt")

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import sys
 
-from megatron.arguments import exit_with_error, parse_args
-from megatron.config import ConfigError
-from megatron.pretrain import run_pretraining
-from megatron.startup_checks import check_inputs_or_exit
-from megatron.t5_trainer import build_t5_trainer
+from megatron.cli.arguments import exit_with_error, parse_args
+from megatron.config.core import ConfigError
+from megatron.training.pretrain import run_pretraining
+from megatron.cli.startup_checks import check_inputs_or_exit
+from megatron.training.t5_builder import build_t5_trainer
 
 if __name__ == "__main__":
     cfg = parse_args(sys.argv[1:], model_type="t5")

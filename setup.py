@@ -11,8 +11,8 @@ ext_modules = [
         extra_compile_args=["-O3"],
     ),
     Pybind11Extension(
-        "megatron.planner.partition_cpp",
-        ["megatron/planner/partition.cpp"],
+        "megatron.planner.dynapipe.partition_cpp",
+        ["megatron/planner/dynapipe/partition.cpp"],
         cxx_std=17,
         extra_compile_args=["-O3"],
     ),

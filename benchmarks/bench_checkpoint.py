@@ -28,7 +28,7 @@ from benchmarks._ranks import run_ranks  # noqa: E402
 
 
 def _config(args):
-    from megatron.config import (CheckpointConfig, DataConfig, LoggingConfig, MegatronConfig, ModelConfig,
+    from megatron.config.core import (CheckpointConfig, DataConfig, LoggingConfig, MegatronConfig, ModelConfig,
                                  ParallelConfig, TrainingConfig)
     return MegatronConfig(
         model=ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
@@ -53,10 +53,10 @@ def _timed(fn):
 def _worker(rank, world, args, root):
     from datetime import timedelta
 
-    from megatron.checkpointing import load_checkpoint, save_checkpoint
+    from megatron.checkpointing.torch_format import load_checkpoint, save_checkpoint
     from megatron.core.parallel_state import initialize_model_parallel
-    from megatron.initialize import set_seeds
-    from megatron.pretrain import build_gpt_trainer
+    from megatron.training.initialize import set_seeds
+    from megatron.training.pretrain import build_gpt_trainer
     cfg = _config(args)
     ps = initialize_model_parallel(args.tp, args.pp, timedelta(minutes=10))
     set_seeds(cfg.training.seed, ps, torch.device("cpu"))

@@ -161,9 +161,9 @@ def _dp_allreduce_ms(nbytes, dp, gbps):
 
 
 def bench_simulated():
-    from megatron.planner.dynapipe import DynaPipeConfig, DynaPipePlanner
-    from megatron.planner.schedules import one_f_one_b
-    from megatron.planner.simulator import PipelineCosts, simulate
+    from megatron.planner.dynapipe.planner import DynaPipeConfig, DynaPipePlanner
+    from megatron.planner.schedule.schedules import one_f_one_b
+    from megatron.planner.schedule.simulator import PipelineCosts, simulate
 
     S, dp, K, seq, h, layers = 4, 2, 16, 2048, 4096, 32
     per_stage_params = layers // S * 12 * h * h

@@ -10,7 +10,7 @@ same batches for every variant). Variants per layout:
   schedule, every order search);
 * ``v1_1f1b``: the same restricted to 1F1B, the schedule the interleaved one generalises;
 * ``v2`` / ``v4``: DynaPipe over PP * v virtual stages, v chunks per rank
-  (`megatron.planner.dynapipe_interleaved`), only where the layers split evenly.
+  (`megatron.planner.dynapipe.interleaved`), only where the layers split evenly.
 
 Reported per variant: simulated iteration time (mean over `--iters` batches, ms), the recompute
 levels picked, planning time (median ms, single thread); and ``speedup_v<k>`` = v1 time /
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_planner import make_batches  # noqa: E402
-from megatron.planner.dynapipe import DynaPipeConfig, DynaPipePlanner  # noqa: E402
+from megatron.planner.dynapipe.planner import DynaPipeConfig, DynaPipePlanner  # noqa: E402
 
 LAYOUTS = {"pp4_dp2": (4, 2), "pp8_dp1": (8, 1)}
 LAYERS = 32

@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_planner import make_batches  # noqa: E402
 from megatron.experiments.slicing import planner_for  # noqa: E402
-from megatron.planner import dynapipe_slicing  # noqa: E402
-from megatron.planner.dynapipe import PlanningError  # noqa: E402
+from megatron.planner.dynapipe import slicing as dynapipe_slicing  # noqa: E402
+from megatron.planner.dynapipe.planner import PlanningError  # noqa: E402
 
 
 def _run(planner, batches):

@@ -37,13 +37,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.plain_gpt import PlainGPT  # noqa: E402
-from megatron.batching import gpt_microbatch  # noqa: E402
-from megatron.config import (DataConfig, LoggingConfig, MegatronConfig, ModelConfig, ParallelConfig,  # noqa: E402
+from megatron.training.batching import gpt_microbatch  # noqa: E402
+from megatron.config.core import (DataConfig, LoggingConfig, MegatronConfig, ModelConfig, ParallelConfig,  # noqa: E402
                              TrainingConfig)
 from megatron.core.parallel_state import ParallelState  # noqa: E402
-from megatron.initialize import set_seeds  # noqa: E402
-from megatron.pretrain import build_gpt_trainer  # noqa: E402
-from megatron.training import IterationWork  # noqa: E402
+from megatron.training.initialize import set_seeds  # noqa: E402
+from megatron.training.pretrain import build_gpt_trainer  # noqa: E402
+from megatron.training.trainer import IterationWork  # noqa: E402
 
 # Dense bf16 tensor-core peak, TFLOP/s, matched in order against torch.cuda.get_device_name().
 PEAK_TFLOPS = [("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0)]

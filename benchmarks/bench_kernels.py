@@ -178,7 +178,7 @@ def kernel_benches(args, threads):
 
 
 def training_step_bench(args, threads):
-    from megatron.config import ModelConfig
+    from megatron.config.core import ModelConfig
     from megatron.core.parallel_state import ParallelState
     from megatron.core.tensor_parallel import model_parallel_seed
     from megatron.models.gpt import GPTStage

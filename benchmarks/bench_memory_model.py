@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron.planner.cost_model import CostModel  # noqa: E402
+from megatron.planner.cost.cost_model import CostModel  # noqa: E402
 from megatron.profiling.memory_rows import dynapipe_rows, model_config  # noqa: E402
 
 GPT_SHAPES = [(1, 96), (2, 128), (4, 192), (1, 384), (2, 512), (8, 64), (1, 768)]  # 768: past the grid

@@ -23,12 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.plain_gpt import PlainGPT
-from megatron.batching import gpt_microbatch
-from megatron.config import (DataConfig, LoggingConfig, MegatronConfig, ModelConfig, ParallelConfig,
+from megatron.training.batching import gpt_microbatch
+from megatron.config.core import (DataConfig, LoggingConfig, MegatronConfig, ModelConfig, ParallelConfig,
                              TrainingConfig)
 from megatron.core.parallel_state import ParallelState
-from megatron.initialize import set_seeds
-from megatron.pretrain import build_gpt_trainer
+from megatron.training.initialize import set_seeds
+from megatron.training.pretrain import build_gpt_trainer
 
 
 def main():

@@ -29,7 +29,7 @@ from benchmarks._ranks import run_ranks  # noqa: E402
 
 
 def _config(args, overlap):
-    from megatron.config import (DataConfig, LoggingConfig, MegatronConfig, ModelConfig, ParallelConfig,
+    from megatron.config.core import (DataConfig, LoggingConfig, MegatronConfig, ModelConfig, ParallelConfig,
                                  TrainingConfig)
     world = args.dp * args.pp
     return MegatronConfig(
@@ -48,8 +48,8 @@ def _worker(rank, world, args):
     from datetime import timedelta
 
     from megatron.core.parallel_state import initialize_model_parallel
-    from megatron.initialize import set_seeds
-    from megatron.pretrain import build_gpt_trainer
+    from megatron.training.initialize import set_seeds
+    from megatron.training.pretrain import build_gpt_trainer
     result = {}
     for overlap in (False, True):
         cfg = _config(args, overlap)

@@ -16,7 +16,7 @@ Printed, one JSON object per configuration: measured step times (median of the i
 after the first `--skip`; DynaPipe plans in-process, so its planning time is also subtracted:
 `measured_minus_planning_ms_median`), and the simulator's prediction for the same iterations from the CPU
 table: DynaPipe's own (`simulated_ms` in its log line), and for --pack-dataset the planner's
-price of exactly the rows the trainer builds (`megatron.planner.packed`, 1F1B, no recompute).
+price of exactly the rows the trainer builds (`megatron.planner.dynapipe.packed`, 1F1B, no recompute).
 `error` is predicted / (measured - planning) - 1 of the medians: the time model's error on
 this machine (issue 25 asks for 20 %). A last object compares the orderings (`ordering_agrees`: predicted vs measured without
 planning). Machine load moves the measured
@@ -84,7 +84,7 @@ def run(args, name, extra):
 
 def planner_config(args, packed_rows):
     """The trainer's planner config (`supervised_training.dynapipe_planner_config`) for this run."""
-    from megatron.planner.dynapipe import DynaPipeConfig
+    from megatron.planner.dynapipe.planner import DynaPipeConfig
     return DynaPipeConfig(cost_model_path=str(COST_MODEL), model_kind="gpt", hidden_size=64, num_layers=4,
                           pipeline_parallel=2, memory_limit_mb=MEMORY_MB, pad_multiple=8,
                           weight_grad_bytes_per_param=8.0, optimizer_bytes_per_param=8.0, zero_shards=1,
@@ -94,9 +94,9 @@ def planner_config(args, packed_rows):
 def pack_dataset_predictions(args, iterations):
     """Simulated 1F1B time of the rows --pack-dataset builds for each global batch."""
     from megatron.data.supervised_dataset import build_supervised_datasets
-    from megatron.planner import packed
-    from megatron.planner.dynapipe import DynaPipePlanner
-    from megatron.supervised_training import global_batch_bounds
+    from megatron.planner.dynapipe import packed
+    from megatron.planner.dynapipe.planner import DynaPipePlanner
+    from megatron.training.supervised import global_batch_bounds
     train, _, _ = build_supervised_datasets([f"{DATA}_inputs_document"], [f"{DATA}_targets_document"], "100,0,0")
     lengths = np.minimum(train.input_lengths + train.target_lengths - 1, args.seq_length).clip(min=1)
     cfg = SimpleNamespace(model=SimpleNamespace(seq_length=args.seq_length),

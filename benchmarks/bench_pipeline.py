@@ -14,7 +14,7 @@ mock GPT data. The parent process never computes, so forking is safe. Each confi
 Output: one JSON object per configuration (`"benchmark": "pipeline_schedule"`), then one per PP
 (`"benchmark": "pipeline_schedule_summary"`). Fields of a configuration line:
 
-  schedule, pp, vpp_chunks   schedule name as `megatron.planner.static` spells it; model chunks per rank
+  schedule, pp, vpp_chunks   schedule name as `megatron.planner.schedule.static` spells it; model chunks per rank
   cores                      CPU cores this process may use (os.sched_getaffinity)
   ranks_per_core, oversubscribed
                              pp / cores; true when ranks share cores (PP=4 on 2 cores): then the
@@ -78,7 +78,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._ranks import run_ranks  # noqa: E402
-from megatron.planner.static import analytic_bubble, static_orders  # noqa: E402
+from megatron.planner.schedule.static import analytic_bubble, static_orders  # noqa: E402
 
 SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved")
 
@@ -181,8 +181,8 @@ def _per_microbatch_times(records, kind):
 
 def _rank_main(rank, world, cfg, warmup, iters, timeout_s):
     from megatron.core.parallel_state import initialize_model_parallel
-    from megatron.initialize import set_seeds
-    from megatron.pretrain import build_gpt_trainer
+    from megatron.training.initialize import set_seeds
+    from megatron.training.pretrain import build_gpt_trainer
     ps = initialize_model_parallel(1, world, timedelta(seconds=timeout_s))
     device = torch.device("cpu")
     set_seeds(cfg.training.seed, ps, device)
@@ -255,7 +255,7 @@ def interleaved_chunks(layers: int, pp: int, m: int):
 
 def gpt_config(pp, schedule, vpp_layers, *, hidden, heads, layers, seq, vocab, micro_batch_size,
                num_microbatches, train_iters):
-    from megatron.config import (DataConfig, LoggingConfig, MegatronConfig, ModelConfig, ParallelConfig,
+    from megatron.config.core import (DataConfig, LoggingConfig, MegatronConfig, ModelConfig, ParallelConfig,
                                  TrainingConfig)
     return MegatronConfig(
         model=ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq,

@@ -25,7 +25,7 @@ Measured per configuration, over `--iters` global batches:
   size x (padded input max + padded target max), the target with its 2 bos/eos tokens).
   padding_efficiency_bound: the same with every sample alone (rounding to `pad_multiple`
   and bos/eos only), the most any partition can reach.
-* speedup_vs_<baseline>: simulated iteration time of each baseline (`megatron.planner.baselines`;
+* speedup_vs_<baseline>: simulated iteration time of each baseline (`megatron.planner.dynapipe.baselines`;
   best micro-batch size and recompute that fit, 1F1B) over DynaPipe's, same batches:
   packing (the DynaPipe paper's: next-fit max-length rows, attention over the whole row),
   packing_varlen (the same rows with per-document attention: Megatron-Core THD,
@@ -34,7 +34,7 @@ Measured per configuration, over `--iters` global batches:
   (unpacked samples in data order, each micro-batch padded to its longest sample).
   speedup_vs_best_baseline: against the fastest of them. Ratios of summed iteration times =
   throughput ratios (the same real tokens are trained). Per-document attention is priced by
-  `megatron.planner.attention_cost` (s^2 share fitted from the table's dense rows; the A100
+  `megatron.planner.cost.attention_cost` (s^2 share fitted from the table's dense rows; the A100
   tables predate flash attention, so a varlen row's memory is taken as linear in tokens while
   dense rows keep the table's s^2 memory).
 * DynaPipe here also searches micro-batches of packed rows (`--no-packed-rows`: the paper's
@@ -57,8 +57,8 @@ import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from megatron.planner.dynapipe import DynaPipeConfig, DynaPipePlanner  # noqa: E402
-from megatron.planner.baselines import NAMES, BalancedStream, baselines  # noqa: E402  (shared with megatron.experiments)
+from megatron.planner.dynapipe.planner import DynaPipeConfig, DynaPipePlanner  # noqa: E402
+from megatron.planner.dynapipe.baselines import NAMES, BalancedStream, baselines  # noqa: E402  (shared with megatron.experiments)
 
 # (weight, input median, input sigma, target median, target sigma)
 TASKS = [

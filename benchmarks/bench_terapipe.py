@@ -24,7 +24,7 @@ Output: one JSON object per line.
   planning_ms                                 wall time of `plan_batch` for this row (one slice DP per micro-batch
                                               size dividing the batch, warm process)
   per_sequence_dp_ms                          the slice DP alone for the chosen micro-batch size
-  groups_ms, groups, groups_vs_equal          the published two-level DP (megatron/planner/terapipe_groups.py):
+  groups_ms, groups, groups_vs_equal          the published two-level DP (megatron/planner/terapipe/groups.py):
                                               uneven groups of sequences, each with its own slicing; `groups`
                                               lists [sequences, slices] per group; groups_vs_equal = terapipe_ms /
                                               groups_ms (>= 1: equal micro-batches are one of its candidates)
@@ -56,10 +56,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron.planner.cost_model import CostModel  # noqa: E402
-from megatron.planner.terapipe import plan_batch, slice_memory_mb  # noqa: E402
-from megatron.planner.terapipe_groups import plan_batch_groups  # noqa: E402
-from megatron.planner.terapipe_latency import from_cost_model  # noqa: E402
+from megatron.planner.cost.cost_model import CostModel  # noqa: E402
+from megatron.planner.terapipe.lowering import plan_batch, slice_memory_mb  # noqa: E402
+from megatron.planner.terapipe.groups import plan_batch_groups  # noqa: E402
+from megatron.planner.terapipe.latency import from_cost_model  # noqa: E402
 
 LAYERS, HIDDEN, HEADS = 32, 4096, 32
 MEM_LIMIT_MB = 36000.0

@@ -1,7 +1,7 @@
 """The planners' time models against the clock, on this machine (issue 25, item 2).
 
 For TeraPipe: profile the CPU latency model of the benchmark's layer here
-(`megatron.planner.terapipe_latency.profile_cpu_model`), fit its host calibration from plain
+(`megatron.planner.terapipe.latency.profile_cpu_model`), fit its host calibration from plain
 unsliced runs (`megatron.profiling.calibrate`: compute slow-down of ranks sharing the cores,
 per-slice and per-step overheads; `--no-calibrate` leaves it out), then train the same GPT on 2 CPU ranks
 (PP=2) unsliced, with fixed slices and with `--terapipe-slices auto`, each run planned from that
@@ -48,7 +48,7 @@ def profile(out: str, a) -> float:
     t0 = time.perf_counter()
     seqs = sorted({max(8, a.seq // d) for d in (16, 8, 4, 2, 1)})
     ctx = sorted({a.seq // 4, a.seq // 2, a.seq - a.seq // 8})
-    subprocess.run([sys.executable, "-m", "megatron.planner.terapipe_latency", "--output", out,
+    subprocess.run([sys.executable, "-m", "megatron.planner.terapipe.latency", "--output", out,
                     "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads), "--mbs", "1",
                     "--seqs", ",".join(map(str, seqs)), "--contexts", ",".join(map(str, ctx)),
                     "--repeats", "5"], cwd=ROOT, env=_env(), check=True, capture_output=True, text=True)

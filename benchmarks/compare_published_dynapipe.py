@@ -148,8 +148,8 @@ class Published:
 def ours_on(planner, shapes_per_group, rc, memory_limit=True):
     """Our simulator (and schedule search) on given micro-batch shapes, under our per-stage
     activation budget (`memory_limit`) or none; None if they do not fit."""
-    from megatron.planner.schedules import search
-    from megatron.planner.simulator import PipelineCosts
+    from megatron.planner.schedule.schedules import search
+    from megatron.planner.schedule.simulator import PipelineCosts
     worst = 0.0
     for shapes in shapes_per_group:
         a = np.array(shapes, float)
@@ -164,7 +164,7 @@ def ours_on(planner, shapes_per_group, rc, memory_limit=True):
 
 def main(argv=None):
     import bench_planner as bp
-    from megatron.planner.dynapipe import DynaPipePlanner
+    from megatron.planner.dynapipe.planner import DynaPipePlanner
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="gpt,t5")
     ap.add_argument("--gpt-max-lens", default="512,2048,8192")

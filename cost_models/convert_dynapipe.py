@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megatron.planner.cost_model import COMPONENT_AXES, CostModel, Grid, Profile  # noqa: E402
+from megatron.planner.cost.cost_model import COMPONENT_AXES, CostModel, Grid, Profile  # noqa: E402
 
 # export key -> (our component, our quantity)
 TIME_KEYS = {"forward": "forward_ms", "backward": "backward_ms"}

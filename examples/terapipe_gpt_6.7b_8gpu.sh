@@ -3,7 +3,7 @@
 # (PP=8, 4 layers a stage) along the token dimension: each micro-batch runs as token slices
 # whose lengths TeraPipe's dynamic program picks from the latency model t(b, l, c) derived from
 # the A100 table (cost_models/terapipe_gpt_6.7b_a100.json; profile your own device with
-# `python -m megatron.planner.terapipe_latency --output FILE --hidden-size 4096 --num-attention-heads 32 ...`).
+# `python -m megatron.planner.terapipe.latency --output FILE --hidden-size 4096 --num-attention-heads 32 ...`).
 # Usage: bash examples/terapipe_gpt_6.7b_8gpu.sh   (DATA=..., CKPT=..., LATENCY_MODEL=...)
 set -euo pipefail
 cd "$(dirname "$0")/.."

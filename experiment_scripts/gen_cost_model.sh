@@ -71,7 +71,7 @@ for m in $MODELS; do
 done
 
 # On a CPU the ranks of a job share the host's cores: fit what the layer table leaves out of a
-# training step here (megatron/planner/calibration.py) from short plain GPT runs, into the table.
+# training step here (megatron/planner/cost/calibration.py) from short plain GPT runs, into the table.
 if [ "${CALIBRATE:-$( [ "$DEVICE" = cpu ] && [ "${QUICK:-0}" != 1 ] && echo 1 || echo 0 )}" = 1 ] && [[ " $MODELS " == *" gpt "* ]]; then
   "$PYTHON" -m megatron.profiling.calibrate --dynapipe-cost-model "$OUT_DIR/${PREFIX}_tiny_gpt.json" \
     -- --num-layers 4 "${MODEL_ARGS[@]}" --max-position-embeddings 512

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from megatron.config import (CheckpointConfig, DataConfig, LoggingConfig, MegatronConfig, ModelConfig,
+from megatron.config.core import (CheckpointConfig, DataConfig, LoggingConfig, MegatronConfig, ModelConfig,
                              ParallelConfig, TrainingConfig)
 
 VOCAB = 101  # not divisible by any TP degree or padding multiple used here
@@ -78,8 +78,8 @@ def assemble(per_rank: list) -> dict:
 
 def make_trainer(cfg):
     """A GPT Trainer for `cfg` on the already-initialised process group (as pretrain_gpt.py builds it)."""
-    from megatron.initialize import initialize_parallel, set_seeds
-    from megatron.pretrain import build_gpt_trainer
+    from megatron.training.initialize import initialize_parallel, set_seeds
+    from megatron.training.pretrain import build_gpt_trainer
 
     from datetime import timedelta
     ps = initialize_parallel(cfg, timedelta(minutes=cfg.parallel.distributed_timeout_minutes))

@@ -4,7 +4,7 @@ bit-identical. `kw` is passed to `tiny_config`, plus `fmt` (the --ckpt-format) a
 (--use-distributed-optimizer) or `t5` (T5's `tiny_t5_config` arguments)."""
 import torch
 
-from megatron.checkpointing import load_checkpoint, read_tracker, save_checkpoint
+from megatron.checkpointing.torch_format import load_checkpoint, read_tracker, save_checkpoint
 from tests.dist_harness import run_distributed
 from tests.parity_utils import make_trainer as _make_gpt, shards, tiny_config
 
@@ -17,7 +17,7 @@ def resume_cfg(world, save=None, load=None, iters=TOTAL, fmt="torch", dropout=0.
     `compression`: CompressionConfig fields to set; `bucket`: --overlap-grad-reduce (and
     --overlap-param-gather with the distributed optimizer) with buckets of that many elements."""
     if t5 is not None:
-        from tests.test_t5_parity import tiny_t5_config
+        from tests.training.test_t5_parity import tiny_t5_config
         cfg = tiny_t5_config(world=world, iters=iters, **t5)
         cfg.checkpoint.save, cfg.checkpoint.load = save, load
     else:
@@ -38,8 +38,8 @@ def make_trainer(cfg):
         return _make_gpt(cfg)
     from datetime import timedelta
 
-    from megatron.initialize import initialize_parallel, set_seeds
-    from megatron.t5_trainer import build_t5_trainer
+    from megatron.training.initialize import initialize_parallel, set_seeds
+    from megatron.training.t5_builder import build_t5_trainer
     ps = initialize_parallel(cfg, timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
     set_seeds(cfg.training.seed, ps, torch.device("cpu"))
     return build_t5_trainer(cfg, ps, torch.device("cpu"))

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from megatron.arguments import build_parser, config_from_args
+from megatron.cli.arguments import build_parser, config_from_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(p for p in glob.glob(os.path.join(ROOT, "examples", "*.sh")) + glob.glob(

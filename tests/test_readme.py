@@ -11,7 +11,7 @@ import shlex
 
 import pytest
 
-from megatron.arguments import build_parser, config_from_args
+from megatron.cli.arguments import build_parser, config_from_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

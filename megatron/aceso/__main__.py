@@ -88,7 +88,7 @@ def main(argv=None):
 
     if args.cmd == "profile":
         from megatron.aceso.profiler import profile_gpt
-        from megatron.config import ModelConfig
+        from megatron.config.core import ModelConfig
         cfg = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                           num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
                           vocab_size=args.vocab_size)

@@ -25,7 +25,7 @@ from megatron.aceso.db import OpDatabase
 from megatron.aceso.model import ModelSpec, Plan, PerfModel, Stage
 from megatron.aceso.profiler import profile_gpt
 from megatron.aceso.search import Searcher
-from megatron.config import ModelConfig
+from megatron.config.core import ModelConfig
 from megatron.core import recompute as rc
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import model_parallel_seed

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.aceso.db import OpRow, write_op_csv
-from megatron.config import ModelConfig
+from megatron.config.core import ModelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.random import model_parallel_seed

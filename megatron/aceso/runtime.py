@@ -7,7 +7,7 @@ and DP sizes. When every stage has the same (TP, DP) the run is an ordinary Mega
 When they differ, stage s runs on TP_s x DP_s contiguous ranks, ``--micro-batch-size`` is
 Aceso's pipeline micro-batch (each stage splits it over its DP ranks), and the static 1F1B
 plans are rewritten per global rank with multi-peer, row-sliced sends and receives
-(megatron/planner/hetero.py); the executor, validator and trainer are the usual ones.
+(megatron/planner/passes/layout.py); the executor, validator and trainer are the usual ones.
 
 T5 configs (encoder and decoder ops, megatron/aceso/t5_layout.py) run on pretrain_t5.py the
 same way: stage cuts on layer boundaries of the sequence encoder layers, then decoder layers.

@@ -3,7 +3,7 @@
 Only the activation *gradient* sent to the previous stage is compressed (activations stay
 exact: an error there changes the loss, not just one gradient estimate). Which messages are
 compressed, and at which rank, is part of the instruction stream: the planner pass
-`megatron.planner.compression_marks.grad_compression_pass` sets `compress_rank` on matching
+`megatron.planner.passes.compression.grad_compression_pass` sets `compress_rank` on matching
 `SendGrad*`/`RecvGrad*` instructions of all ranks' plans, the validator checks both sides agree,
 and the wire shapes follow from the plan's shapes alone (`wire_shapes`), so nothing about
 compression is negotiated at run time. This module (the compressor and the wire layout) sits

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.config import TrainingConfig
+from megatron.config.core import TrainingConfig
 from megatron.core.grad_scaler import DynamicGradScaler
 from megatron.core.parallel_state import ParallelState
 

@@ -9,7 +9,7 @@ model charges exactly that (``contiguous_runs`` is the segmentation both use).
 
 Per-layer settings are strings: ``none``, ``selective`` (core attention), ``full`` (every
 operator: the whole layer is one run) or operator names joined by ``+`` in layer order, e.g.
-``enc-MLP-GEMM-1+enc-MLP-gelu``. Pure Python (no torch): ``megatron.config`` validates with it.
+``enc-MLP-GEMM-1+enc-MLP-gelu``. Pure Python (no torch): ``megatron.config.core`` validates with it.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """One job = one system at one parallel layout on one setting; a back-end turns it into a result row.
 
-* `SimulateBackend`: the DynaPipe planner (`megatron.planner.dynapipe`, also searching micro-batches
+* `SimulateBackend`: the DynaPipe planner (`megatron.planner.dynapipe.planner`, also searching micro-batches
   of packed rows) and the packing / packing_varlen / packing_balanced / fixed baselines
-  (`megatron.planner.baselines`) on the grid's cost model, over batches drawn from the
+  (`megatron.planner.dynapipe.baselines`) on the grid's cost model, over batches drawn from the
   multi-task lengths (`lengths.draw_batches`); iteration times are the simulator's makespans.
 * `LiveBackend` (`live.py`): torchrun pretrain_gpt.py / pretrain_t5.py, log lines parsed.
 """
@@ -83,7 +83,7 @@ class SimulateBackend(Backend):
         return self._batches[key]
 
     def planner(self, grid: Grid, spec: ModelSpec, job: Job, overrides: dict):
-        from megatron.planner.dynapipe import DynaPipeConfig, DynaPipePlanner
+        from megatron.planner.dynapipe.planner import DynaPipeConfig, DynaPipePlanner
         key = (spec.name, job.setting.max_len, job.pp, job.tp, job.dp, tuple(sorted(overrides.items())))
         if key not in self._planners:
             cm = str(ROOT / spec.cost_model) if (ROOT / spec.cost_model).is_file() else spec.cost_model
@@ -118,7 +118,7 @@ class SimulateBackend(Backend):
         return self._fixed_shapes(grid, job, planner, spec.kind, batches, partition)
 
     def _dynapipe(self, grid, job, planner, batches):
-        from megatron.planner.dynapipe import PlanningError
+        from megatron.planner.dynapipe.planner import PlanningError
         times, eff, plan_ms, peaks, rcs, scheds, real = [], [], [], [], Counter(), Counter(), 0
         for i, b in enumerate(batches):
             try:
@@ -140,7 +140,7 @@ class SimulateBackend(Backend):
                        recompute=rcs.most_common(1)[0][0], schedules=dict(scheds))
 
     def _fixed_shapes(self, grid, job, planner, kind, batches, partition):
-        from megatron.planner import baselines as bl
+        from megatron.planner.dynapipe import baselines as bl
         times, eff, real, rcs = [], [], 0, Counter()
         for b in batches:
             best = (np.inf, None, None)
@@ -168,10 +168,10 @@ class SimulateBackend(Backend):
                        predicted_ms=[round(t, 3) for t in times], recompute=rcs.most_common(1)[0][0])
 
     def _packed(self, grid, job, planner, kind, batches):
-        """Rows of documents with per-document attention (`megatron.planner.baselines`); the
+        """Rows of documents with per-document attention (`megatron.planner.dynapipe.baselines`); the
         balanced packing defers long documents across the job's batches (`BalancedStream`)."""
-        from megatron.planner import baselines as bl
-        from megatron.planner import packed
+        from megatron.planner.dynapipe import baselines as bl
+        from megatron.planner.dynapipe import packed
         stream = bl.BalancedStream(kind, job.setting.max_len)
         times, eff, real = [], [], 0
         for k, b in enumerate(batches):
@@ -199,8 +199,8 @@ class SimulateBackend(Backend):
     @staticmethod
     def _candidates(planner, kind, job, batch, partition):
         """(micro-batch shapes, recompute level) candidates for one batch."""
-        from megatron.planner import baselines as bl
-        from megatron.planner import partitioner as part
+        from megatron.planner.dynapipe import baselines as bl
+        from megatron.planner.dynapipe import partitioner as part
         if job.system != "dynapipe":
             yield bl.microbatch_shapes(planner, kind, job.system, batch, job.setting.max_len,
                                        job.micro_batch_size), job.recompute

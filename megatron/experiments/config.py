@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 # packing: the DynaPipe paper's (attention over whole rows); packing_varlen / packing_balanced:
-# per-document attention (next-fit / WLB-LLM cost-balanced), see megatron.planner.baselines.
+# per-document attention (next-fit / WLB-LLM cost-balanced), see megatron.planner.dynapipe.baselines.
 SYSTEMS = ("dynapipe", "packing", "packing_varlen", "packing_balanced", "fixed")
 RECOMPUTE = ("none", "selective", "full")
 

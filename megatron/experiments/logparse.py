@@ -1,4 +1,4 @@
-"""Parse the trainer's per-iteration log lines (`megatron.logging_utils`): the Megatron-style
+"""Parse the trainer's per-iteration log lines (`megatron.training.logging`): the Megatron-style
 iteration line and, with a planner, the planner line that follows it."""
 from __future__ import annotations
 

@@ -11,11 +11,11 @@ PP4 x DP2 and PP8 x DP1 (TP1), 36,000 MB per GPU, and every time comes from the 
 table and simulator:
 
 * dynapipe: `DynaPipePlanner` (variable micro-batches, recompute level, schedule);
-* dynapipe_slices: the same planner with `token_slices=-1` (megatron/planner/dynapipe_slicing.py);
+* dynapipe_slices: the same planner with `token_slices=-1` (megatron/planner/dynapipe/slicing.py);
 * terapipe: TeraPipe's setting: samples packed next-fit into rows of max length, attention over
   the whole row, uniform micro-batches of b rows (b = 1, 2), each cut by TeraPipe's slice DP,
   no full recompute, the sliced schedules of dynapipe_slicing;
-* packing: the packing baseline (`megatron.planner.baselines`, next-fit rows, 1F1B, best
+* packing: the packing baseline (`megatron.planner.dynapipe.baselines`, next-fit rows, 1F1B, best
   micro-batch size and recompute level).
 
 A system that fits no plan for a batch is infeasible at that max length (throughput 0 in the
@@ -39,15 +39,15 @@ TOKENS = 65536
 
 
 def planner_for(pp: int, dp: int, token_slices: int = 0, cost_model: str = "cost_models/gpt_6.7b_a100.json"):
-    from megatron.planner.dynapipe import DynaPipeConfig, DynaPipePlanner
+    from megatron.planner.dynapipe.planner import DynaPipeConfig, DynaPipePlanner
     return DynaPipePlanner(DynaPipeConfig(cost_model_path=str(ROOT / cost_model), model_kind="gpt", hidden_size=4096,
                                           num_layers=32, pipeline_parallel=pp, data_parallel=dp,
                                           memory_limit_mb=36000, token_slices=token_slices, emit_plans=False))
 
 
 def terapipe_time(planner, batch, max_len: int) -> float:
-    from megatron.planner import dynapipe_slicing as ds
-    from megatron.planner import packed
+    from megatron.planner.dynapipe import slicing as ds
+    from megatron.planner.dynapipe import packed
     rows = packed.next_fit("gpt", batch, max_len)
     best = np.inf
     for rc in ("none", "selective"):
@@ -71,8 +71,8 @@ def terapipe_time(planner, batch, max_len: int) -> float:
 
 def system_time(system: str, planners: dict, batch, max_len: int) -> float:
     """Simulated iteration time (ms) of one global batch; inf when no plan fits."""
-    from megatron.planner.baselines import baselines
-    from megatron.planner.dynapipe import PlanningError
+    from megatron.planner.dynapipe.baselines import baselines
+    from megatron.planner.dynapipe.planner import PlanningError
     if system in ("dynapipe", "dynapipe_slices"):
         try:
             return float(planners[system].plan(batch, validate=False).makespan_ms)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.config import ModelConfig
+from megatron.config.core import ModelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import (VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
                                            gather_from_sequence_parallel_region, get_rng_tracker, init_generator,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.config import ModelConfig
+from megatron.config.core import ModelConfig
 
 
 def rotary_dim(cfg: ModelConfig) -> int:

@@ -20,7 +20,7 @@ what its own attention computed.
 
 Memory: the cache holds the detached K/V of every slice run so far (the unsliced run holds
 the same tensors as saved activations); each in-flight slice additionally saves its
-concatenated ``(c + l)``-row K/V for its backward. `megatron.planner.terapipe` counts both.
+concatenated ``(c + l)``-row K/V for its backward. `megatron.planner.terapipe.lowering` counts both.
 """
 from __future__ import annotations
 

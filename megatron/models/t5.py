@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.config import ConfigError, ModelConfig
+from megatron.config.core import ConfigError, ModelConfig
 from megatron.core.parallel_state import ParallelState, global_rank
 from megatron.core.tensor_parallel import (VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
                                            init_generator, mark_tensor_parallel, vocab_parallel_cross_entropy)

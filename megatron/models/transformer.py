@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.config import ModelConfig
+from megatron.config.core import ModelConfig
 from megatron.models.rotary import apply_rotary
 from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, checkpoint,
                                            get_rng_tracker)

@@ -101,11 +101,11 @@ def measure(args, b: int, s: int, n: int, k: int = 1) -> float:
 
 def dynapipe_predictor(path: str, args, shapes):
     """predict(scale, overhead) -> simulated 1F1B ms of every run under the table at `path`."""
-    from megatron.planner.baselines import group_costs
-    from megatron.planner.calibration import IDENTITY, HostCalibration
-    from megatron.planner.dynapipe import DynaPipeConfig, DynaPipePlanner
-    from megatron.planner.schedules import one_f_one_b
-    from megatron.planner.simulator import PipelineCosts, simulate
+    from megatron.planner.dynapipe.baselines import group_costs
+    from megatron.planner.cost.calibration import IDENTITY, HostCalibration
+    from megatron.planner.dynapipe.planner import DynaPipeConfig, DynaPipePlanner
+    from megatron.planner.schedule.schedules import one_f_one_b
+    from megatron.planner.schedule.simulator import PipelineCosts, simulate
     layers, hidden = _flag(args.trainer_args, "--num-layers"), _flag(args.trainer_args, "--hidden-size")
     try:  # the calibration runs are pretrain_gpt.py jobs: a GPT table's
         planner = DynaPipePlanner(DynaPipeConfig(cost_model_path=path, model_kind="gpt", hidden_size=hidden,
@@ -131,10 +131,10 @@ def dynapipe_predictor(path: str, args, shapes):
 
 
 def terapipe_predictor(path: str, args, shapes):
-    from megatron.planner.calibration import HostCalibration
-    from megatron.planner.terapipe_latency import SliceLatencyModel
-    from megatron.terapipe_options import uniform_slices
-    from megatron.terapipe_training import pipelined_ms, slice_times
+    from megatron.planner.cost.calibration import HostCalibration
+    from megatron.planner.terapipe.latency import SliceLatencyModel
+    from megatron.config.terapipe import uniform_slices
+    from megatron.training.terapipe import pipelined_ms, slice_times
     model = SliceLatencyModel.load(path)
     pp = args.pipeline_model_parallel_size
     per_stage = -(-_flag(args.trainer_args, "--num-layers") // pp)
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     if args.iters <= args.warmup:
         print("calibrate: error: --iters must exceed --warmup", file=sys.stderr)
         return 2
-    from megatron.planner.calibration import fit
+    from megatron.planner.cost.calibration import fit
     predictors = {k: (dynapipe_predictor if k == "dynapipe" else terapipe_predictor)(p, args, args.shapes)
                   for k, p in targets}
     t0 = time.perf_counter()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.config import ModelConfig
+from megatron.config.core import ModelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.models.gpt import GPTEmbedding, GPTStage
 from megatron.models.t5 import _layers as t5_layers

@@ -16,12 +16,12 @@ from typing import List, Optional
 
 import torch
 
-from megatron.config import ModelConfig
+from megatron.config.core import ModelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.models.gpt import GPTStage
 from megatron.models.t5 import T5Stage
-from megatron.planner.cost_model import CostModel
-from megatron.planner.dynapipe import DynaPipeConfig, DynaPipePlanner
+from megatron.planner.cost.cost_model import CostModel
+from megatron.planner.dynapipe.planner import DynaPipeConfig, DynaPipePlanner
 from megatron.profiling.measure import Workload, _ensure_grads, time_workload
 from megatron.profiling.memory_probe import probe
 from megatron.profiling.profiler import _seeded

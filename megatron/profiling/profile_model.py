@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 def spec_from_args(args):
     import torch
 
-    from megatron.config import ConfigError, ModelConfig
+    from megatron.config.core import ConfigError, ModelConfig
     from megatron.profiling.profiler import ProfileSpec
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():

@@ -16,12 +16,12 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-from megatron.config import ModelConfig
+from megatron.config.core import ModelConfig
 from megatron.core.host_memory import keep_freed_host_memory
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import get_rng_tracker, model_parallel_seed
-from megatron.planner.attention_cost import fit_grid
-from megatron.planner.cost_model import COMPONENT_AXES, RECOMPUTE_LEVELS, CostModel, Grid, Profile
+from megatron.planner.cost.attention_cost import fit_grid
+from megatron.planner.cost.cost_model import COMPONENT_AXES, RECOMPUTE_LEVELS, CostModel, Grid, Profile
 from megatron.profiling import components as C
 from megatron.profiling.measure import STATISTICS, ShapeInfeasible, measure
 
@@ -51,7 +51,7 @@ class ProfileSpec:
     # is the best estimate of the uncontended cost. DynaPipe (dedicated GPUs) used the median.
     statistic: str = "median"
     # Also measure the per-document attention term of a layer (`attention_split` in the file,
-    # see megatron.planner.attention_cost): packed rows of 1 vs `split_docs` documents.
+    # see megatron.planner.cost.attention_cost): packed rows of 1 vs `split_docs` documents.
     attention_split: bool = False
     split_docs: int = 4
 

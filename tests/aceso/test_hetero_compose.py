@@ -4,7 +4,7 @@ import pytest
 
 from tests.dist_harness import run_distributed
 from tests.parity_utils import assert_parity, run_layout
-from tests.test_dynapipe_training import multitask  # noqa: F401 (fixture: multi-task data)
+from tests.training.test_dynapipe_training import multitask  # noqa: F401 (fixture: multi-task data)
 
 pytestmark = pytest.mark.parity
 
@@ -23,19 +23,19 @@ def test_gpipe_on_heterogeneous_stages_matches_single_process(reference):
 
 
 def _train_multitask(rank, world, data, mode, stage_parallel=None, stage_layers=None, kind="gpt"):
-    """tests/test_dynapipe_training.py's multi-task run (token-budget batches), on stages with
+    """tests/training/test_dynapipe_training.py's multi-task run (token-budget batches), on stages with
     their own TP/DP sizes when `stage_parallel` is given ('whole' = one micro-batch, 1 rank)."""
     import dataclasses
     from datetime import timedelta
 
     import torch
 
-    from megatron.initialize import initialize_parallel, set_seeds
-    from megatron.pretrain import build_gpt_trainer
-    from megatron.t5_trainer import build_t5_trainer
+    from megatron.training.initialize import initialize_parallel, set_seeds
+    from megatron.training.pretrain import build_gpt_trainer
+    from megatron.training.t5_builder import build_t5_trainer
     from tests.parity_utils import train_and_record
-    from tests.test_dynapipe_training import VOCAB, _cfg
-    from tests.test_t5_parity import _shards
+    from tests.training.test_dynapipe_training import VOCAB, _cfg
+    from tests.training.test_t5_parity import _shards
 
     cfg = _cfg(world, kind, data, mode)
     if stage_layers:  # rebuilt, so the configuration's checks run on the combination
@@ -75,7 +75,7 @@ def test_multitask_data_on_heterogeneous_stages_matches_whole_batch_step(multita
 def test_terapipe_on_heterogeneous_stages_matches_single_process(reference):
     """TeraPipe token slices on an Aceso layout: the slices' messages also carry batch_slice rows
     (TP2xDP1 -> TP1xDP2), and the layers' per-layer recompute (none / selective) still applies."""
-    from tests.test_terapipe_training import run_terapipe
+    from tests.training.test_terapipe_training import run_terapipe
     outs = run_distributed(run_terapipe, 4, "1,5,2,8", iters=2, recompute_layers=["none", "selective", "none", "selective"],
                            **HETERO)
     assert_parity(reference, outs)
@@ -84,8 +84,8 @@ def test_terapipe_on_heterogeneous_stages_matches_single_process(reference):
 def test_terapipe_plans_lowered_onto_heterogeneous_stages_carry_both_attributes():
     from megatron.pipeline import instructions as I
     from megatron.pipeline.validator import validate_plans
-    from megatron.planner.hetero import split_plans
-    from megatron.planner.terapipe import build_terapipe_plans
+    from megatron.planner.passes.layout import split_plans
+    from megatron.planner.terapipe.lowering import build_terapipe_plans
     plans = split_plans(build_terapipe_plans([[4, 12], [16]], [((4, 16),), ((4, 16),)], 2, 32), ((2, 1), (1, 2)))
     validate_plans(plans)
     assert [p.batch_split for p in plans] == [(0, 1), (0, 1), (0, 2), (1, 2)]
@@ -110,7 +110,7 @@ def test_dynapipe_on_heterogeneous_stages_matches_whole_batch_step(multitask, mu
 def test_aceso_config_with_dynapipe_leaves_recompute_to_dynapipe(tmp_path, capsys):
     import json
 
-    from megatron.arguments import parse_args
+    from megatron.cli.arguments import parse_args
     from tests.aceso.test_runtime import FULL, NONE, _args, hetero_dict
     path = str(tmp_path / "h.json")
     flags = ["--dynapipe", "--dynapipe-cost-model", "cost_models/cpu_tiny_gpt.json", "--dynapipe-cost-model-any",
@@ -131,7 +131,7 @@ def test_aceso_config_with_dynapipe_leaves_recompute_to_dynapipe(tmp_path, capsy
 def test_t5_multitask_data_on_heterogeneous_stages_matches_whole_batch_step(multitask):
     """T5 pairs (fixed micro-batches of token-budget batches) on TP2xDP1 | TP1xDP2, the second
     stage ending the encoder and holding the decoder: encoder/decoder masks are cut by rows too."""
-    from tests.test_t5_parity import _assemble
+    from tests.training.test_t5_parity import _assemble
     ref = run_distributed(_train_multitask, 1, multitask, "whole", kind="t5")
     outs = run_distributed(_train_multitask, 4, multitask, "fixed", HETERO["stage_parallel"], [1, 3], kind="t5")
     assert_parity(ref, outs, assemble_fn=_assemble)
@@ -140,7 +140,7 @@ def test_t5_multitask_data_on_heterogeneous_stages_matches_whole_batch_step(mult
 def test_t5_dynapipe_on_heterogeneous_stages_matches_whole_batch_step(multitask):
     """DynaPipe for T5 on DP2 | 1 rank where stage 1 ends the encoder and holds the decoder (not
     the half/half split DynaPipe's T5 model assumed before): the stage costs follow the layout."""
-    from tests.test_t5_parity import _assemble
+    from tests.training.test_t5_parity import _assemble
     ref = run_distributed(_train_multitask, 1, multitask, "whole", kind="t5")
     outs = run_distributed(_train_multitask, 3, multitask, "dynapipe", [[1, 2], [1, 1]], [1, 3], kind="t5")
     assert all(i["planner"] == "dynapipe" for i in [o for o in outs if o["is_last"]][0]["info"])

@@ -87,7 +87,7 @@ RESUME = {"training.use_distributed_optimizer": True, "training.lr_decay_iters":
 
 
 def _resume_run(rank, world, iters, save=None, load=None):
-    from megatron.checkpointing import load_checkpoint, save_checkpoint
+    from megatron.checkpointing.torch_format import load_checkpoint, save_checkpoint
     cfg = tiny_config(world=world, iters=iters, save=save, load=load, **TP2_DP2)
     for key, value in RESUME.items():
         section, name = key.split(".")

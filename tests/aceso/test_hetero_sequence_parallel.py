@@ -1,12 +1,12 @@
 """--sequence-parallel on stages with their own TP/DP sizes: a stage of TP > 1 splits the
 sequence over its TP ranks, and the stage boundary re-splits blocks of rows x tokens when
-TP or DP changes (megatron/planner/hetero.py). Exact: parity with the single-process run."""
+TP or DP changes (megatron/planner/passes/layout.py). Exact: parity with the single-process run."""
 import pytest
 
 from megatron.pipeline import instructions as I
 from megatron.pipeline.validator import validate_plans
-from megatron.planner.hetero import split_plans
-from megatron.planner.static import build_static_plans
+from megatron.planner.passes.layout import split_plans
+from megatron.planner.schedule.static import build_static_plans
 from tests.aceso.test_hetero_grads import DP2_TP2, TP2_DP2, check, hetero_run
 from tests.dist_harness import run_distributed
 from tests.parity_utils import run_layout
@@ -67,7 +67,7 @@ def test_terapipe_slice_lengths_must_split_over_every_stage_tp():
     lengths are multiples of lcm(3, 2) = 6 (9,15 splits over TP3 only)."""
     import dataclasses
 
-    from megatron.config import ConfigError, TeraPipeConfig
+    from megatron.config.core import ConfigError, TeraPipeConfig
     from tests.parity_utils import tiny_config
     cfg = tiny_config(world=5, pp=2, stage_parallel=[[3, 1], [2, 1]], stage_layers=[2, 2], seq=24, hidden=36, heads=6,
                       arch=dict(sequence_parallel=True))

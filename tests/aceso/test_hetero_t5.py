@@ -8,9 +8,9 @@ import pytest
 
 from megatron.aceso.runtime import AcesoConfigError
 from megatron.aceso.t5_layout import DEC_CORE, DEC_OPS, ENC_OPS, t5_layout
-from megatron.arguments import parse_args
+from megatron.cli.arguments import parse_args
 from tests.dist_harness import run_distributed
-from tests.test_t5_parity import _compare, _shards, run_t5_layout, tiny_t5_config
+from tests.training.test_t5_parity import _compare, _shards, run_t5_layout, tiny_t5_config
 
 pytestmark = pytest.mark.parity
 
@@ -84,8 +84,8 @@ def run_hetero_t5(rank, world, stage_parallel, stage_layers, recompute_layers=No
 
     import torch
 
-    from megatron.initialize import initialize_parallel, set_seeds
-    from megatron.t5_trainer import build_t5_trainer
+    from megatron.training.initialize import initialize_parallel, set_seeds
+    from megatron.training.t5_builder import build_t5_trainer
     from tests.parity_utils import tolerance_inputs
     cfg = tiny_t5_config(**kw)
     tp = max(t for t, _ in stage_parallel) if stage_parallel else 1  # None: one TP1 x DP1 rank per stage

@@ -7,7 +7,7 @@ import pytest
 from megatron.aceso.db import SHIPPED_DIR, OpDatabase
 from megatron.aceso.model import ModelSpec, PerfModel, Plan, Stage
 from megatron.aceso.profiler import MB, profile_gpt, stage_param_mb
-from megatron.config import ModelConfig
+from megatron.config.core import ModelConfig
 
 
 def test_profile_tiny_gpt(tmp_path):

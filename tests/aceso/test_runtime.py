@@ -7,7 +7,7 @@ import json
 import pytest
 
 from megatron.aceso.runtime import AcesoConfigError, gpt_layout
-from megatron.arguments import parse_args
+from megatron.cli.arguments import parse_args
 from tests.dist_harness import run_distributed
 from tests.parity_utils import assemble, assert_parity, run_layout, shards, tiny_config
 
@@ -252,7 +252,7 @@ def test_searched_heterogeneous_config_trains_like_single_process(tmp_path):
     from megatron.aceso.profiler import profile_gpt
     from megatron.aceso.runtime import load_gpt_layout
     from megatron.aceso.search import search_all
-    from megatron.config import ModelConfig
+    from megatron.config.core import ModelConfig
 
     cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
                       vocab_size=101, make_vocab_size_divisible_by=8)

@@ -91,7 +91,7 @@ def test_profiled_tiny_gpt_search_to_runnable_config(tmp_path):
     from megatron.aceso.model import ModelSpec
     from megatron.aceso.profiler import profile_gpt
     from megatron.aceso.runtime import load_gpt_layout
-    from megatron.config import ModelConfig
+    from megatron.config.core import ModelConfig
 
     cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
                       vocab_size=101, make_vocab_size_divisible_by=8)

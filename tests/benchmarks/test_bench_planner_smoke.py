@@ -5,7 +5,7 @@ import argparse
 import json
 
 from benchmarks.bench_planner import ROOT, run
-from megatron.planner.baselines import NAMES
+from megatron.planner.dynapipe.baselines import NAMES
 
 
 def test_row_has_every_baseline_and_dynapipe_is_never_slower(capsys):

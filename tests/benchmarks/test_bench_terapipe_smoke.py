@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from benchmarks.bench_terapipe import ROOT, simulate
-from megatron.planner.cost_model import CostModel
-from megatron.planner.terapipe import pipeline_score
-from megatron.planner.terapipe_latency import from_cost_model
+from megatron.planner.cost.cost_model import CostModel
+from megatron.planner.terapipe.lowering import pipeline_score
+from megatron.planner.terapipe.latency import from_cost_model
 
 
 def test_simulated_row_is_consistent():

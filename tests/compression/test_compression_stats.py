@@ -5,7 +5,7 @@ import torch
 from megatron.compression import lowrank
 from megatron.compression.pipeline import PipelineGradCompressor
 from megatron.compression.stats import CompressionStats, format_line, merge, summary
-from megatron.config import CompressionConfig
+from megatron.config.core import CompressionConfig
 from tests.dist_harness import run_distributed
 from tests.parity_utils import make_trainer, shards, tiny_config
 

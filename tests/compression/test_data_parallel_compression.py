@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from megatron.compression.data_parallel import PowerSGDReducer
-from megatron.config import CompressionConfig
+from megatron.config.core import CompressionConfig
 from megatron.core.parallel_state import ParallelState
 from tests.dist_harness import run_distributed
 from tests.parity_utils import tiny_config

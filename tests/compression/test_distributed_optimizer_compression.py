@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from megatron.config import CompressionConfig
+from megatron.config.core import CompressionConfig
 from tests.dist_harness import run_distributed
 from tests.parity_utils import assert_parity, run_layout
 

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from megatron.config import CompressionConfig
+from megatron.config.core import CompressionConfig
 from tests.dist_harness import run_distributed
 from tests.parity_utils import assert_parity
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.parity
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from tests.test_dynapipe_training import VOCAB, _write
+    from tests.training.test_dynapipe_training import VOCAB, _write
     d = tmp_path_factory.mktemp("dyncomp")
     rng = np.random.RandomState(0)
     lin = np.clip(rng.lognormal(2.6, 0.8, 200).astype(int), 2, 60)
@@ -28,7 +28,7 @@ def data(tmp_path_factory):
 
 
 def _run(rank, world, data, pp, comp=None, lossless=False, training=None):
-    import tests.test_dynapipe_training as T
+    import tests.training.test_dynapipe_training as T
     from tests.compression import lossless as L
     if lossless:
         L.lossless()
@@ -93,7 +93,7 @@ def test_fused_embedding_sync_alone_is_exact_on_dynapipe(data, plain_pp2_dp2):
 
 def test_simulator_charges_compressed_gradients_at_their_wire_bytes():
     from megatron.compression.pipeline import wire_dtypes, wire_shapes
-    from megatron.planner.dynapipe import DynaPipeConfig, DynaPipePlanner
+    from megatron.planner.dynapipe.planner import DynaPipeConfig, DynaPipePlanner
     from megatron.pipeline.p2p import DTYPES
     h, r = 32, 4
     kw = dict(cost_model_path="cost_models/cpu_tiny_gpt.json", model_kind="gpt", num_layers=4, hidden_size=h,

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from megatron.checkpointing import load_checkpoint, save_checkpoint
+from megatron.checkpointing.torch_format import load_checkpoint, save_checkpoint
 from megatron.compression.embedding import fused_embedding_group_ranks
-from megatron.config import CompressionConfig, ConfigError
+from megatron.config.core import CompressionConfig, ConfigError
 from tests.dist_harness import run_distributed
 from tests.parity_utils import assemble, make_trainer, shards, tiny_config
 
@@ -105,7 +105,7 @@ def test_resume_with_every_compression_on_is_exact(tmp_path, fmt):
     (dict(emb_comm_opt=True), 2, 1, "--emb-comm-opt"),
 ])
 def test_flags_that_cannot_apply_are_named(kw, world, pp, match):
-    from megatron.config import MegatronConfig
+    from megatron.config.core import MegatronConfig
     base = tiny_config(world=world, pp=pp)
     with pytest.raises(ConfigError, match=match):
         MegatronConfig(model=base.model, parallel=base.parallel, training=base.training, data=base.data,

@@ -52,7 +52,7 @@ def test_first_message_of_an_iteration_carries_no_old_residual():
 
 
 def _epilogue(rank, world, lep, carry):
-    from megatron.config import CompressionConfig
+    from megatron.config.core import CompressionConfig
     from tests.parity_utils import make_trainer, tiny_config
     cfg = tiny_config(world=world, pp=2, iters=3)
     cfg.compression = CompressionConfig(inter_grad_comp=True, inter_grad_comp_rank=2, inter_grad_comp_epilogue_only=True,

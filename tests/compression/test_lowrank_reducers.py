@@ -7,7 +7,7 @@ from torch import nn
 
 from megatron.compression import lowrank
 from megatron.compression.data_parallel import PowerSGDReducer
-from megatron.config import CompressionConfig
+from megatron.config.core import CompressionConfig
 from tests.dist_harness import run_distributed
 from tests.parity_utils import make_trainer, tiny_config
 

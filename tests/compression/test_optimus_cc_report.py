@@ -5,7 +5,7 @@ import json
 import os
 
 from megatron.compression.stats import format_line
-from megatron.logging_utils import comm_bytes_line
+from megatron.training.logging import comm_bytes_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

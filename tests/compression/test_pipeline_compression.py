@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from megatron.compression.pipeline import PipelineGradCompressor
-from megatron.planner.compression_marks import mark_compressed_grads
-from megatron.config import CompressionConfig
+from megatron.planner.passes.compression import mark_compressed_grads
+from megatron.config.core import CompressionConfig
 from megatron.pipeline import instructions as I
 from megatron.pipeline.validator import PlanValidationError, validate_plans
-from megatron.planner.static import build_static_plans
+from megatron.planner.schedule.static import build_static_plans
 from tests.dist_harness import run_distributed
 from tests.parity_utils import assemble, make_trainer, tiny_config, train_and_record
 
@@ -139,8 +139,8 @@ def test_compressed_pipeline_equals_single_process_with_the_same_codec(lep):
 
 
 def _t5(rank, world):
-    from tests.test_t5_parity import run_t5_layout
-    import megatron.t5_trainer as t5
+    from tests.training.test_t5_parity import run_t5_layout
+    import megatron.training.t5_builder as t5
 
     # Turn compression on through the config the T5 builder reads.
     orig = t5.build_t5_trainer
@@ -157,7 +157,7 @@ def _t5(rank, world):
 
 
 def _t5_plain(rank, world):
-    from tests.test_t5_parity import run_t5_layout
+    from tests.training.test_t5_parity import run_t5_layout
     return run_t5_layout(rank, world, dict(pp=4, split=2))
 
 
@@ -171,7 +171,7 @@ def test_t5_pipeline_trains_with_compressed_two_tensor_gradients():
 
 
 def _dynapipe(rank, world, data, compressed):
-    import tests.test_dynapipe_training as T
+    import tests.training.test_dynapipe_training as T
     orig = T._cfg
 
     def cfg(*a, **k):
@@ -189,7 +189,7 @@ def _dynapipe(rank, world, data, compressed):
 
 def test_dynapipe_plans_carry_compressed_gradients(tmp_path):
     import numpy as np
-    from tests.test_dynapipe_training import VOCAB, _write
+    from tests.training.test_dynapipe_training import VOCAB, _write
     rng = np.random.RandomState(0)
     lin = np.clip(rng.lognormal(2.6, 0.8, 200).astype(int), 2, 60)
     lout = np.clip(rng.lognormal(1.8, 0.7, 200).astype(int), 1, 30)

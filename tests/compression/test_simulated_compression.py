@@ -1,8 +1,8 @@
 """The simulator times compressed gradient messages at their compressed size."""
 import numpy as np
 
-from megatron.planner.schedules import one_f_one_b
-from megatron.planner.simulator import PipelineCosts, simulate
+from megatron.planner.schedule.schedules import one_f_one_b
+from megatron.planner.schedule.simulator import PipelineCosts, simulate
 
 
 def _costs(grad_comm=None, epilogue=False, S=4, K=8):

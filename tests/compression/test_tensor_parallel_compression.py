@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatron.config import CompressionConfig, ConfigError
+from megatron.config.core import CompressionConfig, ConfigError
 from megatron.core.tensor_parallel import mappings
 from tests.dist_harness import run_distributed
 from tests.parity_utils import make_trainer, tiny_config, train_and_record

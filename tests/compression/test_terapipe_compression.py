@@ -8,7 +8,7 @@ import math
 import pytest
 
 from megatron.compression.pipeline import error_key
-from megatron.config import CompressionConfig, TeraPipeConfig
+from megatron.config.core import CompressionConfig, TeraPipeConfig
 from tests.dist_harness import run_distributed
 from tests.parity_utils import assert_parity, run_layout
 
@@ -74,10 +74,10 @@ def test_lep_keys_each_slice_by_its_token_offset(plain):
 def test_sliced_plans_with_compressed_gradients_validate_and_round_trip():
     """Plans carrying token_slice and compress_rank at once: the validator accepts them, catches
     a receive that disagrees with its send, and the binary format keeps both attributes."""
-    from megatron.planner.compression_marks import mark_compressed_grads
+    from megatron.planner.passes.compression import mark_compressed_grads
     from megatron.pipeline import instructions as I
     from megatron.pipeline.validator import PlanValidationError, validate_plans
-    from megatron.planner.terapipe import build_terapipe_plans
+    from megatron.planner.terapipe.lowering import build_terapipe_plans
     plans = mark_compressed_grads(build_terapipe_plans([[1, 5, 2, 8]] * 2, [((2, SEQ),)] * 2, 2, 32), 2)
     validate_plans(plans)
     sends = [x for x in plans[1].instructions if isinstance(x, I.SendGradStart)]

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatron.checkpointing import load_checkpoint, save_checkpoint
+from megatron.checkpointing.torch_format import load_checkpoint, save_checkpoint
 from tests.dist_harness import run_distributed
 from tests.parity_utils import assemble, assert_parity, make_trainer, shards, tiny_config, tolerance_inputs
 

@@ -4,7 +4,7 @@ import torch
 
 from tests.dist_harness import run_distributed
 from tests.parity_utils import make_trainer, run_layout, shards, tiny_config, tolerance_inputs
-from tests.test_training_parity import _compare
+from tests.training.test_training_parity import _compare
 
 pytestmark = pytest.mark.parity
 
@@ -84,7 +84,7 @@ def test_distributed_optimizer_overlap_equals_the_plain_reduce_scatter(world, kw
 
 
 def test_overlap_param_gather_needs_the_distributed_optimizer():
-    from megatron.config import ConfigError
-    from megatron.config import TrainingConfig
+    from megatron.config.core import ConfigError
+    from megatron.config.core import TrainingConfig
     with pytest.raises(ConfigError, match="--overlap-param-gather"):
         TrainingConfig(overlap_param_gather=True)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from megatron import fused_kernels
-from megatron.arguments import parse_args
-from megatron.config import ModelConfig
+from megatron.cli.arguments import parse_args
+from megatron.config.core import ModelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import get_rng_tracker, model_parallel_seed
 from megatron.data.packing import pack_samples
@@ -107,7 +107,7 @@ def test_t5_training_step_fused_equals_unfused_fp32():
     import dataclasses
     from megatron.models.t5 import build_t5_stages
     from tests.models.test_t5 import _batch
-    from tests.test_t5_parity import tiny_t5_config
+    from tests.training.test_t5_parity import tiny_t5_config
     base = tiny_t5_config()
     out = []
     for fused in (True, False):

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from megatron.arguments import parse_args
+from megatron.cli.arguments import parse_args
 from tests.dist_harness import run_distributed
 from tests.parity_utils import make_trainer, run_layout, tiny_config
-from tests.test_training_parity import _compare
+from tests.training.test_training_parity import _compare
 
 LLAMA_LIKE = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, init_method_std=0.01,
                   position_embedding_type="rope", rotary_percent=0.5, num_query_groups=2)
@@ -47,7 +47,7 @@ def test_flags_change_the_model_as_named():
 
 
 def test_swiglu_flops_count_the_gate():
-    from megatron.logging_utils import gpt_flops_per_sample
+    from megatron.training.logging import gpt_flops_per_sample
     plain = tiny_config().model
     gated = tiny_config(arch=dict(swiglu=True)).model
     extra = gpt_flops_per_sample(gated, 128) - gpt_flops_per_sample(plain, 128)

@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from megatron.config import ModelConfig
+from megatron.config.core import ModelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.data.packing import pack_samples
 from megatron.models.gpt import GPTStage

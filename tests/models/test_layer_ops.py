@@ -4,7 +4,7 @@ segment."""
 import pytest
 import torch
 
-from megatron.config import ModelConfig
+from megatron.config.core import ModelConfig
 from megatron.core import recompute as rc
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import model_parallel_seed

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.arguments import parse_args
-from megatron.config import ModelConfig
+from megatron.cli.arguments import parse_args
+from megatron.config.core import ModelConfig
 from tests.dist_harness import run_distributed
-from tests.test_t5_parity import _compare, run_t5_layout
+from tests.training.test_t5_parity import _compare, run_t5_layout
 
 
 def _mlp(**fields):
@@ -53,7 +53,7 @@ def test_flags_parse_and_conflicts_name_the_flags(capsys):
 
 
 def test_gated_flops_count_the_gate():
-    from megatron.logging_utils import gpt_flops_per_sample
+    from megatron.training.logging import gpt_flops_per_sample
     plain = ModelConfig()
     gated = dataclasses.replace(plain, gated_linear_unit=True)
     h, f, s, L = plain.hidden_size, plain.ffn_hidden_size, plain.seq_length, plain.num_layers
@@ -62,7 +62,7 @@ def test_gated_flops_count_the_gate():
 
 def _run_variant(rank, world, kw):
     """run_t5_layout with the model fields `arch` replaced (an HF-T5-shaped model)."""
-    import tests.test_t5_parity as tp
+    import tests.training.test_t5_parity as tp
     arch, kw = kw["arch"], {k: v for k, v in kw.items() if k != "arch"}
     orig = tp.tiny_t5_config
 

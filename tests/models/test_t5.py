@@ -5,13 +5,13 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.config import ConfigError
+from megatron.config.core import ConfigError
 from megatron.core.parallel_state import ParallelState
 from megatron.data.mock_dataset import MockT5Dataset
 from megatron.models.t5 import (RelativePositionBias, build_t5_stages, relative_position_bucket,
                                 t5_activation_shapes, t5_flops_per_sample, t5_microbatch, t5_microbatch_shapes,
                                 t5_stage_layers)
-from tests.test_t5_parity import VOCAB, tiny_t5_config
+from tests.training.test_t5_parity import VOCAB, tiny_t5_config
 
 
 def _bucket(rel, bidirectional, n=32, d=128):

@@ -6,7 +6,7 @@ import pytest
 
 from megatron.pipeline import instructions as I
 from megatron.pipeline.instructions import ExecutionPlan
-from megatron.planner.static import build_static_plans
+from megatron.planner.schedule.static import build_static_plans
 
 ALL_TYPES = [I.LoadInput, I.ForwardPass, I.BackwardPass, I.FreeBuffer,
              I.SendActivationStart, I.SendActivationFinish, I.RecvActivationStart,

@@ -14,7 +14,7 @@ import pytest
 
 from megatron.pipeline import instructions as I
 from megatron.pipeline.validator import PlanValidationError, validate_plans
-from megatron.planner.static import build_static_plans
+from megatron.planner.schedule.static import build_static_plans
 from tests.dist_harness import run_distributed
 
 COMM = (I.SendActivationStart, I.SendActivationFinish, I.RecvActivationStart, I.RecvActivationFinish,
@@ -137,7 +137,7 @@ def test_harmful_mutants_rejected():
 #    token_slice (TeraPipe). Each mutation breaks an agreement the executor relies on.
 
 def _compressed_plans(rng):
-    from megatron.planner.compression_marks import mark_compressed_grads
+    from megatron.planner.passes.compression import mark_compressed_grads
     plans = _valid_plans(rng)
     if rng.random() < 0.5:  # plans of one data-parallel group, marked as the trainer does
         return mark_compressed_grads(plans, rng.choice([1, 2, 4]), epilogue_only=rng.random() < 0.3)
@@ -145,7 +145,7 @@ def _compressed_plans(rng):
 
 
 def _sliced_plans(rng):
-    from megatron.planner.terapipe import build_terapipe_plans
+    from megatron.planner.terapipe.lowering import build_terapipe_plans
     pp, m = rng.choice([2, 3, 4]), rng.randint(1, 3)
     slicings = []
     for _ in range(m):
@@ -160,8 +160,8 @@ def _sliced_plans(rng):
 def _split_plans(rng):
     """Stages with their own TP/DP sizes: one plan per global rank, row-sliced messages; with
     sequence parallelism blocks of rows x tokens, and some gradient messages compressed."""
-    from megatron.planner.compression_marks import mark_compressed_grads
-    from megatron.planner.hetero import split_plans
+    from megatron.planner.passes.compression import mark_compressed_grads
+    from megatron.planner.passes.layout import split_plans
     layouts = rng.choice([((2, 1), (1, 2)), ((1, 2), (1, 1)), ((1, 1), (2, 1)), ((1, 2), (2, 1), (1, 1)),
                           ((1, 4), (2, 2)), ((4, 1), (2, 1))])
     m = rng.randint(1, 5)
@@ -174,8 +174,8 @@ def _split_plans(rng):
 
 def _sliced_split_plans(rng):
     """TeraPipe token slices lowered onto stages with their own TP/DP sizes: both attributes."""
-    from megatron.planner.hetero import split_plans
-    from megatron.planner.terapipe import build_terapipe_plans
+    from megatron.planner.passes.layout import split_plans
+    from megatron.planner.terapipe.lowering import build_terapipe_plans
     layouts = rng.choice([((2, 1), (1, 2)), ((1, 2), (2, 1), (1, 1)), ((1, 4), (2, 2))])
     slicings = [[rng.randint(1, 4), rng.randint(1, 8)] for _ in range(rng.randint(1, 3))]
     plans = build_terapipe_plans(slicings, [((4, sum(sl)),) for sl in slicings], len(layouts), 8)

@@ -13,8 +13,8 @@ import pytest
 
 from megatron.pipeline import instructions as I
 from megatron.pipeline.validator import validate_plans
-from megatron.planner.compression_marks import mark_compressed_grads
-from megatron.planner.static import build_static_plans
+from megatron.planner.passes.compression import mark_compressed_grads
+from megatron.planner.schedule.static import build_static_plans
 from tests.pipeline.test_plan_fuzz import _attribute_fuzz, _fuzz, _sliced_plans
 
 
@@ -26,7 +26,7 @@ def _sliced_compressed_plans(rng):
 def _split_compressed_plans(rng):
     """Stage plans marked compressed, then lowered onto per-stage TP/DP sizes (the order the
     GPT trainer applies the passes in): every row piece of a gradient message is compressed."""
-    from megatron.planner.hetero import split_plans
+    from megatron.planner.passes.layout import split_plans
     layouts = rng.choice([((2, 1), (1, 2)), ((1, 2), (2, 1), (1, 1)), ((1, 4), (2, 2))])
     m = rng.randint(1, 4)
     plans = build_static_plans(rng.choice(["1f1b", "gpipe"]), m, len(layouts), 1, [((4, 8),)] * m,

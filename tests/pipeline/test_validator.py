@@ -6,7 +6,7 @@ import pytest
 from megatron.pipeline import instructions as I
 from megatron.pipeline.lowering import ComputeOp, lower_to_plans
 from megatron.pipeline.validator import PlanValidationError, validate_plans
-from megatron.planner.static import build_static_plans
+from megatron.planner.schedule.static import build_static_plans
 
 ACT = ((4, 2, 8),)
 

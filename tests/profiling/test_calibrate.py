@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron.planner.cost_model import CostModel
-from megatron.planner.terapipe_latency import SliceLatencyModel
+from megatron.planner.cost.cost_model import CostModel
+from megatron.planner.terapipe.latency import SliceLatencyModel
 from megatron.profiling import calibrate
 
 CM = Path(__file__).resolve().parents[2] / "cost_models"

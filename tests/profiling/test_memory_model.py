@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron.planner.cost_model import CostModel
+from megatron.planner.cost.cost_model import CostModel
 from megatron.profiling.memory_rows import dynapipe_rows, model_config
 from megatron.profiling.profiler import ProfileSpec, run_profile
 

@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from megatron.config import ModelConfig
-from megatron.planner.cost_model import CostModel
+from megatron.config.core import ModelConfig
+from megatron.planner.cost.cost_model import CostModel
 from megatron.profiling.profiler import ProfileSpec, run_profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -125,8 +125,8 @@ def test_cli_end_to_end(tmp_path):
 
 
 def test_cli_profiles_the_architecture_and_training_refuses_another(tmp_path):
-    from megatron.arguments import _check_cost_model_matches
-    from megatron.config import ConfigError
+    from megatron.cli.arguments import _check_cost_model_matches
+    from megatron.config.core import ConfigError
     out = tmp_path / "llama.json"
     cmd = [sys.executable, "-m", "megatron.profiling.profile_model", "--hidden-size", "32",
            "--num-attention-heads", "4", "--vocab-size", "100", "--micro-batch-sizes", "1",
@@ -152,7 +152,7 @@ def test_attention_split_measured_with_the_varlen_kernel(gpt):
     import torch
 
     from megatron.fused_kernels import ops
-    from megatron.planner.attention_cost import AttentionCost
+    from megatron.planner.cost.attention_cost import AttentionCost
     if not ops.use_fused(torch.zeros(1)):
         pytest.skip("no variable-length kernel built on this machine")
     cm, doc = gpt

@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from megatron.arguments import parse_args
-from megatron.config import LoggingConfig
+from megatron.cli.arguments import parse_args
+from megatron.config.core import LoggingConfig
 from megatron.core.parallel_state import ParallelState
-from megatron.initialize import set_seeds
-from megatron.pretrain import build_gpt_trainer
+from megatron.training.initialize import set_seeds
+from megatron.training.pretrain import build_gpt_trainer
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3",

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.config import ModelConfig
+from megatron.config.core import ModelConfig
 from tests.dist_harness import run_distributed
-from tests.test_t5_parity import VOCAB, _assemble, _shards, tiny_t5_config
+from tests.training.test_t5_parity import VOCAB, _assemble, _shards, tiny_t5_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(ROOT, "tools", "checkpoint", "convert.py")
@@ -34,8 +34,8 @@ def _cfg(world, tp=1, pp=1, split=None, arch=None, save=None, load=None, iters=2
 
 def _trainer(cfg):
     from megatron.core.parallel_state import initialize_model_parallel
-    from megatron.initialize import set_seeds
-    from megatron.t5_trainer import build_t5_trainer
+    from megatron.training.initialize import set_seeds
+    from megatron.training.t5_builder import build_t5_trainer
     p = cfg.parallel
     ps = initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                    timedelta(minutes=p.distributed_timeout_minutes))
@@ -44,7 +44,7 @@ def _trainer(cfg):
 
 
 def _train_save(rank, world, ckpt, kw):
-    from megatron.checkpointing import save_checkpoint
+    from megatron.checkpointing.torch_format import save_checkpoint
     t = _trainer(_cfg(world, save=ckpt, **kw))
     t.train()
     save_checkpoint(t)
@@ -53,7 +53,7 @@ def _train_save(rank, world, ckpt, kw):
 
 def _resume(rank, world, ckpt, kw, steps=2):
     """Load `ckpt` (fresh optimizer, as a converted checkpoint has none) and train `steps` more."""
-    from megatron.checkpointing import load_checkpoint
+    from megatron.checkpointing.torch_format import load_checkpoint
     t = _trainer(_cfg(world, load=ckpt, iters=2 + steps, **kw))
     assert load_checkpoint(t)
     params, copies = _shards(t, "param")

@@ -112,7 +112,7 @@ def _hf(args) -> int:
             model_fields, hf_dir = config["model"], args.save
             print(f"wrote Hugging Face {hf_config['architectures'][0]} ({len(sd)} tensors) to {args.save}")
         else:
-            from megatron.config import MegatronConfig, ModelConfig
+            from megatron.config.core import MegatronConfig, ModelConfig
             hf_config, sd = hf_gpt2.load_hf(args.load)
             arch = {"llama": hf_llama, "t5": hf_t5}.get(hf_config.get("model_type"), hf_gpt2)
             model_fields, full = arch.from_hf(hf_config, sd)

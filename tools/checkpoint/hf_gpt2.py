@@ -12,7 +12,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from megatron.config import ModelConfig
+from megatron.config.core import ModelConfig
 
 
 def _check(m: ModelConfig) -> None:

@@ -33,7 +33,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from megatron.config import ModelConfig
+from megatron.config.core import ModelConfig
 
 
 def _unequal_tables(m: ModelConfig, full: Dict[str, torch.Tensor]) -> list:

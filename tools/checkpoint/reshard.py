@@ -17,11 +17,11 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint_safety import UnsafeCheckpointError, safe_load
-from megatron.checkpointing import (CHECKPOINT_VERSION, TRACKER, _atomic_write_bytes, _write_manifest,
+from megatron.checkpointing.safety import UnsafeCheckpointError, safe_load
+from megatron.checkpointing.torch_format import (CHECKPOINT_VERSION, TRACKER, _atomic_write_bytes, _write_manifest,
                                     checkpoint_path, read_tracker)
-from megatron.config import ConfigError, ModelConfig
-from megatron.planner.static import stage_layer_split
+from megatron.config.core import ConfigError, ModelConfig
+from megatron.planner.schedule.static import stage_layer_split
 
 # Split along the output dimension (column-parallel and the vocabulary-parallel tables).
 _DIM0 = re.compile(r"(query_key_value|\.query|key_value|dense_h_to_4h|dense_h_to_4h_gate)\.(weight|bias)$"

@@ -1,0 +1,570 @@
+"""Checkpoints in Megatron's layout, written atomically, checksummed and validated on load.
+
+    <dir>/latest_checkpointed_iteration.txt
+    <dir>/iter_0000100/mp_rank_XX[_YYY]/model_optim_rng.pt          (XX = TP rank, YYY = PP rank)
+    <dir>/iter_0000100/mp_rank_XX[_YYY]/model_optim_rng.pt.sha256   (checksum, written after the file)
+    <dir>/iter_0000100/manifest.json                                (every file + sha256; marks it complete)
+
+What a checkpoint guarantees:
+- Each file is written to a temporary name, fsynced, renamed, and its directory fsynced, so a
+  crash or power loss at any point leaves either the old or the new file, never a torn one.
+- The manifest is written after every rank has finished (barrier), and the tracker moves only
+  after the manifest: the tracker never names an incomplete checkpoint.
+- Loading verifies each rank's file against its checksum. A corrupted or missing file makes
+  every rank fall back, together, to the newest older checkpoint that verifies, with a loud
+  message naming the file; if none verifies, loading fails. It never trains on corrupted state.
+- Stray temporaries of killed writers and iteration folders that a killed save left incomplete
+  (newer than the tracker, without a manifest) are removed by the next save or load.
+- Files get the mode a plain write would (0666 minus the umask), so a team can read them.
+Loading also compares the saved configuration with the current one and names every mismatch
+with its flag.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.checkpointing import dist_format as checkpointing_dist
+from megatron.checkpointing.hints import MUST_MATCH, _saved_layout, convert_hint, missing_load_dir_message  # noqa: F401
+from megatron.checkpointing.safety import UnsafeCheckpointError, numpy_rng_from_plain, numpy_rng_to_plain, safe_load
+from megatron.core.tensor_parallel.random import get_rng_tracker
+
+TRACKER = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def checkpoint_path(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    sub = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return os.path.join(root, f"iter_{iteration:07d}", sub, "model_optim_rng.pt")
+
+
+MANIFEST = "manifest.json"
+_TMP_PREFIX = ".tmp-"
+_ITER_RE = re.compile(r"^iter_(\d{7})$")
+_STAGED_RE = re.compile(r"^(iter_\d{7})\.(saving|replaced)$")
+
+
+def _file_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _fsync_dir(d: str) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return  # not supported on this platform / file system
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _HashingWriter:
+    """File wrapper that hashes what passes through, so a checkpoint is read from disk only once."""
+
+    def __init__(self, f):
+        self.f, self.h = f, hashlib.sha256()
+
+    def write(self, b):
+        self.h.update(b)
+        return self.f.write(b)
+
+    def flush(self):
+        self.f.flush()
+
+
+def _atomic_write_bytes(path: str, write_fn) -> str:
+    """Write via a temporary file + fsync + rename + directory fsync; returns the sha256 hex digest."""
+    d = os.path.dirname(path)
+    os.makedirs(d, exist_ok=True)
+    # The writer's host and pid in the name let a later run tell a dead writer's leftovers apart.
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            w = _HashingWriter(f)
+            write_fn(w)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, _file_mode())
+        os.replace(tmp, path)
+        _fsync_dir(d)
+        return w.h.hexdigest()
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _sha256_file(path: str) -> str:
+    return checkpointing_dist.sha256_digest(path).hex()
+
+
+def _is_stale_temporary(name: str, age_s: float, max_age_s: float) -> bool:
+    """A temporary is stale when its writer (same host) is dead, or, for another host's, when old."""
+    m = re.match(re.escape(_TMP_PREFIX) + r"(.+)-(\d+)-[^-]*$", name)
+    if m and m.group(1) == socket.gethostname():
+        try:
+            os.kill(int(m.group(2)), 0)
+            return False
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False  # alive, another user's
+    return age_s > max_age_s
+
+
+def remove_stale_files(root: str, max_age_s: float = 3600.0) -> list:
+    """Remove temporaries of dead writers and incomplete iteration folders newer than the tracker.
+
+    Called by rank 0 only, at a point where no rank of this job is writing. Returns what it removed."""
+    removed = []
+    if not os.path.isdir(root):
+        return removed
+    tracked = None
+    try:
+        tracked = read_tracker(root)
+    except CheckpointError:
+        pass
+    now = time.time()
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            if not name.startswith(_TMP_PREFIX):
+                continue
+            full = os.path.join(dirpath, name)
+            try:
+                age = now - os.path.getmtime(full)
+            except OSError:
+                continue
+            if _is_stale_temporary(name, age, max_age_s):
+                try:
+                    os.unlink(full)
+                    removed.append(full)
+                except OSError:
+                    pass
+    for name in sorted(os.listdir(root)):  # (".replaced" sorts before ".saving")
+        full = os.path.join(root, name)
+        m = _STAGED_RE.match(name)
+        if m:  # a torch_dist re-save of one iteration that did not finish (see _save_dist)
+            it_dir = os.path.join(root, m.group(1))
+            if m.group(2) == "replaced" and not os.path.isdir(it_dir):
+                os.replace(full, it_dir)  # killed between the two renames: the old save is the checkpoint
+            else:
+                shutil.rmtree(full, ignore_errors=True)
+            removed.append(full)
+            continue
+        m = _ITER_RE.match(name)
+        if not m or not os.path.isdir(full) or os.path.exists(os.path.join(full, MANIFEST)):
+            continue
+        it = int(m.group(1))
+        # A folder newer than the tracker was never completed (the tracker moves last); a folder
+        # holding no model file at all is a save killed before it wrote anything.
+        has_model = any(f == "model_optim_rng.pt" for _, _, fs in os.walk(full) for f in fs)
+        if (tracked is not None and it > tracked) or not has_model:
+            shutil.rmtree(full, ignore_errors=True)
+            removed.append(full)
+    return removed
+
+
+def rng_state() -> dict:
+    # Plain values only (no numpy arrays), so the file loads with torch.load(weights_only=True).
+    return {"random": random.getstate(), "numpy": numpy_rng_to_plain(np.random.get_state()),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": get_rng_tracker().get_states()}
+
+
+def set_rng_state(st: dict) -> None:
+    random.setstate(st["random"])
+    np.random.set_state(numpy_rng_from_plain(st["numpy"]))
+    torch.set_rng_state(st["torch"])
+    if st.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])
+    get_rng_tracker().set_states(st["tracker"])
+
+
+def _barrier():
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _all_ok(ok: bool) -> bool:
+    """True only if `ok` holds on every rank (so all ranks take the same branch)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return ok
+    t = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _checkpoint_files(root: str, iteration: int) -> list:
+    it_dir = os.path.join(root, f"iter_{iteration:07d}")
+    out = []
+    for dirpath, _dirs, files in os.walk(it_dir):
+        for f in files:
+            if f == "model_optim_rng.pt":
+                out.append(os.path.relpath(os.path.join(dirpath, f), it_dir))
+    return sorted(out)
+
+
+def _write_manifest(root: str, iteration: int) -> None:
+    it_dir = os.path.join(root, f"iter_{iteration:07d}")
+    entries = {}
+    for rel in _checkpoint_files(root, iteration):
+        full = os.path.join(it_dir, rel)
+        with open(full + ".sha256") as f:
+            digest = f.read().split()[0]
+        entries[rel] = {"sha256": digest, "bytes": os.path.getsize(full)}
+    body = json.dumps({"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION, "files": entries},
+                      indent=1, sort_keys=True).encode()
+    _atomic_write_bytes(os.path.join(it_dir, MANIFEST), lambda f: f.write(body))
+
+
+def save_checkpoint(trainer, root: Optional[str] = None) -> str:
+    cfg, ps = trainer.cfg, trainer.ps
+    root = root or cfg.checkpoint.save
+    if getattr(cfg.checkpoint, "ckpt_format", "torch") == "torch_dist":
+        return _save_dist(trainer, root)
+    path = checkpoint_path(root, trainer.iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
+    try:
+        if ps.rank == 0:
+            os.makedirs(root, exist_ok=True)
+            remove_stale_files(root)
+        _barrier()
+        opt_state = trainer.optimizer.state_dict()
+        if getattr(trainer.optimizer, "reduces_data_parallel_grads", False) and ps.dp_size > 1:
+            # Distributed optimizer: gather every DP rank's shard (with its range) into the file,
+            # so a run with another DP size can take its own ranges from it.
+            shards = [None] * ps.dp_size
+            dist.all_gather_object(shards, opt_state, group=ps.dp_group)
+            opt_state = shards
+        # Every rank: an extra state may gather across data parallelism (collective).
+        extras = {key: obj.state_dict() for key, obj in getattr(trainer, "extra_checkpoint_state", {}).items()}
+        if ps.dp_rank == 0:
+            state = {
+                "checkpoint_version": CHECKPOINT_VERSION,
+                "config": cfg.to_dict(),
+                "iteration": trainer.iteration,
+                "consumed_samples": trainer.consumed_samples,
+                "skipped_iters": trainer.skipped_iters,
+                "consumed_tokens": getattr(trainer, "consumed_tokens", 0),
+                "logger": trainer.logger.state_dict() if hasattr(trainer.logger, "state_dict") else {},
+                "model": {sid: m.state_dict() for sid, m in trainer.stages.items()},
+                "optimizer": opt_state,
+                "opt_param_scheduler": trainer.lr_scheduler.state_dict(),
+                "rng_state": rng_state(),
+            }
+            state.update(extras)
+            digest = _atomic_write_bytes(path, lambda f: torch.save(state, f))
+            _atomic_write_bytes(path + ".sha256", lambda f: f.write(f"{digest}  model_optim_rng.pt\n".encode()))
+        _barrier()
+        if ps.rank == 0:
+            # The manifest marks the iteration complete; only then may the tracker move to it.
+            _write_manifest(root, trainer.iteration)
+            _move_tracker(root, trainer.iteration)
+        _barrier()
+    except OSError as e:
+        raise _write_error(ps, root, e) from e
+    return path
+
+
+def _move_tracker(root: str, iteration: int, fmt: str = "") -> None:
+    """Rank 0, last step of both save formats (after the iteration's manifest, so the tracker
+    never names an incomplete checkpoint): point the tracker at `iteration`, atomically (a
+    reader sees the old number or the new one), and say so."""
+    _atomic_write_bytes(os.path.join(root, TRACKER), lambda f: f.write(f"{iteration}\n".encode()))
+    print(f"saved checkpoint{f' ({fmt})' if fmt else ''} at iteration {iteration} to {root}", flush=True)
+
+
+def _write_error(ps, root: str, e: OSError) -> CheckpointError:
+    return CheckpointError(f"{ps.describe()}: cannot write checkpoint under --save {root}: "
+                           f"{e.strerror or e} ({e.filename or root}); check the folder exists, is "
+                           f"writable and has free space")
+
+
+def _common_state(trainer) -> dict:
+    opt = trainer.optimizer
+    return {"checkpoint_version": CHECKPOINT_VERSION, "format": "torch_dist",
+            "config": json.loads(json.dumps(trainer.cfg.to_dict(), default=str)),
+            "iteration": trainer.iteration, "consumed_samples": trainer.consumed_samples,
+            "skipped_iters": trainer.skipped_iters, "consumed_tokens": getattr(trainer, "consumed_tokens", 0),
+            "logger": trainer.logger.state_dict() if hasattr(trainer.logger, "state_dict") else {},
+            "opt_param_scheduler": trainer.lr_scheduler.state_dict(),
+            "grad_scaler": opt.grad_scaler.state_dict() if getattr(opt, "grad_scaler", None) else None}
+
+
+def _save_dist(trainer, root: str) -> str:
+    """--ckpt-format torch_dist: DCP shards from every rank, then (rank 0) common.json, the
+    manifest and the tracker, in that order, so the tracker never names an incomplete folder."""
+    ps = trainer.ps
+    it_dir = os.path.join(root, f"iter_{trainer.iteration:07d}")
+    # A complete save of this iteration may exist (a final save after an interval save): the new
+    # one is written beside it and swapped in by two renames, so a crash never leaves neither.
+    try:
+        if ps.rank == 0:
+            os.makedirs(root, exist_ok=True)
+            remove_stale_files(root)
+        _barrier()
+        stage = it_dir + ".saving" if os.path.isdir(it_dir) else it_dir  # decided after the cleanup,
+        _barrier()  # and by every rank before any creates it_dir
+        checkpointing_dist.save(trainer, stage)
+        _barrier()
+        files = checkpointing_dist.file_digests(stage, checkpointing_dist.shard_files(stage), ps.rank,
+                                                ps.world_size if dist.is_initialized() else 1)
+        if ps.rank == 0:
+            body = checkpointing_dist.common_bytes(trainer, _common_state(trainer))
+            _atomic_write_bytes(os.path.join(stage, checkpointing_dist.COMMON), lambda f: f.write(body))
+            files[checkpointing_dist.COMMON] = {"sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body)}
+            man = json.dumps({"iteration": trainer.iteration, "checkpoint_version": CHECKPOINT_VERSION,
+                              "format": "torch_dist", "files": files}, indent=1, sort_keys=True).encode()
+            _atomic_write_bytes(os.path.join(stage, MANIFEST), lambda f: f.write(man))
+            if stage != it_dir:
+                os.replace(it_dir, it_dir + ".replaced")
+                os.replace(stage, it_dir)
+                _fsync_dir(root)
+                shutil.rmtree(it_dir + ".replaced", ignore_errors=True)
+            _move_tracker(root, trainer.iteration, "torch_dist")
+        _barrier()
+    except OSError as e:
+        raise _write_error(ps, root, e) from e
+    return it_dir
+
+
+def _load_dist(trainer, root: str, tracked: int) -> bool:
+    """The newest torch_dist checkpoint at or below the tracked iteration that verifies (every
+    rank checks a share of its files against the manifest; all agree), as the torch format does."""
+    ps = trainer.ps
+    first = None
+    for iteration in [tracked] + _older_complete_iterations(root, tracked):
+        problem = checkpointing_dist.verify(os.path.join(root, f"iter_{iteration:07d}"), MANIFEST, ps.rank,
+                                            ps.world_size)
+        if _all_ok(problem is None):
+            if iteration != tracked and ps.rank == 0:
+                print(f"WARNING: loading iteration {iteration} instead of the tracked iteration {tracked}, whose "
+                      f"files do not verify; training resumes from the older state", file=sys.stderr, flush=True)
+            return _read_dist(trainer, root, iteration)
+        if problem:
+            print(f"CHECKPOINT CORRUPT: {ps.describe()}: {problem}", file=sys.stderr, flush=True)
+            first = first or problem
+    raise CheckpointError(f"{ps.describe()}: no torch_dist checkpoint under --load {root} verifies (tracked iteration "
+                          f"{tracked} and every older complete one failed; {first or 'see the other ranks'})")
+
+
+def _read_dist(trainer, root: str, iteration: int) -> bool:
+    cfg, ps = trainer.cfg, trainer.ps
+    it_dir = os.path.join(root, f"iter_{iteration:07d}")
+    try:
+        common = checkpointing_dist.read_common(it_dir)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    current = json.loads(json.dumps(cfg.to_dict(), default=str))
+    # Only the model's shape must match: the layout is free (that is what the format is for).
+    problems = [f"{flag}: checkpoint has {common['config'].get(sec, {}).get(key)}, this run has {current.get(sec, {}).get(key)}"
+         for sec, key, flag in MUST_MATCH if sec == "model"
+         and common["config"].get(sec, {}).get(key) != current.get(sec, {}).get(key)]
+    if problems:
+        raise CheckpointError(f"checkpoint {it_dir} does not match this run:\n  " + "\n  ".join(problems))
+    load_optim = not cfg.checkpoint.no_load_optim and not cfg.checkpoint.finetune
+    try:
+        checkpointing_dist.load(trainer, it_dir, common, load_optim,
+                                not cfg.checkpoint.no_load_rng and not cfg.checkpoint.finetune,
+                                not cfg.checkpoint.finetune)
+    except (ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{ps.describe()}: cannot read torch_dist checkpoint {it_dir}: {e}") from None
+    if not cfg.checkpoint.finetune:
+        trainer.iteration = common["iteration"]
+        trainer.consumed_samples = common["consumed_samples"]
+        trainer.skipped_iters = common.get("skipped_iters", 0)
+        trainer.consumed_tokens = common.get("consumed_tokens", 0)
+        if hasattr(trainer.logger, "load_state_dict"):
+            trainer.logger.load_state_dict(common.get("logger", {}))
+        if load_optim:
+            trainer.lr_scheduler.load_state_dict(common["opt_param_scheduler"])
+            gs = getattr(trainer.optimizer, "grad_scaler", None)
+            if gs is not None and common.get("grad_scaler"):
+                gs.load_state_dict(common["grad_scaler"])
+        else:
+            trainer.lr_scheduler.num_steps = trainer.iteration
+    _barrier()
+    if ps.rank == 0:
+        print(f"loaded checkpoint (torch_dist) {root} at iteration {trainer.iteration}", flush=True)
+    return True
+
+
+def read_tracker(root: str) -> Optional[int]:
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.exists(tracker):
+        return None
+    text = open(tracker).read().strip()
+    if text == "release":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{tracker}: expected an iteration number, found {text[:40]!r}; "
+                              f"the tracker file is corrupt (fix it or point --load elsewhere)") from None
+
+
+def config_mismatches(saved: dict, current: dict) -> list:
+    out = []
+    for section, key, flag in MUST_MATCH:
+        a = saved.get(section, {}).get(key)
+        b = current.get(section, {}).get(key)
+        if a != b:
+            out.append(f"{flag}: checkpoint has {a}, this run has {b}")
+    return out
+
+
+def _verify_file(path: str) -> Optional[str]:
+    """None when `path` matches its recorded checksum, else why not. Files saved before checksums
+    existed (no .sha256 beside them) are accepted as they are."""
+    if not os.path.exists(path):
+        return "the file is missing"
+    side = path + ".sha256"
+    if not os.path.exists(side):
+        it_dir = os.path.dirname(os.path.dirname(path))
+        if os.path.exists(os.path.join(it_dir, MANIFEST)):
+            return f"its checksum file {side} is missing"
+        return None
+    try:
+        with open(side) as f:
+            expected = f.read().split()[0]
+    except (OSError, IndexError):
+        return f"its checksum file {side} is unreadable"
+    actual = _sha256_file(path)
+    if actual != expected:
+        return f"sha256 {actual[:16]}... does not match the recorded {expected[:16]}... (the file is corrupted)"
+    return None
+
+
+def _listed_in_manifest(root: str, iteration: int, path: str) -> bool:
+    it_dir = os.path.join(root, f"iter_{iteration:07d}")
+    try:
+        with open(os.path.join(it_dir, MANIFEST)) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return os.path.relpath(path, it_dir) in files
+
+
+def _older_complete_iterations(root: str, below: int) -> list:
+    out = []
+    for name in os.listdir(root):
+        m = _ITER_RE.match(name)
+        if m and int(m.group(1)) < below and os.path.exists(os.path.join(root, name, MANIFEST)):
+            out.append(int(m.group(1)))
+    return sorted(out, reverse=True)
+
+
+def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
+    """Load the latest checkpoint under `root` (--load) that verifies. Returns False if there is none.
+
+    Every rank verifies its own file; if any rank's file is corrupt or missing, all ranks fall back
+    together to the newest older complete checkpoint, and the bad file is named loudly."""
+    cfg, ps = trainer.cfg, trainer.ps
+    root = root or cfg.checkpoint.load
+    missing = missing_load_dir_message(root, cfg.checkpoint.save)
+    if missing:
+        raise CheckpointError(missing)
+    if ps.rank == 0 and os.path.isdir(root) and os.access(root, os.W_OK):
+        for gone in remove_stale_files(root):
+            print(f"checkpoint: removed {gone} (left by an interrupted save)", flush=True)
+    _barrier()
+    tracked = read_tracker(root)
+    if tracked is None:
+        if ps.rank == 0:
+            print(f"warning: no {TRACKER} under --load {root}; starting from scratch", flush=True)
+        return False
+    if checkpointing_dist.is_dist_checkpoint(os.path.join(root, f"iter_{tracked:07d}")):
+        return _load_dist(trainer, root, tracked)
+    iteration, path = tracked, None
+    for iteration in [tracked] + _older_complete_iterations(root, tracked):
+        path = checkpoint_path(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
+        problem = _verify_file(path)
+        not_in_layout = problem is not None and not os.path.exists(path) and not _listed_in_manifest(root, iteration, path)
+        if not _all_ok(not not_in_layout):
+            # A layout mismatch, not corruption: falling back would only hide the real problem.
+            it_dir = os.path.join(root, f"iter_{iteration:07d}")
+            hint = ""
+            if os.path.isdir(it_dir):
+                hint = f" (it holds {sorted(os.listdir(it_dir))}: was it saved with another TP/PP layout?)"
+            what = f"checkpoint file {path} is missing{hint}" if not_in_layout else \
+                f"another rank's checkpoint file under {it_dir} is missing (was it saved with another TP/PP layout?)"
+            if _saved_layout(it_dir) not in (None, (ps.tp_size, ps.pp_size)) and cfg.parallel.stage_parallel is None:
+                what += "; " + convert_hint(root, iteration, ps.tp_size, ps.pp_size)
+            raise CheckpointError(f"{ps.describe()}: {what}")
+        if problem is not None:
+            print(f"CHECKPOINT CORRUPT: {ps.describe()}: {path}: {problem}", file=sys.stderr, flush=True)
+        if _all_ok(problem is None):
+            break
+        if ps.rank == 0:
+            print(f"CHECKPOINT: iteration {iteration} under {root} failed verification on at least one rank; "
+                  f"trying an older complete checkpoint", file=sys.stderr, flush=True)
+    else:
+        raise CheckpointError(f"{ps.describe()}: no checkpoint under --load {root} verifies (tracked iteration "
+                              f"{tracked} and every older complete one failed); see the CHECKPOINT CORRUPT lines")
+    if iteration != tracked and ps.rank == 0:
+        print(f"WARNING: loading iteration {iteration} instead of the tracked iteration {tracked}, whose files are "
+              f"corrupt; training resumes from the older state", file=sys.stderr, flush=True)
+    try:
+        state = safe_load(path)
+    except UnsafeCheckpointError as e:
+        raise CheckpointError(f"{ps.describe()}: {e}") from None
+    except Exception as e:  # truncated or foreign file without a checksum
+        raise CheckpointError(f"{ps.describe()}: cannot read checkpoint {path}: {e}") from e
+    problems = config_mismatches(state.get("config", {}), cfg.to_dict())
+    if problems:
+        if any(p.startswith(("--tensor-model", "--pipeline-model-parallel-size")) for p in problems) \
+                and cfg.parallel.stage_parallel is None:
+            problems.append(convert_hint(root, iteration, ps.tp_size, ps.pp_size))
+        raise CheckpointError(f"checkpoint {path} does not match this run:\n  " + "\n  ".join(problems))
+    for sid, m in trainer.stages.items():
+        if sid not in state["model"]:
+            raise CheckpointError(f"checkpoint {path} has no weights for pipeline stage {sid}")
+        m.load_state_dict(state["model"][sid])
+    if cfg.checkpoint.finetune:
+        _barrier()
+        return True
+    trainer.iteration = state["iteration"]
+    trainer.consumed_samples = state["consumed_samples"]
+    trainer.skipped_iters = state.get("skipped_iters", 0)
+    trainer.consumed_tokens = state.get("consumed_tokens", 0)
+    if hasattr(trainer.logger, "load_state_dict"):
+        trainer.logger.load_state_dict(state.get("logger", {}))
+    for key, obj in getattr(trainer, "extra_checkpoint_state", {}).items():
+        if key in state:
+            obj.load_state_dict(state[key])
+    if not cfg.checkpoint.no_load_optim and state.get("optimizer") is not None:
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.lr_scheduler.load_state_dict(state["opt_param_scheduler"])
+    else:
+        if state.get("optimizer") is None and ps.rank == 0 and not cfg.checkpoint.no_load_optim:
+            print(f"note: {path} holds no optimizer state (a converted checkpoint); the optimizer starts fresh "
+                  f"at iteration {trainer.iteration}", flush=True)
+        trainer.lr_scheduler.num_steps = trainer.iteration
+    if not cfg.checkpoint.no_load_rng and state.get("rng_state") is not None:
+        set_rng_state(state["rng_state"])
+    _barrier()
+    if ps.rank == 0:
+        print(f"loaded checkpoint {root} at iteration {trainer.iteration}", flush=True)
+    return True

@@ -1,8 +1,0 @@
-"""The planners' C++ inner loops (megatron/planner/partition.cpp, built by setup.py), or None.
-
-Without the build (a source checkout without `pip install -e .`) every caller runs its numpy or
-Python version instead: same plans, slower. One import point, so the check is made once."""
-try:
-    from megatron.planner import partition_cpp as cpp
-except ImportError:
-    cpp = None

@@ -1,0 +1,88 @@
+"""What a DynaPipe planner worker process runs for one iteration.
+
+Kept free of torch (numpy and the planner only) so that plan-service workers, started as
+processes of their own by a fork server, come up in well under a second. `plan_fn` objects
+are `functools.partial`s of `plan_iteration`, pickled to the workers.
+
+With `trace_dir`, the simulated timeline of the first `trace_iters` iterations planned by
+this run is written as a Chrome/Perfetto trace, one file per iteration
+(``iter_0000012.sim.json``): one process row per (DP group, pipeline rank), compute ops on
+thread 0, transfers on thread 1, the activation-memory counter beside them.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import numpy as np
+
+_PLANNERS: dict = {}
+
+
+def planner_for(config):
+    """One planner (and its cost caches) per worker process and config."""
+    from megatron.planner.dynapipe.planner import DynaPipePlanner
+    key = repr(config)
+    planner = _PLANNERS.get(key)
+    if planner is None:
+        planner = _PLANNERS[key] = DynaPipePlanner(config)
+    return planner
+
+
+def trace_path(trace_dir: str, iteration: int, kind: str = "sim") -> str:
+    return os.path.join(trace_dir, f"iter_{iteration:07d}.{kind}.json")
+
+
+def iteration_trace(plan) -> dict:
+    """One Chrome trace for every DP group of an iteration plan (needs the SimResults)."""
+    events = []
+    for g, group in enumerate(plan.groups):
+        if group.result is None:
+            raise ValueError(f"iteration {plan.iteration}: group {g} has no simulation result to trace")
+        S = len(group.result.orders)
+        for ev in group.result.chrome_trace()["traceEvents"]:
+            ev = dict(ev)
+            ev["pid"] = g * S + ev["pid"]
+            if ev.get("ph") == "M":
+                ev["args"] = {"name": f"DP group {g} / pipeline rank {ev['pid'] - g * S}"}
+            events.append(ev)
+    # simulated_ms is the step: the slowest group's pipeline (pipeline_ms, the trace's length) plus
+    # the table's calibrated work outside it (planner/calibration.py)
+    meta = {"iteration": plan.iteration, "recompute": plan.recompute, "simulated_ms": plan.makespan_ms,
+            "pipeline_ms": max(gp.makespan_ms for gp in plan.groups),
+            "schedules": [gp.schedule for gp in plan.groups],
+            "microbatch_shapes": [[list(map(list, s)) for s in gp.shapes] for gp in plan.groups],
+            "padding_efficiency": plan.padding_efficiency}
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}
+
+
+def write_json_atomic(path: str, obj) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def strip(plan):
+    """Drop what ranks do not need (simulator results, compute orders: large)."""
+    for g in plan.groups:
+        g.result = None
+        g.compute_orders = []
+    return plan
+
+
+def plan_iteration(config, lengths: np.ndarray, bounds: np.ndarray, first_iteration: int, validate_iters: int,
+                   iteration: int, trace_dir: Optional[str] = None, trace_iters: int = 0):
+    """Plan global batch `iteration` (samples bounds[k]:bounds[k+1], k = iteration - first_iteration)."""
+    k = iteration - first_iteration
+    if not 0 <= k < len(bounds) - 1:
+        raise IndexError(f"iteration {iteration} is outside the laid-out global batches "
+                         f"{first_iteration}..{first_iteration + len(bounds) - 2}")
+    lo, hi = int(bounds[k]), int(bounds[k + 1])
+    validate = validate_iters < 0 or iteration <= validate_iters
+    plan = planner_for(config).plan(lengths[lo:hi].tolist(), iteration=iteration, validate=validate)
+    if trace_dir and k < trace_iters:
+        os.makedirs(trace_dir, exist_ok=True)
+        write_json_atomic(trace_path(trace_dir, iteration), iteration_trace(plan))
+    return strip(plan)

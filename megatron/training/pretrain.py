@@ -1,0 +1,175 @@
+"""Wiring shared by the entry points: process groups, tokenizer, datasets, model stages,
+planner, trainer, checkpoints. `run_pretraining(cfg)` returns the process exit code."""
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch.distributed as dist
+
+from megatron.training import interrupt
+from megatron.training.batching import gpt_microbatch
+from megatron.checkpointing.torch_format import CheckpointError, load_checkpoint, save_checkpoint
+from megatron.config.core import MegatronConfig
+from megatron.training.initialize import initialize_megatron
+from megatron.training.logging import gpt_flops_per_sample, print_rank_0
+from megatron.planner.passes.compression import grad_compression_pass
+
+
+def tokenizer_from_config(cfg: MegatronConfig):
+    d = cfg.data
+    if d.tokenizer_type is None:
+        return None
+    from megatron.tokenizer import build_tokenizer
+    return build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+                           tokenizer_model=d.tokenizer_model, vocab_size=cfg.model.vocab_size,
+                           vocab_extra_ids=d.vocab_extra_ids)
+
+
+def sample_counts(cfg: MegatronConfig):
+    """(train, validation) samples a run consumes: datasets are built to exactly that size."""
+    t = cfg.training
+    n_train = t.train_iters * t.global_batch_size
+    n_valid = (t.train_iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size
+    return n_train, n_valid
+
+
+def gpt_datasets(cfg: MegatronConfig):
+    t = cfg.training
+    n_train, n_valid = sample_counts(cfg)
+    if cfg.data.mock_data:
+        from megatron.data.mock_dataset import MockGPTDataset
+        return (MockGPTDataset(n_train, cfg.model.seq_length, cfg.model.vocab_size, t.seed),
+                MockGPTDataset(n_valid, cfg.model.seq_length, cfg.model.vocab_size, t.seed + 1))
+    from megatron.data.gpt_dataset import build_gpt_datasets
+    train, valid, _ = build_gpt_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length, t.seed,
+                                         (n_train, n_valid, 0), cfg.data.data_cache_path)
+    return train, valid
+
+
+def build_gpt_trainer(cfg: MegatronConfig, ps, device):
+    from megatron.models.gpt import (build_gpt_stages, gpt_activation_shapes, num_model_chunks,
+                                     tied_embedding_params)
+    from megatron.training.trainer import FixedBatchPlanner, Trainer
+    from megatron.training.trainer import gpt_microbatch_shapes
+    tokenizer = tokenizer_from_config(cfg)
+    if tokenizer is not None:
+        cfg.model.vocab_size = tokenizer.vocab_size
+    stages = build_gpt_stages(cfg, ps)
+    chunks = num_model_chunks(cfg)
+    plan_pass = grad_compression_pass(cfg)
+    if ps.stage_layouts:
+        from megatron.planner.passes.layout import layout_pass
+        split, marked = layout_pass(ps.stage_layouts, cfg.model.sequence_parallel), plan_pass
+        # Compressed gradient messages are marked per stage, then split into row pieces.
+        plan_pass = split if marked is None else (lambda plans: split(marked(plans)))
+    planner = FixedBatchPlanner(cfg.parallel.pipeline_schedule, ps.pp_size, chunks,
+                                # per-stage TP: the layout pass cuts each rank's block of the sequence
+                                lambda shapes: gpt_activation_shapes(cfg.model, shapes,
+                                                                     1 if ps.stage_layouts else ps.tp_size),
+                                cfg.training.recompute_level, cfg.training.params_dtype_name,
+                                plan_pass=plan_pass)
+    tied = [] if cfg.model.untie_embeddings_and_output_weights else tied_embedding_params(stages, ps.pp_size * chunks)
+    flops = gpt_flops_per_sample(cfg.model, cfg.model.padded_vocab_size(ps.tp_size))
+    if cfg.data.targets_data_path:
+        if cfg.terapipe.enabled and not cfg.data.dynapipe:  # the same batches (fixed or packed rows), sliced
+            # (with --dynapipe the DynaPipe planner slices its own micro-batches)
+            from megatron.training.terapipe import terapipe_planner
+            planner = terapipe_planner(cfg, ps)
+        source = supervised_source(cfg, ps, tokenizer, planner, gpt_microbatch_shapes)
+        trainer = Trainer(cfg, ps, device, stages, tied_params=tied, flops_per_sample=flops, batch_source=source,
+                          train_ds=None, collate_fn=None, valid_source=source.valid_source)
+        if cfg.terapipe.enabled:  # dropout keyed by token position, as terapipe_training
+            from megatron.training.terapipe import keyed_dropout
+            keyed_dropout(trainer, cfg, ps)
+        return trainer
+    train_ds, valid_ds = gpt_datasets(cfg)
+    if cfg.terapipe.enabled:
+        from megatron.training.terapipe import terapipe_trainer
+        return terapipe_trainer(cfg, ps, device, stages, train_ds, valid_ds, tied, flops)
+    return Trainer(cfg, ps, device, stages, train_ds=train_ds, valid_ds=valid_ds, collate_fn=gpt_microbatch,
+                   planner=planner, tied_params=tied, flops_per_sample=flops)
+
+
+def supervised_source(cfg: MegatronConfig, ps, tokenizer, planner, shapes_fn):
+    """Batch source for multi-task (inputs, targets) data: DynaPipe, packing or fixed micro-batches."""
+    from megatron.data.supervised_dataset import build_supervised_datasets
+    from megatron.training.supervised import (BaselineSource, DynaPipeSource, dynapipe_planner_config,
+                                              supervised_valid_source, tokenizer_ids)
+    if tokenizer is None:
+        raise ValueError("multi-task data (--targets-data-path) needs --tokenizer-type for its pad/eod ids")
+    train, valid, _ = build_supervised_datasets(cfg.data.data_path, cfg.data.targets_data_path, cfg.data.split)
+    if train is None:
+        raise ValueError(f"--split {cfg.data.split} leaves no training pairs")
+    ids = tokenizer_ids(tokenizer)
+    if cfg.data.dynapipe:
+        source = DynaPipeSource(cfg, ps, train, ids, dynapipe_planner_config(cfg, ps),
+                                cfg.data.dynapipe_planner_workers, cfg.data.dynapipe_lookahead)
+    else:
+        source = BaselineSource(cfg, ps, train, ids, planner, shapes_fn, pack=cfg.data.pack_dataset)
+    source.valid_source = supervised_valid_source(cfg, ps, valid, ids)  # the Trainer's valid_source
+    return source
+
+
+def _save_whole(trainer) -> None:
+    """save_checkpoint with Ctrl-C held back until the checkpoint is complete and named."""
+    with interrupt.deferred():
+        save_checkpoint(trainer)
+
+
+def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int:
+    interrupt.install()
+    trainer = None
+    try:
+        ps, device = initialize_megatron(cfg)
+    except KeyboardInterrupt:
+        interrupt.uninstall()
+        return interrupt.report(cfg.checkpoint.save)
+    except BaseException:
+        interrupt.uninstall()
+        raise
+    try:
+        if cfg.data.tokens_per_global_batch and cfg.data.targets_data_path:
+            how = "dynapipe" if cfg.data.dynapipe else "packing" if cfg.data.pack_dataset else "fixed micro-batches"
+            batch = f"global batches of <= {cfg.data.tokens_per_global_batch} tokens ({how})"
+        else:
+            batch = (f"global batch {cfg.training.global_batch_size} = {cfg.num_microbatches} micro-batches x "
+                     f"{cfg.training.micro_batch_size} x DP {ps.dp_size}")
+        if ps.stage_layouts:
+            layers = cfg.parallel.pipeline_stage_layers or [cfg.model.num_layers // ps.pp_size] * ps.pp_size
+            layout = "stages " + " | ".join(f"TP{t}xDP{d} ({n} layers)" for (t, d), n in zip(ps.stage_layouts, layers))
+            batch = (f"global batch {cfg.training.global_batch_size} = {cfg.num_microbatches} pipeline micro-batches "
+                     f"of {cfg.training.micro_batch_size}, split over each stage's DP ranks")
+        else:
+            layout = f"TP={ps.tp_size} PP={ps.pp_size} DP={ps.dp_size}"
+        print_rank_0(f"> {cfg.model.model_type.upper()}: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
+                     f"{layout}, {batch}")
+        trainer = build_trainer(cfg, ps, device)
+        if cfg.checkpoint.load:
+            load_checkpoint(trainer)
+        trainer.train(save_fn=_save_whole if cfg.checkpoint.save else None)
+        if cfg.checkpoint.save and (not cfg.checkpoint.save_interval
+                                    or trainer.iteration % cfg.checkpoint.save_interval != 0):
+            _save_whole(trainer)
+        return 0
+    except KeyboardInterrupt:
+        return interrupt.report(cfg.checkpoint.save, trainer)
+    except CheckpointError as e:
+        if interrupt.received():
+            return interrupt.report(cfg.checkpoint.save, trainer)
+        print(f"{ps.describe()}: checkpoint error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except Exception:
+        if interrupt.received():  # a peer stopped first and our collective failed: same Ctrl-C
+            return interrupt.report(cfg.checkpoint.save, trainer)
+        print(f"{ps.describe()}: training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        from megatron.core import heartbeat
+        heartbeat.shutdown()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        interrupt.uninstall()

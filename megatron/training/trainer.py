@@ -1,0 +1,550 @@
+"""pretrain(): data -> planner -> executor -> gradient reduction -> optimizer -> log/checkpoint.
+
+Every step runs planner-written `ExecutionPlan`s through `PipelineExecutor`, also at PP=1, so
+a new schedule (DynaPipe, TeraPipe, ...) is a new planner, not a new training loop.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.config.core import MegatronConfig
+from megatron.core.distributed import allreduce_data_parallel_grads, allreduce_embedding_grads
+from megatron.core.optimizer import LRScheduler, MegatronOptimizer
+from megatron.core.parallel_state import ParallelState
+from megatron.data.samplers import MegatronPretrainingSampler
+from megatron.training.logging import MetricsLogger, print_rank_last
+from megatron.pipeline.executor import PipelineExecutor
+from megatron.pipeline.p2p import DTYPES, P2PCommunicator
+from megatron.pipeline.validator import validate_plans
+from megatron.planner.schedule.static import build_static_plans
+
+
+class FixedBatchPlanner:
+    """Megatron's static schedules (1F1B / GPipe / interleaved) for fixed-shape micro-batches.
+
+    Plans depend only on the micro-batch shapes, so they are built (and validated) once per
+    distinct shape set and reused. The cache is bounded: the fixed-micro-batch baseline on
+    multi-task data meets a new shape set almost every iteration."""
+
+    CACHE_SIZE = 64
+
+    def __init__(self, schedule: str, pp_size: int, num_model_chunks: int, activation_shapes_fn: Callable,
+                 recompute: str, dtype: str, plan_pass: Optional[Callable[[list], list]] = None):
+        self.schedule = "interleaved" if num_model_chunks > 1 else schedule
+        self.pp_size, self.num_model_chunks = pp_size, num_model_chunks
+        self.activation_shapes_fn, self.recompute, self.dtype = activation_shapes_fn, recompute, dtype
+        self._cache: "collections.OrderedDict[tuple, list]" = collections.OrderedDict()
+        # Rewrites all ranks' plans after lowering, e.g. marking compressed gradient messages.
+        self.plan_pass = plan_pass
+
+    def plans(self, iteration: int, microbatch_shapes: Sequence[tuple]) -> list:
+        key = tuple(microbatch_shapes)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+        else:
+            if len(self._cache) >= self.CACHE_SIZE:
+                self._cache.popitem(last=False)
+            plans = build_static_plans(
+                self.schedule, len(microbatch_shapes), self.pp_size, self.num_model_chunks,
+                list(microbatch_shapes), self.activation_shapes_fn(list(microbatch_shapes)),
+                recompute=self.recompute, dtype=self.dtype, iteration=iteration)
+            if self.plan_pass is not None:
+                plans = self.plan_pass(plans)
+                validate_plans(plans)
+            self._cache[key] = plans
+        return [dataclasses.replace(p, iteration=iteration) for p in self._cache[key]]
+
+
+@dataclasses.dataclass
+class IterationWork:
+    """What one rank runs in one iteration: its micro-batches (this DP rank's), the plan of
+    its pipeline rank, how many samples the whole global batch consumed, and planner info
+    for the log (micro-batch shapes, padding efficiency, planning / simulated time, ...)."""
+    microbatches: List[dict]
+    plan: object
+    num_samples: int
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+class FixedBatchSource:
+    """Megatron's fixed global batches (--global-batch-size of --micro-batch-size samples)
+    with a static schedule from `FixedBatchPlanner`."""
+
+    def __init__(self, cfg: MegatronConfig, ps: ParallelState, dataset, collate_fn: Callable,
+                 planner: FixedBatchPlanner, shapes_fn: Callable):
+        self.cfg, self.ps, self.dataset = cfg, ps, dataset
+        self.collate_fn, self.planner, self.shapes_fn = collate_fn, planner, shapes_fn
+
+    def next(self, iteration: int, consumed_samples: int) -> IterationWork:
+        t = self.cfg.training
+        n = len(self.dataset)
+        if consumed_samples + t.global_batch_size > n:
+            raise RuntimeError(f"the dataset has {n} samples but iteration {iteration} needs sample "
+                               f"{consumed_samples + t.global_batch_size - 1}; build it for --train-iters x "
+                               "--global-batch-size samples")
+        # With per-stage DP sizes --micro-batch-size is the pipeline micro-batch: this rank takes
+        # its stage's share of each one, and plans are made for the whole micro-batches.
+        split = self.ps.dp_size if self.ps.stage_layouts else 1
+        sampler = MegatronPretrainingSampler(n, consumed_samples, t.micro_batch_size // split, self.ps.dp_rank,
+                                             self.ps.dp_size)
+        idx = list(itertools.islice(sampler, self.cfg.num_microbatches))
+        mbs = [self.collate_fn([self.dataset[i] for i in ids]) for ids in idx]
+        shapes = [tuple((s[0] * split,) + tuple(s[1:]) for s in self.shapes_fn(mb)) for mb in mbs]
+        plan = self.planner.plans(iteration, shapes)[self.ps.plan_rank]
+        return IterationWork(mbs, plan, t.global_batch_size)
+
+
+def gpt_microbatch_shapes(mb: dict) -> tuple:
+    """LoadInput shapes of a GPT micro-batch: ((b, s),)."""
+    return (tuple(mb["tokens"].shape),)
+
+
+def real_tokens(mb: dict) -> int:
+    """Non-padding input tokens of a micro-batch (collates of padded data record the count)."""
+    if "num_real_tokens" in mb:
+        return int(mb["num_real_tokens"])
+    if "tokens" in mb:
+        return int(mb["tokens"].numel())
+    return int(mb["text_enc"].numel() + mb["text_dec"].numel())
+
+
+def _all_reduce_sum(values, group, size: int, device: Optional[torch.device] = None) -> List[float]:
+    """Sum of `values` (floats, or a float64 tensor already on the device) over `group`, read
+    back with one host sync. The collective runs on `device`: NCCL has no CPU tensors."""
+    if torch.is_tensor(values):
+        t = values.to(device=device or values.device, dtype=torch.float64)
+    else:
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+    if group is not None and size > 1:
+        dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+class PerDataParallelRank:
+    """Checkpoint adapter for state that differs between data-parallel replicas (compression
+    residuals): every DP rank's state is gathered into the one file its (TP, PP) rank writes,
+    and each rank takes its own entry back on load. A different DP size starts it afresh."""
+
+    def __init__(self, obj, ps: ParallelState):
+        self.obj, self.ps = obj, ps
+
+    def state_dict(self) -> dict:
+        mine = self.obj.state_dict()
+        if self.ps.dp_size == 1 or self.ps.dp_group is None:
+            return {"dp_size": 1, "per_rank": [mine]}
+        gathered = [None] * self.ps.dp_size
+        dist.all_gather_object(gathered, mine, group=self.ps.dp_group)
+        return {"dp_size": self.ps.dp_size, "per_rank": gathered}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("dp_size") != self.ps.dp_size:
+            if self.ps.rank == 0:
+                print(f"note: compression state was saved with data-parallel size {sd.get('dp_size')}, this run has "
+                      f"{self.ps.dp_size}: residuals and warm starts begin afresh", flush=True)
+            return
+        self.obj.load_state_dict(sd["per_rank"][self.ps.dp_rank])
+
+
+class Trainer:
+    def __init__(self, cfg: MegatronConfig, ps: ParallelState, device: torch.device,
+                 stages: Dict[int, nn.Module], *, train_ds=None, valid_ds=None, collate_fn: Optional[Callable] = None,
+                 planner=None, tied_params: List[nn.Parameter], flops_per_sample: float = 0.0,
+                 shapes_fn: Optional[Callable] = None, batch_source=None, valid_source=None,
+                 extra_tied_groups: Sequence[tuple] = ()):
+        self.cfg, self.ps, self.device = cfg, ps, device
+        self.stages = stages
+        for m in stages.values():
+            m.to(device)
+        self.modules = [stages[k] for k in sorted(stages)]
+        self.tied_params = tied_params
+        # (params, group) pairs whose gradients are summed like tied embeddings, e.g. T5's learned
+        # position tables shared by the first encoder and first decoder stage.
+        self.extra_tied_groups = list(extra_tied_groups)
+        shapes_fn = shapes_fn or gpt_microbatch_shapes
+        self.batch_source = batch_source or FixedBatchSource(cfg, ps, train_ds, collate_fn, planner, shapes_fn)
+        if valid_source is None and valid_ds is not None and planner is not None:
+            valid_source = FixedBatchSource(cfg, ps, valid_ds, collate_fn, planner, shapes_fn)
+        self.valid_source = valid_source
+        t = cfg.training
+        self.lr_scheduler = LRScheduler(t)
+        self.sequence_parallel_params = [p for m in self.modules for p in m.parameters()
+                                         if getattr(p, "sequence_parallel", False)]
+        from megatron.core.distributed import BUCKET_NUMEL, OverlappedGradReducer
+        self.bucket_numel = t.ddp_bucket_size or BUCKET_NUMEL
+        if t.use_distributed_optimizer:
+            from megatron.core.distributed_optimizer import DistributedOptimizer
+            # Gradients the tied-embedding / sequence-parallel syncs still change after the backward.
+            late = list(tied_params) + [p for params, _ in self.extra_tied_groups for p in params] \
+                + self.sequence_parallel_params
+            overlap = t.overlap_grad_reduce or t.overlap_param_gather
+            # --emb-comm-opt's fused sync sums the tied embeddings over DP itself.
+            fused = list(tied_params) if cfg.compression.emb_comm_opt and ps.pp_size > 1 else []
+            self.optimizer = DistributedOptimizer(self.modules, t, ps, self.lr_scheduler, device,
+                                                  bucket_numel=self.bucket_numel if overlap else None, late_params=late,
+                                                  reduced_params=fused)
+        else:
+            self.optimizer = MegatronOptimizer(self.modules, t, ps, self.lr_scheduler, device)
+        comm = None
+        if ps.pp_size > 1:
+            comm = P2PCommunicator(ps.pp_global_ranks, ps.rank, ps.pp_group, ps.timeout, device)
+        autocast = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else None
+        self.comm_dtype_name = t.params_dtype_name
+        self._setup_compression(cfg, ps)
+        self.overlap_reducer = None
+        if t.overlap_grad_reduce and ps.dp_size > 1:
+            # With per-stage TP/DP sizes or --emb-comm-opt the tied embedding's sync already spans
+            # every DP replica (re-split / fused sync): the DP all-reduce must not sum it again.
+            fused = ps.stage_layouts or self.fused_embedding_group is not None
+            tied = {id(p) for p in tied_params} if fused else set()
+            params = [p for p in self.optimizer.params if id(p) not in tied]
+            if self.dp_reducer is not None:
+                # --grad-comp: PowerSGD's first all-reduce per bucket during the backward passes.
+                from megatron.compression.data_parallel_overlap import OverlappedPowerSGD
+                self.overlap_reducer = OverlappedPowerSGD(params, self.dp_reducer, self.bucket_numel)
+            else:
+                self.overlap_reducer = OverlappedGradReducer(
+                    params, ps.dp_group, ps.dp_size, self.bucket_numel,
+                    optimizer=self.optimizer if t.use_distributed_optimizer else None)
+        self.executor = PipelineExecutor(stages, comm, rank_desc=ps.describe(), autocast_dtype=autocast,
+                                         device=device, comm_dtype=DTYPES[self.comm_dtype_name],
+                                         grad_compressor=self.grad_compressor)
+        if dist.is_initialized() and ps.world_size > 1:
+            from megatron.core import heartbeat
+            from megatron.planner.service.service import default_store
+            heartbeat.start(default_store(), ps.rank, ps.world_size)
+        self.iteration = 0
+        self._trace_first: Optional[int] = None  # first iteration this run traces (--dynapipe-trace-dir)
+        self.consumed_samples = 0
+        self.consumed_tokens = 0  # real (non-padding) input tokens; saved in checkpoints
+        self.skipped_iters = 0
+        self.consecutive_skipped = 0
+        self.logger = MetricsLogger(cfg, ps, flops_per_sample)
+
+    def _setup_compression(self, cfg: MegatronConfig, ps: ParallelState) -> None:
+        """Optimus-CC hooks (megatron/compression); all None when its flags are off."""
+        c = cfg.compression
+        self.grad_compressor = self.dp_reducer = self.fused_embedding_group = None
+        self.extra_checkpoint_state = {}
+        if c.inter_grad_comp:
+            from megatron.compression.pipeline import PipelineGradCompressor
+            self.grad_compressor = PipelineGradCompressor(c.use_error_feedback, seed=cfg.training.seed,
+                                                          reset_each_iteration=not c.lep_carry_across_iterations)
+            self.extra_checkpoint_state["pipeline_grad_compression"] = PerDataParallelRank(self.grad_compressor, ps)
+        if c.grad_comp:
+            from megatron.compression.data_parallel import PowerSGDReducer
+            self.dp_reducer = PowerSGDReducer.from_config(cfg, ps)
+            self.extra_checkpoint_state["data_parallel_grad_compression"] = PerDataParallelRank(self.dp_reducer, ps)
+        if c.emb_comm_opt:
+            from megatron.compression.embedding import build_fused_embedding_group
+            self.fused_embedding_group = build_fused_embedding_group(ps)
+        self.emb_reducer = self.compression_stats = None
+        if c.emb_grad_comp:
+            from megatron.compression.embedding import build_embedding_reducer
+            self.emb_reducer = build_embedding_reducer(cfg, ps, self.fused_embedding_group)
+            self.extra_checkpoint_state["embedding_grad_compression"] = PerDataParallelRank(self.emb_reducer, ps)
+        if c.log_compression_stats:
+            from megatron.compression.stats import CompressionStats
+            self.compression_stats = CompressionStats()
+            for holder in (self.grad_compressor, self.dp_reducer, self.emb_reducer):
+                if holder is not None:
+                    holder.stats = self.compression_stats
+        from megatron.compression.tensor_parallel import install
+        self.tp_compressors = install(cfg, ps, self.compression_stats)  # {} (exact all-reduces) unless asked
+
+    def _expected_accumulations(self, plan) -> dict:
+        """id(param) -> how many backward passes of this plan accumulate into it."""
+        from megatron.pipeline.instructions import BackwardPass
+        per_stage: dict = {}
+        for ins in plan.instructions:
+            if isinstance(ins, BackwardPass):
+                per_stage[ins.stage] = per_stage.get(ins.stage, 0) + 1
+        out: dict = {}
+        for sid, n in per_stage.items():
+            for p in self.stages[sid].parameters():
+                out[id(p)] = out.get(id(p), 0) + n
+        return out
+
+    def _reduce_gradients(self) -> dict:
+        """Tied-embedding sync and data-parallel reduction; returns payload bytes per mechanism."""
+        ps = self.ps
+        sent = {"dp": 0, "dp_raw": 0, "emb": 0}
+        if self.overlap_reducer is not None:
+            # Sums commute: reducing over DP first, then over tied stages / TP, is the same.
+            self.overlap_reducer.finish()
+            sent["dp"] = sent["dp_raw"] = sum(p.grad.numel() * p.grad.element_size() for p in self.overlap_reducer.params
+                                              if p.grad is not None)
+            if hasattr(self.overlap_reducer, "sent"):
+                sent["dp"], sent["dp_raw"] = self.overlap_reducer.sent
+        if self.sequence_parallel_params:
+            # Norm weights and row-parallel biases saw only this rank's sequence chunk.
+            allreduce_data_parallel_grads(self.sequence_parallel_params, ps.tp_group, ps.tp_size)
+        dp_params = self.optimizer.params
+        if self.fused_embedding_group is not None or ps.stage_layouts:
+            # Both syncs already sum over every DP replica of the first and last stage: the
+            # tied parameters stay out of the data-parallel reduction.
+            vocab_rows = max(self.cfg.model.padded_vocab_size(tp) for tp, _ in ps.stage_layouts) \
+                if ps.stage_layouts else 0
+            if self.emb_reducer is not None and ps.stage_layouts:
+                from megatron.compression.embedding import resharded_embedding_reduce
+                sent["emb"] = resharded_embedding_reduce(self.emb_reducer, self.tied_params, ps, vocab_rows,
+                                                         self.iteration + 1)
+            elif self.emb_reducer is not None:
+                sent["emb"] = self.emb_reducer.reduce(self.tied_params, self.iteration + 1)[0]
+            elif self.fused_embedding_group is not None:
+                from megatron.compression.embedding import fused_embedding_all_reduce
+                sent["emb"] = fused_embedding_all_reduce(self.tied_params, self.fused_embedding_group)
+            else:
+                from megatron.core.distributed import allreduce_resharded_embedding_grads
+                sent["emb"] = allreduce_resharded_embedding_grads(self.tied_params, ps.embedding_group, ps.tp_rank,
+                                                                  vocab_rows)
+            tied = {id(p) for p in self.tied_params}
+            if ps.stage_layouts:  # T5's position tables: likewise over every replica of their stages
+                from megatron.core.distributed import allreduce_replicated_grads
+                for params, group in self.extra_tied_groups:
+                    allreduce_replicated_grads(params, group, ps.tp_rank == 0)
+                    tied |= {id(p) for p in params}
+            dp_params = [p for p in dp_params if id(p) not in tied]
+            if getattr(self.optimizer, "reduces_data_parallel_grads", False) and ps.dp_rank \
+                    and self.fused_embedding_group is None:
+                # The distributed optimizer reduce-scatters every gradient over DP, the tied ones
+                # too: one replica carries the (already complete) sum, exactly. (After the fused
+                # sync it cuts their shard locally instead: `grads_reduced` below.)
+                for p in self.tied_params:
+                    p.grad.zero_()
+        elif self.emb_reducer is not None:
+            sent["emb"] = self.emb_reducer.reduce(self.tied_params, self.iteration + 1)[0]
+        else:
+            allreduce_embedding_grads(self.tied_params, ps.embedding_group)
+            if ps.embedding_group is not None:
+                sent["emb"] = sum(p.grad.numel() * p.grad.element_size() for p in self.tied_params)
+        for params, group in ([] if ps.stage_layouts else self.extra_tied_groups):
+            allreduce_embedding_grads(params, group)
+        if getattr(self.optimizer, "reduces_data_parallel_grads", False):
+            # The distributed optimizer reduce-scatters what no other sync summed over DP yet.
+            if self.fused_embedding_group is not None:
+                self.optimizer.grads_reduced(self.tied_params)
+            if getattr(self.overlap_reducer, "all_reduces", False):  # overlapped PowerSGD summed them
+                self.optimizer.grads_reduced(dp_params)
+            elif self.dp_reducer is not None and self.dp_reducer.active(self.iteration + 1):
+                # PowerSGD leaves the (approximate) DP sum on every rank: the optimizer only cuts
+                # its shard. Warm-up steps and stages --selective-grad-comp skips take the
+                # reduce-scatter, which moves half the bytes of the all-reduce they would replace.
+                sent["dp"], sent["dp_raw"] = self.dp_reducer.reduce(dp_params, self.iteration + 1)
+                self.optimizer.grads_reduced(dp_params)
+            return sent
+        if self.overlap_reducer is not None:
+            pass  # reduced over DP above
+        elif self.dp_reducer is not None:
+            sent["dp"], sent["dp_raw"] = self.dp_reducer.reduce(dp_params, self.iteration + 1)
+        else:
+            allreduce_data_parallel_grads(dp_params, ps.dp_group, ps.dp_size, self.bucket_numel)
+            if ps.dp_size > 1:
+                sent["dp"] = sent["dp_raw"] = sum(p.grad.numel() * p.grad.element_size()
+                                                  for p in dp_params if p.grad is not None)
+        return sent
+
+    # -- one step ------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        ps = self.ps
+        work = self.batch_source.next(self.iteration + 1, self.consumed_samples)
+        mbs = work.microbatches
+        # The loss multiplier needs the global batch's loss-token count before the first forward:
+        # one host read per step (of host data, normally), never one per micro-batch.
+        local = torch.stack([torch.stack([mb["loss_mask"].sum(dtype=torch.float64) for mb in mbs]).sum().cpu(),
+                             torch.tensor(float(sum(real_tokens(mb) for mb in mbs)), dtype=torch.float64)])
+        total_tokens, total_real = _all_reduce_sum(local, ps.dp_group, ps.dp_size, self._collective_device())
+        if total_tokens <= 0:
+            raise RuntimeError(f"iteration {self.iteration + 1}: the global batch has no loss tokens "
+                               "(every loss_mask entry is 0); check the data and --split")
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base_mb = torch.cuda.memory_allocated(self.device) / 1e6
+        if self.overlap_reducer is not None:
+            self.overlap_reducer.start_iteration(self._expected_accumulations(work.plan), self.iteration + 1)
+        traced = self._tracing()
+        if traced:
+            self.executor.trace_events = []
+        stats = self.executor.run(work.plan, mbs, self.optimizer.loss_scale / total_tokens)
+        if self.grad_compressor is not None:
+            self.grad_compressor.end_iteration()
+        if traced:
+            self._write_measured_trace(self.iteration + 1, work)
+        if on_cuda and work.info:
+            # Activation peak above what was allocated before the pipeline ran (weights, grads,
+            # optimizer state): comparable with the planner's predicted activation peak.
+            work.info["measured_peak_mb"] = torch.cuda.max_memory_allocated(self.device) / 1e6 - base_mb
+        reduced = self._reduce_gradients()
+        comm_bytes = None
+        if self.cfg.compression.enabled or self.cfg.compression.log_compression_stats:
+            # Whole-job payload bytes this iteration (summed over ranks), for the log.
+            comm_bytes = dict(zip(
+                ("pp_act", "pp_grad", "pp_grad_raw", "dp", "dp_raw", "emb"),
+                _all_reduce_sum([stats.act_bytes, stats.grad_bytes, stats.grad_bytes_raw, reduced["dp"],
+                                 reduced["dp_raw"], reduced["emb"]], dist.group.WORLD if ps.world_size > 1 else None,
+                                ps.world_size, self._collective_device())))
+        applied, grad_norm = self.optimizer.step()
+        if applied:
+            self.lr_scheduler.step()
+            if self.consecutive_skipped and ps.rank == ps.world_size - 1:
+                print(f" loss scale settled at {self.optimizer.loss_scale:.1f} after {self.consecutive_skipped} "
+                      f"skipped iteration(s) (fp16 overflow)", flush=True)
+            self.consecutive_skipped = 0
+        else:
+            self.skipped_iters += 1
+            self.consecutive_skipped += 1
+            self._check_consecutive_skips()
+        self.optimizer.zero_grad()
+        totals = stats.loss_totals if stats.loss_totals is not None else torch.zeros(2, dtype=torch.float64)
+        loss_sum, loss_tokens = _all_reduce_sum(totals, ps.dp_group, ps.dp_size, self._collective_device())
+        self.iteration += 1
+        self.consumed_samples += work.num_samples
+        self.consumed_tokens += int(total_real)
+        return {"consumed_tokens": self.consumed_tokens, "loss": loss_sum / loss_tokens if loss_tokens else float("nan"), "grad_norm": grad_norm,
+                "applied": applied, "tokens": total_tokens, "real_tokens": total_real, "num_microbatches": len(mbs),
+                "num_samples": work.num_samples, "planner": work.info, "comm_bytes": comm_bytes}
+
+    def _collective_device(self) -> torch.device:
+        """Where small reductions run: the device under NCCL, the host otherwise."""
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return self.device
+        return torch.device("cpu")
+
+    def _tracing(self) -> bool:
+        """--dynapipe-trace-dir: the first --dynapipe-trace-iters iterations of this run get a
+        measured timeline beside the planner's simulated one (same decision on every rank)."""
+        d = self.cfg.data
+        if not d.dynapipe_trace_dir:
+            return False
+        if self._trace_first is None:
+            self._trace_first = self.iteration + 1
+        return self.iteration + 1 - self._trace_first < d.dynapipe_trace_iters
+
+    def _write_measured_trace(self, iteration: int, work) -> None:
+        """Gather every pipeline rank's instruction spans (TP rank 0 of each DP group) and write
+        `iter_NNNNNNN.measured.json` on rank 0, one process per (DP group, pipeline rank) as in the
+        simulated trace; times are from each rank's own start of the iteration's plan."""
+        ps = self.ps
+        events, self.executor.trace_events = self.executor.trace_events, None
+        pid = ps.dp_rank * ps.pp_size + ps.pp_rank
+        mine = [dict(ev, pid=pid) for ev in events] if ps.tp_rank == 0 else []
+        if ps.world_size > 1:  # only rank 0 writes: gather there
+            gathered = [None] * ps.world_size if ps.rank == 0 else None
+            dist.gather_object(mine, gathered, dst=0)
+        else:
+            gathered = [mine]
+        if ps.rank != 0:
+            return
+        import os
+        from megatron.planner.service.worker import trace_path, write_json_atomic
+        out = [ev for rank_events in gathered for ev in rank_events]
+        for d in range(ps.dp_size):
+            for p in range(ps.pp_size):
+                out.append({"name": "process_name", "ph": "M", "pid": d * ps.pp_size + p,
+                            "args": {"name": f"DP group {d} / pipeline rank {p} (measured)"}})
+        meta = {"iteration": iteration, "device": self.device.type,
+                "simulated_ms": work.info.get("simulated_ms") if work.info else None}
+        trace_dir = self.cfg.data.dynapipe_trace_dir
+        os.makedirs(trace_dir, exist_ok=True)
+        write_json_atomic(trace_path(trace_dir, iteration, "measured"),
+                          {"traceEvents": out, "displayTimeUnit": "ms", "otherData": meta})
+
+    def _check_consecutive_skips(self) -> None:
+        t, n = self.cfg.training, self.consecutive_skipped
+        limit = getattr(t, "max_consecutive_skipped_iters", 0)
+        if limit and n >= limit:
+            static = t.loss_scale is not None
+            raise RuntimeError(
+                f"iteration {self.iteration + 1}: {n} consecutive iterations skipped for inf/nan gradients "
+                f"(--max-consecutive-skipped-iters {limit}); "
+                + (f"the static --loss-scale {t.loss_scale} overflows every step: lower it or drop it for dynamic "
+                   "scaling" if static else "the loss or gradients are not finite: check the data, lower --lr, "
+                   "or use --bf16"))
+        warn_at = 10 if t.loss_scale is not None else 40
+        if n == warn_at and self.ps.rank == self.ps.world_size - 1:
+            print(f"WARNING: {n} consecutive iterations skipped for inf/nan gradients (loss scale "
+                  f"{self.optimizer.loss_scale:.1f}); training stops at --max-consecutive-skipped-iters "
+                  f"{limit or 'unlimited'}", file=sys.stderr, flush=True)
+
+    def evaluate(self, source, iters: int) -> Optional[float]:
+        if source is None or iters <= 0:
+            return None
+        for m in self.modules:
+            m.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        consumed = 0
+        try:
+            for _ in range(iters):
+                work = source.next(self.iteration, consumed)
+                consumed += work.num_samples
+                stats = self.executor.run(work.plan, work.microbatches, 1.0, forward_only=True)
+                if stats.loss_totals is not None:
+                    totals += stats.loss_totals
+        finally:
+            for m in self.modules:
+                m.train()
+        loss_sum, loss_tokens = _all_reduce_sum(totals, self.ps.dp_group, self.ps.dp_size, self._collective_device())
+        return loss_sum / loss_tokens if loss_tokens else None
+
+    # -- loop ----------------------------------------------------------------------------
+    def train(self, save_fn: Optional[Callable] = None) -> List[dict]:
+        try:
+            return self._train(save_fn)
+        finally:
+            close = getattr(self.batch_source, "close", None)
+            if close is not None:
+                close()
+
+    def _train(self, save_fn: Optional[Callable]) -> List[dict]:
+        cfg = self.cfg
+        history = []
+        for m in self.modules:
+            m.train()
+        from megatron.profiling.step_trace import StepProfiler
+        profiler = StepProfiler(cfg.logging, self.ps.rank, self.device)
+        try:
+            return self._train_loop(save_fn, history, profiler)
+        finally:
+            profiler.close()
+            self._params_up_to_date()
+
+    def _params_up_to_date(self) -> None:
+        """--overlap-param-gather leaves the last step's all-gathers in flight: finish them
+        before anything reads the parameters outside a forward (evaluation, checkpoints)."""
+        finish = getattr(self.optimizer, "finish_param_gather", None)
+        if finish is not None:
+            finish()
+
+    def _train_loop(self, save_fn: Optional[Callable], history: List[dict], profiler) -> List[dict]:
+        cfg = self.cfg
+        while self.iteration < cfg.training.train_iters:
+            profiler.before_step(self.iteration + 1)
+            t0 = time.perf_counter()
+            out = self.train_step()
+            out["time_s"] = time.perf_counter() - t0
+            profiler.after_step(self.iteration)
+            history.append(out)
+            self.logger.record(self.iteration, self.consumed_samples, out, self.lr_scheduler.lr(),
+                               self.optimizer.loss_scale, self.skipped_iters)
+            if self.compression_stats is not None and self.iteration % cfg.logging.log_interval == 0:
+                self.compression_stats.report(self.iteration, dist.group.WORLD if self.ps.world_size > 1 else None,
+                                              self.logger.active, self.logger.writer)
+            if self.valid_source is not None and self.iteration % cfg.training.eval_interval == 0:
+                self._params_up_to_date()
+                self.logger.log_validation(self.iteration, self.evaluate(self.valid_source, cfg.training.eval_iters))
+            if save_fn and cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0:
+                self._params_up_to_date()
+                save_fn(self)
+            if cfg.training.exit_interval and self.iteration % cfg.training.exit_interval == 0:
+                print_rank_last(self.ps, f"exiting at iteration {self.iteration} (--exit-interval)")
+                break
+        return history
