@@ -12,7 +12,7 @@ simulated 1F1B time matches. The fit is written into the given file(s) (`"calibr
 atomically; the planners then apply it to every op they price. Flags after `--` go to the
 trainer unchanged: give it the model the table was profiled for (and the dropout, precision
 and recompute you train with). `--terapipe-cost-model` calibrates a TeraPipe latency file the
-same way (its prediction of an unsliced run: `terapipe_training.pipelined_ms`).
+same way (its prediction of an unsliced run: `planner.terapipe.planner.pipelined_ms`).
 
 Re-run it after re-profiling: the fit belongs to the table, the model and the host together.
 """
@@ -134,7 +134,7 @@ def terapipe_predictor(path: str, args, shapes):
     from megatron.planner.cost.calibration import HostCalibration
     from megatron.planner.terapipe.latency import SliceLatencyModel
     from megatron.config.terapipe import uniform_slices
-    from megatron.training.terapipe import pipelined_ms, slice_times
+    from megatron.planner.terapipe.planner import pipelined_ms, slice_times
     model = SliceLatencyModel.load(path)
     pp = args.pipeline_model_parallel_size
     per_stage = -(-_flag(args.trainer_args, "--num-layers") // pp)

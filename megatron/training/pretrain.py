@@ -13,7 +13,7 @@ from megatron.checkpointing.torch_format import CheckpointError, load_checkpoint
 from megatron.config.core import MegatronConfig
 from megatron.training.initialize import initialize_megatron
 from megatron.training.logging import gpt_flops_per_sample, print_rank_0
-from megatron.planner.passes.compression import grad_compression_pass
+from megatron.planner.passes import plan_passes
 
 
 def tokenizer_from_config(cfg: MegatronConfig):
@@ -50,31 +50,25 @@ def gpt_datasets(cfg: MegatronConfig):
 def build_gpt_trainer(cfg: MegatronConfig, ps, device):
     from megatron.models.gpt import (build_gpt_stages, gpt_activation_shapes, num_model_chunks,
                                      tied_embedding_params)
-    from megatron.training.trainer import FixedBatchPlanner, Trainer
-    from megatron.training.trainer import gpt_microbatch_shapes
+    from megatron.planner.schedule.fixed import FixedBatchPlanner
+    from megatron.training.trainer import Trainer, gpt_microbatch_shapes
     tokenizer = tokenizer_from_config(cfg)
     if tokenizer is not None:
         cfg.model.vocab_size = tokenizer.vocab_size
     stages = build_gpt_stages(cfg, ps)
     chunks = num_model_chunks(cfg)
-    plan_pass = grad_compression_pass(cfg)
-    if ps.stage_layouts:
-        from megatron.planner.passes.layout import layout_pass
-        split, marked = layout_pass(ps.stage_layouts, cfg.model.sequence_parallel), plan_pass
-        # Compressed gradient messages are marked per stage, then split into row pieces.
-        plan_pass = split if marked is None else (lambda plans: split(marked(plans)))
     planner = FixedBatchPlanner(cfg.parallel.pipeline_schedule, ps.pp_size, chunks,
                                 # per-stage TP: the layout pass cuts each rank's block of the sequence
                                 lambda shapes: gpt_activation_shapes(cfg.model, shapes,
                                                                      1 if ps.stage_layouts else ps.tp_size),
                                 cfg.training.recompute_level, cfg.training.params_dtype_name,
-                                plan_pass=plan_pass)
+                                plan_pass=plan_passes(cfg, ps.stage_layouts))
     tied = [] if cfg.model.untie_embeddings_and_output_weights else tied_embedding_params(stages, ps.pp_size * chunks)
     flops = gpt_flops_per_sample(cfg.model, cfg.model.padded_vocab_size(ps.tp_size))
     if cfg.data.targets_data_path:
         if cfg.terapipe.enabled and not cfg.data.dynapipe:  # the same batches (fixed or packed rows), sliced
             # (with --dynapipe the DynaPipe planner slices its own micro-batches)
-            from megatron.training.terapipe import terapipe_planner
+            from megatron.planner.terapipe.planner import terapipe_planner
             planner = terapipe_planner(cfg, ps)
         source = supervised_source(cfg, ps, tokenizer, planner, gpt_microbatch_shapes)
         trainer = Trainer(cfg, ps, device, stages, tied_params=tied, flops_per_sample=flops, batch_source=source,

@@ -28,8 +28,9 @@ from megatron.config.core import MegatronConfig
 from megatron.data.packing import (collate_supervised_gpt, collate_supervised_t5, concat_pair, next_fit_rows,
                                    pack_samples, pack_t5_rows)
 from megatron.data.samplers import TokenBudgetSampler
-from megatron.training.trainer import FixedBatchPlanner, IterationWork
-from megatron.planner.passes.compression import grad_compression_pass
+from megatron.planner.schedule.fixed import FixedBatchPlanner
+from megatron.training.trainer import IterationWork
+from megatron.planner.passes import plan_passes
 
 PAD_MULTIPLE = 8
 
@@ -224,10 +225,10 @@ class DynaPipeSource(_SupervisedSource):
                 "predicted_peak_mb": group.peak_memory_mb,
                 "token_slices": None if group.token_slices is None else len(group.token_slices)}
         plans = group.plans
-        plan_pass = grad_compression_pass(self.cfg)
+        # DynaPipe's plans come lowered onto the stage layout; the marks remain. Every rank has
+        # its group's plans for all pipeline ranks, so each marks the same messages alone.
+        plan_pass = plan_passes(self.cfg, self.ps.stage_layouts, presplit=True)
         if plan_pass is not None:
-            # Every rank has its group's plans for all pipeline ranks, so each marks the same
-            # messages without talking to the others.
             plans = plan_pass(plans)
         return IterationWork(mbs, plans[self.ps.plan_rank], hi - lo, info)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatron.config.core import MegatronConfig
 from megatron.training.pretrain import sample_counts, tokenizer_from_config
-from megatron.planner.passes.compression import grad_compression_pass
+from megatron.planner.passes import plan_passes
 
 
 def t5_datasets(cfg: MegatronConfig, tokenizer):
@@ -29,7 +29,8 @@ def t5_datasets(cfg: MegatronConfig, tokenizer):
 def build_t5_trainer(cfg: MegatronConfig, ps, device):
     from megatron.models.t5 import (build_t5_stages, t5_activation_shapes, t5_flops_per_sample,
                                     t5_microbatch, t5_microbatch_shapes, t5_parallel_state, t5_tied_params)
-    from megatron.training.trainer import FixedBatchPlanner, Trainer
+    from megatron.planner.schedule.fixed import FixedBatchPlanner
+    from megatron.training.trainer import Trainer
     if cfg.model.model_type != "t5":
         raise ValueError(f"build_t5_trainer needs a T5 config (model_type 't5'), got {cfg.model.model_type!r}")
     tokenizer = tokenizer_from_config(cfg)
@@ -39,14 +40,10 @@ def build_t5_trainer(cfg: MegatronConfig, ps, device):
         cfg.model.vocab_size = tokenizer.vocab_size
     ps, pos_group = t5_parallel_state(cfg, ps)  # collective: every rank creates the T5 groups
     stages = build_t5_stages(cfg, ps)
-    plan_pass = grad_compression_pass(cfg)
-    if ps.stage_layouts:  # stages with their own TP/DP sizes (--aceso-config)
-        from megatron.planner.passes.layout import layout_pass
-        plan_pass = layout_pass(ps.stage_layouts)
     planner = FixedBatchPlanner(cfg.parallel.pipeline_schedule, ps.pp_size, 1,
                                 lambda shapes: t5_activation_shapes(cfg, shapes),
                                 cfg.training.recompute_level, cfg.training.params_dtype_name,
-                                plan_pass=plan_pass)
+                                plan_pass=plan_passes(cfg, ps.stage_layouts))
     tied, tied_pos = t5_tied_params(stages)
     flops = t5_flops_per_sample(cfg.model, cfg.model.padded_vocab_size(ps.tp_size))
     # Word embeddings are tied over {0, split, last} (ps.embedding_group); learned position

@@ -75,7 +75,7 @@ def test_terapipe_multitask_fixed_microbatches_pp2_matches_unsliced(multitask, f
 def test_fixed_slices_of_micro_batches_of_other_lengths():
     # multi-task micro-batches are padded to their own lengths (multiples of 8): a count N gives
     # at most one slice per 8-token cell; lengths l1,l2,... keep the boundaries inside the sequence
-    from megatron.training.terapipe import TeraPipePlanner
+    from megatron.planner.terapipe.planner import TeraPipePlanner
     from tests.parity_utils import tiny_config
     base = tiny_config(seq=64, tp=2, world=2, arch=SP)
     count = TeraPipePlanner(dataclasses.replace(base, terapipe=TeraPipeConfig(enabled=True, slices="3")), 1)

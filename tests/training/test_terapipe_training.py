@@ -53,7 +53,7 @@ def test_terapipe_dropout_tp2_sliced_matches_one_slice_single_process():
 def test_planner_line_shows_slices_and_predicted_time(tmp_path):
     from megatron.training.logging import planner_line
     from megatron.planner.terapipe.latency import SliceLatencyModel
-    from megatron.training.terapipe import TeraPipePlanner
+    from megatron.planner.terapipe.planner import TeraPipePlanner
     from tests.parity_utils import tiny_config
     # t(b, l, 0) linear in b*l, a small context term: two slices beat one at PP=2
     lat = SliceLatencyModel([1, 2], [8, 16], [[1.0, 2.0], [2.0, 4.0]], (0.0, 0.0, 0.001), hidden_size=32)

@@ -1,5 +1,5 @@
 """FixedBatchPlanner: plans are reused per shape set, and the cache stays bounded."""
-from megatron.training.trainer import FixedBatchPlanner
+from megatron.planner.schedule.fixed import FixedBatchPlanner
 
 
 def test_plan_cache_reuses_and_is_bounded():

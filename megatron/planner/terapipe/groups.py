@@ -22,8 +22,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 
 from megatron.planner.terapipe.lowering import (GRID, _cost_matrix, _dp_for_caps, _thin, default_cap_tolerance,
-                                       pipeline_score, plan_batch)
-from megatron.config.terapipe import slice_offsets
+                                                pipeline_score, plan_batch, slice_times)
 
 
 @dataclass
@@ -91,7 +90,7 @@ def plan_batch_groups(batch: int, seq_len: int, num_stages: int, t: Callable, gr
                 sums[i, b - 1] = np.inf
                 rejected.add((i, b))
             continue
-        times = [t(b, ln, c) for b, s in groups for ln, c in zip(s, slice_offsets(s))]
+        times = [x for b, s in groups for x in slice_times(t, b, s)]
         score = pipeline_score(times, k)  # the cap bounds max t; the real max may be lower
         if score < best.score - 1e-12:
             best = GroupPlan(groups, score, uniform.score, times=times)

@@ -29,7 +29,7 @@ import numpy as np
 
 from megatron.pipeline.lowering import ComputeOp, lower_to_plans
 from megatron.planner.dynapipe.native import cpp as _cpp
-from megatron.config.terapipe import SLICE_GRID, parse_slices, uniform_slices  # noqa: F401 (re-exported)
+from megatron.config.terapipe import SLICE_GRID, parse_slices, slice_offsets, uniform_slices  # noqa: F401 (re-exported)
 
 GRID = SLICE_GRID  # slice boundaries lie on a grid of this many tokens
 # The exact slice DP (every distinct slice time as a cap) plans in under 50 ms of CPU up to 1024
@@ -348,3 +348,9 @@ def slice_memory_mb(slices: Sequence[int], b: int, layers: int, hidden: int, kv_
                                + probs * heads * ln * ctx * bytes_per * mb)
         c = ctx
     return total
+
+
+def slice_times(stage_ms, b: int, lengths) -> list:
+    """A rank's time per unit for one micro-batch of `b` rows cut into `lengths`: each slice
+    after the context of the slices before it."""
+    return [stage_ms(b, ln, c) for ln, c in zip(lengths, slice_offsets(lengths))]
