@@ -6,13 +6,13 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 4
 
-.PHONY: venv demo test test-variants bench clean
+.PHONY: venv demo test test-variants lint bench clean
 
 $(VENV)/.installed: setup.py pyproject.toml megatron/data/helpers.cpp megatron/planner/dynapipe/partition.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q pybind11 pytest pytest-timeout tensorboard
+	$(PY) -m pip install -q pybind11 pytest pytest-timeout tensorboard ruff
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,tensorboard,convert,experiments]"
 	touch $@
 
@@ -20,6 +20,10 @@ venv: $(VENV)/.installed
 
 demo: venv
 	bash examples/demo_cpu.sh $(NPROC)
+
+# The package's lint rules (pyproject.toml [tool.ruff]).
+lint: venv
+	$(PY) -m ruff check megatron
 
 test: venv
 	$(PY) -m megatron.fused_kernels --allow-fallback

@@ -1,6 +1,7 @@
 """The import graph of `megatron` points down the layers, has no cycles, and no file is long.
 
-Layers, top to bottom (DESIGN.md): entry points > training > planner > pipeline > models >
+Layers, top to bottom (docs/architecture.md): entry points > training and checkpointing > planner,
+aceso and profiling > pipeline > models >
 core > data, with the configuration dataclasses (and the pure-Python specs they validate with)
 at the bottom, since every layer takes a config. Every import counts, including the ones inside
 functions: a lazy import still ties the lower module to the upper one.

@@ -39,8 +39,8 @@ the stage's ops.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
 
 from megatron.aceso.db import OpDatabase
 from megatron.core.recompute import contiguous_runs, residual_inputs_kept

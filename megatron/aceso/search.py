@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron.aceso.model import PerfModel, Plan, Prediction, Stage

@@ -294,7 +294,7 @@ def _place_send_finishes(rank, records, ordinal) -> list:
             starts[rec[1]] = rec
             pending.setdefault(rec[7], deque()).append(rec[1])
         elif tag == "recv_finish":
-            src, _, k, _ = key = rec[1]
+            src, _, k, _ = rec[1]
             known[src] = max(known.get(src, -1), ordinal[(src, rank, k, True)])
             queue = pending.get(src, ())
             # Receives of one channel are posted in channel order, so the deque is sorted by

@@ -5,7 +5,6 @@ a new schedule (DynaPipe, TeraPipe, ...) is a new planner, not a new training lo
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import sys
@@ -24,7 +23,6 @@ from megatron.data.samplers import MegatronPretrainingSampler
 from megatron.training.logging import MetricsLogger, print_rank_last
 from megatron.pipeline.executor import PipelineExecutor
 from megatron.pipeline.p2p import DTYPES, P2PCommunicator
-from megatron.pipeline.validator import validate_plans
 from megatron.planner.schedule.fixed import FixedBatchPlanner
 
 

@@ -24,9 +24,9 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-INF = np.inf
-
 from megatron.planner.dynapipe.native import cpp as _cpp
+
+INF = np.inf
 
 # A build from before the load variants (the .so is rebuilt by `setup.py build_ext`): numpy then.
 _cpp_load = _cpp is not None and hasattr(_cpp, "min_sums_load")

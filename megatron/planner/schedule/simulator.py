@@ -105,7 +105,7 @@ class SimResult:
 def simulate(costs: PipelineCosts, orders: Sequence[Sequence[Op]],
              stage_to_rank: Optional[Sequence[int]] = None) -> SimResult:
     """Replay fixed per-rank op orders; raises SimulationError on a dependency deadlock."""
-    S, K = costs.num_stages, costs.num_microbatches
+    S = costs.num_stages
     stage_to_rank = list(range(S)) if stage_to_rank is None else list(stage_to_rank)
     R = len(orders)
     fwd, bwd, stored, trans, comm = (a.tolist() for a in
