@@ -178,3 +178,10 @@ def initialize_heterogeneous_parallel(layouts, timeout: Optional[timedelta] = No
         if g is not None:
             st.embedding_group, st.embedding_global_ranks = g, ranks
     return st
+
+
+def job_store():
+    """The job's TCPStore (torchrun's rendezvous store): heartbeats and the plan service use it."""
+    if not dist.is_initialized():
+        raise RuntimeError("the job's store needs torch.distributed to be initialised first")
+    return dist.distributed_c10d._get_default_store()

@@ -2,8 +2,10 @@
 planner, trainer, checkpoints. `run_pretraining(cfg)` returns the process exit code."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 import traceback
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -47,42 +49,83 @@ def gpt_datasets(cfg: MegatronConfig):
     return train, valid
 
 
-def build_gpt_trainer(cfg: MegatronConfig, ps, device):
-    from megatron.models.gpt import (build_gpt_stages, gpt_activation_shapes, num_model_chunks,
-                                     tied_embedding_params)
-    from megatron.planner.schedule.fixed import FixedBatchPlanner
-    from megatron.training.trainer import Trainer, gpt_microbatch_shapes
-    tokenizer = tokenizer_from_config(cfg)
-    if tokenizer is not None:
-        cfg.model.vocab_size = tokenizer.vocab_size
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What the one trainer builder needs to know of a model, as one record per model (GPT here,
+    T5 in `t5_builder.py`); everything else (planner, plan passes, sources, trainer) is shared."""
+    name: str
+    # (cfg, ps) -> (ps, stages, model chunks per rank, tied params, extra tied (params, group) pairs);
+    # collective: every rank calls it (T5 creates its position-table groups)
+    build: Callable
+    activation_shapes: Callable  # (cfg, ps, microbatch shapes) -> shapes at each stage boundary
+    microbatch_shapes: Callable  # micro-batch dict -> its shape key
+    collate: Callable            # samples -> micro-batch dict
+    flops_per_sample: Callable   # (model config, padded vocabulary) -> FLOPs of one sample
+    datasets: Callable           # (cfg, tokenizer) -> (train, valid) pretraining datasets
+
+
+def _gpt_build(cfg: MegatronConfig, ps):
+    from megatron.models.gpt import build_gpt_stages, num_model_chunks, tied_embedding_params
     stages = build_gpt_stages(cfg, ps)
     chunks = num_model_chunks(cfg)
+    tied = [] if cfg.model.untie_embeddings_and_output_weights else tied_embedding_params(stages, ps.pp_size * chunks)
+    return ps, stages, chunks, tied, []
+
+
+def _gpt_activation_shapes(cfg: MegatronConfig, ps, shapes):
+    from megatron.models.gpt import gpt_activation_shapes
+    # per-stage TP: the layout pass cuts each rank's block of the sequence
+    return gpt_activation_shapes(cfg.model, shapes, 1 if ps.stage_layouts else ps.tp_size)
+
+
+def _gpt_microbatch_shapes(mb):
+    from megatron.training.trainer import gpt_microbatch_shapes
+    return gpt_microbatch_shapes(mb)
+
+
+GPT = ModelSpec("gpt", _gpt_build, _gpt_activation_shapes, _gpt_microbatch_shapes, gpt_microbatch,
+                gpt_flops_per_sample, lambda cfg, tokenizer: gpt_datasets(cfg))
+
+
+def build_trainer(cfg: MegatronConfig, ps, device, model: ModelSpec):
+    """Tokenizer, stages, planner (with the run's plan passes), batch source and trainer for `model`."""
+    from megatron.planner.schedule.fixed import FixedBatchPlanner
+    from megatron.training.trainer import Trainer
+    if cfg.model.model_type != model.name:
+        raise ValueError(f"the {model.name} builder needs model_type {model.name!r}, got {cfg.model.model_type!r}")
+    tokenizer = tokenizer_from_config(cfg)
+    if tokenizer is not None:
+        # With a tokenizer, --vocab-size is only its input (NullTokenizer); the model's vocabulary
+        # is the tokenizer's (T5: sentinels included). With --mock-data alone it is the whole vocabulary.
+        cfg.model.vocab_size = tokenizer.vocab_size
+    ps, stages, chunks, tied, extra = model.build(cfg, ps)
     planner = FixedBatchPlanner(cfg.parallel.pipeline_schedule, ps.pp_size, chunks,
-                                # per-stage TP: the layout pass cuts each rank's block of the sequence
-                                lambda shapes: gpt_activation_shapes(cfg.model, shapes,
-                                                                     1 if ps.stage_layouts else ps.tp_size),
+                                lambda shapes: model.activation_shapes(cfg, ps, shapes),
                                 cfg.training.recompute_level, cfg.training.params_dtype_name,
                                 plan_pass=plan_passes(cfg, ps.stage_layouts))
-    tied = [] if cfg.model.untie_embeddings_and_output_weights else tied_embedding_params(stages, ps.pp_size * chunks)
-    flops = gpt_flops_per_sample(cfg.model, cfg.model.padded_vocab_size(ps.tp_size))
-    if cfg.data.targets_data_path:
+    flops = model.flops_per_sample(cfg.model, cfg.model.padded_vocab_size(ps.tp_size))
+    common = dict(tied_params=tied, flops_per_sample=flops, extra_tied_groups=extra)
+    if cfg.data.targets_data_path:  # multi-task (inputs, targets): DynaPipe, packing or fixed micro-batches
         if cfg.terapipe.enabled and not cfg.data.dynapipe:  # the same batches (fixed or packed rows), sliced
             # (with --dynapipe the DynaPipe planner slices its own micro-batches)
             from megatron.planner.terapipe.planner import terapipe_planner
             planner = terapipe_planner(cfg, ps)
-        source = supervised_source(cfg, ps, tokenizer, planner, gpt_microbatch_shapes)
-        trainer = Trainer(cfg, ps, device, stages, tied_params=tied, flops_per_sample=flops, batch_source=source,
-                          train_ds=None, collate_fn=None, valid_source=source.valid_source)
-        if cfg.terapipe.enabled:  # dropout keyed by token position, as terapipe_training
+        source = supervised_source(cfg, ps, tokenizer, planner, model.microbatch_shapes)
+        trainer = Trainer(cfg, ps, device, stages, batch_source=source, valid_source=source.valid_source, **common)
+        if cfg.terapipe.enabled:  # dropout keyed by token position, as training/terapipe.py
             from megatron.training.terapipe import keyed_dropout
             keyed_dropout(trainer, cfg, ps)
         return trainer
-    train_ds, valid_ds = gpt_datasets(cfg)
+    train_ds, valid_ds = model.datasets(cfg, tokenizer)
     if cfg.terapipe.enabled:
         from megatron.training.terapipe import terapipe_trainer
         return terapipe_trainer(cfg, ps, device, stages, train_ds, valid_ds, tied, flops)
-    return Trainer(cfg, ps, device, stages, train_ds=train_ds, valid_ds=valid_ds, collate_fn=gpt_microbatch,
-                   planner=planner, tied_params=tied, flops_per_sample=flops)
+    return Trainer(cfg, ps, device, stages, train_ds=train_ds, valid_ds=valid_ds, collate_fn=model.collate,
+                   planner=planner, shapes_fn=model.microbatch_shapes, **common)
+
+
+def build_gpt_trainer(cfg: MegatronConfig, ps, device):
+    return build_trainer(cfg, ps, device, GPT)
 
 
 def supervised_source(cfg: MegatronConfig, ps, tokenizer, planner, shapes_fn):

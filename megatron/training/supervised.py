@@ -173,12 +173,6 @@ class _SupervisedSource:
         return out
 
 
-def plan_iteration(*args, **kwargs):
-    """Kept for callers of the first round; the worker-side code lives in megatron.planner.service.worker."""
-    from megatron.planner.service.worker import plan_iteration as run
-    return run(*args, **kwargs)
-
-
 class DynaPipeSource(_SupervisedSource):
     """Per-iteration DynaPipe plans; DP rank d runs group d, pipeline rank p its plan p."""
 

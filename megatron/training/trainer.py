@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.config.core import MegatronConfig
-from megatron.core.distributed import allreduce_data_parallel_grads, allreduce_embedding_grads
 from megatron.core.optimizer import LRScheduler, MegatronOptimizer
 from megatron.core.parallel_state import ParallelState
 from megatron.data.samplers import MegatronPretrainingSampler
+from megatron.training.grad_sync import GradientSync
 from megatron.training.logging import MetricsLogger, print_rank_last
 from megatron.pipeline.executor import PipelineExecutor
 from megatron.pipeline.p2p import DTYPES, P2PCommunicator
@@ -138,15 +138,18 @@ class Trainer:
         self.valid_source = valid_source
         t = cfg.training
         self.lr_scheduler = LRScheduler(t)
-        self.sequence_parallel_params = [p for m in self.modules for p in m.parameters()
-                                         if getattr(p, "sequence_parallel", False)]
-        from megatron.core.distributed import BUCKET_NUMEL, OverlappedGradReducer
-        self.bucket_numel = t.ddp_bucket_size or BUCKET_NUMEL
+        self._setup_compression(cfg, ps)
+        # Every gradient sync after the pipeline (DP all-reduce or the distributed optimizer's
+        # reduce-scatter, overlap, PowerSGD, tied and fused embeddings): one object, built once.
+        self.grad_sync = GradientSync(cfg, ps, self.modules, tied_params, self.extra_tied_groups,
+                                      dp_reducer=self.dp_reducer, emb_reducer=self.emb_reducer,
+                                      fused_embedding_group=self.fused_embedding_group)
+        self.sequence_parallel_params = self.grad_sync.sequence_parallel_params
+        self.bucket_numel = self.grad_sync.bucket_numel
         if t.use_distributed_optimizer:
             from megatron.core.distributed_optimizer import DistributedOptimizer
             # Gradients the tied-embedding / sequence-parallel syncs still change after the backward.
-            late = list(tied_params) + [p for params, _ in self.extra_tied_groups for p in params] \
-                + self.sequence_parallel_params
+            late = self.grad_sync.late_params()
             overlap = t.overlap_grad_reduce or t.overlap_param_gather
             # --emb-comm-opt's fused sync sums the tied embeddings over DP itself.
             fused = list(tied_params) if cfg.compression.emb_comm_opt and ps.pp_size > 1 else []
@@ -160,29 +163,14 @@ class Trainer:
             comm = P2PCommunicator(ps.pp_global_ranks, ps.rank, ps.pp_group, ps.timeout, device)
         autocast = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else None
         self.comm_dtype_name = t.params_dtype_name
-        self._setup_compression(cfg, ps)
-        self.overlap_reducer = None
-        if t.overlap_grad_reduce and ps.dp_size > 1:
-            # With per-stage TP/DP sizes or --emb-comm-opt the tied embedding's sync already spans
-            # every DP replica (re-split / fused sync): the DP all-reduce must not sum it again.
-            fused = ps.stage_layouts or self.fused_embedding_group is not None
-            tied = {id(p) for p in tied_params} if fused else set()
-            params = [p for p in self.optimizer.params if id(p) not in tied]
-            if self.dp_reducer is not None:
-                # --grad-comp: PowerSGD's first all-reduce per bucket during the backward passes.
-                from megatron.compression.data_parallel_overlap import OverlappedPowerSGD
-                self.overlap_reducer = OverlappedPowerSGD(params, self.dp_reducer, self.bucket_numel)
-            else:
-                self.overlap_reducer = OverlappedGradReducer(
-                    params, ps.dp_group, ps.dp_size, self.bucket_numel,
-                    optimizer=self.optimizer if t.use_distributed_optimizer else None)
+        self.grad_sync.attach(self.optimizer)
         self.executor = PipelineExecutor(stages, comm, rank_desc=ps.describe(), autocast_dtype=autocast,
                                          device=device, comm_dtype=DTYPES[self.comm_dtype_name],
                                          grad_compressor=self.grad_compressor)
         if dist.is_initialized() and ps.world_size > 1:
             from megatron.core import heartbeat
-            from megatron.planner.service.service import default_store
-            heartbeat.start(default_store(), ps.rank, ps.world_size)
+            from megatron.core.parallel_state import job_store
+            heartbeat.start(job_store(), ps.rank, ps.world_size)
         self.iteration = 0
         self._trace_first: Optional[int] = None  # first iteration this run traces (--dynapipe-trace-dir)
         self.consumed_samples = 0
@@ -235,84 +223,13 @@ class Trainer:
                 out[id(p)] = out.get(id(p), 0) + n
         return out
 
+    @property
+    def overlap_reducer(self):
+        return self.grad_sync.overlap_reducer
+
     def _reduce_gradients(self) -> dict:
         """Tied-embedding sync and data-parallel reduction; returns payload bytes per mechanism."""
-        ps = self.ps
-        sent = {"dp": 0, "dp_raw": 0, "emb": 0}
-        if self.overlap_reducer is not None:
-            # Sums commute: reducing over DP first, then over tied stages / TP, is the same.
-            self.overlap_reducer.finish()
-            sent["dp"] = sent["dp_raw"] = sum(p.grad.numel() * p.grad.element_size() for p in self.overlap_reducer.params
-                                              if p.grad is not None)
-            if hasattr(self.overlap_reducer, "sent"):
-                sent["dp"], sent["dp_raw"] = self.overlap_reducer.sent
-        if self.sequence_parallel_params:
-            # Norm weights and row-parallel biases saw only this rank's sequence chunk.
-            allreduce_data_parallel_grads(self.sequence_parallel_params, ps.tp_group, ps.tp_size)
-        dp_params = self.optimizer.params
-        if self.fused_embedding_group is not None or ps.stage_layouts:
-            # Both syncs already sum over every DP replica of the first and last stage: the
-            # tied parameters stay out of the data-parallel reduction.
-            vocab_rows = max(self.cfg.model.padded_vocab_size(tp) for tp, _ in ps.stage_layouts) \
-                if ps.stage_layouts else 0
-            if self.emb_reducer is not None and ps.stage_layouts:
-                from megatron.compression.embedding import resharded_embedding_reduce
-                sent["emb"] = resharded_embedding_reduce(self.emb_reducer, self.tied_params, ps, vocab_rows,
-                                                         self.iteration + 1)
-            elif self.emb_reducer is not None:
-                sent["emb"] = self.emb_reducer.reduce(self.tied_params, self.iteration + 1)[0]
-            elif self.fused_embedding_group is not None:
-                from megatron.compression.embedding import fused_embedding_all_reduce
-                sent["emb"] = fused_embedding_all_reduce(self.tied_params, self.fused_embedding_group)
-            else:
-                from megatron.core.distributed import allreduce_resharded_embedding_grads
-                sent["emb"] = allreduce_resharded_embedding_grads(self.tied_params, ps.embedding_group, ps.tp_rank,
-                                                                  vocab_rows)
-            tied = {id(p) for p in self.tied_params}
-            if ps.stage_layouts:  # T5's position tables: likewise over every replica of their stages
-                from megatron.core.distributed import allreduce_replicated_grads
-                for params, group in self.extra_tied_groups:
-                    allreduce_replicated_grads(params, group, ps.tp_rank == 0)
-                    tied |= {id(p) for p in params}
-            dp_params = [p for p in dp_params if id(p) not in tied]
-            if getattr(self.optimizer, "reduces_data_parallel_grads", False) and ps.dp_rank \
-                    and self.fused_embedding_group is None:
-                # The distributed optimizer reduce-scatters every gradient over DP, the tied ones
-                # too: one replica carries the (already complete) sum, exactly. (After the fused
-                # sync it cuts their shard locally instead: `grads_reduced` below.)
-                for p in self.tied_params:
-                    p.grad.zero_()
-        elif self.emb_reducer is not None:
-            sent["emb"] = self.emb_reducer.reduce(self.tied_params, self.iteration + 1)[0]
-        else:
-            allreduce_embedding_grads(self.tied_params, ps.embedding_group)
-            if ps.embedding_group is not None:
-                sent["emb"] = sum(p.grad.numel() * p.grad.element_size() for p in self.tied_params)
-        for params, group in ([] if ps.stage_layouts else self.extra_tied_groups):
-            allreduce_embedding_grads(params, group)
-        if getattr(self.optimizer, "reduces_data_parallel_grads", False):
-            # The distributed optimizer reduce-scatters what no other sync summed over DP yet.
-            if self.fused_embedding_group is not None:
-                self.optimizer.grads_reduced(self.tied_params)
-            if getattr(self.overlap_reducer, "all_reduces", False):  # overlapped PowerSGD summed them
-                self.optimizer.grads_reduced(dp_params)
-            elif self.dp_reducer is not None and self.dp_reducer.active(self.iteration + 1):
-                # PowerSGD leaves the (approximate) DP sum on every rank: the optimizer only cuts
-                # its shard. Warm-up steps and stages --selective-grad-comp skips take the
-                # reduce-scatter, which moves half the bytes of the all-reduce they would replace.
-                sent["dp"], sent["dp_raw"] = self.dp_reducer.reduce(dp_params, self.iteration + 1)
-                self.optimizer.grads_reduced(dp_params)
-            return sent
-        if self.overlap_reducer is not None:
-            pass  # reduced over DP above
-        elif self.dp_reducer is not None:
-            sent["dp"], sent["dp_raw"] = self.dp_reducer.reduce(dp_params, self.iteration + 1)
-        else:
-            allreduce_data_parallel_grads(dp_params, ps.dp_group, ps.dp_size, self.bucket_numel)
-            if ps.dp_size > 1:
-                sent["dp"] = sent["dp_raw"] = sum(p.grad.numel() * p.grad.element_size()
-                                                  for p in dp_params if p.grad is not None)
-        return sent
+        return self.grad_sync.reduce(self.optimizer, self.iteration + 1)
 
     # -- one step ------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -331,8 +248,8 @@ class Trainer:
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             base_mb = torch.cuda.memory_allocated(self.device) / 1e6
-        if self.overlap_reducer is not None:
-            self.overlap_reducer.start_iteration(self._expected_accumulations(work.plan), self.iteration + 1)
+        if self.grad_sync.overlap_reducer is not None:
+            self.grad_sync.overlap_reducer.start_iteration(self._expected_accumulations(work.plan), self.iteration + 1)
         traced = self._tracing()
         if traced:
             self.executor.trace_events = []

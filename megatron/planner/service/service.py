@@ -47,11 +47,11 @@ class PlanServiceError(RuntimeError):
 
 
 def default_store():
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        raise PlanServiceError("no store given and torch.distributed is not initialised")
-    return dist.distributed_c10d._get_default_store()
+    from megatron.core.parallel_state import job_store
+    try:
+        return job_store()
+    except RuntimeError as e:
+        raise PlanServiceError(f"no store given: {e}") from None
 
 
 def _run(plan_fn, iteration):
