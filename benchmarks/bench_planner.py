@@ -39,6 +39,14 @@ Measured per configuration, over `--iters` global batches:
   dense rows keep the table's s^2 memory).
 * DynaPipe here also searches micro-batches of packed rows (`--no-packed-rows`: the paper's
   planner alone); packed_plan_fraction: how often it chose them.
+* `--zero-bubble` (the split backward, megatron/planner/schedule/zb_search.py) adds a `zb` object per
+  row: DynaPipe+ZB (schedule "zb" in the search, the planner keeping the faster of its plans
+  with and without the split) on the same batches; speedup_vs_dynapipe median / min / max
+  over the iterations (per-iteration ratio of DynaPipe's simulated time to DynaPipe+ZB's),
+  never_slower (no iteration slower), split_fraction (DP groups run split), and summed-time
+  speed-ups against ZB-H1 and ZB-V on fixed micro-batches (megatron/planner/schedule/zb_baselines.py)
+  and against the packing/fixed baselines above. The A100 tables time whole backward passes:
+  the W share is derived (w_split says how).
 """
 from __future__ import annotations
 
@@ -220,6 +228,42 @@ def run(kind, max_len, args, mixture="multitask"):
         "note": None if all(np.isfinite(sum(v)) for v in base_t.values()) else
         "a baseline is infeasible on some batches: no fixed micro-batch size / recompute fits the memory "
         "limit with 1F1B on this layout (speed-up reported as null)",
+        **({"zb": zero_bubble_row(cfg, kind, max_len, batches[args.warmup:], dyn, base_t, nb, args)}
+           if args.zero_bubble else {}),
+    }
+
+
+def zero_bubble_row(cfg, kind, max_len, batches, dyn, base_t, nb, args) -> dict:
+    """DynaPipe+ZB on the same batches against DynaPipe (`dyn`), ZB on fixed micro-batches and
+    the baselines (`base_t`, the first `nb` batches); see the module docstring."""
+    import dataclasses
+    from megatron.planner.schedule.zb_baselines import zb_fixed_time
+    from megatron.planner.schedule.zb_search import w_share_text
+    zcfg = dataclasses.replace(cfg, schedules=tuple(cfg.schedules) + ("zb",), emit_plans=False)
+    planner = DynaPipePlanner(zcfg)
+    for b in batches[:args.warmup]:
+        planner.plan(b)
+    zb, split, groups, times = [], 0, 0, []
+    for i, b in enumerate(batches):
+        t0 = time.perf_counter()
+        plan = planner.plan(b, i)
+        times.append((time.perf_counter() - t0) * 1e3)
+        zb.append(plan.makespan_ms)
+        split += sum(g.schedule == "zb" for g in plan.groups)
+        groups += len(plan.groups)
+    ratios = [d / z for d, z in zip(dyn, zb)]
+    fixed = {name: [zb_fixed_time(planner, kind, b, max_len, name)[0] for b in batches[:nb]]
+             for name in ("zb-h1", "zb-v")}
+    ratio = lambda base: round(sum(base) / sum(zb[:nb]), 3) if nb and np.isfinite(sum(base)) else None  # noqa: E731
+    return {
+        "speedup_vs_dynapipe_median": round(statistics.median(ratios), 4),
+        "speedup_vs_dynapipe_min": round(min(ratios), 4), "speedup_vs_dynapipe_max": round(max(ratios), 4),
+        "never_slower": all(z <= d * (1 + 1e-9) for z, d in zip(zb, dyn)),
+        "split_fraction": round(split / groups, 3), "iteration_ms_mean": round(float(np.mean(zb)), 1),
+        "planning_ms_median": round(statistics.median(times), 2),
+        **{f"speedup_vs_{name}_fixed": ratio(v) for name, v in fixed.items()},
+        **{f"speedup_vs_{name}": ratio(v) for name, v in base_t.items()},
+        "w_split": w_share_text(cfg.hidden_size),
     }
 
 
@@ -236,10 +280,12 @@ def main(argv=None):
     ap.add_argument("--cost-models", default=str(ROOT / "cost_models"))
     ap.add_argument("--mixtures", default="multitask,flan,heavy,bimodal",
                     help=f"length mixtures, from {sorted(MIXTURES)}")
+    ap.add_argument("--zero-bubble", action="store_true",
+                    help="also plan with the split backward (DynaPipe+ZB) and compare it with DynaPipe and ZB-H1/ZB-V")
     ap.add_argument("--no-packed-rows", action="store_true",
                     help="DynaPipe without micro-batches of packed rows (the paper's planner alone)")
     args = ap.parse_args(argv)
-    best = []
+    best, zb_rows = [], []
     for mixture in args.mixtures.split(","):
         if mixture not in MIXTURES:
             ap.error(f"--mixtures: unknown mixture {mixture!r}; choose from {sorted(MIXTURES)}")
@@ -249,9 +295,18 @@ def main(argv=None):
                 print(json.dumps(row), flush=True)
                 if row["speedup_vs_best_baseline"] is not None:
                     best.append(row["speedup_vs_best_baseline"])
+                if row.get("zb"):
+                    zb_rows.append(row["zb"])
     if best:
         print(json.dumps({"summary": "speedup_vs_best_baseline over rows", "rows": len(best),
                           "median": round(statistics.median(best), 3), "min": min(best), "max": max(best)}))
+    if zb_rows:
+        med = [z["speedup_vs_dynapipe_median"] for z in zb_rows]
+        print(json.dumps({"summary": "DynaPipe+ZB speedup_vs_dynapipe (per-row medians)", "rows": len(zb_rows),
+                          "median": round(statistics.median(med), 4), "min": min(z["speedup_vs_dynapipe_min"]
+                                                                                  for z in zb_rows),
+                          "max": max(z["speedup_vs_dynapipe_max"] for z in zb_rows),
+                          "never_slower_all_rows": all(z["never_slower"] for z in zb_rows)}))
 
 
 if __name__ == "__main__":

@@ -163,7 +163,9 @@ def _add_distributed_args(p) -> None:
                    help="layers per model chunk: interleaved 1F1B with several chunks per rank")
     g.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None,
                    help="T5: the first decoder pipeline rank")
-    g.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    g.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "zb-h1", "zb-h2", "zb-v"],
+                   help="pipeline schedule; zb-h1 (1F1B memory), zb-h2 (more memory) and zb-v (two stages per rank "
+                        "in a V) split each backward into input- and weight-gradient passes (zero bubble)")
     g.add_argument("--pipeline-stage-layers", type=int_list, default=None,
                    help="explicit per-stage layer counts, e.g. 3,5 (uneven pipeline stages; T5: counts of the "
                         "encoder layers followed by the decoder layers, the split rank follows from them)")

@@ -14,6 +14,9 @@ from megatron.config.errors import ConfigError, _require  # noqa: F401 (re-expor
 from megatron.config.systems import CompressionConfig, TeraPipeConfig  # noqa: F401 (re-exported)
 from megatron.config.terapipe import check_terapipe_config
 
+# --pipeline-schedule; zb-* split the backward into input and weight passes (megatron/planner/schedule/zero_bubble.py).
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zb-h2", "zb-v")
+
 
 @dataclass
 class ModelConfig:
@@ -191,8 +194,15 @@ class ParallelConfig:
         if self.pipeline_model_parallel_split_rank is not None:
             _require(0 <= self.pipeline_model_parallel_split_rank <= pp,
                      f"--pipeline-model-parallel-split-rank must be in [0, {pp}], got {self.pipeline_model_parallel_split_rank}")
-        _require(self.pipeline_schedule in ("1f1b", "gpipe"),
-                 f"--pipeline-schedule must be 1f1b or gpipe, got {self.pipeline_schedule!r}")
+        _require(self.pipeline_schedule in PIPELINE_SCHEDULES,
+                 f"--pipeline-schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.pipeline_schedule!r}")
+        if self.pipeline_schedule.startswith("zb-"):
+            _require(self.num_layers_per_virtual_pipeline_stage is None,
+                     f"--pipeline-schedule {self.pipeline_schedule} places its own stages (zb-v: two per rank in a V): "
+                     "drop --num-layers-per-virtual-pipeline-stage")
+            _require(self.stage_parallel is None,
+                     f"--pipeline-schedule {self.pipeline_schedule} runs stages with one TP/DP size: drop the "
+                     "per-stage TP x DP sizes or use --pipeline-schedule 1f1b")
 
     def _check_stage_parallel(self) -> None:
         sp = self.stage_parallel
@@ -485,6 +495,18 @@ class MegatronConfig:
                          "--dynapipe with T5 puts the encoder on the first half of the pipeline: set "
                          f"--pipeline-model-parallel-split-rank {p.pipeline_model_parallel_size // 2}")
 
+        if p.pipeline_schedule.startswith("zb-"):
+            _require(not self.terapipe.enabled,
+                     f"--pipeline-schedule {p.pipeline_schedule} splits the backward, which token slices cannot (their "
+                     "key/value gradients flow between the slices' backwards): drop --terapipe or use 1f1b")
+        if p.pipeline_schedule == "zb-v":
+            _require(m.model_type == "gpt", "--pipeline-schedule zb-v runs GPT: T5 splits its pipeline at "
+                     "--pipeline-model-parallel-split-rank, which a V placement cannot keep; use zb-h1 or zb-h2")
+            _require(m.num_layers % (2 * p.pipeline_model_parallel_size) == 0 or p.pipeline_stage_layers is not None,
+                     f"--pipeline-schedule zb-v cuts --num-layers ({m.num_layers}) into 2 x "
+                     f"--pipeline-model-parallel-size ({p.pipeline_model_parallel_size}) stages: make it divisible")
+            _require(p.pipeline_stage_layers is None, "--pipeline-schedule zb-v splits the layers evenly over its "
+                     "2 x PP stages: drop --pipeline-stage-layers")
         if self.terapipe.enabled:
             try:
                 check_terapipe_config(self)

@@ -100,6 +100,8 @@ class GPTStage(nn.Module):
     def output_weight(self) -> torch.Tensor:
         if hasattr(self, "output_layer"):
             return self.output_layer.weight
+        if hasattr(self, "_tied_embedding_stage"):
+            return self._tied_embedding_stage.embedding.word_embeddings.weight
         return self.embedding.word_embeddings.weight
 
     def attention_mask(self, batch) -> Optional[torch.Tensor]:
@@ -165,6 +167,8 @@ def gpt_activation_shapes(cfg: ModelConfig, microbatch_shapes, tp_size: int = 1)
 
 def num_model_chunks(cfg) -> int:
     p = cfg.parallel
+    if p.pipeline_schedule == "zb-v":
+        return 2
     if p.num_layers_per_virtual_pipeline_stage is None:
         return 1
     return cfg.model.num_layers // p.pipeline_model_parallel_size // p.num_layers_per_virtual_pipeline_stage
@@ -172,7 +176,8 @@ def num_model_chunks(cfg) -> int:
 
 def build_gpt_stages(cfg, ps: ParallelState) -> dict:
     """The GPT stages this pipeline rank owns: {stage id: GPTStage}. Stage k*PP + r lives on
-    pipeline rank r (Megatron's interleaved placement; k = 0 without virtual stages)."""
+    pipeline rank r (Megatron's interleaved placement; k = 0 without virtual stages); with
+    --pipeline-schedule zb-v rank r owns stages r and 2PP-1-r (a V)."""
     from megatron.models.stage_split import stage_layer_split
     pp = ps.pp_size
     chunks = num_model_chunks(cfg)
@@ -180,8 +185,9 @@ def build_gpt_stages(cfg, ps: ParallelState) -> dict:
     split = stage_layer_split(cfg.model.num_layers, num_stages, cfg.parallel.pipeline_stage_layers)
     starts = [sum(split[:i]) for i in range(num_stages)]
     stages = {}
+    v_shape = cfg.parallel.pipeline_schedule == "zb-v"
     for k in range(chunks):
-        sid = k * pp + ps.pp_rank
+        sid = (num_stages - 1 - ps.pp_rank if k else ps.pp_rank) if v_shape else k * pp + ps.pp_rank
         stages[sid] = GPTStage(cfg.model, ps, layer_start=starts[sid], layer_end=starts[sid] + split[sid],
                                pre_process=sid == 0, post_process=sid == num_stages - 1,
                                seed=cfg.training.seed, recompute_method=cfg.training.recompute_method,
@@ -194,6 +200,13 @@ def build_gpt_stages(cfg, ps: ParallelState) -> dict:
                 except ValueError as e:
                     raise ValueError(f"--aceso-config: layer {layer.layer_number}: {e}") from None
             stages[sid].decoder.layer_recompute = modes
+    last = stages.get(num_stages - 1)
+    if num_stages > 1 and 0 in stages and last is not None and hasattr(last, "output_layer") \
+            and getattr(last.output_layer.weight, "shared_embedding", False):
+        # The V puts the first and the last stage on one rank: one tied weight, not two copies
+        # to keep equal. The last stage borrows it without registering it (no parameter twice).
+        del last.output_layer
+        object.__setattr__(last, "_tied_embedding_stage", stages[0])
     return stages
 
 

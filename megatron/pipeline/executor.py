@@ -22,6 +22,17 @@ block in its buffer with `_local_block()`; a send ships the slice of its buffer,
 a receive buffer is allocated whole at its first piece and filled as the pieces finish. A
 compressed piece (compress_rank) is encoded once per (micro-batch, stage, rows), whatever the
 number of peers it goes to, and decoded to its rows before they are written.
+
+Split backward (zero-bubble schedules): `BackwardInput` runs the autograd engine from the
+stage's outputs restricted to the stage's inputs (no parameter gradient is computed or
+accumulated, so the weight GEMMs are skipped) and keeps the graph; `BackwardWeight` later runs
+the engine again over the kept graph, accumulating the parameter gradients exactly as a
+`BackwardPass` would (same graph, same grads, same accumulation hooks: the overlapped DP
+reduction sees each parameter's final gradient at its last BackwardWeight). Recompute segments
+are replayed by each walk (non-reentrant checkpoint, RNG restored), TP/SP collectives inside
+the graph run in both walks on every TP rank in the same plan order. The weight walk re-visits
+the input-gradient path on the way to the parameters; what it saves is the critical path, not
+work.
 """
 from __future__ import annotations
 
@@ -100,6 +111,20 @@ def _run_backward(outputs: List[torch.Tensor], grads: List[Optional[torch.Tensor
         allow_unreachable=True, accumulate_grad=True)
 
 
+def _input_grads(outputs, grads, inputs) -> list:
+    """Gradients w.r.t. `inputs` only, keeping the graph for the weight pass. None where an
+    input does not reach the outputs."""
+    pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+    want = [t for t in inputs if t.requires_grad]
+    if not pairs or not want:
+        return [None] * len(inputs)
+    outs, gs = zip(*pairs)
+    got = iter(torch.autograd.Variable._execution_engine.run_backward(
+        tensors=outs, grad_tensors=gs, keep_graph=True, create_graph=False, inputs=tuple(want),
+        allow_unreachable=True, accumulate_grad=False))
+    return [next(got) if t.requires_grad else None for t in inputs]
+
+
 def _free_data(t: torch.Tensor) -> None:
     t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
 
@@ -136,6 +161,7 @@ class PipelineExecutor:
             forward_only: bool = False) -> ExecutionStats:
         self.slots: Dict[int, List[torch.Tensor]] = {}
         self.records: Dict[tuple, tuple] = {}
+        self.deferred: Dict[tuple, tuple] = {}  # (mb, stage) -> (outputs, grads) kept for BackwardWeight
         self.data: Dict[int, dict] = {}
         self.sends: Dict[tuple, object] = {}
         self.recvs: Dict[tuple, object] = {}
@@ -165,7 +191,7 @@ class PipelineExecutor:
                 handler = self._HANDLERS[type(ins)]
             except KeyError:
                 raise PlanExecutionError(f"{self.rank_desc}: no handler for instruction {ins!r}")
-            if forward_only and isinstance(ins, (I.BackwardPass, I.SendGradStart, I.SendGradFinish,
+            if forward_only and isinstance(ins, (I.BackwardPass, I.BackwardInput, I.BackwardWeight, I.SendGradStart, I.SendGradFinish,
                                                  I.RecvGradStart, I.RecvGradFinish)):
                 continue
             try:
@@ -187,22 +213,26 @@ class PipelineExecutor:
         if not forward_only and self.records:
             raise PlanExecutionError(
                 f"{self.rank_desc}, iteration {plan.iteration}: forwards without backward: {sorted(self.records)}")
+        if not forward_only and self.deferred:
+            raise PlanExecutionError(
+                f"{self.rank_desc}, iteration {plan.iteration}: BackwardInput without BackwardWeight "
+                f"(the optimizer would miss their weight gradients): {sorted(self.deferred)}")
         if not forward_only and self.kv_caches:
             raise PlanExecutionError(
                 f"{self.rank_desc}, iteration {plan.iteration}: token slices of (sequence, stage) "
                 f"{sorted(self.kv_caches)} never ran the backward of their first slice")
-        self.slots = self.records = self.data = self.kv_caches = self.slice_records = self.assembling = {}
+        self.slots = self.records = self.deferred = self.data = self.kv_caches = self.slice_records = self.assembling = {}
         self.encoded = {}
         return self.stats
 
     def _trace(self, ins, start_s: float) -> None:
         """One Chrome-trace event for an instruction that started `start_s` into the run."""
-        compute = isinstance(ins, (I.ForwardPass, I.BackwardPass))
+        compute = isinstance(ins, (I.ForwardPass, I.BackwardPass, I.BackwardInput, I.BackwardWeight))
         if compute and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         end_s = time.perf_counter() - self._trace_t0
         kind = "compute" if compute else "comm" if isinstance(ins, I.CommInstruction) else "other"
-        short = {I.ForwardPass: "F", I.BackwardPass: "B"}.get(type(ins), type(ins).__name__)
+        short = {I.ForwardPass: "F", I.BackwardPass: "B", I.BackwardInput: "B", I.BackwardWeight: "W"}.get(type(ins), type(ins).__name__)
         self.trace_events.append({"name": f"{short}{ins.microbatch}", "cat": kind, "ph": "X",
                                   "tid": 0 if compute else 1, "ts": start_s * 1e6, "dur": (end_s - start_s) * 1e6,
                                   "args": {"stage": ins.stage, "microbatch": ins.microbatch}})
@@ -273,7 +303,7 @@ class PipelineExecutor:
             self._write_slots(ins.output_buffer_ids, outputs)
         if not self.forward_only:
             self.records[(ins.microbatch, ins.stage)] = (inputs, outputs)
-            self.stats.peak_live_records = max(self.stats.peak_live_records, len(self.records))
+            self.stats.peak_live_records = max(self.stats.peak_live_records, len(self.records) + len(self.deferred))
 
     def _write_slots(self, buffer_ids, tensors):
         if len(buffer_ids) == len(tensors):
@@ -312,6 +342,39 @@ class PipelineExecutor:
             in_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
             in_grads = [g if g.dtype == self.comm_dtype else g.to(self.comm_dtype) for g in in_grads]
             self._write_slots(ins.output_buffer_ids, in_grads)
+
+    def _backward_input(self, ins: I.BackwardInput):
+        key = (ins.microbatch, ins.stage)
+        if key not in self.records:
+            raise PlanExecutionError(f"{self.rank_desc}: BackwardInput of microbatch {ins.microbatch} stage "
+                                     f"{ins.stage} without its forward")
+        if key in self.slice_records:
+            raise PlanExecutionError(f"{self.rank_desc}: a split backward cannot run token slices "
+                                     f"(microbatch {ins.microbatch}, stage {ins.stage}); use BackwardPass")
+        inputs, outputs = self.records.pop(key)
+        grads = ([g for bid in ins.buffer_ids for g in self.slots[bid]] if ins.buffer_ids
+                 else [torch.ones_like(outputs[0])])
+        if len(grads) != len(outputs):
+            raise PlanExecutionError(f"{self.rank_desc}: stage {ins.stage} has {len(outputs)} outputs but "
+                                     f"{len(grads)} gradients arrived")
+        if ins.output_buffer_ids:
+            in_grads = _input_grads(outputs, grads, inputs)
+            in_grads = [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, in_grads)]
+            in_grads = [g if g.dtype == self.comm_dtype else g.to(self.comm_dtype) for g in in_grads]
+            self._write_slots(ins.output_buffer_ids, in_grads)
+        # The received gradient tensors stay referenced here, not through their slot, which
+        # the plan may free and reuse before the weight pass.
+        self.deferred[key] = (outputs, grads)
+        self.stats.peak_live_records = max(self.stats.peak_live_records, len(self.records) + len(self.deferred))
+
+    def _backward_weight(self, ins: I.BackwardWeight):
+        key = (ins.microbatch, ins.stage)
+        if key not in self.deferred:
+            raise PlanExecutionError(f"{self.rank_desc}: BackwardWeight of microbatch {ins.microbatch} stage "
+                                     f"{ins.stage} before its BackwardInput")
+        outputs, grads = self.deferred.pop(key)
+        _run_backward(outputs, grads)
+        self.stats.backward_passes += 1
 
     def _free(self, ins: I.FreeBuffer):
         for bid in ins.buffer_ids:
@@ -453,6 +516,8 @@ class PipelineExecutor:
         I.LoadInput: _load_input,
         I.ForwardPass: _forward,
         I.BackwardPass: _backward,
+        I.BackwardInput: _backward_input,
+        I.BackwardWeight: _backward_weight,
         I.FreeBuffer: _free,
         I.SendActivationStart: lambda self, ins: self._send_start(ins, "act"),
         I.SendActivationFinish: lambda self, ins: self._send_finish(ins, "act"),

@@ -99,6 +99,22 @@ class BackwardPass(BufferInstruction):
 
 
 @dataclass(frozen=True)
+class BackwardInput(BufferInstruction):
+    """The input-gradient half of a split backward (zero-bubble schedules): the same slots as
+    `BackwardPass`, but parameters gain no gradient; the graph is kept for the matching
+    `BackwardWeight`, which must follow before the end of the plan (the optimizer step)."""
+    output_buffer_ids: Tuple[int, ...] = ()
+    output_shapes: Tuple[Shape, ...] = ()
+    token_slice: Tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class BackwardWeight(BufferInstruction):
+    """The weight-gradient half of a split backward: accumulates the parameter gradients of
+    (microbatch, stage) from the graph its `BackwardInput` kept. Reads and writes no slots."""
+
+
+@dataclass(frozen=True)
 class FreeBuffer(BufferInstruction):
     pass
 
@@ -210,7 +226,7 @@ def describe(instr: Instruction) -> str:
         if instr.buffer_ids or not isinstance(instr, LoadInput):
             parts.append(f"buffers={tuple(instr.buffer_ids)}")
         parts.append(f"shapes={tuple(tuple(s) for s in instr.buffer_shapes)}")
-    if isinstance(instr, (ForwardPass, BackwardPass)):
+    if isinstance(instr, (ForwardPass, BackwardPass, BackwardInput)):
         parts.append(f"out={tuple(instr.output_buffer_ids)}")
         parts.append(f"out_shapes={tuple(tuple(s) for s in instr.output_shapes)}")
     if getattr(instr, "token_slice", ()):
@@ -242,13 +258,17 @@ def describe(instr: Instruction) -> str:
 #   Version 4 (written only for plans with a batch split) is version 3 plus an <id list> with
 #   the plan's batch_split after the micro-batch shapes and, on every comm record after its
 #   token slice, an <id list> with its batch_slice.
+#   Version 5 (written only for plans with a split backward, so all other plans keep their
+#   bytes) is version 4 plus two tags: 13 BackwardInput (a compute record, like BackwardPass)
+#   and 14 BackwardWeight (a plain record: no slots, shapes or slices).
 # One int32 array keeps encoding/decoding to a single pass of Python-level list work, which
 # is what makes plans with thousands of instructions take a few milliseconds.
 _MAGIC = b"MPLN"
 _VERSION = 2
 _VERSION_SLICED = 3
 _VERSION_SPLIT = 4
-_READABLE_VERSIONS = (1, _VERSION, _VERSION_SLICED, _VERSION_SPLIT)
+_VERSION_ZB = 5
+_READABLE_VERSIONS = (1, _VERSION, _VERSION_SLICED, _VERSION_SPLIT, _VERSION_ZB)
 _HEADER = struct.Struct("<4sHHIIB")
 
 # Tags are part of the wire format: append new classes, never renumber.
@@ -256,10 +276,11 @@ _TAG_OF = {
     LoadInput: 1, ForwardPass: 2, BackwardPass: 3, FreeBuffer: 4,
     SendActivationStart: 5, SendActivationFinish: 6, RecvActivationStart: 7,
     RecvActivationFinish: 8, SendGradStart: 9, SendGradFinish: 10, RecvGradStart: 11,
-    RecvGradFinish: 12,
+    RecvGradFinish: 12, BackwardInput: 13, BackwardWeight: 14,
 }
 _CLASS_OF = {tag: cls for cls, tag in _TAG_OF.items()}
-_COMPUTE_TAGS = frozenset((2, 3))
+_ZB_TAGS = frozenset((13, 14))
+_COMPUTE_TAGS = frozenset((2, 3, 13))
 _COMM_TAGS = frozenset(range(5, 13))
 _SLICE_TAGS = frozenset((1,)) | _COMPUTE_TAGS | _COMM_TAGS
 
@@ -282,8 +303,11 @@ def _encode_plan(plan: ExecutionPlan, version: Optional[int] = None) -> bytes:
         _put_shapes(v, shapes)
     sliced = any(getattr(instr, "token_slice", ()) for instr in plan.instructions)
     split = bool(plan.batch_split) or any(getattr(instr, "batch_slice", ()) for instr in plan.instructions)
+    zb = any(type(instr) in (BackwardInput, BackwardWeight) for instr in plan.instructions)
     if version is None:
-        version = _VERSION_SPLIT if split else _VERSION_SLICED if sliced else _VERSION
+        version = _VERSION_ZB if zb else _VERSION_SPLIT if split else _VERSION_SLICED if sliced else _VERSION
+    elif zb and version < _VERSION_ZB:
+        raise ValueError(f"format version {version} cannot carry a split backward (BackwardInput/BackwardWeight)")
     elif sliced and version < _VERSION_SLICED:
         raise ValueError(f"format version {version} cannot carry token slices")
     elif split and version < _VERSION_SPLIT:
@@ -391,7 +415,7 @@ def _decode_values(v: list, version: int = _VERSION):
     for _ in range(n_instr):
         tag, mb, stage, n = v[i], v[i + 1], v[i + 2], v[i + 3]
         cls = class_of.get(tag)
-        if cls is None:
+        if cls is None or (tag in _ZB_TAGS and version < _VERSION_ZB):
             raise ValueError(f"serialized ExecutionPlan is corrupt: unknown instruction tag {tag}")
         i += 4
         ids = tuple(v[i:i + n])

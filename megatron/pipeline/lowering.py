@@ -34,6 +34,11 @@ Blocking only happens at `Recv*Finish` (waits for a send that follows a compute 
 receiver needs anyway) and `Send*Finish` (placed where the receive is already posted or
 implied), so the plans are deadlock-free exactly when the compute orders are, and they pass
 `megatron.pipeline.validator.validate_plans`.
+
+Split backward (zero-bubble schedules): an order may replace `B(mb, s)` by `I(mb, s)` (the
+input gradient: lowered to `BackwardInput`, which reads and writes the same slots and sends
+like a backward) followed later on the same rank by `W(mb, s)` (the weight gradient:
+`BackwardWeight`, no slots, no messages).
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from megatron.pipeline.instructions import (
-    BackwardPass, ExecutionPlan, ForwardPass, FreeBuffer, LoadInput, RecvActivationFinish,
+    BackwardInput, BackwardPass, BackwardWeight, ExecutionPlan, ForwardPass, FreeBuffer, LoadInput, RecvActivationFinish,
     RecvActivationStart, RecvGradFinish, RecvGradStart, SendActivationFinish,
     SendActivationStart, SendGradFinish, SendGradStart,
 )
@@ -57,13 +62,13 @@ _RECV_FINISH = {ACT: RecvActivationFinish, GRAD: RecvGradFinish}
 
 @dataclass(frozen=True)
 class ComputeOp:
-    kind: str          # "F" (forward) or "B" (backward)
+    kind: str          # "F" (forward), "B" (backward), or a split backward's "I" (input) / "W" (weight)
     microbatch: int
     stage: int
 
     def __post_init__(self):
-        if self.kind not in ("F", "B"):
-            raise ValueError(f"ComputeOp.kind must be 'F' or 'B', got {self.kind!r}")
+        if self.kind not in ("F", "B", "I", "W"):
+            raise ValueError(f"ComputeOp.kind must be 'F', 'B', 'I' or 'W', got {self.kind!r}")
 
     def __str__(self):
         return f"{self.kind}(mb={self.microbatch}, stage={self.stage})"
@@ -130,10 +135,13 @@ def _check_orders(orders, stage_to_rank, num_mb) -> None:
             seen.add(op)
     for mb in range(num_mb):
         for s in range(num_stages):
-            for kind in "FB":
+            split = ComputeOp("I", mb, s) in seen or ComputeOp("W", mb, s) in seen
+            for kind in ("FIW" if split else "FB"):
                 if ComputeOp(kind, mb, s) not in seen:
                     raise ValueError(f"no rank runs {ComputeOp(kind, mb, s)} "
                                      f"(expected on rank {stage_to_rank[s]})")
+            if split and ComputeOp("B", mb, s) in seen:
+                raise ValueError(f"{ComputeOp('B', mb, s)} and a split backward (I/W) of it are both ordered")
 
 
 class _ShapeCache:
@@ -159,7 +167,7 @@ def _channels(orders, stage_to_rank, num_stages) -> dict:
         for op in order:
             if op.kind == "F" and op.stage + 1 < num_stages:
                 msg, dst = (ACT, op.microbatch, op.stage), stage_to_rank[op.stage + 1]
-            elif op.kind == "B" and op.stage > 0:
+            elif op.kind in ("B", "I") and op.stage > 0:
                 msg, dst = (GRAD, op.microbatch, op.stage), stage_to_rank[op.stage - 1]
             else:
                 continue
@@ -199,7 +207,12 @@ class _RankEmitter:
                 loaded.add(op.microbatch)
                 self.records.append(("op", LoadInput, op.microbatch, op.stage, (),
                                      self.mb_shapes[op.microbatch], (), (), None))
-            (self.forward if op.kind == "F" else self.backward)(op.microbatch, op.stage)
+            if op.kind == "F":
+                self.forward(op.microbatch, op.stage)
+            elif op.kind == "W":
+                self.records.append(("op", BackwardWeight, op.microbatch, op.stage, (), (), (), (), None))
+            else:
+                self.backward(op.microbatch, op.stage, BackwardInput if op.kind == "I" else BackwardPass)
         for key in self.grad_sends:
             self.records.append(("send_finish", key))
         if self.local:
@@ -212,12 +225,12 @@ class _RankEmitter:
         out_shapes = self.shapes(mb, s) if s < self.last else ()
         self.compute(ForwardPass, mb, s, ids, in_shapes, out_shapes, (ACT, mb, s), s + 1)
 
-    def backward(self, mb, s):
+    def backward(self, mb, s, cls=BackwardPass):
         if (ACT, mb, s) in self.sends:
             self.records.append(("send_finish", self.sends.pop((ACT, mb, s))))
         ids, in_shapes = self.input(mb, s, (GRAD, mb, s + 1), s < self.last, s + 1, "B")
         out_shapes = self.shapes(mb, s - 1) if s > 0 else ()
-        self.compute(BackwardPass, mb, s, ids, in_shapes, out_shapes, (GRAD, mb, s), s - 1)
+        self.compute(cls, mb, s, ids, in_shapes, out_shapes, (GRAD, mb, s), s - 1)
 
     def input(self, mb, s, msg, needed, src_stage, kind):
         if not needed:
@@ -328,9 +341,11 @@ def _assign_slots(records) -> tuple[list, int]:
     for rec in records:
         if rec[0] == "op":
             _, cls, mb, s, ids, shapes, out_ids, out_shapes, peer = rec
-            if cls is ForwardPass or cls is BackwardPass:
+            if cls is ForwardPass or cls is BackwardPass or cls is BackwardInput:
                 instructions.append(cls(mb, s, tuple(slot_of[b] for b in ids), shapes,
                                         alloc(out_ids), out_shapes))
+            elif cls is BackwardWeight:
+                instructions.append(cls(mb, s))
             elif cls is FreeBuffer:
                 slots = tuple(slot_of.pop(b) for b in ids)
                 instructions.append(cls(mb, s, slots, shapes))

@@ -21,6 +21,11 @@ Rules (see the module docstring of `megatron.pipeline.instructions` for the sema
 * compute: per (micro-batch, owned stage) exactly one forward and one backward, the
   backward after the forward; LoadInput of the micro-batch before its first forward; the
   last stage has no outputs; backward gradients have the forward's input shapes.
+* split backward (zero-bubble): a `BackwardInput` counts as the backward (same slots and
+  shapes); its `BackwardWeight` follows it on the same rank, once, before the end of the plan
+  (the optimizer step), and no `BackwardPass` has one. A forward's graph is kept from the
+  forward to its backward, or to its weight pass when split: `kept_peaks(plans)` gives the most
+  graphs each rank keeps at once, and `validate_plans(plans, max_kept=...)` bounds them.
 * matching: per ordered rank pair (a -> b), the k-th send of a to b (activations and
   gradients share one ordered channel, as NCCL matches point-to-point ops by issue order
   only) is the k-th receive of b from a: same kind, micro-batch, stage and shapes.
@@ -56,8 +61,11 @@ from megatron.pipeline.validator_rank import (  # noqa: F401 (PlanValidationErro
 )
 
 
-def validate_plans(plans: list[ExecutionPlan]) -> None:
-    """Raise `PlanValidationError` unless `plans` (one per pipeline rank) can run together."""
+def validate_plans(plans: list[ExecutionPlan], max_kept=None) -> list:
+    """Raise `PlanValidationError` unless `plans` (one per pipeline rank) can run together.
+    `max_kept[r]`: the most forward graphs rank r may keep at once (activations, and the
+    deferred weight-gradient state of a split backward); None = unbounded. Returns
+    `kept_peaks` of the plans (by rank)."""
     plans = _check_headers(plans)
     stage_to_rank = _check_stage_assignment(plans)
     # Pairing first: a missing or mis-ordered message is best reported as a rank-pair error,
@@ -66,6 +74,18 @@ def validate_plans(plans: list[ExecutionPlan]) -> None:
     _check_slices(plans)
     ranks = [_RankChecker(plan, stage_to_rank).run() for plan in plans]
     _check_deadlock(plans, ranks)
+    peaks = [rc.peak_kept for rc in ranks]
+    if max_kept is not None:
+        for r, (peak, limit) in enumerate(zip(peaks, max_kept)):
+            if limit is not None and peak > limit:
+                raise PlanValidationError(f"rank {r} keeps {peak} forward graphs at once (activations plus "
+                                          f"deferred weight-gradient state), more than its limit {limit}")
+    return peaks
+
+
+def kept_peaks(plans: list[ExecutionPlan]) -> list:
+    """Per rank, the most forward graphs kept at once (see `validate_plans`)."""
+    return validate_plans(plans)
 
 
 def _check_headers(plans) -> list[ExecutionPlan]:

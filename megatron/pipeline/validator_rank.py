@@ -3,7 +3,7 @@ one pass over one rank's instruction stream, and the error every rule raises."""
 from __future__ import annotations
 
 from megatron.pipeline.instructions import (
-    BackwardPass, ExecutionPlan, ForwardPass, FreeBuffer, LoadInput, RecvActivationFinish, RecvActivationStart, RecvGradFinish, RecvGradStart, SendActivationFinish, SendActivationStart, SendGradFinish, SendGradStart, describe,
+    BackwardInput, BackwardPass, BackwardWeight, ExecutionPlan, ForwardPass, FreeBuffer, LoadInput, RecvActivationFinish, RecvActivationStart, RecvGradFinish, RecvGradStart, SendActivationFinish, SendActivationStart, SendGradFinish, SendGradStart, describe,
 )
 
 
@@ -80,6 +80,10 @@ class _RankChecker:
         self.loaded: set = set()
         self.forwarded: dict = {}      # (mb, stage) -> (input shapes, output shapes)
         self.backwarded: set = set()
+        self.weight_pending: set = set()  # (mb, stage) whose BackwardInput ran, BackwardWeight not yet
+        # Most forwards whose graph this rank keeps at once (activations until the backward, or
+        # until the weight pass of a split backward): the deferred W state's memory, in records.
+        self.peak_kept = 0
         self.open: dict = {}           # (kind, is_send, mb, stage) -> (index, Start, position)
         self.done_comm: set = set()
         self.sends: dict = {}          # peer -> [(msg, index, instr)]
@@ -102,8 +106,10 @@ class _RankChecker:
             kind = type(instr)
             if kind is ForwardPass:
                 self._forward(index, instr)
-            elif kind is BackwardPass:
+            elif kind is BackwardPass or kind is BackwardInput:
                 self._backward(index, instr)
+            elif kind is BackwardWeight:
+                self._weight(index, instr)
             elif kind is LoadInput:
                 self._load(index, instr)
             elif kind is FreeBuffer:
@@ -184,6 +190,7 @@ class _RankChecker:
             self._write(index, instr, slot, ("activation", mb, s, j, n), shape, ready=True)
         self.forwarded[(mb, s)] = (tuple(map(tuple, instr.buffer_shapes)),
                                    tuple(map(tuple, instr.output_shapes)))
+        self.peak_kept = max(self.peak_kept, len(self.forwarded) - len(self.backwarded) + len(self.weight_pending))
 
     def _backward(self, index, instr):
         mb, s = instr.microbatch, instr.stage
@@ -213,6 +220,22 @@ class _RankChecker:
         for j, (slot, shape) in enumerate(zip(instr.output_buffer_ids, instr.output_shapes)):
             self._write(index, instr, slot, ("grad", mb, s, j, n), shape, ready=True)
         self.backwarded.add((mb, s))
+        if type(instr) is BackwardInput:
+            if instr.token_slice:
+                self.fail(index, instr, "a split backward cannot run token slices (their key/value gradients "
+                          "flow between the slices' backwards): use BackwardPass")
+            self.weight_pending.add((mb, s))
+
+    def _weight(self, index, instr):
+        mb, s = instr.microbatch, instr.stage
+        self._own(index, instr, s, "weight-gradient")
+        if instr.buffer_ids:
+            self.fail(index, instr, "BackwardWeight reads no slots (its graph is kept by its BackwardInput)")
+        if (mb, s) not in self.weight_pending:
+            why = ("its backward was a BackwardPass, which already accumulated the weight gradients"
+                   if (mb, s) in self.backwarded else "no BackwardInput of it ran before")
+            self.fail(index, instr, f"weight gradient of micro-batch {mb}, stage {s}: {why}")
+        self.weight_pending.discard((mb, s))
 
     def _comm(self, index, instr, kind, is_send, is_start):
         mb, s, peer = instr.microbatch, instr.stage, instr.peer
@@ -377,6 +400,11 @@ class _RankChecker:
             slot, state = next(iter(self.slots.items()))
             raise PlanValidationError(f"{end}: slot {slot} still holds "
                                       f"{_tag_text(state[0])} (missing FreeBuffer)")
+        if self.weight_pending:
+            mb, s = min(self.weight_pending)
+            raise PlanValidationError(f"{end}: BackwardInput of micro-batch {mb}, stage {s} has no "
+                                      "BackwardWeight before the end of the plan (the optimizer step would "
+                                      "miss its weight gradients)")
         for s in sorted(self.owned):
             for mb in range(self.num_mb):
                 if (mb, s) not in self.forwarded:

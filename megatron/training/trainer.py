@@ -211,15 +211,19 @@ class Trainer:
         self.tp_compressors = install(cfg, ps, self.compression_stats)  # {} (exact all-reduces) unless asked
 
     def _expected_accumulations(self, plan) -> dict:
-        """id(param) -> how many backward passes of this plan accumulate into it."""
-        from megatron.pipeline.instructions import BackwardPass
+        """id(param) -> how many backward passes of this plan accumulate into it (a split
+        backward accumulates in its BackwardWeight: a bucket is final at its last W)."""
+        from megatron.pipeline.instructions import BackwardPass, BackwardWeight
         per_stage: dict = {}
         for ins in plan.instructions:
-            if isinstance(ins, BackwardPass):
+            if isinstance(ins, (BackwardPass, BackwardWeight)):
                 per_stage[ins.stage] = per_stage.get(ins.stage, 0) + 1
         out: dict = {}
         for sid, n in per_stage.items():
-            for p in self.stages[sid].parameters():
+            stage = self.stages[sid]
+            # zb-v: the last stage borrows the first stage's (same-rank) tied embedding weight
+            borrowed = [stage.output_weight()] if hasattr(stage, "_tied_embedding_stage") else []
+            for p in list(stage.parameters()) + borrowed:
                 out[id(p)] = out.get(id(p), 0) + n
         return out
 
@@ -284,7 +288,7 @@ class Trainer:
             self._check_consecutive_skips()
         self.optimizer.zero_grad()
         totals = stats.loss_totals if stats.loss_totals is not None else torch.zeros(2, dtype=torch.float64)
-        loss_sum, loss_tokens = _all_reduce_sum(totals, ps.dp_group, ps.dp_size, self._collective_device())
+        loss_sum, loss_tokens = self._loss_totals(totals)
         self.iteration += 1
         self.consumed_samples += work.num_samples
         self.consumed_tokens += int(total_real)
@@ -371,8 +375,17 @@ class Trainer:
         finally:
             for m in self.modules:
                 m.train()
-        loss_sum, loss_tokens = _all_reduce_sum(totals, self.ps.dp_group, self.ps.dp_size, self._collective_device())
+        loss_sum, loss_tokens = self._loss_totals(totals)
         return loss_sum / loss_tokens if loss_tokens else None
+
+    def _loss_totals(self, totals) -> list:
+        """[loss sum, loss tokens] over DP, on the rank that reports (the last rank). zb-v runs the
+        last stage on pipeline rank 0, so there the pipeline group sums them too."""
+        ps = self.ps
+        out = _all_reduce_sum(totals, ps.dp_group, ps.dp_size, self._collective_device())
+        if self.cfg.parallel.pipeline_schedule == "zb-v" and ps.pp_size > 1:
+            out = _all_reduce_sum(out, ps.pp_group, ps.pp_size, self._collective_device())
+        return out
 
     # -- loop ----------------------------------------------------------------------------
     def train(self, save_fn: Optional[Callable] = None) -> List[dict]:

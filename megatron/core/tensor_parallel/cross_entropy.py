@@ -45,9 +45,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         softmax, local_t, outside = ctx.saved_tensors
-        g = softmax
-        g.scatter_add_(-1, local_t.unsqueeze(-1), -(~outside).to(g.dtype).unsqueeze(-1))
-        return g * grad.unsqueeze(-1), None, None, None
+        # Out of place: a split backward (zero-bubble schedules) walks this graph twice, so the
+        # saved softmax must survive the first walk. One temporary, as before.
+        g = softmax.scatter_add(-1, local_t.unsqueeze(-1), -(~outside).to(softmax.dtype).unsqueeze(-1))
+        return g.mul_(grad.unsqueeze(-1)), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,

@@ -325,7 +325,24 @@ class DynaPipeBase:
 
     def plan(self, lengths, iteration: int = 0, validate: bool = True) -> DynaPipeIterationPlan:
         """`validate`: check the emitted instruction streams with `validate_plans` (deadlock,
-        matching, shapes); the trainer does it for the first --validate-plans-iters iterations."""
+        matching, shapes); the trainer does it for the first --validate-plans-iters iterations.
+        With the split backward ("zb" in the schedules) the planner also plans without it and
+        keeps the faster plan, so splitting never makes an iteration slower than before."""
+        if "zb" not in self.cfg.schedules:
+            return self._plan(lengths, iteration, validate)
+        t0 = time.perf_counter()
+        split = self._plan(lengths, iteration, validate)
+        saved = self.cfg.schedules
+        self.cfg.schedules = tuple(x for x in saved if x != "zb")
+        try:
+            whole = self._plan(lengths, iteration, validate)
+        finally:
+            self.cfg.schedules = saved
+        best = split if split.makespan_ms <= whole.makespan_ms else whole
+        best.planning_ms = (time.perf_counter() - t0) * 1e3 - split.lowering_ms - whole.lowering_ms + best.lowering_ms
+        return best
+
+    def _plan(self, lengths, iteration: int = 0, validate: bool = True) -> DynaPipeIterationPlan:
         t_start = time.perf_counter()
         c = self.cfg
         self._mb_memo = {}
@@ -438,6 +455,11 @@ class DynaPipeBase:
         costs = PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]),
                               grad_comm=np.array(sc["grad_comm"]) if "grad_comm" in sc else None,
                               grad_comm_epilogue_only=self.cfg.grad_compress_epilogue_only)
+        if "zb" in self.cfg.schedules:  # split backward: derive the W share (megatron/planner/schedule/zb_search.py)
+            from megatron.planner.schedule.zb_search import derive_wgrad, with_split
+            seq = np.stack([dec if dec is not None and any(c == "decoder" for c, _ in comps) else enc
+                            for comps in self.layout])
+            costs = with_split(costs, derive_wgrad(costs.fwd, costs.bwd, self.cfg.hidden_size, seq))
         return costs, samples
 
     def _schedule_groups(self, rc, order, p, enc_all, dec_all, bound):

@@ -106,8 +106,11 @@ class DynaPipeConfig:
         if bad or not self.recompute_levels:
             raise ValueError(f"recompute_levels must be a non-empty subset of {RECOMPUTE_LEVELS}, got {self.recompute_levels}")
         for s in self.schedules:
-            if s not in ("1f1b", "adaptive"):
-                raise ValueError(f"unknown schedule {s!r}; choose from '1f1b', 'adaptive'")
+            if s not in ("1f1b", "adaptive", "zb"):
+                raise ValueError(f"unknown schedule {s!r}; choose from '1f1b', 'adaptive', 'zb' (split backward)")
+        if "zb" in self.schedules and (self.token_slices or self.virtual_stages > 1 or self.stage_parallel):
+            raise ValueError("schedule 'zb' (split backward) plans whole micro-batches on one stage per rank with one "
+                             "TP/DP size: not with token slices, virtual stages or per-stage TP/DP sizes")
 
     def stage_layers(self) -> List[List[Tuple[str, int]]]:
         """Per stage: [(component, layer count)] (megatron/planner/dynapipe/layout.py)."""

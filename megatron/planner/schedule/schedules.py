@@ -33,6 +33,7 @@ import numpy as np
 from megatron.planner.dynapipe.native import cpp as _cpp
 from megatron.planner.schedule.replay import cost_lists, replay
 from megatron.planner.schedule.simulator import Op, PipelineCosts, SimResult, SimulationError, simulate
+from megatron.planner.schedule.zb_search import zb_candidate
 
 
 class ScheduleInfeasible(RuntimeError):
@@ -308,6 +309,8 @@ def search(costs: PipelineCosts, mem_limit: Sequence[float], orders: Optional[Li
             ops = one_f_one_b(S, order)
             got = replay(lists, ops, None, cut, mem_limit)
             return None if got is None else (got[0], ops)
+        if name == "zb":  # split backward, W passes in the bubbles (megatron/planner/schedule/zb_search.py)
+            return zb_candidate(costs, order, mem_limit, cut)
         try:  # fits by construction
             got = _adaptive(costs, order, mem_limit, cut)
         except ScheduleInfeasible:

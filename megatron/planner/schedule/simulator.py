@@ -10,6 +10,11 @@ Activation memory per rank: a forward keeps `stored[s, mb]` until the matching b
 ends; while an op runs, `transient[s, mb]` more is live (working set above what is kept).
 Memory counts activations only; model states are subtracted from the device limit by the
 caller. The result carries per-op times, the memory trace and a Chrome-trace export.
+
+Split backward (zero-bubble): an order may run I(mb, s) (input gradient: B's dependencies,
+takes ``bwd - wgrad``, sends the gradient) and later W(mb, s) (weight gradient: after its I on
+the same rank, takes ``wgrad``, sends nothing) instead of B(mb, s). I frees
+``stored - wstored``; the deferred W state ``wstored`` lives until W ends.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import numpy as np
 
 
 class Op(NamedTuple):
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B", or a split backward's "I" (input gradient) / "W" (weight gradient)
     microbatch: int
     stage: int
 
@@ -48,6 +53,10 @@ class PipelineCosts:
     comm: np.ndarray
     grad_comm: Optional[np.ndarray] = None
     grad_comm_epilogue_only: bool = False
+    # Split backward: W's share of `bwd` (ms) and the memory the deferred W state keeps from I
+    # to W (MB; None = `stored`, what the executor keeps: the whole graph).
+    wgrad: Optional[np.ndarray] = None
+    wstored: Optional[np.ndarray] = None
 
     def __post_init__(self):
         shapes = {np.shape(a) for a in (self.fwd, self.bwd, self.stored, self.transient, self.comm)}
@@ -64,9 +73,10 @@ class PipelineCosts:
 
     def subset(self, mbs: Sequence[int]) -> "PipelineCosts":
         idx = np.asarray(mbs, dtype=np.int64)
+        pick = lambda a: None if a is None else a[:, idx]  # noqa: E731
         return PipelineCosts(*(a[:, idx] for a in (self.fwd, self.bwd, self.stored, self.transient, self.comm)),
-                             grad_comm=None if self.grad_comm is None else self.grad_comm[:, idx],
-                             grad_comm_epilogue_only=self.grad_comm_epilogue_only)
+                             grad_comm=pick(self.grad_comm), grad_comm_epilogue_only=self.grad_comm_epilogue_only,
+                             wgrad=pick(self.wgrad), wstored=pick(self.wstored))
 
 
 @dataclass
@@ -111,6 +121,8 @@ def simulate(costs: PipelineCosts, orders: Sequence[Sequence[Op]],
     fwd, bwd, stored, trans, comm = (a.tolist() for a in
                                      (costs.fwd, costs.bwd, costs.stored, costs.transient, costs.comm))
     gcomm = comm if costs.grad_comm is None else costs.grad_comm.tolist()
+    wgrad = None if costs.wgrad is None else costs.wgrad.tolist()
+    wstored = stored if costs.wstored is None else costs.wstored.tolist()
     # Index in each rank's order after which its gradient sends count as the epilogue.
     last_f = [max((i for i, o in enumerate(order) if o[0] == "F"), default=-1)
               if costs.grad_comm_epilogue_only else -1 for order in orders]
@@ -128,7 +140,7 @@ def simulate(costs: PipelineCosts, orders: Sequence[Sequence[Op]],
 
     def send(kind, mb, s_from, s_to, t_ready, position=0):
         src, dst = stage_to_rank[s_from], stage_to_rank[s_to]
-        consumer = Op(kind, mb, s_to)
+        consumer = Op(kind, mb, s_to)  # a gradient arrives for "B" (or the "I" that replaces it)
         if src == dst:
             arrival[consumer] = t_ready
             return
@@ -150,20 +162,34 @@ def simulate(costs: PipelineCosts, orders: Sequence[Sequence[Op]],
                     if s > 0 and op not in arrival:
                         break
                     ready = arrival.get(op, 0.0)
-                else:
-                    f_op = Op("F", mb, s)
-                    if f_op not in end or (s < S - 1 and op not in arrival):
+                elif kind == "W":
+                    i_op = Op("I", mb, s)
+                    if i_op not in end:
+                        if i_op not in order:
+                            raise SimulationError(f"{op} on rank {r} has no I({mb}, {s}) on that rank")
                         break
-                    ready = max(end[f_op], arrival.get(op, 0.0))
+                    ready = end[i_op]
+                else:
+                    f_op, g_op = Op("F", mb, s), Op("B", mb, s)
+                    if f_op not in end or (s < S - 1 and g_op not in arrival):
+                        break
+                    ready = max(end[f_op], arrival.get(g_op, 0.0))
                 t0 = max(free_at[r], ready)
                 if kind == "F":
                     t1 = t0 + fwd[s][mb]
                     hi = mem[r] + stored[s][mb] + trans[s][mb]
                     mem[r] += stored[s][mb]
-                else:
+                elif kind == "B":
                     t1 = t0 + bwd[s][mb]
                     hi = mem[r] + trans[s][mb]
                     mem[r] -= stored[s][mb]
+                else:
+                    if wgrad is None:
+                        raise SimulationError(f"{op}: a split backward needs PipelineCosts.wgrad")
+                    w = wgrad[s][mb]
+                    t1 = t0 + (bwd[s][mb] - w if kind == "I" else w)
+                    hi = mem[r] + trans[s][mb]
+                    mem[r] -= stored[s][mb] - wstored[s][mb] if kind == "I" else wstored[s][mb]
                 peak[r] = max(peak[r], hi)
                 trace[r].append((t0, hi))
                 trace[r].append((t1, mem[r]))
@@ -171,7 +197,7 @@ def simulate(costs: PipelineCosts, orders: Sequence[Sequence[Op]],
                 free_at[r] = t1
                 if kind == "F" and s < S - 1:
                     send("F", mb, s, s + 1, t1)
-                elif kind == "B" and s > 0:
+                elif kind in ("B", "I") and s > 0:
                     send("B", mb, s, s - 1, t1, ptr[r])
                 ptr[r] += 1
                 remaining -= 1
@@ -190,8 +216,11 @@ def check_dependencies(result: SimResult, costs: PipelineCosts, stage_to_rank=No
         kind, mb, s = op
         if kind == "F" and s > 0 and t0 < result.end[Op("F", mb, s - 1)] - 1e-9:
             raise SimulationError(f"{op} starts before F({mb},{s - 1}) ends")
-        if kind == "B":
+        if kind in ("B", "I"):
             if t0 < result.end[Op("F", mb, s)] - 1e-9:
                 raise SimulationError(f"{op} starts before its forward ends")
-            if s < S - 1 and t0 < result.end[Op("B", mb, s + 1)] - 1e-9:
-                raise SimulationError(f"{op} starts before B({mb},{s + 1}) ends")
+            nxt = Op("B", mb, s + 1) if Op("B", mb, s + 1) in result.end else Op("I", mb, s + 1)
+            if s < S - 1 and t0 < result.end[nxt] - 1e-9:
+                raise SimulationError(f"{op} starts before {nxt} ends")
+        if kind == "W" and t0 < result.end[Op("I", mb, s)] - 1e-9:
+            raise SimulationError(f"{op} starts before its I ends")

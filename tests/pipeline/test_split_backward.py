@@ -1,0 +1,124 @@
+"""The split backward in the instruction set: wire format, lowering and validator rules, and
+the executor running BackwardInput / BackwardWeight exactly like one BackwardPass."""
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from megatron.pipeline import instructions as I
+from megatron.pipeline.executor import PipelineExecutor
+from megatron.pipeline.validator import PlanValidationError, kept_peaks, validate_plans
+from megatron.planner.schedule.static import build_static_plans
+
+SHAPES = [((2, 4),)] * 3
+ACT = ((4, 2, 8),)
+
+
+def _plans(schedule, m=3, pp=2, chunks=1):
+    return build_static_plans(schedule, m, pp, chunks, [((2, 4),)] * m, ACT)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2"])
+def test_split_plans_roundtrip_as_version_5_and_old_plans_keep_their_bytes(schedule):
+    for plan in _plans(schedule):
+        data = plan.serialize()
+        assert int.from_bytes(data[4:6], "little") == 5
+        back = I.ExecutionPlan.deserialize(data)
+        assert back.instructions == plan.instructions
+        assert any(isinstance(x, I.BackwardWeight) for x in back.instructions)
+    for plan in _plans("1f1b"):
+        assert int.from_bytes(plan.serialize()[4:6], "little") == 2
+        with pytest.raises(ValueError, match="cannot carry a split backward"):
+            I._encode_plan(_plans("zb-h1")[0], version=4)
+
+
+def test_old_reader_rejects_split_tags_in_old_versions():
+    plan = _plans("zb-h1")[0]
+    data = bytearray(plan.serialize())
+    data[4:6] = (4).to_bytes(2, "little")  # claims version 4 but carries tag 13/14
+    with pytest.raises(ValueError, match="unknown instruction tag"):
+        I.ExecutionPlan.deserialize(bytes(data))
+
+
+def _move(plan, cls, to_index):
+    instrs = list(plan.instructions)
+    i = next(k for k, x in enumerate(instrs) if isinstance(x, cls))
+    instr = instrs.pop(i)
+    instrs.insert(to_index, instr)
+    return dataclasses.replace(plan, instructions=instrs)
+
+
+def test_validator_orders_weight_after_input_and_before_the_end():
+    plans = _plans("zb-h1")
+    first_w = next(k for k, x in enumerate(plans[1].instructions) if isinstance(x, I.BackwardWeight))
+    bad = [plans[0], _move(plans[1], I.BackwardWeight, 0)]
+    with pytest.raises(PlanValidationError, match="no BackwardInput of it ran before"):
+        validate_plans(bad)
+    dropped = dataclasses.replace(plans[1], instructions=[x for k, x in enumerate(plans[1].instructions)
+                                                          if k != first_w])
+    with pytest.raises(PlanValidationError, match="no BackwardWeight before the end of the plan"):
+        validate_plans([plans[0], dropped])
+    # A weight pass after a whole BackwardPass would accumulate the weight gradients twice.
+    whole = [dataclasses.replace(x, instructions=[I.BackwardPass(*dataclasses.astuple(i)) if type(i) is I.BackwardInput
+                                                  else i for i in x.instructions]) for x in plans]
+    with pytest.raises(PlanValidationError, match="already accumulated"):
+        validate_plans(whole)
+
+
+def test_kept_graphs_are_bounded_and_zb_h1_keeps_1f1b_memory():
+    m, pp = 6, 4
+    assert kept_peaks(_plans("zb-h1", m, pp)) == kept_peaks(_plans("1f1b", m, pp)) == [4, 3, 2, 1]
+    peaks = kept_peaks(_plans("zb-h2", m, pp))
+    assert peaks[0] > 4
+    with pytest.raises(PlanValidationError, match="keeps 6 forward graphs"):
+        validate_plans(_plans("zb-h2", m, pp), max_kept=[4, 3, 2, 1])
+
+
+def test_zb_v_places_two_stages_per_rank_in_a_v():
+    plans = _plans("zb-v", m=4, pp=2, chunks=2)
+    assert [p.assigned_stages for p in plans] == [(0, 3), (1, 2)]
+
+
+class _Stage(nn.Module):
+    """A tiny stage: tokens -> embedding on stage 0, a linear + tanh, loss on the last."""
+
+    def __init__(self, first, last):
+        super().__init__()
+        self.pre_process, self.post_process = first, last
+        torch.manual_seed(7 + first * 2 + last)
+        self.emb = nn.Embedding(11, 8) if first else None
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, batch, inputs):
+        x = self.emb(batch["tokens"]).transpose(0, 1) if self.pre_process else inputs[0]
+        y = torch.tanh(self.lin(x))
+        if self.post_process:
+            return [(y ** 2).sum(-1).transpose(0, 1)]
+        return [y]
+
+
+@pytest.mark.parametrize("limit", [2, 6])
+def test_executor_split_backward_equals_whole_backward_bitwise(limit):
+    """Two stages on one rank (no communication): a split plan gives a whole-backward plan's
+    gradients bit for bit, whether each W follows its I at once (limit 2: both stages of one micro-batch) or is deferred."""
+    from megatron.pipeline.lowering import ComputeOp, lower_to_plans
+    from megatron.planner.schedule.zero_bubble import greedy_zb_orders
+    torch.manual_seed(0)
+    mbs = [{"tokens": torch.randint(0, 11, (2, 4)), "loss_mask": torch.ones(2, 4)} for _ in range(3)]
+    results = []
+    for split in (False, True):
+        stages = {0: _Stage(True, False), 1: _Stage(False, True)}
+        if split:
+            orders = greedy_zb_orders(3, [0, 0], [limit])
+            assert any(op.kind == "W" for op in orders[0])
+        else:
+            orders = [[ComputeOp("F", mb, s) for mb in range(3) for s in (0, 1)]
+                      + [ComputeOp("B", mb, s) for mb in range(3) for s in (1, 0)]]
+        plans = lower_to_plans(orders, [0, 0], SHAPES, lambda mb, s: ACT)
+        stats = PipelineExecutor(stages).run(plans[0], mbs, loss_multiplier=0.5)
+        assert stats.backward_passes == 6
+        results.append({f"{s}.{n}": p.grad.clone() for s, st in stages.items() for n, p in st.named_parameters()})
+    assert results[0].keys() == results[1].keys()
+    for name in results[0]:
+        assert torch.equal(results[0][name], results[1][name]), name
