@@ -170,9 +170,29 @@ class ParallelConfig:
     # tensor_model_parallel_size is the largest stage TP and --micro-batch-size is the pipeline
     # micro-batch, split over each stage's DP ranks (megatron/planner/passes/layout.py).
     stage_parallel: Optional[List[List[int]]] = None
+    # Context parallelism (megatron/core/context_parallel.py): ranks of a CP group hold two
+    # chunks of every sequence and exchange keys/values (all_gather or a p2p ring).
+    # cp_keyed_dropout runs the CP path at CP 1 too, so its dropout masks (keyed by absolute
+    # token position) equal those of any CP size.
+    context_parallel_size: int = 1
+    cp_comm_type: str = "all_gather"
+    cp_keyed_dropout: bool = False
+
+    @property
+    def context_parallel(self) -> bool:
+        return self.context_parallel_size > 1 or self.cp_keyed_dropout
 
     def __post_init__(self):
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        cp = self.context_parallel_size
+        _require(cp >= 1, f"--context-parallel-size must be >= 1, got {cp}")
+        _require(self.cp_comm_type in ("all_gather", "p2p"),
+                 f"--cp-comm-type must be all_gather or p2p, got {self.cp_comm_type!r}")
+        _require(cp == 1 or self.stage_parallel is None,
+                 "--context-parallel-size with per-stage TP x DP sizes (--aceso-config) is not supported: drop one")
+        _require(self.world_size % (tp * pp * cp) == 0,
+                 f"world size ({self.world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
+                 f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) = {tp * pp * cp}")
         _require(tp >= 1, f"--tensor-model-parallel-size must be >= 1, got {tp}")
         _require(pp >= 1, f"--pipeline-model-parallel-size must be >= 1, got {pp}")
         if self.stage_parallel is not None:
@@ -212,7 +232,8 @@ class ParallelConfig:
     def data_parallel_size(self) -> int:
         if self.stage_parallel is not None:
             return 1  # each stage splits the pipeline micro-batch over its own DP ranks
-        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                                   * self.context_parallel_size)
 
 
 @dataclass
@@ -432,6 +453,12 @@ class MegatronConfig:
         m, p, t = self.model, self.parallel, self.training
         self._check_compression()
         self._check_sequence_parallel()
+        if p.context_parallel:
+            from megatron.context_parallel_options import check_context_parallel_config
+            try:
+                check_context_parallel_config(self)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         dp = p.data_parallel_size
         tp = p.tensor_model_parallel_size
         if t.global_batch_size is None:

@@ -56,6 +56,11 @@ def build_gpt_trainer(cfg: MegatronConfig, ps, device):
     if tokenizer is not None:
         cfg.model.vocab_size = tokenizer.vocab_size
     stages = build_gpt_stages(cfg, ps)
+    shapes_fn = gpt_microbatch_shapes
+    if cfg.parallel.context_parallel:  # plans carry the shapes a CP rank runs: its share of each row
+        from megatron.context_parallel_options import cp_granule
+        from megatron.core.context_parallel import local_shapes_fn
+        shapes_fn = local_shapes_fn(gpt_microbatch_shapes, ps.cp_size, cp_granule(cfg))
     chunks = num_model_chunks(cfg)
     plan_pass = grad_compression_pass(cfg)
     if ps.stage_layouts:
@@ -76,19 +81,32 @@ def build_gpt_trainer(cfg: MegatronConfig, ps, device):
             # (with --dynapipe the DynaPipe planner slices its own micro-batches)
             from megatron.training.terapipe import terapipe_planner
             planner = terapipe_planner(cfg, ps)
-        source = supervised_source(cfg, ps, tokenizer, planner, gpt_microbatch_shapes)
+        source = supervised_source(cfg, ps, tokenizer, planner, shapes_fn)
         trainer = Trainer(cfg, ps, device, stages, tied_params=tied, flops_per_sample=flops, batch_source=source,
                           train_ds=None, collate_fn=None, valid_source=source.valid_source)
         if cfg.terapipe.enabled:  # dropout keyed by token position, as terapipe_training
             from megatron.training.terapipe import keyed_dropout
             keyed_dropout(trainer, cfg, ps)
-        return trainer
+        return _context_parallel(trainer, cfg, ps)
     train_ds, valid_ds = gpt_datasets(cfg)
     if cfg.terapipe.enabled:
         from megatron.training.terapipe import terapipe_trainer
         return terapipe_trainer(cfg, ps, device, stages, train_ds, valid_ds, tied, flops)
-    return Trainer(cfg, ps, device, stages, train_ds=train_ds, valid_ds=valid_ds, collate_fn=gpt_microbatch,
-                   planner=planner, tied_params=tied, flops_per_sample=flops)
+    return _context_parallel(Trainer(cfg, ps, device, stages, train_ds=train_ds, valid_ds=valid_ds,
+                                     collate_fn=gpt_microbatch, planner=planner, tied_params=tied,
+                                     flops_per_sample=flops, shapes_fn=shapes_fn), cfg, ps)
+
+
+def _context_parallel(trainer, cfg: MegatronConfig, ps):
+    """--context-parallel-size: every CP rank of a DP rank loads the same micro-batches and
+    keeps its chunks of each sequence (plans were made for those local shapes)."""
+    if not cfg.parallel.context_parallel:
+        return trainer
+    from megatron.core.context_parallel import ContextParallelSource
+    trainer.batch_source = ContextParallelSource(trainer.batch_source, cfg, ps)
+    if trainer.valid_source is not None:
+        trainer.valid_source = ContextParallelSource(trainer.valid_source, cfg, ps)
+    return trainer
 
 
 def supervised_source(cfg: MegatronConfig, ps, tokenizer, planner, shapes_fn):

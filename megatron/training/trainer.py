@@ -200,7 +200,7 @@ class Trainer:
         self.comm_dtype_name = t.params_dtype_name
         self._setup_compression(cfg, ps)
         self.overlap_reducer = None
-        if t.overlap_grad_reduce and ps.dp_size > 1:
+        if t.overlap_grad_reduce and ps.grad_size > 1:
             # With per-stage TP/DP sizes or --emb-comm-opt the tied embedding's sync already spans
             # every DP replica (re-split / fused sync): the DP all-reduce must not sum it again.
             fused = ps.stage_layouts or self.fused_embedding_group is not None
@@ -212,7 +212,7 @@ class Trainer:
                 self.overlap_reducer = OverlappedPowerSGD(params, self.dp_reducer, self.bucket_numel)
             else:
                 self.overlap_reducer = OverlappedGradReducer(
-                    params, ps.dp_group, ps.dp_size, self.bucket_numel,
+                    params, ps.grad_group, ps.grad_size, self.bucket_numel,
                     optimizer=self.optimizer if t.use_distributed_optimizer else None)
         self.executor = PipelineExecutor(stages, comm, rank_desc=ps.describe(), autocast_dtype=autocast,
                                          device=device, comm_dtype=DTYPES[self.comm_dtype_name],
@@ -313,7 +313,7 @@ class Trainer:
                     allreduce_replicated_grads(params, group, ps.tp_rank == 0)
                     tied |= {id(p) for p in params}
             dp_params = [p for p in dp_params if id(p) not in tied]
-            if getattr(self.optimizer, "reduces_data_parallel_grads", False) and ps.dp_rank \
+            if getattr(self.optimizer, "reduces_data_parallel_grads", False) and ps.grad_rank \
                     and self.fused_embedding_group is None:
                 # The distributed optimizer reduce-scatters every gradient over DP, the tied ones
                 # too: one replica carries the (already complete) sum, exactly. (After the fused
@@ -346,8 +346,9 @@ class Trainer:
         elif self.dp_reducer is not None:
             sent["dp"], sent["dp_raw"] = self.dp_reducer.reduce(dp_params, self.iteration + 1)
         else:
-            allreduce_data_parallel_grads(dp_params, ps.dp_group, ps.dp_size, self.bucket_numel)
-            if ps.dp_size > 1:
+            # over DP x CP: context-parallel ranks saw other tokens of the same samples
+            allreduce_data_parallel_grads(dp_params, ps.grad_group, ps.grad_size, self.bucket_numel)
+            if ps.grad_size > 1:
                 sent["dp"] = sent["dp_raw"] = sum(p.grad.numel() * p.grad.element_size()
                                                   for p in dp_params if p.grad is not None)
         return sent
@@ -361,7 +362,7 @@ class Trainer:
         # one host read per step (of host data, normally), never one per micro-batch.
         local = torch.stack([torch.stack([mb["loss_mask"].sum(dtype=torch.float64) for mb in mbs]).sum().cpu(),
                              torch.tensor(float(sum(real_tokens(mb) for mb in mbs)), dtype=torch.float64)])
-        total_tokens, total_real = _all_reduce_sum(local, ps.dp_group, ps.dp_size, self._collective_device())
+        total_tokens, total_real = _all_reduce_sum(local, ps.grad_group, ps.grad_size, self._collective_device())
         if total_tokens <= 0:
             raise RuntimeError(f"iteration {self.iteration + 1}: the global batch has no loss tokens "
                                "(every loss_mask entry is 0); check the data and --split")
@@ -405,7 +406,7 @@ class Trainer:
             self._check_consecutive_skips()
         self.optimizer.zero_grad()
         totals = stats.loss_totals if stats.loss_totals is not None else torch.zeros(2, dtype=torch.float64)
-        loss_sum, loss_tokens = _all_reduce_sum(totals, ps.dp_group, ps.dp_size, self._collective_device())
+        loss_sum, loss_tokens = _all_reduce_sum(totals, ps.grad_group, ps.grad_size, self._collective_device())
         self.iteration += 1
         self.consumed_samples += work.num_samples
         self.consumed_tokens += int(total_real)
@@ -492,7 +493,7 @@ class Trainer:
         finally:
             for m in self.modules:
                 m.train()
-        loss_sum, loss_tokens = _all_reduce_sum(totals, self.ps.dp_group, self.ps.dp_size, self._collective_device())
+        loss_sum, loss_tokens = _all_reduce_sum(totals, self.ps.grad_group, self.ps.grad_size, self._collective_device())
         return loss_sum / loss_tokens if loss_tokens else None
 
     # -- loop ----------------------------------------------------------------------------
