@@ -17,7 +17,7 @@ VOCAB = 101  # not divisible by any TP degree or padding multiple used here
 def tiny_config(world=1, tp=1, pp=1, vpp_layers=None, schedule="1f1b", stage_layers=None, layers=4,
                 mbs=2, gbs=8, iters=3, dropout=0.0, recompute=None, fp16=False, bf16=False, save=None,
                 load=None, save_interval=None, seq=16, hidden=32, heads=4, lr=1e-3, untie=False, arch=None,
-                stage_parallel=None, recompute_layers=None):
+                stage_parallel=None, recompute_layers=None, cp=1, cp_comm="all_gather", cp_keyed=False):
     return MegatronConfig(
         model=ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq,
                           vocab_size=VOCAB, make_vocab_size_divisible_by=8, hidden_dropout=dropout,
@@ -25,7 +25,8 @@ def tiny_config(world=1, tp=1, pp=1, vpp_layers=None, schedule="1f1b", stage_lay
         parallel=ParallelConfig(world_size=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 num_layers_per_virtual_pipeline_stage=vpp_layers, pipeline_schedule=schedule,
                                 pipeline_stage_layers=stage_layers, distributed_timeout_minutes=1.0,
-                                stage_parallel=stage_parallel),
+                                stage_parallel=stage_parallel, context_parallel_size=cp, cp_comm_type=cp_comm,
+                                cp_keyed_dropout=cp_keyed),
         training=TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, train_iters=iters, lr=lr,
                                 lr_warmup_iters=1, seed=1234, recompute_granularity=recompute, fp16=fp16, bf16=bf16,
                                 clip_grad=1.0, eval_interval=1000, recompute_layers=recompute_layers),
@@ -47,7 +48,7 @@ def _global_name(stage, name: str) -> str:
 def shards(trainer, what: str = "param") -> dict:
     """{global name: (tensor, partition_dim or None, tp_rank)} for this rank (DP rank 0 only)."""
     out = {}
-    if trainer.ps.dp_rank != 0:
+    if trainer.ps.dp_rank != 0 or trainer.ps.cp_rank != 0:
         return out
     for stage in trainer.stages.values():
         for name, p in stage.named_parameters():

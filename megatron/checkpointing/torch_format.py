@@ -252,15 +252,15 @@ def save_checkpoint(trainer, root: Optional[str] = None) -> str:
             remove_stale_files(root)
         _barrier()
         opt_state = trainer.optimizer.state_dict()
-        if getattr(trainer.optimizer, "reduces_data_parallel_grads", False) and ps.dp_size > 1:
-            # Distributed optimizer: gather every DP rank's shard (with its range) into the file,
-            # so a run with another DP size can take its own ranges from it.
-            shards = [None] * ps.dp_size
-            dist.all_gather_object(shards, opt_state, group=ps.dp_group)
+        if getattr(trainer.optimizer, "reduces_data_parallel_grads", False) and ps.grad_size > 1:
+            # Distributed optimizer: gather every DP (x CP) rank's shard (with its range) into the
+            # file, so a run with another DP or CP size can take its own ranges from it.
+            shards = [None] * ps.grad_size
+            dist.all_gather_object(shards, opt_state, group=ps.grad_group)
             opt_state = shards
         # Every rank: an extra state may gather across data parallelism (collective).
         extras = {key: obj.state_dict() for key, obj in getattr(trainer, "extra_checkpoint_state", {}).items()}
-        if ps.dp_rank == 0:
+        if ps.dp_rank == 0 and ps.cp_rank == 0:  # CP ranks hold the same weights: one writes
             state = {
                 "checkpoint_version": CHECKPOINT_VERSION,
                 "config": cfg.to_dict(),

@@ -175,6 +175,15 @@ def _add_distributed_args(p) -> None:
                    help="collective timeout; the stuck rank is named when it expires")
     g.add_argument("--validate-plans-iters", type=int, default=2,
                    help="validate the pipeline plans of the first N iterations (-1: always, 0: never)")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="context-parallel ranks: each holds two chunks of every sequence (causal load balancing) "
+                        "and attention exchanges keys/values over the group")
+    g.add_argument("--cp-comm-type", default="all_gather", choices=["all_gather", "p2p"],
+                   help="how context-parallel attention exchanges keys/values: all-gather, or a p2p ring with "
+                        "online-softmax merging")
+    g.add_argument("--cp-keyed-dropout", action="store_true",
+                   help="run the context-parallel path at CP 1 too: dropout keyed by token position, the masks "
+                        "every --context-parallel-size draws (to compare runs across CP sizes)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="split norms, dropout and residuals along the sequence in TP regions (needs TP > 1)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
@@ -331,11 +340,13 @@ def _check_cost_model_matches(path: str, model: ModelConfig) -> None:
 
 def _check_enough_processes(args, model_type: str, world_size: int) -> None:
     """TP x PP larger than the job: say how to launch it (the usual cause is plain `python`)."""
-    need = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    need = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * cp
     if getattr(args, "stage_parallel", None) is not None or need <= world_size or need < 1:
         return
     sizes = (f"--tensor-model-parallel-size ({args.tensor_model_parallel_size}) x "
-             f"--pipeline-model-parallel-size ({args.pipeline_model_parallel_size}) = {need}")
+             f"--pipeline-model-parallel-size ({args.pipeline_model_parallel_size})"
+             + (f" x --context-parallel-size ({cp})" if cp > 1 else "") + f" = {need}")
     launch = f"`torchrun --nproc-per-node {need} pretrain_{model_type}.py ...`"
     if "WORLD_SIZE" not in os.environ and world_size == 1:
         raise ConfigError(f"{sizes} processes are needed, but this is one process (plain python): run it with {launch}")
@@ -414,6 +425,8 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         validate_plans_iters=args.validate_plans_iters,
         stage_parallel=getattr(args, "stage_parallel", None),
+        context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
+        cp_keyed_dropout=args.cp_keyed_dropout,
     )
     training = TrainingConfig(
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,

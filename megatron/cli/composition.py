@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 class Feature:
     label: str                       # the README's name
     flags: Tuple[str, ...]           # what turns it on
-    needs: frozenset = frozenset()   # parallel dims it needs > 1: "tp", "pp", "dp"
+    needs: frozenset = frozenset()   # parallel dims it needs > 1: "tp", "pp", "dp", "cp"
     multitask: bool = False          # trains on (input, target) data
     aceso: bool = False              # sets its own per-stage layout from an Aceso config
     cannot_test: Tuple[str, str] = ("", "")  # (parallel dim, why the smoke runs cannot give it that dim)
@@ -50,6 +50,7 @@ FEATURES: Dict[str, Feature] = {
     "interleaved": Feature("interleaved schedule", ("--num-layers-per-virtual-pipeline-stage", "1"),
                            frozenset({"pp"})),
     "packing": Feature("packing", ("--pack-dataset",), multitask=True),
+    "cp": Feature("context parallel", ("--context-parallel-size", "2"), frozenset({"cp"})),
     "rc_full": Feature("recompute full", _RC_FULL),
     "rc_sel": Feature("recompute selective", ("--recompute-granularity", "selective")),
     "fp16": Feature("fp16", ("--fp16",)),
@@ -71,6 +72,7 @@ _TP = "tests/training/test_terapipe_composition.py::"
 _TP_DP = _TP + "test_terapipe_with_optimizer_and_dp_features_matches_unsliced"
 _DYN_CC = "tests/compression/test_dynapipe_compression.py::"
 _HETERO = "tests/aceso/"
+_CP = "tests/test_context_parallel_compose.py::"
 PROOFS: Dict[Tuple[str, str], str] = {
     ("dynapipe", "terapipe"): "tests/training/test_dynapipe_terapipe.py::test_dynapipe_terapipe_two_slices_equals_plain_dynapipe",
     ("dynapipe", "aceso"): _HETERO + "test_hetero_compose.py::test_dynapipe_on_heterogeneous_stages_matches_whole_batch_step",
@@ -110,6 +112,11 @@ PROOFS: Dict[Tuple[str, str], str] = {
     ("cb_lep", "powersgd"): _EVERY_CC,
     ("cb_lep", "embsync"): _EVERY_CC,
     ("powersgd", "embsync"): _EVERY_CC,
+    ("distopt", "cp"): _CP + "test_cp_distributed_optimizer_shards_over_dp_x_cp",
+    ("sp", "cp"): _CP + "test_cp_sequence_parallel_rope_matches_single_process",
+    ("packing", "cp"): _CP + "test_cp_multitask_equals_whole_batch_step[packing-2-2-1-1]",
+    ("cp", "rc_full"): _CP + "test_cp_dropout_matches_keyed_single_process[cp2_p2p_full_recompute]",
+    ("cp", "rc_sel"): _CP + "test_cp_dropout_matches_keyed_single_process[cp2_tp2_sp_selective]",
     ("sp", "rc_full"): _SP + "[tp2_full_recompute-2-kw3]",
     ("sp", "rc_sel"): _SP + "[tp2_selective_recompute-2-kw2]",
 }
@@ -127,8 +134,11 @@ def pairs() -> List[Tuple[str, str]]:
 
 
 def layout(names: Sequence[str], world: int) -> Tuple[int, int, int]:
-    """(TP, PP, DP) for `world` ranks giving every named feature the dims it needs."""
+    """(TP, PP, DP) for `world` ranks giving every named feature the dims it needs (a context-
+    parallel feature sets its own CP size 2, which takes a factor 2 of the ranks)."""
     needs = set().union(*(FEATURES[n].needs for n in names))
+    if "cp" in needs:
+        world //= 2
     if world >= 8:
         return 2, 2, world // 4
     order = [d for d in ("pp", "tp", "dp") if d in needs] + [d for d in ("pp", "dp", "tp") if d not in needs]

@@ -12,10 +12,9 @@ from typing import List, Optional
 
 from megatron.config.errors import ConfigError, _require  # noqa: F401 (re-exported)
 from megatron.config.systems import CompressionConfig, TeraPipeConfig  # noqa: F401 (re-exported)
+from megatron.config.schedules import check_parallel_schedule, check_schedule_config
 from megatron.config.terapipe import check_terapipe_config
 
-# --pipeline-schedule; zb-* split the backward into input and weight passes (megatron/planner/schedule/zero_bubble.py).
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zb-h2", "zb-v")
 
 
 @dataclass
@@ -173,9 +172,29 @@ class ParallelConfig:
     # tensor_model_parallel_size is the largest stage TP and --micro-batch-size is the pipeline
     # micro-batch, split over each stage's DP ranks (megatron/planner/passes/layout.py).
     stage_parallel: Optional[List[List[int]]] = None
+    # Context parallelism (megatron/core/context_parallel.py): ranks of a CP group hold two
+    # chunks of every sequence and exchange keys/values (all_gather or a p2p ring).
+    # cp_keyed_dropout runs the CP path at CP 1 too, so its dropout masks (keyed by absolute
+    # token position) equal those of any CP size.
+    context_parallel_size: int = 1
+    cp_comm_type: str = "all_gather"
+    cp_keyed_dropout: bool = False
+
+    @property
+    def context_parallel(self) -> bool:
+        return self.context_parallel_size > 1 or self.cp_keyed_dropout
 
     def __post_init__(self):
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        cp = self.context_parallel_size
+        _require(cp >= 1, f"--context-parallel-size must be >= 1, got {cp}")
+        _require(self.cp_comm_type in ("all_gather", "p2p"),
+                 f"--cp-comm-type must be all_gather or p2p, got {self.cp_comm_type!r}")
+        _require(cp == 1 or self.stage_parallel is None,
+                 "--context-parallel-size with per-stage TP x DP sizes (--aceso-config) is not supported: drop one")
+        _require(self.world_size % (tp * pp * cp) == 0,
+                 f"world size ({self.world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
+                 f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) = {tp * pp * cp}")
         _require(tp >= 1, f"--tensor-model-parallel-size must be >= 1, got {tp}")
         _require(pp >= 1, f"--pipeline-model-parallel-size must be >= 1, got {pp}")
         if self.stage_parallel is not None:
@@ -194,15 +213,7 @@ class ParallelConfig:
         if self.pipeline_model_parallel_split_rank is not None:
             _require(0 <= self.pipeline_model_parallel_split_rank <= pp,
                      f"--pipeline-model-parallel-split-rank must be in [0, {pp}], got {self.pipeline_model_parallel_split_rank}")
-        _require(self.pipeline_schedule in PIPELINE_SCHEDULES,
-                 f"--pipeline-schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.pipeline_schedule!r}")
-        if self.pipeline_schedule.startswith("zb-"):
-            _require(self.num_layers_per_virtual_pipeline_stage is None,
-                     f"--pipeline-schedule {self.pipeline_schedule} places its own stages (zb-v: two per rank in a V): "
-                     "drop --num-layers-per-virtual-pipeline-stage")
-            _require(self.stage_parallel is None,
-                     f"--pipeline-schedule {self.pipeline_schedule} runs stages with one TP/DP size: drop the "
-                     "per-stage TP x DP sizes or use --pipeline-schedule 1f1b")
+        check_parallel_schedule(self)
 
     def _check_stage_parallel(self) -> None:
         sp = self.stage_parallel
@@ -222,7 +233,8 @@ class ParallelConfig:
     def data_parallel_size(self) -> int:
         if self.stage_parallel is not None:
             return 1  # each stage splits the pipeline micro-batch over its own DP ranks
-        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                                   * self.context_parallel_size)
 
 
 @dataclass
@@ -442,6 +454,12 @@ class MegatronConfig:
         m, p, t = self.model, self.parallel, self.training
         self._check_compression()
         self._check_sequence_parallel()
+        if p.context_parallel:
+            from megatron.config.context_parallel import check_context_parallel_config
+            try:
+                check_context_parallel_config(self)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         dp = p.data_parallel_size
         tp = p.tensor_model_parallel_size
         if t.global_batch_size is None:
@@ -495,18 +513,7 @@ class MegatronConfig:
                          "--dynapipe with T5 puts the encoder on the first half of the pipeline: set "
                          f"--pipeline-model-parallel-split-rank {p.pipeline_model_parallel_size // 2}")
 
-        if p.pipeline_schedule.startswith("zb-"):
-            _require(not self.terapipe.enabled,
-                     f"--pipeline-schedule {p.pipeline_schedule} splits the backward, which token slices cannot (their "
-                     "key/value gradients flow between the slices' backwards): drop --terapipe or use 1f1b")
-        if p.pipeline_schedule == "zb-v":
-            _require(m.model_type == "gpt", "--pipeline-schedule zb-v runs GPT: T5 splits its pipeline at "
-                     "--pipeline-model-parallel-split-rank, which a V placement cannot keep; use zb-h1 or zb-h2")
-            _require(m.num_layers % (2 * p.pipeline_model_parallel_size) == 0 or p.pipeline_stage_layers is not None,
-                     f"--pipeline-schedule zb-v cuts --num-layers ({m.num_layers}) into 2 x "
-                     f"--pipeline-model-parallel-size ({p.pipeline_model_parallel_size}) stages: make it divisible")
-            _require(p.pipeline_stage_layers is None, "--pipeline-schedule zb-v splits the layers evenly over its "
-                     "2 x PP stages: drop --pipeline-stage-layers")
+        check_schedule_config(self)
         if self.terapipe.enabled:
             try:
                 check_terapipe_config(self)

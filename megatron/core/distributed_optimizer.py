@@ -103,7 +103,7 @@ class DistributedOptimizer(MegatronOptimizer):
             self.canon[id(p)] = off
             off += p.numel()
         self.numel = off
-        dp = max(ps.dp_size, 1)
+        dp = max(ps.grad_size, 1)
         pre = {id(p) for p in reduced_params}
         late = {id(p) for p in late_params} | pre
         early = [p for m in modules for p in m.parameters() if p.requires_grad and id(p) not in late]
@@ -111,7 +111,7 @@ class DistributedOptimizer(MegatronOptimizer):
         if bucket_numel:
             lists.append([p for p in self.ordered if id(p) in late and id(p) not in pre])
         lists.append([p for p in self.ordered if id(p) in pre])
-        self.buckets = [_Bucket(b, decayed, dp, ps.dp_rank) for b in lists if b]
+        self.buckets = [_Bucket(b, decayed, dp, ps.grad_rank) for b in lists if b]
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self.late_buckets = {self.bucket_of[k] for k in late if k in self.bucket_of} if bucket_numel else set()
         self._reduced_ids: set = set()  # this step's gradients already summed over DP
@@ -168,10 +168,10 @@ class DistributedOptimizer(MegatronOptimizer):
         """Start bucket i's reduce-scatter (the overlapped reducer calls this during backward)."""
         b = self.buckets[i]
         flat = b.flat(grads)
-        if self.ps.dp_size == 1 or self.ps.dp_group is None:
+        if self.ps.grad_size == 1 or self.ps.grad_group is None:
             return None, flat[b.lo:b.lo + b.chunk].clone()
         out = flat.new_empty(b.chunk)
-        return dist.reduce_scatter_tensor(out, flat, group=self.ps.dp_group, async_op=True), out
+        return dist.reduce_scatter_tensor(out, flat, group=self.ps.grad_group, async_op=True), out
 
     def complete_reduce(self, i: int, handle) -> None:
         work, out = handle
@@ -191,9 +191,9 @@ class DistributedOptimizer(MegatronOptimizer):
         b = self.buckets[i]
         done = [id(p) in self._reduced_ids for p in b.params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        if all(done) or self.ps.dp_size == 1 or self.ps.dp_group is None:
+        if all(done) or self.ps.grad_size == 1 or self.ps.grad_group is None:
             return b.flat(grads)[b.lo:b.lo + b.chunk].clone()
-        if self.ps.dp_rank != 0:
+        if self.ps.grad_rank != 0:
             grads = [torch.zeros_like(g) if d else g for g, d in zip(grads, done)]
         work, out = self.launch_reduce(i, grads)
         work.wait()
@@ -210,10 +210,10 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _gather(self, i: int, shard: torch.Tensor, async_op: bool):
         b = self.buckets[i]
-        if self.ps.dp_size == 1 or self.ps.dp_group is None:
+        if self.ps.grad_size == 1 or self.ps.grad_group is None:
             return None, shard
         out = shard.new_empty(b.padded)
-        return dist.all_gather_into_tensor(out, shard.contiguous(), group=self.ps.dp_group, async_op=async_op), out
+        return dist.all_gather_into_tensor(out, shard.contiguous(), group=self.ps.grad_group, async_op=async_op), out
 
     def _write_params(self, i: int, flat: torch.Tensor) -> None:
         offset = 0

@@ -1,7 +1,10 @@
-"""Tensor / pipeline / data-parallel process groups in Megatron's rank order.
+"""Tensor / context / pipeline / data-parallel process groups in Megatron's rank order.
 
-Rank order is tp-dp-pp: tensor-parallel ranks are adjacent (they talk the most), then data
-parallel, then pipeline. ``global = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``.
+Rank order is tp-cp-dp-pp: tensor-parallel ranks are adjacent (they talk the most), then
+context parallel (ranks holding chunks of the same sequences), then data parallel, then
+pipeline. ``global = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank``
+(with CP 1 this is Megatron's tp-dp-pp order). Gradients and optimizer shards span DP x CP
+(`grad_group`): CP ranks hold the same weights but see different tokens.
 
 The result is an explicit `ParallelState` object that core code receives as an argument;
 there is no hidden global. With world size 1 and no process group, every group is None and
@@ -41,6 +44,26 @@ class ParallelState:
     # are per global rank, peers are global ranks), and embedding_group holds every rank of the
     # first and the last stage (tied embeddings are re-split between their TP sizes).
     stage_layouts: tuple = ()
+    # Context parallelism (megatron/core/context_parallel.py): cp ranks share every sample of
+    # a DP rank, each holding two chunks of each sequence. dpcp_group = DP x CP (None at CP 1).
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: Optional[object] = None
+    cp_global_ranks: List[int] = field(default_factory=lambda: [0])
+    dpcp_group: Optional[object] = None
+
+    @property
+    def grad_group(self):
+        """Where gradients, loss sums and optimizer shards reduce: DP x CP."""
+        return self.dpcp_group if self.cp_size > 1 else self.dp_group
+
+    @property
+    def grad_size(self) -> int:
+        return self.dp_size * self.cp_size
+
+    @property
+    def grad_rank(self) -> int:
+        return self.dp_rank * self.cp_size + self.cp_rank
 
     @property
     def plan_rank(self) -> int:
@@ -57,7 +80,9 @@ class ParallelState:
         return self.pp_rank == self.pp_size - 1
 
     def describe(self) -> str:
-        return f"rank {self.rank} (tp {self.tp_rank}/{self.tp_size}, pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size})"
+        cp = f", cp {self.cp_rank}/{self.cp_size}" if self.cp_size > 1 else ""
+        return (f"rank {self.rank} (tp {self.tp_rank}/{self.tp_size}, pp {self.pp_rank}/{self.pp_size}, "
+                f"dp {self.dp_rank}/{self.dp_size}{cp})")
 
 
 def _new_group(ranks: List[int], rank: int, timeout):
@@ -66,30 +91,34 @@ def _new_group(ranks: List[int], rank: int, timeout):
     return g if rank in ranks else None
 
 
-def global_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
-    return pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+def global_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int, cp_rank: int = 0, cp: int = 1) -> int:
+    return pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
 
 
 def initialize_model_parallel(tp_size: int = 1, pp_size: int = 1,
-                              timeout: Optional[timedelta] = None) -> ParallelState:
+                              timeout: Optional[timedelta] = None, cp_size: int = 1) -> ParallelState:
     """Create every group on every rank, in the same order (torch requires it)."""
     if not dist.is_initialized():
-        if tp_size * pp_size != 1:
-            raise RuntimeError("initialize_model_parallel: TP x PP > 1 needs an initialised process group")
+        if tp_size * pp_size * cp_size != 1:
+            raise RuntimeError("initialize_model_parallel: TP x PP x CP > 1 needs an initialised process group")
         return ParallelState()
     world = dist.get_world_size()
     rank = dist.get_rank()
-    if world % (tp_size * pp_size) != 0:
-        raise RuntimeError(f"world size {world} is not divisible by TP ({tp_size}) x PP ({pp_size})")
-    dp_size = world // (tp_size * pp_size)
-    pp_rank, rem = divmod(rank, dp_size * tp_size)
-    dp_rank, tp_rank = divmod(rem, tp_size)
+    if world % (tp_size * pp_size * cp_size) != 0:
+        raise RuntimeError(f"world size {world} is not divisible by TP ({tp_size}) x PP ({pp_size}) x CP ({cp_size})")
+    dp_size = world // (tp_size * pp_size * cp_size)
+    pp_rank, rem = divmod(rank, dp_size * cp_size * tp_size)
+    dp_rank, rem = divmod(rem, cp_size * tp_size)
+    cp_rank, tp_rank = divmod(rem, tp_size)
     st = ParallelState(world_size=world, rank=rank, tp_size=tp_size, pp_size=pp_size, dp_size=dp_size,
-                       tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
+                       tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, cp_size=cp_size, cp_rank=cp_rank,
                        timeout=timeout or timedelta(minutes=10))
 
     def make(ranks: List[int]):
         return _new_group(ranks, rank, timeout)
+
+    if cp_size > 1:
+        return _make_cp_groups(st, make, tp_size, pp_size, dp_size, cp_size)
 
     for p in range(pp_size):
         for d in range(dp_size):
@@ -119,6 +148,47 @@ def initialize_model_parallel(tp_size: int = 1, pp_size: int = 1,
         if g is not None:
             st.mp_group = g
     if pp_size == 1:
+        st.embedding_group, st.embedding_global_ranks = None, []
+    return st
+
+
+def _make_cp_groups(st: ParallelState, make, tp: int, pp: int, dp: int, cp: int) -> ParallelState:
+    """The groups of initialize_model_parallel with a context-parallel dimension: TP, DP, PP,
+    embedding and model-parallel groups exist once per CP rank; CP and DP x CP groups join."""
+    g_of = lambda t, d, p, c: global_rank(t, d, p, tp, dp, c, cp)  # noqa: E731
+
+    def keep(ranks, attr, ranks_attr=None):
+        g = make(ranks)
+        if g is not None:
+            setattr(st, attr, g)
+            if ranks_attr:
+                setattr(st, ranks_attr, ranks)
+
+    for p in range(pp):
+        for d in range(dp):
+            for c in range(cp):
+                keep([g_of(t, d, p, c) for t in range(tp)], "tp_group", "tp_global_ranks")
+    for p in range(pp):
+        for c in range(cp):
+            for t in range(tp):
+                keep([g_of(t, d, p, c) for d in range(dp)], "dp_group", "dp_global_ranks")
+    for d in range(dp):
+        for c in range(cp):
+            for t in range(tp):
+                ranks = [g_of(t, d, p, c) for p in range(pp)]
+                keep(ranks, "pp_group", "pp_global_ranks")
+                keep(sorted({ranks[0], ranks[-1]}), "embedding_group", "embedding_global_ranks")
+    for d in range(dp):
+        for c in range(cp):
+            keep(sorted(g_of(t, d, p, c) for p in range(pp) for t in range(tp)), "mp_group")
+    for p in range(pp):
+        for d in range(dp):
+            for t in range(tp):
+                keep([g_of(t, d, p, c) for c in range(cp)], "cp_group", "cp_global_ranks")
+    for p in range(pp):
+        for t in range(tp):
+            keep([g_of(t, d, p, c) for d in range(dp) for c in range(cp)], "dpcp_group")
+    if pp == 1:
         st.embedding_group, st.embedding_global_ranks = None, []
     return st
 

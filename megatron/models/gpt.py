@@ -19,6 +19,7 @@ from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import (VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
                                            gather_from_sequence_parallel_region, get_rng_tracker, init_generator,
                                            scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
+from megatron.models.cp_attention import build_cp_spec
 from megatron.models.layer_ops import recompute_set, unit_flags
 from megatron.data.packing import packed_attention_mask
 from megatron.models.packed_attention import packed_segments
@@ -77,6 +78,7 @@ class GPTStage(nn.Module):
         self.layer_start, self.layer_end = layer_start, layer_end
         self.padded_vocab = cfg.padded_vocab_size(ps.tp_size)
         self.recompute = "none"
+        self.cp_comm_type = "all_gather"  # --cp-comm-type (build_gpt_stages sets it)
         if pre_process:
             self.embedding = GPTEmbedding(cfg, ps, self.padded_vocab, seed)
         layers = [TransformerLayer(cfg, ps.tp_group, layer_number=i, num_layers_total=cfg.num_layers, seed=seed,
@@ -114,15 +116,26 @@ class GPTStage(nn.Module):
         """`kv_cache` (a `SequenceKVCache` positioned on one token slice) runs the batch as that
         slice of its sequence; the batch then holds the slice's tokens and position ids."""
         pos = batch.get("position_ids")
+        cp = None
+        if batch.get("cp_index") is not None:  # context parallelism: this rank's two chunks of each row
+            dev = (batch["tokens"] if self.pre_process else inputs[0]).device
+            cp = build_cp_spec(self.cp_comm_type, self.ps, batch, dev, self.training)
         if self.pre_process:
             tokens = batch["tokens"]
             if pos is None:
                 pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-            x = self.embedding(tokens, pos, kv_cache) if kv_cache is not None else self.embedding(tokens, pos)
+            if kv_cache is not None:
+                x = self.embedding(tokens, pos, kv_cache)
+            elif cp is not None and cp.dropout is not None:  # keyed by absolute token position
+                x = self.embedding(tokens, pos, cp)
+            else:
+                x = self.embedding(tokens, pos)
         else:
             (x,) = inputs
         # packed rows: the variable-length kernel's segments, else the dense block-diagonal mask
-        if kv_cache is not None:  # a token slice: its queries' rows of the prefix's per-document mask
+        if cp is not None:  # per-document masks over the whole row, built in each layer's exchange
+            mask = cp
+        elif kv_cache is not None:  # a token slice: its queries' rows of the prefix's per-document mask
             seg = batch.get("segment_ids")
             mask = None if seg is None else packed_attention_mask(seg.to(x.device), kv_cache.offset)
         else:
@@ -192,6 +205,7 @@ def build_gpt_stages(cfg, ps: ParallelState) -> dict:
                                pre_process=sid == 0, post_process=sid == num_stages - 1,
                                seed=cfg.training.seed, recompute_method=cfg.training.recompute_method,
                                recompute_num_layers=cfg.training.recompute_num_layers)
+        stages[sid].cp_comm_type = cfg.parallel.cp_comm_type
         if cfg.training.recompute_layers is not None:  # --aceso-config: per-layer recompute
             modes = cfg.training.recompute_layers[starts[sid]:starts[sid] + split[sid]]
             for mode, layer in zip(modes, stages[sid].decoder.layers):

@@ -194,15 +194,23 @@ class KeyedDropout:
     def __init__(self, salt: int):
         self.salt = int(salt) & _M31
 
-    def hidden(self, x: torch.Tensor, p: float, site: int, offset: int) -> torch.Tensor:
-        """x [l, b, h] holding tokens [offset, offset + l)."""
+    def hidden(self, x: torch.Tensor, p: float, site: int, offset) -> torch.Tensor:
+        """x [l, b, h] holding tokens [offset, offset + l), or the tokens at positions `offset`
+        (an index tensor: a context-parallel rank's two chunks)."""
         l, b, h = x.shape
         dev = x.device
-        keep = keep_mask(self.salt, site, [torch.arange(offset, offset + l, device=dev), torch.arange(b, device=dev),
+        keep = keep_mask(self.salt, site, [_positions(offset, l, dev), torch.arange(b, device=dev),
                                            torch.arange(h, device=dev)], p, dev)
         return x * keep.to(x.dtype) / (1.0 - p)
 
-    def attention(self, q, k, v, mask, p: float, site: int, offset: int, head0: int) -> torch.Tensor:
+    def attention_keep(self, p: float, site: int, b: int, head0: int, np_: int, query_positions, key_positions,
+                       device) -> torch.Tensor:
+        """Keep-mask [b, np, len(query_positions), len(key_positions)] of attention probabilities."""
+        return keep_mask(self.salt, site, [torch.arange(b, device=device),
+                                           torch.arange(head0, head0 + np_, device=device),
+                                           query_positions, key_positions], p, device)
+
+    def attention(self, q, k, v, mask, p: float, site: int, offset, head0: int, key_positions=None) -> torch.Tensor:
         """q [b, np, l, hn] (queries at tokens offset..), k/v [b, np, c+l, hn] (tokens 0..),
         bool mask [.., l, c+l] or None (plain causal). Softmax attention with keyed dropout of
         the probabilities; heads are numbered globally (head0 = first local head)."""
@@ -214,7 +222,13 @@ class KeyedDropout:
             mask = torch.ones(l, sk, dtype=torch.bool, device=dev).tril(sk - l)
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
-        keep = keep_mask(self.salt, site, [torch.arange(b, device=dev), torch.arange(head0, head0 + np_, device=dev),
-                                           torch.arange(offset, offset + l, device=dev),
-                                           torch.arange(sk, device=dev)], p, dev)
+        keys = torch.arange(sk, device=dev) if key_positions is None else key_positions
+        keep = self.attention_keep(p, site, b, head0, np_, _positions(offset, l, dev), keys, dev)
         return (probs * keep.to(probs.dtype) / (1.0 - p)) @ v
+
+
+def _positions(offset, length: int, device) -> torch.Tensor:
+    """Absolute token positions: [offset, offset + length), or `offset` itself if a tensor."""
+    if torch.is_tensor(offset):
+        return offset.to(device)
+    return torch.arange(offset, offset + length, device=device)

@@ -22,6 +22,7 @@ from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLine
 from megatron.core.tensor_parallel.mappings import group_rank, group_size
 from megatron.fused_kernels import ops as fused_ops
 from megatron.models.layer_ops import MLP_OPS, recompute_set, run_ops
+from megatron.models.cp_attention import ContextParallelSpec, cp_core_attention
 from megatron.models.packed_attention import PackedSegments, varlen_core_attention
 
 
@@ -92,6 +93,10 @@ class ParallelAttention(nn.Module):
 
     def core_attention(self, q, k, v, mask, bias):
         p = self.dropout_p if self.training else 0.0
+        if isinstance(mask, ContextParallelSpec):  # keys/values spread over the CP group
+            if bias is not None:
+                raise ValueError("context parallelism takes no additive attention bias (relative positions)")
+            return cp_core_attention(q, k, v, mask, p, 1_000_003 + 3 * self.layer_number, self.head0)
         if isinstance(mask, PackedSegments):  # packed rows: variable-length kernel, cost Σ lᵢ²
             if bias is not None:
                 raise ValueError("variable-length attention takes no additive bias; pass --no-masked-softmax-fusion")
@@ -218,6 +223,7 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(cfg, tp_group)
         self.self_attention = ParallelAttention(cfg, tp_group, seed=seed, key=key + ".self_attention",
                                                 causal=causal, out_std=out_std)
+        self.self_attention.layer_number = layer_number  # keys its attention-dropout masks (token slices, CP)
         self.decoder = decoder
         if decoder:
             self.pre_cross_attn_layernorm = build_norm(cfg, tp_group)
@@ -235,8 +241,11 @@ class TransformerLayer(nn.Module):
 
     def _drop(self, x, kv_cache=None, site: int = 0):
         if kv_cache is not None and kv_cache.dropout is not None and self.training and self.hidden_dropout > 0:
-            return kv_cache.dropout.hidden(x, self.hidden_dropout, 3 * self.layer_number + site + 1,
-                                           kv_cache.offset + self.sp_rank * x.shape[0])
+            if isinstance(kv_cache, ContextParallelSpec):  # a CP rank's two chunks (split again under SP)
+                at = kv_cache.token_positions(x.shape[0], self.sp_rank)
+            else:
+                at = kv_cache.offset + self.sp_rank * x.shape[0]
+            return kv_cache.dropout.hidden(x, self.hidden_dropout, 3 * self.layer_number + site + 1, at)
         return F.dropout(x, self.hidden_dropout, self.training) if self.hidden_dropout > 0 else x
 
     def _residual(self, x, out, kv_cache=None, site: int = 0):
@@ -279,19 +288,23 @@ class TransformerLayer(nn.Module):
         names: its gate and up GEMMs have no row of their own in the op tables. ReLU takes the
         "gelu" op's place (the op tables name the activation after GeLU)."""
         attn, mlp = self.self_attention, self.mlp
+        # context parallelism keys dropout by token position; else the ordinary (fused) path
+        keyed = mask if isinstance(mask, ContextParallelSpec) and mask.dropout is not None else None
 
         def ln1(h, r):
             return self.input_layernorm(h), h
 
-        def add(h, r):
-            x = self._residual(r, h)
-            return x, x
+        def add_at(site):
+            def add(h, r):
+                x = self._residual(r, h, keyed, site)
+                return x, x
+            return add
 
         units = [(("enc-1st-layernorm",), ln1),
                  (("enc-attention-qkv",), lambda h, r: (attn.query_key_value(h), r)),
                  (("enc-attention-core",), lambda h, r: (attn.core_from_mixed(h, mask, bias, rotary), r)),
                  (("enc-attention-dense",), lambda h, r: (attn.dense(h), r)),
-                 (("enc-post-attention-dropout",), add),
+                 (("enc-post-attention-dropout",), add_at(0)),
                  (("enc-2nd-layernorm",), lambda h, r: (self.post_attention_layernorm(h), r))]
         if mlp.gated:  # SwiGLU, gated GeLU/ReLU: gate and up GEMMs have no op rows of their own
             units.append((MLP_OPS, lambda h, r: (mlp(h), r)))
@@ -305,7 +318,7 @@ class TransformerLayer(nn.Module):
             units += [(("enc-MLP-GEMM-1",), lambda h, r: (mlp.dense_h_to_4h(h), r)),
                       (("enc-MLP-gelu",), gelu),
                       (("enc-MLP-GEMM-2",), lambda h, r: (mlp.dense_4h_to_h(h), r))]
-        units.append((("enc-post-MLP-dropout",), add))
+        units.append((("enc-post-MLP-dropout",), add_at(1)))
         return units
 
 

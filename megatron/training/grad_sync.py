@@ -6,7 +6,8 @@ it at construction and `reduce` runs it after the executor:
 * tied embeddings (word embeddings of the first and last stage, T5's position tables): the
   plain sync over the embedding group, the fused sync over every DP replica (--emb-comm-opt),
   the low-rank reducer (--emb-grad-comp), or the re-split sync of stages with their own TP/DP;
-* everything else over DP: all-reduce (bucketed), overlapped with the backward
+* everything else over DP (x CP: context-parallel ranks saw other tokens of the same
+  samples): all-reduce (bucketed), overlapped with the backward
   (--overlap-grad-reduce), PowerSGD (--grad-comp), or, with the distributed optimizer, its
   reduce-scatter (`optimizer.grads_reduced` marks what another sync already summed).
 """
@@ -49,7 +50,7 @@ class GradientSync:
         reduce-scatter) and build the overlapped reducer if --overlap-grad-reduce asks for one."""
         self.optimizer = optimizer
         ps, t = self.ps, self.cfg.training
-        if not (t.overlap_grad_reduce and ps.dp_size > 1):
+        if not (t.overlap_grad_reduce and ps.grad_size > 1):
             return
         # With per-stage TP/DP sizes or --emb-comm-opt the tied embedding's sync already spans
         # every DP replica (re-split / fused sync): the DP all-reduce must not sum it again.
@@ -62,7 +63,7 @@ class GradientSync:
             self.overlap_reducer = OverlappedPowerSGD(params, self.dp_reducer, self.bucket_numel)
         else:
             self.overlap_reducer = OverlappedGradReducer(
-                params, ps.dp_group, ps.dp_size, self.bucket_numel,
+                params, ps.grad_group, ps.grad_size, self.bucket_numel,
                 optimizer=optimizer if t.use_distributed_optimizer else None)
 
     def reduce(self, optimizer, iteration: int) -> dict:
@@ -97,8 +98,9 @@ class GradientSync:
         elif self.dp_reducer is not None:
             sent["dp"], sent["dp_raw"] = self.dp_reducer.reduce(dp_params, iteration)
         else:
-            allreduce_data_parallel_grads(dp_params, ps.dp_group, ps.dp_size, self.bucket_numel)
-            if ps.dp_size > 1:
+            # over DP x CP: context-parallel ranks saw other tokens of the same samples
+            allreduce_data_parallel_grads(dp_params, ps.grad_group, ps.grad_size, self.bucket_numel)
+            if ps.grad_size > 1:
                 sent["dp"] = sent["dp_raw"] = _nbytes(dp_params)
         return sent
 
@@ -130,7 +132,7 @@ class GradientSync:
                     allreduce_replicated_grads(params, group, ps.tp_rank == 0)
                     tied |= {id(p) for p in params}
             dp_params = [p for p in dp_params if id(p) not in tied]
-            if getattr(optimizer, "reduces_data_parallel_grads", False) and ps.dp_rank \
+            if getattr(optimizer, "reduces_data_parallel_grads", False) and ps.grad_rank \
                     and self.fused_embedding_group is None:
                 # The distributed optimizer reduce-scatters every gradient over DP, the tied ones
                 # too: one replica carries the (already complete) sum, exactly. (After the fused

@@ -48,7 +48,8 @@ def initialize_parallel(cfg: MegatronConfig, timeout: timedelta) -> ParallelStat
     if cfg.parallel.stage_parallel is not None:
         return initialize_heterogeneous_parallel(cfg.parallel.stage_parallel, timeout)
     return initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
-                                     cfg.parallel.pipeline_model_parallel_size, timeout)
+                                     cfg.parallel.pipeline_model_parallel_size, timeout,
+                                     cp_size=cfg.parallel.context_parallel_size)
 
 
 def set_seeds(seed: int, ps: ParallelState, device: torch.device) -> None:

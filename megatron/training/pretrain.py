@@ -105,27 +105,44 @@ def build_trainer(cfg: MegatronConfig, ps, device, model: ModelSpec):
                                 plan_pass=plan_passes(cfg, ps.stage_layouts))
     flops = model.flops_per_sample(cfg.model, cfg.model.padded_vocab_size(ps.tp_size))
     common = dict(tied_params=tied, flops_per_sample=flops, extra_tied_groups=extra)
+    shapes_fn = model.microbatch_shapes
+    if cfg.parallel.context_parallel:  # plans carry the shapes a CP rank runs: its share of each row
+        from megatron.config.context_parallel import cp_granule
+        from megatron.core.context_parallel import local_shapes_fn
+        shapes_fn = local_shapes_fn(shapes_fn, ps.cp_size, cp_granule(cfg))
     if cfg.data.targets_data_path:  # multi-task (inputs, targets): DynaPipe, packing or fixed micro-batches
         if cfg.terapipe.enabled and not cfg.data.dynapipe:  # the same batches (fixed or packed rows), sliced
             # (with --dynapipe the DynaPipe planner slices its own micro-batches)
             from megatron.planner.terapipe.planner import terapipe_planner
             planner = terapipe_planner(cfg, ps)
-        source = supervised_source(cfg, ps, tokenizer, planner, model.microbatch_shapes)
+        source = supervised_source(cfg, ps, tokenizer, planner, shapes_fn)
         trainer = Trainer(cfg, ps, device, stages, batch_source=source, valid_source=source.valid_source, **common)
         if cfg.terapipe.enabled:  # dropout keyed by token position, as training/terapipe.py
             from megatron.training.terapipe import keyed_dropout
             keyed_dropout(trainer, cfg, ps)
-        return trainer
+        return _context_parallel(trainer, cfg, ps)
     train_ds, valid_ds = model.datasets(cfg, tokenizer)
     if cfg.terapipe.enabled:
         from megatron.training.terapipe import terapipe_trainer
         return terapipe_trainer(cfg, ps, device, stages, train_ds, valid_ds, tied, flops)
-    return Trainer(cfg, ps, device, stages, train_ds=train_ds, valid_ds=valid_ds, collate_fn=model.collate,
-                   planner=planner, shapes_fn=model.microbatch_shapes, **common)
+    return _context_parallel(Trainer(cfg, ps, device, stages, train_ds=train_ds, valid_ds=valid_ds,
+                                     collate_fn=model.collate, planner=planner, shapes_fn=shapes_fn, **common), cfg, ps)
 
 
 def build_gpt_trainer(cfg: MegatronConfig, ps, device):
     return build_trainer(cfg, ps, device, GPT)
+
+
+def _context_parallel(trainer, cfg: MegatronConfig, ps):
+    """--context-parallel-size: every CP rank of a DP rank loads the same micro-batches and
+    keeps its chunks of each sequence (plans were made for those local shapes)."""
+    if not cfg.parallel.context_parallel:
+        return trainer
+    from megatron.core.context_parallel import ContextParallelSource
+    trainer.batch_source = ContextParallelSource(trainer.batch_source, cfg, ps)
+    if trainer.valid_source is not None:
+        trainer.valid_source = ContextParallelSource(trainer.valid_source, cfg, ps)
+    return trainer
 
 
 def supervised_source(cfg: MegatronConfig, ps, tokenizer, planner, shapes_fn):

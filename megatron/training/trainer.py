@@ -244,7 +244,7 @@ class Trainer:
         # one host read per step (of host data, normally), never one per micro-batch.
         local = torch.stack([torch.stack([mb["loss_mask"].sum(dtype=torch.float64) for mb in mbs]).sum().cpu(),
                              torch.tensor(float(sum(real_tokens(mb) for mb in mbs)), dtype=torch.float64)])
-        total_tokens, total_real = _all_reduce_sum(local, ps.dp_group, ps.dp_size, self._collective_device())
+        total_tokens, total_real = _all_reduce_sum(local, ps.grad_group, ps.grad_size, self._collective_device())
         if total_tokens <= 0:
             raise RuntimeError(f"iteration {self.iteration + 1}: the global batch has no loss tokens "
                                "(every loss_mask entry is 0); check the data and --split")
@@ -379,10 +379,11 @@ class Trainer:
         return loss_sum / loss_tokens if loss_tokens else None
 
     def _loss_totals(self, totals) -> list:
-        """[loss sum, loss tokens] over DP, on the rank that reports (the last rank). zb-v runs the
+        """[loss sum, loss tokens] over DP x CP, on the rank that reports (the last rank). zb-v runs the
         last stage on pipeline rank 0, so there the pipeline group sums them too."""
         ps = self.ps
-        out = _all_reduce_sum(totals, ps.dp_group, ps.dp_size, self._collective_device())
+        # over DP x CP: context-parallel ranks hold other tokens of the same samples
+        out = _all_reduce_sum(totals, ps.grad_group, ps.grad_size, self._collective_device())
         if self.cfg.parallel.pipeline_schedule == "zb-v" and ps.pp_size > 1:
             out = _all_reduce_sum(out, ps.pp_group, ps.pp_size, self._collective_device())
         return out

@@ -1,0 +1,40 @@
+"""--context-parallel-size's flag combinations, checked where the configuration is (pure Python,
+no torch): what context parallelism composes with, and one line naming the flag where it does
+not. The runtime is megatron/core/context_parallel.py and megatron/models/cp_attention.py."""
+from __future__ import annotations
+
+
+def cp_granule(cfg) -> int:
+    """Tokens per sequence must be a multiple of this: 2 chunks per CP rank (causal load
+    balancing), each rank's share split again over TP under sequence parallelism."""
+    p = cfg.parallel
+    tp = p.tensor_model_parallel_size if cfg.model.sequence_parallel else 1
+    return 2 * p.context_parallel_size * tp
+
+
+def check_context_parallel_config(cfg) -> None:
+    """Raise ValueError (one line, naming the flag) for what context parallelism cannot run."""
+    m, p, d = cfg.model, cfg.parallel, cfg.data
+    cp = p.context_parallel_size
+    flag = f"--context-parallel-size {cp}" if cp > 1 else "--cp-keyed-dropout"
+    if m.model_type != "gpt":
+        raise ValueError(f"{flag} is implemented for GPT: T5's decoder cross-attends the whole encoder output "
+                         "and its relative-position bias spans the full sequence, so chunking the encoder alone "
+                         "would gather it back in every layer; drop the flag for T5")
+    if cfg.terapipe.enabled:
+        raise ValueError(f"{flag} with --terapipe: token slices and context parallelism both cut the sequence; "
+                         "pick one (the planner prices both: benchmarks/bench_cp.py)")
+    if d.dynapipe:
+        raise ValueError(f"{flag} with --dynapipe: the runtime plans DynaPipe micro-batches at CP 1 only so far "
+                         "(the planner prices DynaPipe + CP in megatron/planner/cost/cp_cost.py); drop one")
+    if cfg.compression.enabled or cfg.compression.mp_grad_comp or cfg.compression.mp_acti_comp:
+        raise ValueError(f"{flag} with Optimus-CC compression: the compressors reduce over the data-parallel "
+                         "group, context parallelism reduces gradients over DP x CP; drop the compression flags")
+    if getattr(cfg.checkpoint, "ckpt_format", "torch") == "torch_dist":
+        raise ValueError(f"{flag} with --ckpt-format torch_dist: save with --ckpt-format torch (its files do not "
+                         "depend on the CP size)")
+    if m.seq_length is not None and m.seq_length % cp_granule(cfg):
+        tp = p.tensor_model_parallel_size if m.sequence_parallel else 1
+        raise ValueError(f"{flag}: --seq-length ({m.seq_length}) must be a multiple of 2 x CP"
+                         + (f" x TP (--sequence-parallel) = {cp_granule(cfg)}" if tp > 1 else f" = {2 * cp}")
+                         + " (each CP rank holds two chunks of every sequence)")

@@ -1,0 +1,137 @@
+"""Context parallelism priced with the same cost table as everything else.
+
+A CP rank of a group of N runs every layer on s/N tokens of each sequence (two chunks, causal
+load balancing: megatron/core/context_parallel.py) and exchanges keys and values with the
+group. Per layer and micro-batch of b rows of s tokens, with the table's cost T(b, s) split
+into a token-wise part and an attention part beta * b * s^2 (megatron.planner.cost.attention_cost):
+
+* compute: T(b, s/N) + beta * b * (s^2/N - (s/N)^2) - the table's measured token-wise cost
+  on the local tokens, and 1/N of the sequence's attention (each local query sees up to all S
+  keys; load balancing gives every rank the same share), not the (s/N)^2 that a table row of
+  s/N tokens pays;
+* K/V exchange, bytes per layer V = 2 * b * s * (N-1)/N * h/tp * bytes (K and V of the other
+  ranks' tokens) at the link bandwidth, each way (forward: K/V; backward: their gradients):
+  `all_gather` pays it exposed (gather, then attend; backward reduce-scatter), `p2p` (ring)
+  sends N-1 blocks of V/(N-1), each overlapped with attending to the block before it, so only
+  what a block's transfer takes beyond its attention is exposed;
+* memory: the table's stored/peak memory of s/N tokens without its score-matrix term (CP runs
+  a flash kernel, as Megatron-Core's CP does through Transformer Engine: no s^2 scores are
+  kept; the same rule attention_cost applies to per-document kernels), plus the gathered K/V
+  (all_gather keeps all S keys and values per layer for the backward; the ring holds two
+  blocks in flight and receives them again in the backward, as Megatron-Core's ring does). `flash_memory=False` keeps the table's score memory and adds the s^2/N
+  share instead (the A100 tables' non-flash kernels).
+
+`ContextParallelCostModel` wraps a `CostModel` with these rules, so every planner that reads a
+cost model (DynaPipe, the baselines) plans at a static CP size unchanged: give it the data-
+parallel size world / (PP x CP), ZeRO shards over DP x CP (`cp_planner_config`). Stage
+boundaries carry s/N tokens per CP rank: priced as N x the link bandwidth.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict
+
+import numpy as np
+
+from megatron.planner.cost.attention_cost import MEMORY_QUANTITIES, AttentionCost
+
+COMM_TYPES = ("all_gather", "p2p")
+
+
+class ContextParallelCostModel:
+    """A `CostModel` as one rank of a CP group of `cp` sees it (see the module docstring)."""
+
+    def __init__(self, cost_model, cp: int, comm_type: str = "p2p", link_gbps: float = 4800.0,
+                 latency_ms: float = 0.01, activation_bytes: int = 2, flash_memory: bool = True):
+        if comm_type not in COMM_TYPES:
+            raise ValueError(f"--cp-comm-type must be one of {COMM_TYPES}, got {comm_type!r}")
+        self.base, self.cp, self.comm_type = cost_model, int(cp), comm_type
+        self.link_gbps, self.latency_ms, self.bytes = link_gbps, latency_ms, activation_bytes
+        self.attention = AttentionCost(cost_model)
+        self.flash_memory = flash_memory
+        self.name = f"{cost_model.name} (CP {cp}, {comm_type})"
+
+    def __getattr__(self, name):  # kind, has, profile, param_mb, calibration, ... of the table
+        if name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    # -- pieces --------------------------------------------------------------------------
+    def exchange_mb(self, tp: int, mbs, seq) -> np.ndarray:
+        """MB of other ranks' keys and values one rank receives per layer (one direction)."""
+        n, h = self.cp, self.base.model["hidden_size"]
+        return 2.0 * np.asarray(mbs, float) * np.asarray(seq, float) * (n - 1) / n * h / tp * self.bytes / 1e6
+
+    def _ms(self, mb) -> np.ndarray:
+        return np.asarray(mb, float) * 8e6 / (self.link_gbps * 1e6)
+
+    def layer(self, component, tp, recompute, mbs, seq, dec_seq=None) -> Dict[str, np.ndarray]:
+        if component != "encoder" or self.cp == 1:
+            if component != "encoder":
+                raise ValueError("context parallelism is priced for GPT layers (component 'encoder') only")
+            return self.base.layer(component, tp, recompute, mbs, seq)
+        n = self.cp
+        b, s = np.broadcast_arrays(np.asarray(mbs, float), np.asarray(seq, float))
+        local = s / n
+        dense = self.base.layer(component, tp, recompute, b, local)
+        extra_pairs = b * (s * s / n - local * local)
+        out = {}
+        for q, v in dense.items():
+            sp = self.attention.split(tp, recompute, component, q)
+            beta = 0.0 if sp is None else max(sp.coef["quad"], 0.0)
+            if q in MEMORY_QUANTITIES and self.flash_memory:
+                out[q] = np.maximum(v - beta * b * local * local, 0.0)
+            else:
+                out[q] = v + beta * extra_pairs
+        attn_fwd = self._attention_ms(tp, recompute, "forward_ms", b, s)
+        attn_bwd = self._attention_ms(tp, recompute, "backward_ms", b, s)
+        vol = self.exchange_mb(tp, b, s)
+        if self.comm_type == "all_gather":
+            fwd_comm = self._ms(vol) + self.latency_ms
+            bwd_comm = self._ms(vol) + self.latency_ms  # reduce-scatter of dK, dV
+            kv_mem = vol  # all S keys/values kept for the backward
+        else:
+            block = self._ms(vol / (n - 1)) + self.latency_ms
+            fwd_comm = (n - 1) * np.maximum(block - attn_fwd / n, 0.0)
+            bwd_comm = (n - 1) * np.maximum(2 * block - attn_bwd / n, 0.0)  # K/V and dK/dV travel
+            kv_mem = 2 * vol / (n - 1)  # two blocks in flight (a transient: the backward receives them again)
+        if recompute == "full":  # the backward replays the forward, exchange included
+            bwd_comm = bwd_comm + fwd_comm
+        out["forward_ms"] = out["forward_ms"] + fwd_comm
+        out["backward_ms"] = out["backward_ms"] + bwd_comm
+        for q in MEMORY_QUANTITIES:
+            if q in out:
+                kept = q == "stored_mb" and recompute != "full" and self.comm_type == "all_gather"
+                out[q] = out[q] + (kv_mem if kept or q == "peak_mb" else 0.0)
+        return out
+
+    def _attention_ms(self, tp, rc, quantity, b, s) -> np.ndarray:
+        """One rank's share of the sequence's attention time: beta * b * s^2 / N."""
+        sp = self.attention.split(tp, rc, "encoder", quantity)
+        return 0.0 * b if sp is None else max(sp.coef["quad"], 0.0) * b * s * s / self.cp
+
+    def postprocess(self, tp, recompute, mbs, seq):
+        return self.base.postprocess(tp, recompute, mbs, np.asarray(seq, float) / self.cp)
+
+    def preprocess(self, tp, recompute, mbs, seq):
+        return self.base.preprocess(tp, recompute, mbs, np.asarray(seq, float) / self.cp)
+
+
+def cp_planner_config(cfg, cp: int):
+    """A DynaPipeConfig for the same GPUs with a CP group of `cp` ranks: DP / cp, ZeRO still
+    sharded over DP x CP, stage boundaries of s/cp tokens (N x the per-token bandwidth)."""
+    dp = cfg.data_parallel // cp
+    if dp < 1 or cfg.data_parallel % cp:
+        raise ValueError(f"CP {cp} does not divide the {cfg.data_parallel} data-parallel ranks")
+    return dataclasses.replace(cfg, data_parallel=dp, zero_shards=(cfg.zero_shards or cfg.data_parallel),
+                               bandwidth_gbps=cfg.bandwidth_gbps * cp, packed_rows=False)
+
+
+def cp_planner(cfg, cp: int, comm_type: str = "p2p"):
+    """A DynaPipePlanner that plans micro-batches for CP groups of `cp` (static size)."""
+    from megatron.planner.cost.cost_model import CostModel
+    from megatron.planner.dynapipe.planner import DynaPipePlanner
+    base = CostModel.load(cfg.cost_model_path)
+    cm = base if cp == 1 else ContextParallelCostModel(base, cp, comm_type, cfg.bandwidth_gbps,
+                                                       cfg.link_latency_ms, cfg.activation_bytes)
+    return DynaPipePlanner(cp_planner_config(cfg, cp) if cp > 1 else cfg, cost_model=cm)
