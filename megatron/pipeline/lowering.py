@@ -44,8 +44,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from megatron.pipeline.instructions import (
     BackwardInput, BackwardPass, BackwardWeight, ExecutionPlan, ForwardPass, FreeBuffer, LoadInput, RecvActivationFinish,
@@ -60,15 +59,16 @@ _RECV_START = {ACT: RecvActivationStart, GRAD: RecvGradStart}
 _RECV_FINISH = {ACT: RecvActivationFinish, GRAD: RecvGradFinish}
 
 
-@dataclass(frozen=True)
-class ComputeOp:
+COMPUTE_KINDS = ("F", "B", "I", "W")
+
+
+class ComputeOp(NamedTuple):
+    """One compute op of a schedule: the op type of every planner, simulator and lowering (a
+    tuple: the schedule searches build and replay millions of them; kinds are checked where
+    orders are lowered)."""
     kind: str          # "F" (forward), "B" (backward), or a split backward's "I" (input) / "W" (weight)
     microbatch: int
     stage: int
-
-    def __post_init__(self):
-        if self.kind not in ("F", "B", "I", "W"):
-            raise ValueError(f"ComputeOp.kind must be 'F', 'B', 'I' or 'W', got {self.kind!r}")
 
     def __str__(self):
         return f"{self.kind}(mb={self.microbatch}, stage={self.stage})"
@@ -124,6 +124,8 @@ def _check_orders(orders, stage_to_rank, num_mb) -> None:
     seen = set()
     for r, order in enumerate(orders):
         for op in order:
+            if op.kind not in COMPUTE_KINDS:
+                raise ValueError(f"compute_orders[{r}] has {op}: kind must be 'F', 'B', 'I' or 'W'")
             if not (0 <= op.microbatch < num_mb and 0 <= op.stage < num_stages):
                 raise ValueError(f"compute_orders[{r}] has {op}: micro-batch must be in "
                                  f"[0, {num_mb}) and stage in [0, {num_stages})")

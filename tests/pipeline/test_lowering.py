@@ -148,8 +148,8 @@ def test_bad_compute_orders_are_rejected_with_readable_errors():
     with pytest.raises(ValueError, match=r"F\(mb=0, stage=1\) is ordered before F\(mb=0, stage=0\)"):
         lower_to_plans([[ComputeOp(F, 0, 1), ComputeOp(F, 0, 0), ComputeOp(B, 0, 1),
                          ComputeOp(B, 0, 0)]], [0, 0], shapes[:1], _act)
-    with pytest.raises(ValueError, match="must be 'F', 'B', 'I' or 'W'"):
-        ComputeOp("X", 0, 0)
+    with pytest.raises(ValueError, match=r"X\(mb=0, stage=0\): kind must be 'F', 'B', 'I' or 'W'"):
+        lower_to_plans([[ComputeOp("X", 0, 0)] + good[0], good[1]], [0, 1], shapes, _act)
     with pytest.raises(ValueError, match="is empty"):
         lower_to_plans(good, [0, 1], shapes, lambda mb, s: ())
 

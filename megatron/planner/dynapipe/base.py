@@ -539,10 +539,10 @@ class DynaPipeBase:
             b = int(self.padded_rows(b))  # stages with their own DP sizes: loss-free filler rows
             shapes.append(((b, se), (b, sd)) if t5 else ((b, se),))
             act.append((b, se, sd))
-        orders = [[(op.kind, rank_of[op.microbatch], op.stage) for op in stage_ops] for stage_ops in ch.orders]
+        orders = [[op._replace(microbatch=rank_of[op.microbatch]) for op in stage_ops] for stage_ops in ch.orders]
         plans = []
         if self.cfg.emit_plans:
-            from megatron.pipeline.lowering import ComputeOp, lower_to_plans
+            from megatron.pipeline.lowering import lower_to_plans
             # sequence parallel: [s/tp, b, h] pieces; with per-stage TP the lowered plans carry
             # the whole sequence and `split_plans` cuts each stage's pieces at its own TP
             sp = self.cfg.tensor_parallel if self.cfg.sequence_parallel and not self.cfg.stage_parallel else 1
@@ -556,7 +556,7 @@ class DynaPipeBase:
                     return ((se, b, h),)
                 return ((sd, b, h), (se, b, h))
 
-            plans = lower_to_plans([[ComputeOp(*o) for o in ops] for ops in orders], self.stage_to_rank,
+            plans = lower_to_plans([list(ops) for ops in orders], self.stage_to_rank,
                                    shapes, activation_shapes, recompute=rc, dtype=self.cfg.dtype,
                                    iteration=iteration, validate=validate and not self.cfg.stage_parallel)
             if self.cfg.stage_parallel:  # one plan per global rank, row-sliced messages

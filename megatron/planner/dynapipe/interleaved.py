@@ -39,14 +39,15 @@ from megatron.planner.dynapipe.base import DynaPipeBase, DynaPipeConfig, Plannin
 from megatron.planner.schedule.interleaved_order import interleaved_op_orders, microbatch_groups, warmup_forwards  # noqa: F401 (re-exported)
 from megatron.planner.schedule.replay import cost_lists, replay
 from megatron.planner.schedule.schedules import ScheduleChoice, search_orders
-from megatron.planner.schedule.simulator import Op, PipelineCosts, SimulationError, simulate
+from megatron.pipeline.lowering import ComputeOp
+from megatron.planner.schedule.simulator import PipelineCosts, SimulationError, simulate
 
 
-def interleaved_orders(pp: int, v: int, order: Sequence[int], extra_warmup: int = 0) -> List[List[Op]]:
+def interleaved_orders(pp: int, v: int, order: Sequence[int], extra_warmup: int = 0) -> List[List[ComputeOp]]:
     """Per-rank simulator ops of interleaved 1F1B for micro-batches run in `order` (any count):
     `interleaved_order.interleaved_op_orders`. With m a multiple of PP this is exactly
     `megatron.planner.schedule.static.interleaved_orders`."""
-    return interleaved_op_orders(pp, v, order, Op, extra_warmup)
+    return interleaved_op_orders(pp, v, order, ComputeOp, extra_warmup)
 
 
 class InterleavedDynaPipePlanner(DynaPipeBase):

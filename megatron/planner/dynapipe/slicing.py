@@ -42,14 +42,16 @@ from __future__ import annotations
 
 import math
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import numpy as np
 
 from megatron.planner.dynapipe import partitioner as part
+from megatron.planner.schedule.orders import one_f_one_b
 from megatron.planner.schedule.replay import cost_lists, replay
 from megatron.planner.schedule.schedules import _adaptive, ScheduleInfeasible, lower_bound
-from megatron.planner.schedule.simulator import Op, PipelineCosts, SimulationError, simulate
+from megatron.pipeline.lowering import ComputeOp
+from megatron.planner.schedule.simulator import PipelineCosts, SimulationError, simulate
 from megatron.planner.terapipe.lowering import lower_sliced, plan_slices
 from megatron.config.terapipe import SLICE_GRID, uniform_slices
 from megatron.config.terapipe import slice_offsets as offsets
@@ -183,27 +185,14 @@ def dp_slicing(planner, rc: str, b: int, L: int, k_eff: float, cap: int) -> List
 
 
 # ---------------------------------------------------------------------------- schedules
-def one_f_one_b_capped(num_stages: int, order: Sequence[int], inflight: int) -> List[List[Op]]:
-    """1F1B with at most `inflight` micro-batches between forward and backward per stage."""
-    out = []
-    for s in range(num_stages):
-        warm = min(num_stages - s - 1, inflight - 1, len(order))
-        ops = [Op("F", order[k], s) for k in range(warm)]
-        for k in range(len(order) - warm):
-            ops += [Op("F", order[warm + k], s), Op("B", order[k], s)]
-        ops += [Op("B", order[k], s) for k in range(len(order) - warm, len(order))]
-        out.append(ops)
-    return out
-
-
-def expand(orders, units_of) -> List[List[Op]]:
+def expand(orders, units_of) -> List[List[ComputeOp]]:
     """Micro-batch ops -> unit ops: forwards ascend through the slices, backwards descend."""
     out = []
     for ops in orders:
         row = []
         for kind, mb, s in ops:
             us = units_of[mb] if kind == "F" else reversed(units_of[mb])
-            row += [Op(kind, u, s) for u in us]
+            row += [ComputeOp(kind, u, s) for u in us]
         out.append(row)
     return out
 
@@ -247,7 +236,7 @@ def search_group(planner, rc: str, shapes, slicings, mb_orders, bound=np.inf) ->
             cands.append(("adaptive", _adaptive(mb_costs, order, avail)[0]))
         except ScheduleInfeasible:
             pass
-        cands += [(f"1f1b-{f}", one_f_one_b_capped(S, order, f)) for f in range(S, 0, -1)]
+        cands += [(f"1f1b-{f}", one_f_one_b(S, order, inflight=f)) for f in range(S, 0, -1)]
         for name, ops in cands:
             unit_ops = expand(ops, units_of)
             try:
@@ -352,13 +341,12 @@ def _group_plan(planner, rc, samples, g: SlicedGroup, iteration, validate):
     """GroupPlan whose micro-batch ids are sequences in run order (what the data loader
     collates) and whose plans run units tagged with `token_slice = (sequence, offset, len)`."""
     from megatron.planner.dynapipe.base import GroupPlan
-    from megatron.pipeline.lowering import ComputeOp
     rank_of = {old: new for new, old in enumerate(g.order)}
     # Renumber: sequences in forward order, units in (sequence, offset) order.
     units = sorted(range(len(g.units)), key=lambda u: (rank_of[g.units[u][0]], g.units[u][1]))
     new_id = {u: k for k, u in enumerate(units)}
     new_units = [(rank_of[g.units[u][0]],) + tuple(g.units[u][1:]) for u in units]
-    orders = [[(op.kind, new_id[op.microbatch], op.stage) for op in ops] for ops in g.orders]
+    orders = [[op._replace(microbatch=new_id[op.microbatch]) for op in ops] for ops in g.orders]
     c = planner.cfg
     mbs = [samples[old] for old in g.order]
 
@@ -367,7 +355,7 @@ def _group_plan(planner, rc, samples, g: SlicedGroup, iteration, validate):
     shapes = [((rows(len(s)), sum(g.slicings[old])),) for old, s in zip(g.order, mbs)]
     plans = []
     if c.emit_plans:
-        plans = lower_sliced([[ComputeOp(*o) for o in ops] for ops in orders], new_units,
+        plans = lower_sliced([list(ops) for ops in orders], new_units,
                              [rows(g.unit_rows[u]) for u in units], c.hidden_size, dtype=c.dtype,
                              iteration=iteration, recompute=rc, validate=validate and not c.stage_parallel,
                              stage_to_rank=planner.stage_to_rank, seq_split=_seq_split(planner))

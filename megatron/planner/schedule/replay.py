@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-from megatron.planner.schedule.simulator import Op, PipelineCosts, SimulationError
+from megatron.pipeline.lowering import ComputeOp
+from megatron.planner.schedule.simulator import PipelineCosts, SimulationError
 
 # A candidate is dropped when a rank's peak passes its limit by more than this (MB). The limits
 # (device memory less model states) and the planner's fit estimates are float sums taken in
@@ -30,7 +31,7 @@ def cost_lists(costs: PipelineCosts):
             bool(costs.grad_comm is not None and costs.grad_comm_epilogue_only))
 
 
-def replay(c, orders: List[List[Op]], stage_to_rank: Optional[Sequence[int]] = None, cut: float = float("inf"),
+def replay(c, orders: List[List[ComputeOp]], stage_to_rank: Optional[Sequence[int]] = None, cut: float = float("inf"),
            mem_limit: Optional[Sequence[float]] = None):
     """(makespan, per-rank activation peak) of `simulate(costs, orders, stage_to_rank)`, with
     `c = cost_lists(costs)` and `orders` per rank (stage_to_rank None: stage s on rank s).

@@ -31,8 +31,10 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from megatron.planner.dynapipe.native import cpp as _cpp
+from megatron.planner.schedule.orders import one_f_one_b
 from megatron.planner.schedule.replay import cost_lists, replay
-from megatron.planner.schedule.simulator import Op, PipelineCosts, SimResult, SimulationError, simulate
+from megatron.pipeline.lowering import ComputeOp
+from megatron.planner.schedule.simulator import PipelineCosts, SimResult, SimulationError, simulate
 from megatron.planner.schedule.zb_search import zb_candidate
 
 
@@ -40,22 +42,7 @@ class ScheduleInfeasible(RuntimeError):
     pass
 
 
-def one_f_one_b(num_stages: int, order: Sequence[int]) -> List[List[Op]]:
-    """Per-stage op orders of 1F1B for micro-batches run in `order`."""
-    K = len(order)
-    out = []
-    for s in range(num_stages):
-        warm = min(num_stages - s - 1, K)
-        ops = [Op("F", order[k], s) for k in range(warm)]
-        for k in range(K - warm):
-            ops.append(Op("F", order[warm + k], s))
-            ops.append(Op("B", order[k], s))
-        ops.extend(Op("B", order[k], s) for k in range(K - warm, K))
-        out.append(ops)
-    return out
-
-
-def adaptive(costs: PipelineCosts, order: Sequence[int], mem_limit: Sequence[float]) -> List[List[Op]]:
+def adaptive(costs: PipelineCosts, order: Sequence[int], mem_limit: Sequence[float]) -> List[List[ComputeOp]]:
     """Memory-aware wait-free schedule (one stage per rank). Raises ScheduleInfeasible if
     some micro-batch does not fit on a stage even when nothing else is in flight."""
     return _adaptive(costs, order, mem_limit)[0]
@@ -76,7 +63,7 @@ def _adaptive(costs, order, mem_limit, cut=float("inf")):
         mb, s = value, ops
         raise ScheduleInfeasible(f"micro-batch {mb} needs {costs.stored[s][mb] + costs.transient[s][mb]:.0f} MB on "
                                  f"stage {s}, limit {mem_limit[s]:.0f} MB")
-    orders = [[Op("F" if v & 1 else "B", v >> 1, s) for v in row] for s, row in enumerate(ops.tolist())]
+    orders = [[ComputeOp("F" if v & 1 else "B", v >> 1, s) for v in row] for s, row in enumerate(ops.tolist())]
     return orders, value
 
 
@@ -107,7 +94,7 @@ def _adaptive_py(costs, order, mem_limit, cut=float("inf")):
     inflight_max = [0.0] * S
     link_free = [0.0] * S  # link s->s+1 (activations) ...
     glink_free = [0.0] * S  # ... and s->s-1 (gradients)
-    orders: List[List[Op]] = [[] for _ in range(S)]
+    orders: List[List[ComputeOp]] = [[] for _ in range(S)]
     done = 0
     INF = float("inf")
 
@@ -159,7 +146,7 @@ def _adaptive_py(costs, order, mem_limit, cut=float("inf")):
             inflight[s][mb] = tr
             if tr > inflight_max[s]:
                 inflight_max[s] = tr
-            orders[s].append(Op("F", mb, s))
+            orders[s].append(ComputeOp("F", mb, s))
             if s < S - 1:
                 t0 = t1 if t1 > link_free[s] else link_free[s]
                 link_free[s] = f_arrival[s + 1][mb] = t0 + comm[s][mb]
@@ -174,7 +161,7 @@ def _adaptive_py(costs, order, mem_limit, cut=float("inf")):
             gone = inflight[s].pop(mb)
             if gone >= inflight_max[s]:
                 inflight_max[s] = max(inflight[s].values(), default=0.0)
-            orders[s].append(Op("B", mb, s))
+            orders[s].append(ComputeOp("B", mb, s))
             if s > 0:
                 t0 = t1 if t1 > glink_free[s] else glink_free[s]
                 glink_free[s] = t0 + gcomm[s - 1][mb]
@@ -198,7 +185,7 @@ def _adaptive_py(costs, order, mem_limit, cut=float("inf")):
 class ScheduleChoice:
     name: str  # "1f1b" or "adaptive"
     order: List[int]  # micro-batch order (indices into the costs' columns)
-    orders: List[List[Op]]  # per stage
+    orders: List[List[ComputeOp]]  # per stage
     result: SimResult
 
 

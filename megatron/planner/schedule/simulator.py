@@ -20,15 +20,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-
-class Op(NamedTuple):
-    kind: str  # "F", "B", or a split backward's "I" (input gradient) / "W" (weight gradient)
-    microbatch: int
-    stage: int
+from megatron.pipeline.lowering import ComputeOp
 
 
 class SimulationError(RuntimeError):
@@ -82,11 +78,11 @@ class PipelineCosts:
 @dataclass
 class SimResult:
     makespan: float
-    start: Dict[Op, float]
-    end: Dict[Op, float]
+    start: Dict[ComputeOp, float]
+    end: Dict[ComputeOp, float]
     peak_memory: List[float]  # per rank
     memory_trace: List[List[Tuple[float, float]]]  # per rank: (time, MB) after each change
-    orders: List[List[Op]]  # per rank
+    orders: List[List[ComputeOp]]  # per rank
     comm: List[Tuple[str, int, int, int, int, float, float]] = field(default_factory=list)
 
     def chrome_trace(self) -> dict:
@@ -112,7 +108,7 @@ class SimResult:
             json.dump(self.chrome_trace(), f)
 
 
-def simulate(costs: PipelineCosts, orders: Sequence[Sequence[Op]],
+def simulate(costs: PipelineCosts, orders: Sequence[Sequence[ComputeOp]],
              stage_to_rank: Optional[Sequence[int]] = None) -> SimResult:
     """Replay fixed per-rank op orders; raises SimulationError on a dependency deadlock."""
     S = costs.num_stages
@@ -126,9 +122,9 @@ def simulate(costs: PipelineCosts, orders: Sequence[Sequence[Op]],
     # Index in each rank's order after which its gradient sends count as the epilogue.
     last_f = [max((i for i, o in enumerate(order) if o[0] == "F"), default=-1)
               if costs.grad_comm_epilogue_only else -1 for order in orders]
-    arrival: Dict[Op, float] = {}  # when an op's input from another stage is available here
-    start: Dict[Op, float] = {}
-    end: Dict[Op, float] = {}
+    arrival: Dict[ComputeOp, float] = {}  # when an op's input from another stage is available here
+    start: Dict[ComputeOp, float] = {}
+    end: Dict[ComputeOp, float] = {}
     link_free: Dict[Tuple[int, int], float] = {}
     transfers = []
     free_at = [0.0] * R
@@ -140,7 +136,7 @@ def simulate(costs: PipelineCosts, orders: Sequence[Sequence[Op]],
 
     def send(kind, mb, s_from, s_to, t_ready, position=0):
         src, dst = stage_to_rank[s_from], stage_to_rank[s_to]
-        consumer = Op(kind, mb, s_to)  # a gradient arrives for "B" (or the "I" that replaces it)
+        consumer = ComputeOp(kind, mb, s_to)  # a gradient arrives for "B" (or the "I" that replaces it)
         if src == dst:
             arrival[consumer] = t_ready
             return
@@ -163,14 +159,14 @@ def simulate(costs: PipelineCosts, orders: Sequence[Sequence[Op]],
                         break
                     ready = arrival.get(op, 0.0)
                 elif kind == "W":
-                    i_op = Op("I", mb, s)
+                    i_op = ComputeOp("I", mb, s)
                     if i_op not in end:
                         if i_op not in order:
                             raise SimulationError(f"{op} on rank {r} has no I({mb}, {s}) on that rank")
                         break
                     ready = end[i_op]
                 else:
-                    f_op, g_op = Op("F", mb, s), Op("B", mb, s)
+                    f_op, g_op = ComputeOp("F", mb, s), ComputeOp("B", mb, s)
                     if f_op not in end or (s < S - 1 and g_op not in arrival):
                         break
                     ready = max(end[f_op], arrival.get(g_op, 0.0))
@@ -214,13 +210,13 @@ def check_dependencies(result: SimResult, costs: PipelineCosts, stage_to_rank=No
     S = costs.num_stages
     for op, t0 in result.start.items():
         kind, mb, s = op
-        if kind == "F" and s > 0 and t0 < result.end[Op("F", mb, s - 1)] - 1e-9:
+        if kind == "F" and s > 0 and t0 < result.end[ComputeOp("F", mb, s - 1)] - 1e-9:
             raise SimulationError(f"{op} starts before F({mb},{s - 1}) ends")
         if kind in ("B", "I"):
-            if t0 < result.end[Op("F", mb, s)] - 1e-9:
+            if t0 < result.end[ComputeOp("F", mb, s)] - 1e-9:
                 raise SimulationError(f"{op} starts before its forward ends")
-            nxt = Op("B", mb, s + 1) if Op("B", mb, s + 1) in result.end else Op("I", mb, s + 1)
+            nxt = ComputeOp("B", mb, s + 1) if ComputeOp("B", mb, s + 1) in result.end else ComputeOp("I", mb, s + 1)
             if s < S - 1 and t0 < result.end[nxt] - 1e-9:
                 raise SimulationError(f"{op} starts before {nxt} ends")
-        if kind == "W" and t0 < result.end[Op("I", mb, s)] - 1e-9:
+        if kind == "W" and t0 < result.end[ComputeOp("I", mb, s)] - 1e-9:
             raise SimulationError(f"{op} starts before its I ends")

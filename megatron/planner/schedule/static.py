@@ -26,6 +26,7 @@ from megatron.pipeline.instructions import ExecutionPlan
 from megatron.pipeline.lowering import ComputeOp, lower_to_plans
 from megatron.models.stage_split import stage_layer_split  # noqa: F401 (re-exported)
 from megatron.planner.schedule.interleaved_order import interleaved_op_orders
+from megatron.planner.schedule.orders import one_f_one_b
 from megatron.planner.schedule.zero_bubble import ZB_SCHEDULES, zb_orders
 
 SCHEDULES = ("gpipe", "gpipe-fifo", "1f1b", "interleaved") + ZB_SCHEDULES
@@ -41,16 +42,7 @@ def gpipe_orders(num_microbatches: int, pp: int, reverse_backward: bool = True):
 
 def one_f_one_b_orders(num_microbatches: int, pp: int):
     """Megatron's `forward_backward_pipelining_without_interleaving` order per rank."""
-    orders = []
-    for r in range(pp):
-        warmup = min(pp - r - 1, num_microbatches)
-        order = [ComputeOp("F", mb, r) for mb in range(warmup)]
-        for i in range(num_microbatches - warmup):
-            order += [ComputeOp("F", warmup + i, r), ComputeOp("B", i, r)]
-        order += [ComputeOp("B", mb, r) for mb in range(num_microbatches - warmup,
-                                                         num_microbatches)]
-        orders.append(order)
-    return orders
+    return one_f_one_b(pp, range(num_microbatches))
 
 
 def interleaved_orders(num_microbatches: int, pp: int, num_model_chunks: int):

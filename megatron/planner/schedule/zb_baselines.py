@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from megatron.planner.dynapipe.baselines import SIZES, group_costs, microbatch_shapes, split_groups
-from megatron.planner.schedule.simulator import Op, PipelineCosts, simulate
+from megatron.pipeline.lowering import ComputeOp
+from megatron.planner.schedule.simulator import PipelineCosts, simulate
 from megatron.planner.schedule.zb_search import derive_wgrad, with_split
 from megatron.planner.schedule.zero_bubble import greedy_zb_orders, kept_limits, stage_to_rank_of
 
@@ -65,7 +66,7 @@ def zb_group_time(costs: PipelineCosts, schedule: str, available) -> float:
 
     try:
         orders = greedy_zb_orders(m, s2r, kept_limits(schedule, S0, m), cost=cost,
-                                  comm=lambda mb, s: float(comm[s, mb]), op_cls=Op, admit=admit, on_op=on_op)
+                                  comm=lambda mb, s: float(comm[s, mb]), op_cls=ComputeOp, admit=admit, on_op=on_op)
     except ValueError:
         return np.inf
     res = simulate(costs, orders, s2r)

@@ -24,7 +24,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from megatron.planner.schedule.simulator import Op, PipelineCosts, SimulationError, simulate
+from megatron.pipeline.lowering import ComputeOp
+from megatron.planner.schedule.simulator import PipelineCosts, SimulationError, simulate
 
 
 def gemm_share(hidden: int, seq) -> np.ndarray:
@@ -78,7 +79,7 @@ def zb_candidate(costs: PipelineCosts, order: Sequence[int], mem_limit: Sequence
 
     try:
         orders = greedy_zb_orders(K, list(range(S)), [2 * K] * S, cost=cost,
-                                  comm=lambda mb, s: float(costs.comm[s, mb]), op_cls=Op, order=order,
+                                  comm=lambda mb, s: float(costs.comm[s, mb]), op_cls=ComputeOp, order=order,
                                   admit=admit, on_op=on_op)
     except ValueError:
         return None  # some micro-batch never fits next to what its stage keeps

@@ -133,8 +133,8 @@ def test_simulated_makespan_matches_replay():
         L = np.array([s[0][1] for s in g.shapes], float)
         sc = planner.stage_costs(plan.recompute, mbs, L)
         costs = PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]))
-        from megatron.planner.schedule.simulator import Op
-        orders = [[Op(*o) for o in ops] for ops in g.compute_orders]
+        from megatron.pipeline.lowering import ComputeOp
+        orders = [[ComputeOp(*o) for o in ops] for ops in g.compute_orders]
         assert simulate(costs, orders).makespan == pytest.approx(g.makespan_ms)
 
 

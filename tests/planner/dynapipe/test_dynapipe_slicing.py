@@ -8,6 +8,7 @@ import pytest
 
 from megatron.pipeline import instructions as I
 from megatron.planner.dynapipe import slicing as ds
+from megatron.planner.schedule.orders import one_f_one_b
 from megatron.planner.dynapipe.planner import DynaPipeConfig, DynaPipePlanner, PlanningError
 from megatron.planner.terapipe.lowering import build_terapipe_plans, lower_sliced, slice_units
 
@@ -87,7 +88,7 @@ def test_fixed_slices_plan_tags_every_unit(fixed):
 
 def test_capped_1f1b_keeps_at_most_f_in_flight():
     for f in (1, 2, 4):
-        for s, ops in enumerate(ds.one_f_one_b_capped(4, list(range(6)), f)):
+        for s, ops in enumerate(one_f_one_b(4, list(range(6)), inflight=f)):
             live = peak = 0
             for kind, _, _ in ops:
                 live += 1 if kind == "F" else -1
@@ -135,7 +136,7 @@ def _sliced_dynapipe_plans(rng):
         units_of.append(list(range(len(units), len(units) + len(sl))))
         units += [(k, off, ln) for off, ln in zip(ds.offsets(sl), sl)]
         rows += [b] * len(sl)
-    orders = ds.expand(ds.one_f_one_b_capped(pp, list(range(m)), rng.randint(1, pp)), units_of)
+    orders = ds.expand(one_f_one_b(pp, list(range(m)), inflight=rng.randint(1, pp)), units_of)
     return lower_sliced([[ComputeOp(*o) for o in ops] for ops in orders], units, rows, 8)
 
 

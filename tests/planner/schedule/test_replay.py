@@ -7,7 +7,8 @@ import pytest
 from megatron.planner.dynapipe.interleaved import interleaved_orders
 from megatron.planner.schedule.replay import MEM_SLACK_MB, cost_lists, replay
 from megatron.planner.schedule.schedules import one_f_one_b
-from megatron.planner.schedule.simulator import Op, PipelineCosts, SimulationError, simulate
+from megatron.pipeline.lowering import ComputeOp
+from megatron.planner.schedule.simulator import PipelineCosts, SimulationError, simulate
 
 
 def _costs(rng, S, K, epilogue):
@@ -18,8 +19,8 @@ def _costs(rng, S, K, epilogue):
 def _block_orders(S, K, v):
     """Stages [r v, (r+1) v) on rank r; every forward in stage order, then every backward."""
     ranks = S // v
-    return [[Op("F", mb, s) for mb in range(K) for s in range(r * v, (r + 1) * v)]
-            + [Op("B", mb, s) for mb in range(K) for s in reversed(range(r * v, (r + 1) * v))]
+    return [[ComputeOp("F", mb, s) for mb in range(K) for s in range(r * v, (r + 1) * v)]
+            + [ComputeOp("B", mb, s) for mb in range(K) for s in reversed(range(r * v, (r + 1) * v))]
             for r in range(ranks)]
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from megatron.planner.schedule.schedules import adaptive, one_f_one_b
 from megatron.planner.schedule.simulator import (
-    Op, PipelineCosts, SimulationError, check_dependencies, simulate,
+    ComputeOp, PipelineCosts, SimulationError, check_dependencies, simulate,
 )
 
 
@@ -46,7 +46,7 @@ def test_dependencies_and_memory_accounting(seed):
     by_link = {}
     for kind, mb, stage, src, dst, t0, t1 in res.comm:
         by_link.setdefault((src, dst), []).append((t0, t1))
-        assert t0 >= res.end[Op("F" if kind == "act" else "B", mb, stage)] - 1e-9
+        assert t0 >= res.end[ComputeOp("F" if kind == "act" else "B", mb, stage)] - 1e-9
     for spans in by_link.values():
         spans.sort()
         assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:]))
@@ -54,8 +54,8 @@ def test_dependencies_and_memory_accounting(seed):
 
 def test_deadlock_is_reported():
     S, K = 2, 2
-    orders = [[Op("F", 0, 0), Op("B", 0, 0), Op("F", 1, 0), Op("B", 1, 0)],
-              [Op("F", 1, 1), Op("B", 1, 1), Op("F", 0, 1), Op("B", 0, 1)]]  # stage 1 wants mb 1 first
+    orders = [[ComputeOp("F", 0, 0), ComputeOp("B", 0, 0), ComputeOp("F", 1, 0), ComputeOp("B", 1, 0)],
+              [ComputeOp("F", 1, 1), ComputeOp("B", 1, 1), ComputeOp("F", 0, 1), ComputeOp("B", 0, 1)]]  # stage 1 wants mb 1 first
     with pytest.raises(SimulationError, match="deadlock"):
         simulate(uniform(S, K, 1, 1), orders)
 
