@@ -500,6 +500,8 @@ class MegatronConfig:
                      f"--pipeline-schedule {p.pipeline_schedule} splits the backward, which token slices cannot (their "
                      "key/value gradients flow between the slices' backwards): drop --terapipe or use 1f1b")
         if p.pipeline_schedule == "zb-v":
+            _require(not self.data.dynapipe, "--dynapipe plans one stage per pipeline rank: with it use "
+                     "--pipeline-schedule zb-h1 (DynaPipe then places split backwards' weight passes itself)")
             _require(m.model_type == "gpt", "--pipeline-schedule zb-v runs GPT: T5 splits its pipeline at "
                      "--pipeline-model-parallel-split-rank, which a V placement cannot keep; use zb-h1 or zb-h2")
             _require(m.num_layers % (2 * p.pipeline_model_parallel_size) == 0 or p.pipeline_stage_layers is not None,
@@ -553,6 +555,9 @@ class MegatronConfig:
                      "--emb-comm-opt syncs tied embeddings: drop --untie-embeddings-and-output-weights or the flag")
         _require(not c.emb_grad_comp or pp > 1, "--emb-grad-comp compresses the first/last-stage embedding sync: it "
                  "needs --pipeline-model-parallel-size > 1")
+        _require(p.pipeline_schedule != "zb-v" or not (c.emb_comm_opt or c.emb_grad_comp),
+                 "--pipeline-schedule zb-v puts the first and the last stage on pipeline rank 0 (one tied embedding "
+                 "weight, nothing to sync): drop --emb-comm-opt/--emb-grad-comp")
         if c.mp_grad_comp or c.mp_acti_comp:
             _require(p.tensor_model_parallel_size > 1 and not self.model.sequence_parallel, "--mp-grad-comp/--mp-acti-"
                      "comp compress tensor-parallel all-reduces: they need --tensor-model-parallel-size > 1 and no "
