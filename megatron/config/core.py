@@ -560,6 +560,9 @@ class MegatronConfig:
                      "--emb-comm-opt syncs tied embeddings: drop --untie-embeddings-and-output-weights or the flag")
         _require(not c.emb_grad_comp or pp > 1, "--emb-grad-comp compresses the first/last-stage embedding sync: it "
                  "needs --pipeline-model-parallel-size > 1")
+        _require(p.pipeline_schedule != "zb-v" or not (c.emb_comm_opt or c.emb_grad_comp),
+                 "--pipeline-schedule zb-v puts the first and the last stage on pipeline rank 0 (one tied embedding "
+                 "weight, nothing to sync): drop --emb-comm-opt/--emb-grad-comp")
         if c.mp_grad_comp or c.mp_acti_comp:
             _require(p.tensor_model_parallel_size > 1 and not self.model.sequence_parallel, "--mp-grad-comp/--mp-acti-"
                      "comp compress tensor-parallel all-reduces: they need --tensor-model-parallel-size > 1 and no "
