@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 4
 
-.PHONY: venv demo test test-variants lint bench clean
+.PHONY: venv demo test test-variants lint gpu-check gpu-check-cpu bench clean
 
 $(VENV)/.installed: setup.py pyproject.toml megatron/data/helpers.cpp megatron/planner/dynapipe/partition.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,18 @@ PARITY := -m "parity and not slow"
 test-variants: venv
 	ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=2 $(PY) -m pytest -q $(PARITY) tests
 	MEGATRON_NO_FUSED_KERNELS=1 $(PY) -m pytest -q $(PARITY) tests
+
+# One command for a GPU box (benchmarks/gpu_check.py; under 8 minutes on one CUDA device): the
+# cuda-marked tests, bench_gpu.py's step rows, bench_kernels.py's attention rows and a flash-attention
+# cost table, into docs/gpu_check.{json,md}. It uses the Python that has CUDA torch (GPU_PYTHON, default
+# the venv's if there is one, else python3): a GPU image brings its own torch, and `make venv` would
+# fetch another. gpu-check-cpu is its CPU form (CI runs it): small sizes, CUDA-only parts skipped.
+GPU_PYTHON ?= $(shell test -x $(PY) && echo $(PY) || echo $(PYTHON))
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py
+
+gpu-check-cpu:
+	$(GPU_PYTHON) benchmarks/gpu_check.py --cpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info megatron/data/*.so megatron/fused_kernels/build
