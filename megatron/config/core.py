@@ -342,7 +342,13 @@ class TrainingConfig:
 
     @property
     def params_dtype_name(self) -> str:
-        return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
+        """What activations cross the pipeline in: the 16-bit type under --fp16/--bf16, else the
+        parameters' dtype, torch's default: float32, or float64 where a caller set it (the parity
+        tests do, so that no summation order can reach their bounds: tests/parity_utils.py)."""
+        if self.bf16 or self.fp16:
+            return "bfloat16" if self.bf16 else "float16"
+        import torch  # only here: the rest of the configuration stays importable without torch
+        return "float64" if torch.get_default_dtype() == torch.float64 else "float32"
 
 
 @dataclass

@@ -381,6 +381,9 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   grad_compress_epilogue_only=cfg.compression.inter_grad_comp_epilogue_only,
                   sequence_parallel=m.sequence_parallel, num_attention_heads=m.num_attention_heads,
                   packed_rows=d.dynapipe_packed_rows,
+                  # --recompute-granularity with --dynapipe: plan only that level, never drop it
+                  **({"recompute_levels": (cfg.training.recompute_granularity,)}
+                     if cfg.training.recompute_granularity else {}),
                   # --terapipe: cut micro-batches into token slices (-1: the planner decides)
                   token_slices=(-1 if cfg.terapipe.slices.strip() == "auto" else int(cfg.terapipe.slices))
                   if cfg.terapipe.enabled else 0,
