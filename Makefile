@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 4
 
-.PHONY: venv demo test test-variants lint bench clean
+.PHONY: venv demo test test-variants lint gpu-check gpu-check-cpu bench clean
 
 $(VENV)/.installed: setup.py pyproject.toml megatron/data/helpers.cpp megatron/planner/dynapipe/partition.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,13 +29,34 @@ test: venv
 	$(PY) -m megatron.fused_kernels --allow-fallback
 	$(PY) -m pytest -q tests
 
-# The parity tests again under the CPU code paths another machine may take: the portable
-# (non-AVX) kernels with two OpenMP threads, then PyTorch's ops instead of the fused kernels.
-# Their tolerances are derived (tests/parity_utils.py), so they must hold on every path.
+# The parity tests again under the CPU code paths another machine may take: every
+# ATEN_CPU_CAPABILITY this CPU can run (tools/cpu_capabilities.sh: default, avx2, avx512; the
+# portable one with two OpenMP threads), then PyTorch's ops instead of the fused kernels. They run
+# in float64 with bounds no summation order can reach (tests/parity_utils.py), so they must hold
+# on every path; a capability the CPU lacks is skipped (forcing it would crash, not test).
+# CAPS=--skip-native leaves out the capability `make test` just ran (.ci/run does).
 PARITY := -m "parity and not slow"
+CAPS ?=
 test-variants: venv
-	ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=2 $(PY) -m pytest -q $(PARITY) tests
+	@set -e; for cap in $$(sh tools/cpu_capabilities.sh $(CAPS)); do \
+	  echo "== parity tests, ATEN_CPU_CAPABILITY=$$cap"; \
+	  if [ "$$cap" = default ]; then threads=2; else threads=$${OMP_NUM_THREADS:-1}; fi; \
+	  ATEN_CPU_CAPABILITY=$$cap OMP_NUM_THREADS=$$threads $(PY) -m pytest -q $(PARITY) tests; \
+	done
+	@echo "== parity tests, MEGATRON_NO_FUSED_KERNELS=1"
 	MEGATRON_NO_FUSED_KERNELS=1 $(PY) -m pytest -q $(PARITY) tests
+
+# One command for a GPU box (benchmarks/gpu_check.py; under 8 minutes on one CUDA device): the
+# cuda-marked tests, bench_gpu.py's step rows, bench_kernels.py's attention rows and a flash-attention
+# cost table, into docs/gpu_check.{json,md}. It uses the Python that has CUDA torch (GPU_PYTHON, default
+# the venv's if there is one, else python3): a GPU image brings its own torch, and `make venv` would
+# fetch another. gpu-check-cpu is its CPU form (CI runs it): small sizes, CUDA-only parts skipped.
+GPU_PYTHON ?= $(shell test -x $(PY) && echo $(PY) || echo $(PYTHON))
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py
+
+gpu-check-cpu:
+	$(GPU_PYTHON) benchmarks/gpu_check.py --cpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info megatron/data/*.so megatron/fused_kernels/build

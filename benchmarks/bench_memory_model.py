@@ -14,7 +14,8 @@ backward ms (the cost model's times on this machine; a shared CPU adds noise).
 Shapes off the profiled grid (sequence 96, 192, 384 on a 16..512 grid) test the interpolation;
 `--hidden` other than the table's profiles a small table for that width first (in-process,
 about a minute each). Aceso rows come from `megatron.aceso.memory_check.aceso_rows` when that
-module exists.
+module exists: kept bytes (`error`) and the stage peak over forward + backward (`peak_error`) of
+one GPT layer per recompute set the search can emit (`--models ""` prints only them).
 
     python benchmarks/bench_memory_model.py                       # shipped CPU tables, GPT + T5
     python benchmarks/bench_memory_model.py --hidden 64,128 --quick

@@ -2,10 +2,8 @@
 unpadded) parameters and gradients so layouts can be compared with the single-process run."""
 from __future__ import annotations
 
-import math
 import re
 
-import pytest
 import torch
 
 from megatron.config.core import (CheckpointConfig, DataConfig, LoggingConfig, MegatronConfig, ModelConfig,
@@ -124,74 +122,86 @@ def train_and_record(trainer, world: int, get=None, steps_with_grads=None, each_
 
 
 def tolerance_inputs(cfg) -> dict:
-    """What the derived tolerances need to know of a run: tokens reduced per step, lr, Adam eps."""
+    """What the float32 bound needs to know of a run (see below): the longest reduction (tokens
+    summed per step, the FFN width, the padded vocabulary, a key sequence) and the number of
+    reductions chained from the loss to a gradient."""
     m = cfg.model
-    seq = m.encoder_seq_length + m.decoder_seq_length if m.model_type == "t5" else m.seq_length
-    return {"tokens": cfg.training.global_batch_size * seq, "lr": cfg.training.lr, "eps": cfg.training.adam_eps}
+    t5 = m.model_type == "t5"
+    seq = m.encoder_seq_length + m.decoder_seq_length if t5 else m.seq_length
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    vocab = -(-m.vocab_size // m.make_vocab_size_divisible_by) * m.make_vocab_size_divisible_by
+    layers = (m.encoder_num_layers or m.num_layers) + (m.decoder_num_layers or m.num_layers) if t5 else m.num_layers
+    depth = 4 * layers + 4 + (2 * (m.decoder_num_layers or m.num_layers) if t5 else 0)  # + cross-attention
+    return {"reduce_len": max(cfg.training.global_batch_size * seq, ffn, vocab, seq, m.hidden_size),
+            "depth": depth, "lr": cfg.training.lr, "eps": cfg.training.adam_eps}
 
 
 # -- tolerances ------------------------------------------------------------------------------
-# Parity claims are exact mathematics computed in floating point, so every tolerance below is
-# derived from the dtype's unit roundoff u, the number of terms a reduction sums, the magnitude
-# compared and the number of optimizer steps. Nothing is tuned to pass on one CPU.
+# Why parity runs in float64, and why its bounds hold on every CPU.
 #
-# 1. Gradients (one backward). Two layouts sum the same products in other orders (TP splits,
-#    micro-batches, fused vs unfused kernels, AVX-512 vs AVX2 vector widths, thread counts).
-#    With n tokens reduced, the rounding error of an element is about u * sqrt(n) * (sum of
-#    |terms|), and the largest element of the tensor bounds that sum's scale. So, per tensor,
-#        atol_g = C_G * u * sqrt(n) * max|g_ref|,   C_G = 16 (depth and chain-rule slack).
-# 2. Parameters after k AdamW steps. Adam is scale-invariant: an element's update is
-#    lr * m_hat / sqrt(v_hat), which depends on the *relative* error of its gradient, not the
-#    absolute one. An element whose gradient is near the rounding noise (e.g. a key bias,
-#    mathematically zero under softmax's shift invariance, or a weight whose sum cancels) can
-#    move by anything up to ~lr per step in either run. That is what made a 2e-5 absolute
-#    tolerance fail on an AVX-512 machine. Per element i, per step t:
-#        |dp_i,t| <= lr * min(2.2, 2 * sqrt(t) * max_{s<=t} atol_g,s / (max_{s<=t} |g_s,i| + eps))
-#    (sqrt(v_hat) >= max_s |g_s| / sqrt(t); 2.2 bounds the difference of two updates whose
-#    magnitude m_hat/sqrt(v_hat) is at most ~1.1 in the first steps), plus C_P * u * |p| per step
-#    for the update arithmetic itself. The bound is summed over the steps taken, using the
-#    reference run's own gradients, so an element with a healthy gradient is held to ~1e-9 while
-#    only noise-level elements get the ~lr slack that Adam truly allows.
-# 3. Losses: forward roundoff C_G * u * sqrt(n) * |L| plus the first-order effect of the
-#    parameter bound, sum_i |g_i,t| * bound_i,t-1.
-# Grad norms after the first step also feel the Hessian times the parameter difference, which
-# is not known here: they keep a relative 1e-4, checked only where the gradients are.
-# 4. Exact (full-rank) low-rank compression (tests/compression/lossless.py) rounds once more:
-#    a gradient that crosses a compressed message is rebuilt as P Q^T, a sum of r products, so
-#    its error is that of one more reduction: `codec_roundings=1` doubles C_G.
+# Two layouts compute the same mathematics with the same roundings per operation but sum in
+# other orders (TP splits, micro-batches, fused vs unfused kernels, AVX-512 vs AVX2 vector widths,
+# MKL/oneDNN blocking, thread counts). In float32 the resulting gradient noise (~1e-9 on an
+# element whose exact gradient is 0, e.g. a key bias under softmax's shift invariance) is the size
+# of AdamW's eps (1e-8), so Adam turns it into an O(lr) move whose sign is the noise's, and a
+# parameter bound after k steps must either admit ~lr (and see nothing) or guess how large a given
+# CPU's noise is (the "derived" bounds did, with fitted slack constants, and an AMD EPYC with
+# AVX-512 crossed them by 1.4x).
+#
+# In float64 the unit roundoff is u = 2^-53 ~ 1.1e-16, 2^29 ~ 5e8 times smaller, and:
+#  * every difference between layouts is first order in u: a length-n sum in ANY order errs by at
+#    most gamma_n * sum|terms|, gamma_n = n u / (1 - n u) (Higham, Accuracy and Stability, 2nd
+#    ed., eq. 4.4), so reordering changes a result by at most ~1e-12 * sum|terms| for n <= 10^4;
+#  * noise-level gradients are ~1e-17, far below eps, where Adam's update lr*m/(sqrt(v)+eps) is
+#    linear in the gradient with slope <= lr/eps = 1e5: such an element moves by <= 1e-12, so
+#    Adam no longer amplifies noise into an lr-sized move;
+#  * the largest difference any fp32 run showed on any CPU tried (~1.1e-6 on a parameter after 3
+#    steps, amplification included) scaled by 2^-29 is ~2e-15.
+# A fixed bound RTOL_64 = 1e-9 (relative to each quantity's scale) therefore holds with about
+# six orders of magnitude to spare, whatever order a CPU sums in; a changed summation order can
+# move a result by a factor of at most sqrt(n) ~ 100 against the typical case. It stays far
+# below any real defect: a dropped micro-batch, a missing 1/DP, a stale parameter or a wrong
+# learning rate (a 0.01% change is caught: tests/test_parity_utils.py) moves results by >= 1e-7.
+# Scales: step-1 gradients by the largest |gradient| of the step over all tensors (an exactly-zero
+# gradient's noise is relative to its terms, not to its own value); parameters absolutely (they
+# are O(0.02..1)); losses and grad norms relatively.
+#
+# FP32 (tests marked `fp32`: the float32 path itself). Only what has a proved bound is compared:
+# the first step's loss, grad norm and gradients, with the worst-case (order-independent) bound
+# of D chained reductions of at most N terms each, D * gamma_N relative to the step's gradient
+# scale (N: the longest reduction, D: 4 per layer and 4 for embedding, final norm and loss).
+# Parameters after Adam steps are not compared in float32: no bound independent of the CPU exists
+# there (see above), and the float64 tests cover them.
+#
+# Exact (full-rank) low-rank compression (tests/compression/lossless.py) rounds once more: a
+# gradient that crosses a compressed message is rebuilt as P Q^T from a QR in the run's dtype;
+# `codec_roundings` adds one more chained reduction per rounding to the fp32 bound.
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
-C_G, C_P, ADAM_CAP = 16.0, 4.0, 2.2
+RTOL_64 = 1e-9
 
 
-def grad_atol(ref: torch.Tensor, tokens: int, dtype=torch.float32, codec_roundings: int = 0) -> float:
-    return (1 + codec_roundings) * C_G * UNIT_ROUNDOFF[dtype] * math.sqrt(tokens) * float(ref.abs().max()) if ref.numel() else 0.0
+def gamma(n: int, dtype=torch.float32) -> float:
+    """Worst-case relative error of a length-n sum in any order (Higham's gamma_n)."""
+    nu = n * UNIT_ROUNDOFF[dtype]
+    assert nu < 0.5, f"gamma_{n} is meaningless in {dtype}"
+    return nu / (1 - nu)
 
 
-def adam_param_bounds(grad_history: list, params: dict, lr: float, tokens: int, eps: float = 1e-8,
-                      dtype=torch.float32, codec_roundings: int = 0) -> tuple:
-    """Per-element bounds on |p_layout - p_ref| after len(grad_history) steps (formula 2 above),
-    and the bound on each step's loss (formula 3). `grad_history[t]` maps a full (assembled)
-    parameter name to the reference's gradient after step t+1; `params` maps it to the
-    reference's final parameters."""
-    u = UNIT_ROUNDOFF[dtype]
-    bounds = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
-    run_max_g = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
-    run_max_atol = {n: 0.0 for n in params}
-    loss_slack = []
-    for t, grads in enumerate(grad_history, start=1):
-        slack = 0.0
-        for n, p in params.items():
-            g = grads.get(n)
-            if g is None:
-                continue
-            g = g.to(torch.float64)
-            slack += float((g.abs() * bounds[n]).sum())  # this step's loss feels the earlier drift
-            run_max_g[n] = torch.maximum(run_max_g[n], g.abs())
-            run_max_atol[n] = max(run_max_atol[n], grad_atol(g, tokens, dtype, codec_roundings))
-            ratio = 2 * math.sqrt(t) * run_max_atol[n] / (run_max_g[n] + eps)
-            bounds[n] += lr * ratio.clamp(max=ADAM_CAP) + C_P * u * p.abs().to(torch.float64)
-        loss_slack.append(slack)
-    return bounds, loss_slack
+def fp32_rtol(cfg_or_out: dict, codec_roundings: int = 0) -> float:
+    """D * gamma_N for the float32 comparisons (see above), from a result's `reduce_len`/`depth`."""
+    return (cfg_or_out["depth"] + codec_roundings) * gamma(cfg_or_out["reduce_len"])
+
+
+def run_dtype(outs: list) -> torch.dtype:
+    """The dtype the runs trained in: that of their parameters."""
+    for o in outs:
+        for t, _, _ in o["params"].values():
+            return t.dtype
+    raise AssertionError("no parameters recorded")
+
+
+def _step_scale(grads: dict) -> float:
+    return max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
 
 
 def assert_within(got: torch.Tensor, want: torch.Tensor, bound, what: str):
@@ -199,38 +209,71 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, bound, what: str):
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     diff = (got.to(torch.float64) - want.to(torch.float64)).abs()
     bound = torch.as_tensor(bound, dtype=torch.float64).expand_as(diff)
+    _record_margin(what, diff, bound)
     over = diff > bound
     if bool(over.any()):
         i = int(torch.argmax((diff - bound).flatten()))
-        raise AssertionError(f"{what}: {int(over.sum())} of {diff.numel()} elements beyond the derived bound; "
+        raise AssertionError(f"{what}: {int(over.sum())} of {diff.numel()} elements beyond the bound; "
                              f"worst at flat index {i}: |diff| {float(diff.flatten()[i]):.3e} > "
                              f"bound {float(bound.flatten()[i]):.3e} (want {float(want.flatten()[i]):.6e})")
 
 
+_MARGINS: list = []
+
+
+def _record_margin(what: str, diff: torch.Tensor, bound: torch.Tensor) -> None:
+    # PARITY_MARGINS=<file>: append the worst diff/bound ratio of each assertion (how much room
+    # the bounds leave; reported in docs/parity.md). Off by default.
+    import os
+    path = os.environ.get("PARITY_MARGINS")
+    if not path or not diff.numel():
+        return
+    ratio = diff / bound.clamp_min(1e-300)
+    i = int(torch.argmax(ratio.flatten()))
+    import json
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+    with open(path, "a") as f:
+        f.write(json.dumps({"test": test, "what": what, "ratio": float(ratio.flatten()[i]),
+                            "diff": float(diff.flatten()[i]), "bound": float(bound.flatten()[i])}) + "\n")
+
+
+def _assert_scalar(got: float, want: float, bound: float, what: str) -> None:
+    assert_within(torch.tensor([got]), torch.tensor([want]), bound, what)
+
+
 def assert_parity(ref_outs: list, outs: list, assemble_fn=None, compare_grads: bool = True, codec_roundings: int = 0):
     """Compare per-rank results of a layout with the reference (both lists of dicts with 'loss',
-    'grad_norm', 'grads' (per-step shard dicts), 'params', 'is_last') with the bounds above
-    (`codec_roundings`: formula 4)."""
+    'grad_norm', 'grads' (per-step shard dicts), 'params', 'is_last') with the bounds above. Both
+    must have trained in the same dtype; float64 compares every step and the final parameters,
+    float32 the first step only (`codec_roundings`: extra roundings of a lossless codec)."""
     assemble_fn = assemble_fn or assemble
     last = lambda rs: [o for o in rs if o["is_last"]][0]  # noqa: E731
     ref, got = last(ref_outs), last(outs)
-    tokens, lr, eps = ref["tokens"], ref["lr"], ref["eps"]
+    dtype = run_dtype(ref_outs)
+    assert run_dtype(outs) == dtype, f"the layout trained in {run_dtype(outs)}, the reference in {dtype}"
     steps = len(ref["loss"])
-    history = [assemble_fn([o["grads"][t] for o in ref_outs]) for t in range(len(ref_outs[0]["grads"]))]
-    ref_p, got_p = assemble_fn([o["params"] for o in ref_outs]), assemble_fn([o["params"] for o in outs])
-    assert set(got_p) == set(ref_p)
-    assert len(history) == steps, f"the reference must record gradients of all {steps} steps"
-    bounds, loss_slack = adam_param_bounds(history, ref_p, lr, tokens, eps, codec_roundings=codec_roundings)
-    u = UNIT_ROUNDOFF[torch.float32] * (1 + codec_roundings)
-    for t, (lg, lr_) in enumerate(zip(got["loss"], ref["loss"])):
-        assert abs(lg - lr_) <= C_G * u * math.sqrt(tokens) * abs(lr_) + loss_slack[t] + 1e-12, \
-            f"loss at step {t + 1}: {lg!r} vs {lr_!r} (bound {C_G * u * math.sqrt(tokens) * abs(lr_) + loss_slack[t]:.3e})"
-    assert got["grad_norm"][0] == pytest.approx(ref["grad_norm"][0], rel=C_G * u * math.sqrt(tokens) + 1e-7)
-    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    assert len(got["loss"]) == steps, f"{len(got['loss'])} steps against the reference's {steps}"
+    ref_g1 = assemble_fn([o["grads"][0] for o in ref_outs]) if ref_outs[0]["grads"] else None
+    if dtype == torch.float64:
+        rtol = RTOL_64
+        loss_steps, norm_steps = range(steps), range(steps)
+    else:
+        rtol = fp32_rtol(ref, codec_roundings)
+        loss_steps, norm_steps = range(1), range(1)
+    for t in loss_steps:
+        _assert_scalar(got["loss"][t], ref["loss"][t], rtol * abs(ref["loss"][t]), f"loss at step {t + 1}")
+    for t in norm_steps:
+        _assert_scalar(got["grad_norm"][t], ref["grad_norm"][t], rtol * abs(ref["grad_norm"][t]),
+                       f"grad norm at step {t + 1}")
     if compare_grads and outs[0]["grads"]:
+        assert ref_g1 is not None, "the reference must record its step-1 gradients"
         got_g = assemble_fn([o["grads"][0] for o in outs])
-        assert set(got_g) == set(history[0])
-        for name, g in history[0].items():
-            assert_within(got_g[name], g, grad_atol(g, tokens, codec_roundings=codec_roundings), f"step-1 grad {name}")
-    for name, p in ref_p.items():
-        assert_within(got_p[name], p, bounds[name], f"param {name} after {steps} steps")
+        assert set(got_g) == set(ref_g1)
+        scale = _step_scale(ref_g1)
+        for name, g in ref_g1.items():
+            assert_within(got_g[name], g, rtol * scale, f"step-1 grad {name}")
+    if dtype == torch.float64:
+        ref_p, got_p = assemble_fn([o["params"] for o in ref_outs]), assemble_fn([o["params"] for o in outs])
+        assert set(got_p) == set(ref_p)
+        for name, p in ref_p.items():
+            assert_within(got_p[name], p, RTOL_64, f"param {name} after {steps} steps")

@@ -8,6 +8,7 @@ from tests.dist_harness import run_distributed
 from tests.parity_utils import assert_parity, run_layout
 
 pytestmark = pytest.mark.parity
+TIMEOUT = 300.0  # a loaded 2-core machine: PP4 runs 4 ranks on 2 cores
 
 
 def _exact(a_outs, b_outs):
@@ -29,6 +30,23 @@ CASES = {
     "tp2_pp2_zb-h1": (4, dict(tp=2, pp=2)),
 }
 
+# What else runs inside the split: recompute (each walk replays the checkpointed segments, dropout
+# masks included), sequence parallelism (its collectives run in both walks), fp16 loss scaling.
+COMPOSED = {
+    "pp2_full_recompute_dropout_zb-h1": (2, dict(pp=2, recompute="full", dropout=0.2)),
+    "tp2_pp2_sequence_parallel_zb-h1": (4, dict(tp=2, pp=2, arch=dict(sequence_parallel=True))),
+    "pp2_fp16_zb-h2": (2, dict(pp=2, fp16=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSED))
+def test_zero_bubble_composes_and_stays_bitwise_1f1b(name):
+    world, kwargs = COMPOSED[name]
+    schedule = name.split("_")[-1]
+    ref = run_distributed(run_layout, world, kwargs, timeout_s=TIMEOUT)
+    got = run_distributed(run_layout, world, dict(kwargs, schedule=schedule), timeout_s=TIMEOUT)
+    _exact(ref, got)
+
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_zb_v_matches_single_process(pp):
@@ -36,9 +54,9 @@ def test_zb_v_matches_single_process(pp):
     # passes), so its sums run in another order than 1F1B's: parity bounds, not bit equality.
     layers = 2 * pp
     single = run_distributed(run_layout, 1, dict(layers=layers))
-    got = run_distributed(run_layout, pp, dict(pp=pp, layers=layers, schedule="zb-v"))
+    got = run_distributed(run_layout, pp, dict(pp=pp, layers=layers, schedule="zb-v"), timeout_s=TIMEOUT)
     assert_parity(single, got)
-    ref = run_distributed(run_layout, pp, dict(pp=pp, layers=layers))
+    ref = run_distributed(run_layout, pp, dict(pp=pp, layers=layers), timeout_s=TIMEOUT)
     assert_parity(ref, got)
 
 
@@ -46,8 +64,8 @@ def test_zb_v_matches_single_process(pp):
 def test_zero_bubble_matches_1f1b_exactly(name):
     world, kwargs = CASES[name]
     schedule = name.split("_")[-1]
-    ref = run_distributed(run_layout, world, kwargs)
-    got = run_distributed(run_layout, world, dict(kwargs, schedule=schedule))
+    ref = run_distributed(run_layout, world, kwargs, timeout_s=TIMEOUT)
+    got = run_distributed(run_layout, world, dict(kwargs, schedule=schedule), timeout_s=TIMEOUT)
     _exact(ref, got)
     single = run_distributed(run_layout, 1, {})
     assert_parity(single, got)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import json
 import math
 import os
 import re
@@ -86,6 +87,26 @@ def _numbers(fields, path, row) -> List[float]:
     if not all(math.isfinite(v) and v >= 0 for v in vals):
         raise ValueError(f"{path}: row {row!r} holds a negative, infinite or NaN value")
     return vals
+
+
+def profile_meta_path(root: str, model: str, size: str) -> str:
+    return os.path.join(root, f"{model}_{size}_profile.json")
+
+
+def read_profile_meta(root: str, model: str, size: str) -> dict:
+    """What wrote a model's tables (absent for the published ones): ``{"reserved_columns":
+    "working_set"}`` says ``fwd_reserved`` / ``bwd_reserved`` are measured working sets."""
+    path = profile_meta_path(root, model, size)
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        try:
+            meta = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path}: not JSON ({e}); delete it or re-profile") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return meta
 
 
 def write_op_csv(path: str, rows: List[OpRow]) -> None:
@@ -182,6 +203,9 @@ class OpDatabase:
         self.algos = sorted({k[2] for k in self.tables})
         self.p2p_intra = _read_p2p(os.path.join(root, "p2p_intra_node.csv"))
         self.p2p_inter = _read_p2p(os.path.join(root, "p2p_inter_node.csv"))
+        # True when the reserve columns hold per-op working sets measured by our profiler
+        # (megatron/aceso/profiler.py), not allocator reserves as in the published tables
+        self.working_set = read_profile_meta(root, model, size).get("reserved_columns") == "working_set"
 
     # ---- operators
     def has(self, mbs: int, tp: int, algo: int = 0) -> bool:

@@ -36,6 +36,24 @@ Memory per device (MB)::
 a run of recomputed ops inside one layer keeps only the run's input. ``peak_recompute`` = the
 largest run's activations (rebuilt during backward). ``reserved`` = max allocator reserve of
 the stage's ops.
+
+That last pair is Aceso's rule for its published tables, whose reserve columns are allocator
+numbers. Tables from our own profiler (``OpDatabase.working_set``) hold instead each op's
+measured working set (``fwd_reserved`` / ``bwd_reserved``: memory it needs while it runs
+beyond what is live around it), and the pair becomes the position-aware peak of the
+micro-batch in flight::
+
+    peak = max over ops k of the stage of
+             bwd_ws_k + rebuilt_k - kept_after_k        (backward of op k)
+             fwd_ws_k - kept_from_k                      (forward of op k)
+             + residual_k
+           + 2 * out_last
+
+``rebuilt_k``: the activations of k's recompute run up to k (rebuilt, not yet freed);
+``kept_after_k``: what ops after k keep (already freed when k's backward runs); ``out_last``:
+the stage output and its gradient; ``residual_k``: the residual stream's gradient where it is
+a tensor of its own (before a layer's last residual add, or in any but the stage's last layer). Backward of the attention core with the MLP's activations freed, not the
+sum of the largest run and the largest working set, is where a layer peaks.
 """
 from __future__ import annotations
 
@@ -204,6 +222,8 @@ class _Arrays:
         self.inp = [x.input_mb for x in r]
         self.out = [x.output_mb for x in r]
         self.res = [max(x.fwd_reserved_mb, x.bwd_reserved_mb) for x in r]
+        self.fws = [x.fwd_reserved_mb for x in r]
+        self.bws = [x.bwd_reserved_mb for x in r]
         self.pf = _prefix(self.fwd)
         self.pb = _prefix(self.bwd)
         self.pa = _prefix(self.act)
@@ -227,6 +247,8 @@ class PerfModel:
         self.memory_limit_mb = memory_limit_mb
         self.gpus_per_node = gpus_per_node
         self.include_allreduce = include_allreduce
+        # our profiler's tables measure each op's working set; published ones an allocator reserve
+        self.working_set = getattr(db, "working_set", False)
         self.ops = build_op_list(db.op_names, spec.layers)
         self.layer_of = [o.layer for o in self.ops]
         self._arrays: Dict[Tuple[int, int, int], _Arrays] = {}
@@ -264,6 +286,8 @@ class PerfModel:
     def _stage_terms(self, a: _Arrays, st: Stage) -> Tuple[float, float, float]:
         """(activations kept, recompute peak, recompute ms) per micro-batch; cached, as the
         search prices the same stage in many plans."""
+        if self.working_set:
+            return self._working_set_terms(a, st)
         kept = a.pa[st.end] - a.pa[st.start]
         if not st.recompute or not any(st.recompute):
             return kept, 0.0, 0.0
@@ -308,8 +332,75 @@ class PerfModel:
             delta += a.inp[i0 + k]
         return delta, peak, rec
 
+    def _working_set_terms(self, a: _Arrays, st: Stage) -> Tuple[float, float, float]:
+        """(activations kept, working peak above them, recompute ms) of the micro-batch in
+        flight, from measured per-op working sets (see the module docstring)."""
+        skey = (a.key, st.start, st.end, st.recompute)
+        hit = self._stage_cache.get(skey)
+        if hit is not None:
+            return hit
+        ends, flags = self._group_end, st.flags()
+        groups = []
+        i = st.start
+        while i < st.end:
+            j = min(ends[i], st.end)
+            f = flags[i - st.start:j - st.start]
+            key = ("ws", a.key, self.ops[i].row, j - i, f, self.layer_of[i] >= 0, j == st.end)
+            hit = self._layer_terms.get(key)
+            if hit is None:
+                hit = self._layer_terms[key] = self._layer_working_set(a, i, j, f, j == st.end)
+            groups.append(hit)
+            i = j
+        kept = rec = 0.0
+        peak = float("-inf")
+        for g_kept, g_peak, g_rec in reversed(groups):  # later groups are freed first
+            peak = max(peak, g_peak - kept)
+            kept += g_kept
+            rec += g_rec
+        peak = max(0.0, peak + 2.0 * a.out[st.end - 1])
+        out = self._stage_cache[skey] = (kept, peak, rec)
+        return out
+
+    def _layer_working_set(self, a: _Arrays, i0: int, i1: int, flags, last: bool) -> Tuple[float, float, float]:
+        """(kept, peak above the group's own kept, recompute ms) of ops [i0, i1) of one layer
+        (or one head/tail op group); ``last``: the stage ends with it."""
+        n = i1 - i0
+        names = [self.db.op_names[o.row] for o in self.ops[i0:i1]]
+        # the residual stream's gradient: a tensor of its own beside each op before the
+        # layer's last residual add; after it, in the stage's last group, it is the stage's
+        # incoming gradient itself (counted with the output)
+        resid = [0.0] * n
+        if self.layer_of[i0] >= 0:
+            adds = [k for k, nm in enumerate(names) if "post-" in nm and nm.endswith("-dropout")]
+            upto = n if not last else (adds[-1] if adds else 0)
+            for k in range(upto):
+                resid[k] = a.inp[i0]
+        keep = [0.0 if flags[k] else a.act[i0 + k] for k in range(n)]
+        rebuilt = [0.0] * n
+        for lo, hi in contiguous_runs(flags):
+            keep[lo] += a.inp[i0 + lo]   # a checkpoint segment keeps its input
+            # rebuilt: the run's saved tensors again, less its input (kept already) where the
+            # first op saves it
+            acc = -min(a.act[i0 + lo], a.inp[i0 + lo])
+            for k in range(lo, hi):
+                acc += a.act[i0 + k]
+                rebuilt[k] = acc
+        if any(flags) and self.layer_of[i0] >= 0:
+            for k in residual_inputs_kept(names, flags):
+                keep[k] += a.inp[i0 + k]
+        total = sum(keep)
+        peak = float("-inf")
+        after = 0.0
+        for k in range(n - 1, -1, -1):
+            peak = max(peak, a.bws[i0 + k] + rebuilt[k] - after + resid[k], a.fws[i0 + k] - after - keep[k])
+            after += keep[k]
+        rec = sum(a.fwd[i0 + k] for k in range(n) if flags[k])
+        return total, peak, rec
+
     def _reserved(self, a: _Arrays, start: int, end: int) -> float:
         """Largest allocator reserve of ops [start, end) (cached: O(ops) per stage otherwise)."""
+        if self.working_set:
+            return 0.0  # the working sets are in the peak term
         key = (a.key, start, end)
         r = self._res_cache.get(key)
         if r is None:

@@ -23,11 +23,16 @@ inputs they get inside the layer), so a row prices the code op-level recompute c
 Per operator: forward and backward time (median of ``repeats`` runs after one warm-up, µs),
 input / output size, weights, and activations = the bytes autograd saves for backward
 (parameters excluded, each storage counted once), all in MB. ``fwd_reserved`` /
-``bwd_reserved`` are 0: the CPU allocator has no caching reserve to measure. Only TP = 1 is
-profiled (one process); collective and p2p tables are not measured here.
+``bwd_reserved`` hold the operator's working set in its forward / backward
+(``saved_memory.measure_working_set``: new storages beyond what is live around it, the
+incoming and outgoing gradients and temporaries included), which the performance model places
+op by op to price a stage's peak; ``<model>_<size>_profile.json`` says so (published tables
+hold allocator reserves there instead). Only TP = 1 is profiled (one process); collective and
+p2p tables are not measured here.
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -36,11 +41,12 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron.aceso.db import OpRow, write_op_csv
+from megatron.aceso.db import OpRow, profile_meta_path, write_op_csv
 from megatron.config.core import ModelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.random import model_parallel_seed
+from megatron.profiling.saved_memory import measure_working_set
 
 MB = 1024.0 * 1024.0
 
@@ -165,8 +171,12 @@ def profile_operator(fn, make_inputs, params, repeats: int) -> OpRow:
         for p in params:
             p.grad = None
     bwd_us = statistics.median(bwd_times[1:]) * 1e6
+    ws = measure_working_set(fn, make_inputs, params=params)
+    for p in params:
+        p.grad = None
     return OpRow("", fwd_us, bwd_us, _nbytes(inputs) / MB, _nbytes(out) / MB,
-                 sum(p.numel() * p.element_size() for p in params) / MB, act / MB, 0.0, 0.0)
+                 sum(p.numel() * p.element_size() for p in params) / MB, act / MB,
+                 ws.forward_bytes / MB, ws.backward_bytes / MB)
 
 
 def profile_gpt(cfg: ModelConfig, out_dir: str, *, size: str, mbs_values: Sequence[int] = (1, 2),
@@ -189,6 +199,8 @@ def profile_gpt(cfg: ModelConfig, out_dir: str, *, size: str, mbs_values: Sequen
         path = os.path.join(out_dir, f"gpt_{size}_mbs{m}_tp1_algo0.csv")
         write_op_csv(path, rows)
         paths.append(path)
+    with open(profile_meta_path(out_dir, "gpt", size), "w") as f:
+        json.dump({"profiler": "megatron.aceso.profiler", "device": "cpu", "reserved_columns": "working_set"}, f)
     return paths
 
 

@@ -113,7 +113,7 @@ class PowerSGDReducer:
             # all-reduces); `ms` in the log is that time per compressed matrix.
             for (i, g, m, p, resid), t in zip(mats, true):
                 self.stats.record(self.stage, self.kind, raw_bytes=g.numel() * g.element_size(),
-                                  sent_bytes=4 * p.shape[1] * (m.shape[0] + m.shape[1]),
+                                  sent_bytes=p.element_size() * p.shape[1] * (m.shape[0] + m.shape[1]),
                                   true=t, decoded=matrix_view(g), residual=resid, p=p)
             if mats:
                 self.stats.add_time(self.stage, self.kind, seconds)
@@ -127,7 +127,7 @@ class PowerSGDReducer:
             if g.dim() < 2 or not self._compressible(g.shape[0], g[0].numel()):
                 vectors.append(g)
                 continue
-            m = matrix_view(g).float()
+            m = matrix_view(g).to(torch.promote_types(g.dtype, torch.float32))
             if self.error_feedback:
                 e = self.state.take_error((i,), m.shape)
                 if e is not None:
@@ -140,7 +140,7 @@ class PowerSGDReducer:
         compressed ones missed."""
         if self.stats is None or not mats:
             return []
-        return _flat_all_reduce([matrix_view(g).float().clone() for _, g, _, _, _ in mats], self.dp_group)
+        return _flat_all_reduce([matrix_view(g).to(torch.promote_types(g.dtype, torch.float32)).clone() for _, g, _, _, _ in mats], self.dp_group)
 
     def _reduce(self, grads, iteration):
         vectors, mats = self.split(grads, range(len(grads)))
@@ -164,11 +164,11 @@ class PowerSGDReducer:
         """This rank's M Q (or M Omega) per matrix: the first all-reduce's payload."""
         widths = [self._width(m.shape[0], m.shape[1]) for _, _, m, _, _ in mats]
         if self.method == "RandomizedSVD":
-            starts = [lowrank.initial_q(m.shape[1], w, self.state.seed, ("rsvd", i, iteration)).to(m.device)
+            starts = [lowrank.initial_q(m.shape[1], w, self.state.seed, ("rsvd", i, iteration)).to(m.device, m.dtype)
                       for (i, _, m, _, _), w in zip(mats, widths)]
         else:
             starts = [self.state.q_for((i,), m.shape[1], w, m.device) for (i, _, m, _, _), w in zip(mats, widths)]
-        return [m @ q for (_, _, m, _, _), q in zip(mats, starts)]
+        return [m @ q.to(m.dtype) for (_, _, m, _, _), q in zip(mats, starts)]
 
     def finish_compress(self, mats, flat_p: List[torch.Tensor]) -> int:
         """From the summed P's: orthonormalise, the second all-reduce (Q), write each gradient;
@@ -187,7 +187,7 @@ class PowerSGDReducer:
                 self.state.error[(i,)] = row[4].detach().cpu()
             row[3] = p
             g.copy_(approx.reshape(g.shape).to(g.dtype))
-        return 4 * sum(p.numel() + q.numel() for p, q in zip(ps_, qs))
+        return sum((p.numel() + q.numel()) * p.element_size() for p, q in zip(ps_, qs))
 
     def state_dict(self) -> dict:
         return self.state.state_dict()

@@ -58,7 +58,9 @@ def initial_q(cols: int, rank: int, seed: int, key) -> torch.Tensor:
     """A deterministic random start for Q, the same on every rank and after a restart."""
     # crc32 of the key's text, not hash(): string hashing is salted per process.
     g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(repr(key).encode())) & 0x7FFFFFFFFFFF)
-    return torch.randn(cols, rank, generator=g, dtype=torch.float32)
+    # Drawn in float32, held in the default dtype: a float64 run (the parity tests) starts from
+    # the float32 run's values and keeps its factors in float64.
+    return torch.randn(cols, rank, generator=g, dtype=torch.float32).to(torch.get_default_dtype())
 
 
 def restore_rank(q: torch.Tensor, fresh) -> torch.Tensor:
@@ -71,13 +73,14 @@ def restore_rank(q: torch.Tensor, fresh) -> torch.Tensor:
     of a gradient). Columns the QR finds dependent are replaced by the fixed random start
     (`fresh()`), projected off the columns kept, at the kept columns' scale; a full-rank `q` is
     returned unchanged."""
-    qq, rr = torch.linalg.qr(q.float(), mode="reduced")
+    work = torch.promote_types(q.dtype, torch.float32)
+    qq, rr = torch.linalg.qr(q.to(work), mode="reduced")
     d = rr.diagonal().abs()
     top = float(d.max()) if d.numel() else 0.0
     lost = d <= top * 1e-5 * max(q.shape)
     if top > 0 and not bool(lost.any()):
         return q
-    out = q.float().clone()
+    out = q.to(work).clone()
     r = fresh().to(out)
     kept = qq[:, ~lost]
     r = r - kept @ (kept.t() @ r)
@@ -87,9 +90,10 @@ def restore_rank(q: torch.Tensor, fresh) -> torch.Tensor:
 
 
 def compress(m: torch.Tensor, q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One power step from `q`: returns (P orthonormal, Q = M^T P), both float32."""
-    m = m.float()
-    p = orthonormalize(m @ q.to(m.device))
+    """One power step from `q`: returns (P orthonormal, Q = M^T P), both float32 (float64 for
+    a float64 M)."""
+    m = m.to(torch.promote_types(m.dtype, torch.float32))
+    p = orthonormalize(m @ q.to(m.device, m.dtype))
     return p, m.t() @ p
 
 

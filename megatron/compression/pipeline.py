@@ -124,7 +124,7 @@ class PipelineGradCompressor:
             with timer:
                 r = layout[0][1]
                 key = error_key(stage, idx, t.shape, token_offset) + tuple(piece)
-                m = lowrank.as_matrix(t).float()
+                m = lowrank.as_matrix(t).to(torch.promote_types(t.dtype, torch.float32))
                 if self.lep:
                     e = self.state.take_error(key, m.shape)
                     if e is not None:
@@ -141,8 +141,8 @@ class PipelineGradCompressor:
             out.extend([p.contiguous(), q.contiguous()])
             if self.stats is not None:
                 self.stats.record(stage, "pp_grad", raw_bytes=t.numel() * t.element_size(),
-                                  sent_bytes=4 * (p.numel() + q.numel()), seconds=timer.seconds,
-                                  true=lowrank.as_matrix(t).float(), decoded=lowrank.decompress(p, q),
+                                  sent_bytes=p.element_size() * (p.numel() + q.numel()), seconds=timer.seconds,
+                                  true=lowrank.as_matrix(t).to(p.dtype), decoded=lowrank.decompress(p, q),
                                   residual=residual, p=p)
         return out
 
@@ -179,9 +179,11 @@ class PipelineGradCompressor:
 
 
 def wire_dtypes(shapes: Sequence[Sequence[int]], rank: int, plan_dtype: str) -> List[str]:
-    """Factors travel in float32 (a rank-r factor in bf16 loses most of what it carries)."""
+    """Factors travel in float32 (a rank-r factor in bf16 loses most of what it carries), or in
+    float64 in a float64 run."""
+    factor = "float64" if plan_dtype == "float64" else "float32"
     out: List[str] = []
     for s in shapes:
         layout = tensor_wire_shapes(s, rank)
-        out.extend([plan_dtype] if len(layout) == 1 else ["float32", "float32"])
+        out.extend([plan_dtype] if len(layout) == 1 else [factor, factor])
     return out

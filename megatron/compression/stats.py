@@ -34,8 +34,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def orth_error(p: torch.Tensor) -> torch.Tensor:
-    eye = torch.eye(p.shape[1], device=p.device, dtype=torch.float32)
-    return torch.linalg.matrix_norm(p.float().t() @ p.float() - eye)
+    p = p.to(torch.promote_types(p.dtype, torch.float32))
+    eye = torch.eye(p.shape[1], device=p.device, dtype=p.dtype)
+    return torch.linalg.matrix_norm(p.t() @ p - eye)
 
 
 class Timer:

@@ -59,14 +59,14 @@ class LowRankTPAllReduce:
             return out
         timer = Timer(x.device) if self.stats is not None else contextlib.nullcontext()
         with timer:
-            mf = m.float()
-            p = mf @ self._omega(cols, r, mf.device)
+            mf = m.to(torch.promote_types(m.dtype, torch.float32))
+            p = mf @ self._omega(cols, r, mf.device).to(mf.dtype)
             dist.all_reduce(p, group=group)
             p = lowrank.orthonormalize(p)
             q = mf.t() @ p
             dist.all_reduce(q, group=group)
             out = lowrank.decompress(p, q)
-        sent = 4 * (p.numel() + q.numel())
+        sent = p.element_size() * (p.numel() + q.numel())
         self.sent_bytes += sent
         if self.stats is not None:
             true = mf.clone()

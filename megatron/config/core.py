@@ -342,7 +342,13 @@ class TrainingConfig:
 
     @property
     def params_dtype_name(self) -> str:
-        return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
+        """What activations cross the pipeline in: the 16-bit type under --fp16/--bf16, else the
+        parameters' dtype, torch's default: float32, or float64 where a caller set it (the parity
+        tests do, so that no summation order can reach their bounds: tests/parity_utils.py)."""
+        if self.bf16 or self.fp16:
+            return "bfloat16" if self.bf16 else "float16"
+        import torch  # only here: the rest of the configuration stays importable without torch
+        return "float64" if torch.get_default_dtype() == torch.float64 else "float32"
 
 
 @dataclass
@@ -560,6 +566,9 @@ class MegatronConfig:
                      "--emb-comm-opt syncs tied embeddings: drop --untie-embeddings-and-output-weights or the flag")
         _require(not c.emb_grad_comp or pp > 1, "--emb-grad-comp compresses the first/last-stage embedding sync: it "
                  "needs --pipeline-model-parallel-size > 1")
+        _require(p.pipeline_schedule != "zb-v" or not (c.emb_comm_opt or c.emb_grad_comp),
+                 "--pipeline-schedule zb-v puts the first and the last stage on pipeline rank 0 (one tied embedding "
+                 "weight, nothing to sync): drop --emb-comm-opt/--emb-grad-comp")
         if c.mp_grad_comp or c.mp_acti_comp:
             _require(p.tensor_model_parallel_size > 1 and not self.model.sequence_parallel, "--mp-grad-comp/--mp-acti-"
                      "comp compress tensor-parallel all-reduces: they need --tensor-model-parallel-size > 1 and no "

@@ -28,6 +28,8 @@ def check_schedule_config(cfg) -> None:
                  f"--pipeline-schedule {p.pipeline_schedule} splits the backward, which token slices cannot (their "
                  "key/value gradients flow between the slices' backwards): drop --terapipe or use 1f1b")
     if p.pipeline_schedule == "zb-v":
+        _require(not cfg.data.dynapipe, "--dynapipe plans one stage per pipeline rank: with it use "
+                 "--pipeline-schedule zb-h1 (DynaPipe then places split backwards' weight passes itself)")
         _require(m.model_type == "gpt", "--pipeline-schedule zb-v runs GPT: T5 splits its pipeline at "
                  "--pipeline-model-parallel-split-rank, which a V placement cannot keep; use zb-h1 or zb-h2")
         _require(m.num_layers % (2 * p.pipeline_model_parallel_size) == 0 or p.pipeline_stage_layers is not None,

@@ -17,8 +17,9 @@ from torch import nn
 from megatron.config.core import ModelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import (VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
-                                           gather_from_sequence_parallel_region, get_rng_tracker, init_generator,
+                                           gather_from_sequence_parallel_region, get_rng_tracker,
                                            scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
+from megatron.core.tensor_parallel.layers import init_full
 from megatron.models.cp_attention import build_cp_spec
 from megatron.models.layer_ops import recompute_set, unit_flags
 from megatron.data.packing import packed_attention_mask
@@ -37,8 +38,8 @@ class GPTEmbedding(nn.Module):
                                                       key=WORD_EMBEDDING_KEY, real_vocab_size=cfg.vocab_size)
         self.position_embeddings = None
         if cfg.position_embedding_type == "learned_absolute":
-            pos = torch.empty(cfg.max_position_embeddings, cfg.hidden_size)
-            pos.normal_(0.0, cfg.init_method_std, generator=init_generator(seed, "embedding.position_embeddings"))
+            pos = init_full((cfg.max_position_embeddings, cfg.hidden_size), cfg.init_method_std, seed,
+                            "embedding.position_embeddings")
             self.position_embeddings = nn.Parameter(pos)
         self.dropout = cfg.hidden_dropout
         self.tp_group = ps.tp_group

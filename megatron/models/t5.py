@@ -31,7 +31,8 @@ from torch import nn
 from megatron.config.core import ConfigError, ModelConfig
 from megatron.core.parallel_state import ParallelState, global_rank
 from megatron.core.tensor_parallel import (VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
-                                           init_generator, mark_tensor_parallel, vocab_parallel_cross_entropy)
+                                           mark_tensor_parallel, vocab_parallel_cross_entropy)
+from megatron.core.tensor_parallel.layers import init_full
 from megatron.core.tensor_parallel.mappings import group_rank, group_size
 from megatron.models.gpt import WORD_EMBEDDING_KEY, GPTEmbedding
 from megatron.models.transformer import TransformerBlock, TransformerLayer, build_norm
@@ -70,8 +71,7 @@ class RelativePositionBias(nn.Module):
         heads = cfg.num_attention_heads // tp
         self.bidirectional = bidirectional
         self.num_buckets, self.max_distance = cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance
-        full = torch.empty(self.num_buckets, cfg.num_attention_heads)
-        full.normal_(0.0, cfg.init_method_std, generator=init_generator(seed, key + ".weight"))
+        full = init_full((self.num_buckets, cfg.num_attention_heads), cfg.init_method_std, seed, key + ".weight")
         self.weight = nn.Parameter(full[:, r * heads:(r + 1) * heads].clone())
         mark_tensor_parallel(self.weight, 1)
 

@@ -293,7 +293,7 @@ class PipelineExecutor:
         if getattr(stage, "post_process", False) and not ins.output_buffer_ids:
             losses = outputs[0]
             mask = batch["loss_mask"].to(losses.dtype)
-            loss_sum = (losses.float() * mask).sum()
+            loss_sum = (losses.to(torch.promote_types(losses.dtype, torch.float32)) * mask).sum()
             pair = torch.stack([loss_sum.detach(), mask.sum()]).double()
             acc = self.stats.loss_totals
             self.stats.loss_totals = pair if acc is None else acc + pair

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron.core import heartbeat
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class PipelineCommError(RuntimeError):

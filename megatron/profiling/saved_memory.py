@@ -14,13 +14,19 @@ counted once (views and in-place results share their base's storage):
   activations, output, gradients flowing backward; parameter gradients excluded), sampled at
   every dispatched operator over forward and, with ``backward=True``, backward.
 
+``measure_working_set(fn, make_inputs)`` reports, for one operator, what it needs while it runs
+beyond what is live around it: ``forward_bytes``, the peak of new storages during its forward
+(output, saved tensors, temporaries), and ``backward_bytes``, the peak during its backward
+above what the forward left (incoming gradient, gradient of the input, temporaries, and the
+temporaries of accumulating into existing parameter gradients).
+
 Liveness is tracked with weak references to storages, so no allocator support is needed.
 """
 from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
-from typing import Callable, Iterable, List, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -76,7 +82,8 @@ class _Tracker(TorchDispatchMode):
     def live_bytes(self, exclude=frozenset()) -> int:
         return sum(self.refs[k][1] for k in self.alive if k not in exclude)
 
-    def peak(self, exclude=frozenset()) -> int:
+    def peak(self, exclude=frozenset(), since: int = 0, until: Optional[int] = None) -> int:
+        """Largest live total in ticks (``since``, ``until``], above what was live at ``since``."""
         events = []
         for k, (_, nb, birth, death) in self.refs.items():
             if k in exclude:
@@ -85,11 +92,14 @@ class _Tracker(TorchDispatchMode):
             if death is not None:
                 events.append((death, -nb))
         events.sort(key=lambda e: (e[0], e[1]))  # frees before allocations at the same tick
-        cur = best = 0
-        for _, d in events:
+        cur = best = base = 0
+        for t, d in events:
             cur += d
-            best = max(best, cur)
-        return best
+            if t <= since:
+                base = best = cur
+            elif until is None or t <= until:
+                best = max(best, cur)
+        return best - base
 
 
 def _cdatas(tensors) -> set:
@@ -140,3 +150,38 @@ def measure_saved(fn: Callable, make_inputs: Callable[[], Sequence], *, params: 
         tracker.sweep()
     grads = _cdatas([p.grad for p in params if p.grad is not None])
     return SavedMemory(saved[0], kept, tracker.peak(exclude=grads))
+
+
+@dataclass
+class WorkingSet:
+    forward_bytes: int
+    backward_bytes: int
+
+
+def measure_working_set(fn: Callable, make_inputs: Callable[[], Sequence], *, params: Iterable = (),
+                        grad_output: Callable = torch.ones_like) -> WorkingSet:
+    """Working memory of one operator ``fn(*make_inputs())`` (see the module docstring).
+
+    Parameter gradients are made to exist first (zeros), as they do from the second
+    micro-batch of a step on: the temporaries of accumulating into them are counted, the
+    gradient buffers themselves are not (the weights' share of a stage's memory holds them)."""
+    params = list(params)
+    for p in params:
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    gc.collect()
+    tracker = _Tracker(skip=_cdatas(params) | _cdatas([p.grad for p in params if p.grad is not None]))
+    inputs = list(make_inputs())
+    tracker.track(tree_flatten(inputs)[0])
+    with tracker:
+        tracker.sweep()
+        start = tracker.clock
+        out = fn(*inputs)
+        tracker.sweep()
+        mid = tracker.clock
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outs:  # an op of constants (nothing requires grad) has no backward
+            torch.autograd.backward(outs, [grad_output(t) for t in outs])
+        del out, outs
+        tracker.sweep()
+    return WorkingSet(tracker.peak(since=start, until=mid), tracker.peak(since=mid))

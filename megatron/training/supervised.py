@@ -381,9 +381,15 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   grad_compress_epilogue_only=cfg.compression.inter_grad_comp_epilogue_only,
                   sequence_parallel=m.sequence_parallel, num_attention_heads=m.num_attention_heads,
                   packed_rows=d.dynapipe_packed_rows,
+                  # --recompute-granularity with --dynapipe: plan only that level, never drop it
+                  **({"recompute_levels": (cfg.training.recompute_granularity,)}
+                     if cfg.training.recompute_granularity else {}),
                   # --terapipe: cut micro-batches into token slices (-1: the planner decides)
                   token_slices=(-1 if cfg.terapipe.slices.strip() == "auto" else int(cfg.terapipe.slices))
-                  if cfg.terapipe.enabled else 0)
+                  if cfg.terapipe.enabled else 0,
+                  # --pipeline-schedule zb-h1/zb-h2: DynaPipe may split backwards and place the
+                  # weight-gradient passes into its bubbles (megatron/planner/schedule/zb_search.py)
+                  schedules=("1f1b", "adaptive") + (("zb",) if cfg.parallel.pipeline_schedule.startswith("zb-") else ()))
     if d.dynapipe_packed_rows:  # rows as long as the fixed batches' sequences (T5: both sides)
         common.update(packed_max_len=m.seq_length if m.model_type == "gpt" else m.encoder_seq_length,
                       packed_dec_len=None if m.model_type == "gpt" else m.decoder_seq_length)

@@ -11,13 +11,14 @@ Compression changes the numerics, so each test names the run it must equal:
   samples gives, and the zero-padded, vocabulary-wide buffers of the re-split embedding sync
   give what the fused sync over TP1 stages gives;
 * --emb-comm-opt alone is exact (with the distributed optimizer in test_hetero_grads.py).
-All comparisons use the derived bounds of tests/parity_utils.py."""
+All comparisons use the bounds of tests/parity_utils.py."""
 import pytest
+import torch
 
 from megatron.compression.pipeline import PipelineGradCompressor
 from tests.aceso.test_hetero_grads import DP2_TP2, TP2_DP2, check, hetero_run
 from tests.dist_harness import run_distributed
-from tests.parity_utils import make_trainer, tiny_config, train_and_record
+from tests.parity_utils import make_trainer, run_dtype, tiny_config, train_and_record
 
 pytestmark = pytest.mark.parity
 
@@ -74,10 +75,11 @@ def test_compressed_pieces_between_stages_equal_single_process_with_the_same_cod
         "compression.use_error_feedback": lep, "model.sequence_parallel": sp})
     check(ref, outs)
     sent = outs[0]["comm_bytes"][0]  # whole-job bytes, the same on every rank
-    # 4 micro-batches x 2 rows x 2 TP ranks: rank-2 factors of a 16 x 32 matrix (8 x 32 with SP)
-    tokens = 8 if sp else 16
-    assert sent["pp_grad_raw"] == 4 * 2 * 2 * tokens * 32 * 4
-    assert sent["pp_grad"] == 4 * 2 * 2 * (tokens + 32) * r * 4
+    # 4 micro-batches x 2 rows x 2 TP ranks: rank-2 factors of a 16 x 32 matrix (8 x 32 with SP),
+    # in the run's dtype (float64 under the parity tests: tests/conftest.py)
+    tokens, b = 8 if sp else 16, torch.empty((), dtype=run_dtype(outs)).element_size()
+    assert sent["pp_grad_raw"] == 4 * 2 * 2 * tokens * 32 * b
+    assert sent["pp_grad"] == 4 * 2 * 2 * (tokens + 32) * r * b
 
 
 def _uniform(rank, world, **overrides):

@@ -1,5 +1,7 @@
 """Aceso's activation rule (PerfModel.activation_terms) against what the runtime keeps, for every
-per-layer recompute set the search can emit plus residual / dropout cases: within 5 %.
+per-layer recompute set the search can emit plus residual / dropout cases: within 5 %, for the
+kept bytes and for the stage peak over forward + backward (at hidden 256, sequence 512 the peak
+is predicted 1-3 % high: the backward of the attention core with the MLP's activations freed).
 At hidden 256, sequence 512, micro-batch 1-2 every row is within 1 %; at the small shape of the
 quick test a checkpoint's saved RNG state (5 kB per segment, not in the op tables) costs up to 4 %."""
 import pytest
@@ -15,6 +17,8 @@ def _check(rows, min_settings):
     assert len({r["setting"] for r in rows}) >= min_settings
     bad = [(r["mbs"], r["setting"], r["error"]) for r in rows if abs(r["error"]) > 0.05]
     assert not bad, bad
+    bad = [(r["mbs"], r["setting"], r["peak_error"]) for r in rows if abs(r["peak_error"]) > 0.05]
+    assert not bad, ("stage peak off by more than 5 %", bad)
 
 
 def test_kept_bytes_within_five_percent_small():

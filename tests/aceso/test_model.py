@@ -110,3 +110,39 @@ def test_micro_batch_must_divide_dp(db):
     pm = PerfModel(db, SPEC, memory_limit_mb=1e9)
     with pytest.raises(ValueError, match="divisible by stage DP"):
         pm.predict(Plan("gpt-tiny", 1, 4, [Stage(0, 3, 1, 2), Stage(3, 7, 1, 1)]))
+
+
+def test_working_set_tables_price_the_peak_op_by_op(tmp_path):
+    """Tables marked as holding working sets (our profiler's) get the position-aware peak:
+    max over ops of backward working set + rebuilt run - what later ops kept (+ the residual
+    gradient beside a non-last layer), plus the stage output and its gradient."""
+    import json
+    root = write_synthetic_db(str(tmp_path))
+    with open(os.path.join(root, "gpt_tiny_profile.json"), "w") as f:
+        json.dump({"reserved_columns": "working_set"}, f)
+    db = OpDatabase(root, "gpt", "tiny")
+    assert db.working_set
+    pm = PerfModel(db, SPEC, memory_limit_mb=1e9)
+    a = pm.arrays(1, 1)
+    # no recompute: the last layer's ops peak at 0 above its kept; layer 0's b (+10 residual)
+    # is 70 MB below the last layer's kept; plus 2 x 10 MB output and gradient
+    assert pm.activation_terms(a, Stage(1, 5, 1, 1)) == pytest.approx((140, 20))
+    # layer 1 recomputed: it keeps its input (10); backward of its b rebuilds a's 30 less the
+    # input (kept) + b's 40 = 60
+    st = Stage(1, 5, 1, 1, (0, 0, 1, 1))
+    assert pm.activation_terms(a, st) == pytest.approx((80, 80))
+    c = pm.predict(Plan("gpt-tiny", 1, 4, [st])).stages[0]
+    assert c.recompute_ms == pytest.approx(3) and c.reserved_mb == 0
+    assert c.memory_mb == pytest.approx(8 * 100 + 80 + 80)
+    # the published tables keep Aceso's rule: largest run + largest reserve
+    plain = PerfModel(OpDatabase(write_synthetic_db(str(tmp_path / "plain")), "gpt", "tiny"), SPEC, 1e9)
+    assert not plain.working_set
+    assert plain.activation_terms(plain.arrays(1, 1), st) == pytest.approx((80, 70))
+
+
+def test_a_corrupt_profile_marker_is_named(tmp_path):
+    root = write_synthetic_db(str(tmp_path))
+    with open(os.path.join(root, "gpt_tiny_profile.json"), "w") as f:
+        f.write("{half")
+    with pytest.raises(ValueError, match="gpt_tiny_profile.json: not JSON"):
+        OpDatabase(root, "gpt", "tiny")

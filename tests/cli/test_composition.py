@@ -5,21 +5,18 @@
   below), and every refusal states an impossibility, not a missing feature;
 - the pair smoke run: the accepted pairs without a dedicated test are covered by a few feature
   sets (`composition.smoke_groups`), each trained together for 2 iterations on 4 gloo ranks
-  (finite loss, the same on every last-stage rank). All sets run in one process group, one
-  after another, so the cost is the training, not the launches (~20 s on 2 loaded cores).
+  (finite loss, the same on every last-stage rank, and every feature observably at work:
+  tests/composition_checks.py). All sets run in one process group, one after another, so the
+  cost is the training, not the launches (~20 s on 2 loaded cores).
 """
-import importlib
-import itertools
 import math
-import multiprocessing as mp
 import os
 import re
 
-import numpy as np
 import pytest
 
 from megatron.cli import composition as C
-from megatron.data.indexed_dataset import IndexedDatasetBuilder, bin_path, idx_path
+from tests.composition_checks import _param_ids, _test_exists, train_groups, write_multitask_data
 from tests.dist_harness import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,52 +36,6 @@ def test_readme_table_is_generated(results):
     assert section is not None, f"README.md has no composition table between '{C.BEGIN}' and '{C.END}'"
     assert section == C.markdown(results), \
         "README.md's composition table is stale: run `python -m megatron.cli.composition --update-readme README.md`"
-
-
-def _param_ids(fn) -> set:
-    """The ids pytest gives `fn`'s parametrized cases: per parametrize mark explicit ids (a list
-    or a function of the value), a `pytest.param(..., id=...)`, else the values joined by '-' (a
-    value that is not a str/int/float/bool/None shown as argname + index); stacked marks join
-    their ids closest-decorator first."""
-    per_mark = []
-    for mark in getattr(fn, "pytestmark", []):
-        if mark.name != "parametrize":
-            continue
-        names = mark.args[0]
-        names = [n.strip() for n in (names.split(",") if isinstance(names, str) else names)]
-        explicit = mark.kwargs.get("ids")
-        ids = []
-        for i, v in enumerate(mark.args[1]):
-            given = getattr(v, "id", None)
-            v = v.values if hasattr(v, "values") and hasattr(v, "marks") else (v if len(names) > 1 else (v,))
-            if given is not None:
-                ids.append(given)
-            elif explicit is not None and not callable(explicit):
-                ids.append(explicit[i])
-            else:
-                parts = []
-                for n, x in zip(names, v):
-                    got = explicit(x) if callable(explicit) else None
-                    parts.append(str(got) if got is not None else
-                                 str(x) if isinstance(x, (str, int, float, bool, type(None))) else f"{n}{i}")
-                ids.append("-".join(parts))
-        per_mark.append(ids)
-    return {"-".join(combo) for combo in itertools.product(*per_mark)} if per_mark else set()
-
-
-def _test_exists(node_id: str) -> bool:
-    m = re.fullmatch(r"(tests/[\w/]+)\.py::(?:(\w+)::)?(\w+)(?:\[(.+)\])?", node_id)
-    if m is None:
-        return False
-    path, cls, func, param = m.groups()
-    if not os.path.isfile(os.path.join(ROOT, path + ".py")):
-        return False
-    owner = importlib.import_module(path.replace("/", "."))
-    owner = getattr(owner, cls, None) if cls else owner
-    fn = getattr(owner, func, None)
-    if fn is None:
-        return False
-    return param is None or param in _param_ids(fn)
 
 
 def test_every_working_pair_names_an_existing_test(results):
@@ -146,57 +97,24 @@ SMOKE_GROUPS = C.smoke_groups(RESULTS)
 SMOKE_IDS = [C.smoke_id(g) for g in SMOKE_GROUPS]
 
 
-def _write(prefix, docs):
-    b = IndexedDatasetBuilder(bin_path(prefix), dtype=np.int32)
-    for d in docs:
-        b.add_item(d)
-        b.end_document()
-    b.finalize(idx_path(prefix))
-
-
-def _train_groups(rank, world, groups, workdir, data):
-    """Train every feature set for 2 iterations in this process group, one after another."""
-    from datetime import timedelta
-
-    import torch
-
-    from megatron.cli.arguments import build_parser, config_from_args
-    from megatron.training.initialize import initialize_parallel, set_seeds
-    from megatron.training.pretrain import build_gpt_trainer
-
-    mp.current_process().daemon = False
-    aceso = os.path.join(workdir, "aceso.json")
-    out = {}
-    for group in groups:
-        cfg = config_from_args(build_parser("gpt").parse_args(C.argv(group, world, aceso, data)), "gpt", world)
-        ps = initialize_parallel(cfg, timedelta(minutes=1))
-        set_seeds(cfg.training.seed, ps, torch.device("cpu"))
-        history = build_gpt_trainer(cfg, ps, torch.device("cpu")).train()
-        out[group] = ([h["loss"] for h in history], ps.is_pipeline_last_stage)
-    return out
-
-
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     import json
     d = tmp_path_factory.mktemp("composition")
-    with open(d / "aceso.json", "w") as f:
+    with open(d / "aceso_gpt.json", "w") as f:
         json.dump(C.aceso_config(SMOKE_WORLD), f)
-    rng = np.random.RandomState(0)
-    n = 300
-    lin = np.clip(rng.lognormal(2.3, 0.7, n).astype(int), 2, 24)
-    lout = np.clip(rng.lognormal(1.5, 0.6, n).astype(int), 1, 8)
-    _write(str(d / "in"), [rng.randint(0, 97, k) for k in lin])
-    _write(str(d / "tg"), [rng.randint(0, 97, k) for k in lout])
-    return run_distributed(_train_groups, SMOKE_WORLD, SMOKE_GROUPS, str(d), (str(d / "in"), str(d / "tg")),
-                           timeout_s=240.0)
+    data = write_multitask_data(d)
+    return run_distributed(train_groups, SMOKE_WORLD, SMOKE_GROUPS, str(d), data, timeout_s=240.0)
 
 
 @pytest.mark.parametrize("group", SMOKE_GROUPS, ids=SMOKE_IDS)
 def test_pair_smoke(group, smoke):
     """The features of `group` train together: 2 iterations, a finite loss, the same on every
-    last-stage rank (TP and DP replicas)."""
-    reported = [losses for losses, last in (o[group] for o in smoke) if last]
+    last-stage rank (TP and DP replicas), and every feature at work on every rank
+    (tests/composition_checks.py: compressed bytes below raw, recomputed layers run twice, ...)."""
+    off = [f"rank {r}: {why}" for r, o in enumerate(smoke) for why in o[group][2]]
+    assert not off, f"{group}: features accepted but not at work: " + "; ".join(off)
+    reported = [losses for losses, last, _ in (o[group] for o in smoke) if last]
     assert reported, f"{group}: no last-stage rank"
     for losses in reported:
         assert len(losses) == 2 and all(math.isfinite(x) for x in losses), (group, losses)

@@ -42,6 +42,7 @@ def _nvcc():
     return shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc")
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not _nvcc(), reason="nvcc not found (install the CUDA toolkit to compile-check the CUDA kernels)")
 def test_cuda_kernel_templates_compile_with_nvcc():
     """Front end + NVVM for sm_80 PTX (no ptxas, to keep the test short). A passing result is
@@ -67,6 +68,7 @@ def test_cuda_kernel_templates_compile_with_nvcc():
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (CUDA parity runs on a GPU box)")
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_cuda_kernels_match_cpu_kernels():
     from megatron.fused_kernels import ops

@@ -36,6 +36,7 @@ def test_precomputed_segments_are_used_as_given():
     assert packed.cu_seqlens.tolist() == [0, 2, 4] and packed.max_seqlen == 2
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or ops.torch_varlen_attn() is None,
                     reason="needs CUDA and torch.nn.attention.varlen")
 @pytest.mark.parametrize("causal", [True, False])

@@ -32,3 +32,15 @@ def test_parameters_are_not_activations():
     m = measure_saved(lambda x: (x * w).sum(), _x, params=[w])
     assert m.kept_bytes == 4 * N                         # x (saved for w's grad), not w
     assert w.grad is not None
+
+
+def test_working_set_of_one_operator():
+    from megatron.profiling.saved_memory import measure_working_set
+    w = torch.nn.Parameter(torch.randn(N))
+    # forward: x * w (saved x is the input, already live) makes its output only
+    ws = measure_working_set(lambda x: x * w, _x, params=[w])
+    assert ws.forward_bytes == 4 * N
+    # backward: incoming gradient, gradient of x, and w's gradient before it is added into the
+    # existing w.grad (made first, as from a step's second micro-batch on)
+    assert 3 * 4 * N <= ws.backward_bytes <= 4 * 4 * N
+    assert w.grad is not None

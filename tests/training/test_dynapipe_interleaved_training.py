@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.dist_harness import run_distributed
-from tests.parity_utils import assert_parity, train_and_record
+from tests.parity_utils import RTOL_64, assert_parity, train_and_record
 from tests.training.test_dynapipe_runtime import data  # noqa: F401 (fixture)
 from tests.training.test_dynapipe_training import VOCAB, _cfg, multitask  # noqa: F401 (fixture)
 
@@ -70,7 +70,7 @@ def test_dynapipe_interleaved_evaluation_equals_single_process(data):  # noqa: F
     outs = run_distributed(_evaluate, 2, data, 2, 1)
     last = [o for o in outs if o["last"]][0]
     assert set(last["schedules"]) == {"interleaved"}
-    assert last["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert last["loss"] == pytest.approx(one["loss"], rel=RTOL_64)
 
 
 def test_dynapipe_interleaved_flags_reach_the_planner(multitask):  # noqa: F811

@@ -171,6 +171,7 @@ def test_terapipe_with_optimizer_and_dp_features_matches_unsliced(world, kw):
     assert_parity(ref, got)
 
 
+@pytest.mark.fp32  # autocast leaves float64 alone: the 16-bit path needs float32 weights
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_terapipe_mixed_precision_trains_like_unsliced(dtype):
     # 16-bit autocast rounds the sliced and unsliced sums differently: same losses and grad

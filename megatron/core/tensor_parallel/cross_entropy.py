@@ -15,7 +15,7 @@ from megatron.core.tensor_parallel.mappings import group_rank, group_size
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size):
-        logits = logits.float()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays float64
         tp = group_size(group)
         per = logits.shape[-1]
         start = group_rank(group) * per

@@ -21,10 +21,12 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
 from megatron.core.tensor_parallel.random import init_generator
 
 
-def _init_full(shape, std: float, seed: int, key: str) -> torch.Tensor:
+def init_full(shape, std: float, seed: int, key: str) -> torch.Tensor:
+    # Drawn in float32 whatever the default dtype, so a float64 model (the parity tests) starts
+    # from exactly the float32 model's values.
     w = torch.empty(shape, dtype=torch.float32)
     w.normal_(0.0, std, generator=init_generator(seed, key))
-    return w
+    return w.to(torch.get_default_dtype())
 
 
 def mark_tensor_parallel(param: nn.Parameter, dim: int) -> None:
@@ -46,7 +48,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"{key}: output size {out_features} is not divisible by tensor-parallel size {tp}")
         self.tp_group, self.gather_output, self.skip_bias_add = tp_group, gather_output, skip_bias_add
         self.out_per_rank = out_features // tp
-        full = _init_full((out_features, in_features), init_std, seed, key + ".weight")
+        full = init_full((out_features, in_features), init_std, seed, key + ".weight")
         self.weight = nn.Parameter(full[r * self.out_per_rank:(r + 1) * self.out_per_rank].clone())
         mark_tensor_parallel(self.weight, 0)
         if bias:
@@ -80,7 +82,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"{key}: input size {in_features} is not divisible by tensor-parallel size {tp}")
         self.tp_group, self.input_is_parallel, self.skip_bias_add = tp_group, input_is_parallel, skip_bias_add
         per = in_features // tp
-        full = _init_full((out_features, in_features), init_std, seed, key + ".weight")
+        full = init_full((out_features, in_features), init_std, seed, key + ".weight")
         self.weight = nn.Parameter(full[:, r * per:(r + 1) * per].clone())
         mark_tensor_parallel(self.weight, 1)
         if bias:
@@ -119,7 +121,7 @@ class VocabParallelEmbedding(nn.Module):
         # padded rows (never looked up, logits masked by the data) do not shift the RNG stream.
         real = real_vocab_size or padded_vocab_size
         full = torch.zeros(padded_vocab_size, hidden)
-        full[:real] = _init_full((real, hidden), init_std, seed, key + ".weight")
+        full[:real] = init_full((real, hidden), init_std, seed, key + ".weight")
         self.weight = nn.Parameter(full[self.start:self.end].clone())
         mark_tensor_parallel(self.weight, 0)
 

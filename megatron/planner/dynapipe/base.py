@@ -35,6 +35,7 @@ from megatron.planner.dynapipe.layout import t5_split
 from megatron.planner.schedule.schedules import ScheduleChoice, lower_bound, search
 from megatron.planner.schedule.simulator import PipelineCosts
 from megatron.planner.cost.stage_loads import t5_candidates
+from megatron.planner.schedule.zb_search import planned_split
 from megatron.planner.cost.stage_memory import (compose, encoder_end_memory, postprocess_memory, preprocess_memory,
                                             tied_head_grad_mb, with_tied_head)
 
@@ -455,12 +456,8 @@ class DynaPipeBase:
         costs = PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]),
                               grad_comm=np.array(sc["grad_comm"]) if "grad_comm" in sc else None,
                               grad_comm_epilogue_only=self.cfg.grad_compress_epilogue_only)
-        if "zb" in self.cfg.schedules:  # split backward: derive the W share (megatron/planner/schedule/zb_search.py)
-            from megatron.planner.schedule.zb_search import derive_wgrad, with_split
-            seq = np.stack([dec if dec is not None and any(c == "decoder" for c, _ in comps) else enc
-                            for comps in self.layout])
-            costs = with_split(costs, derive_wgrad(costs.fwd, costs.bwd, self.cfg.hidden_size, seq))
-        return costs, samples
+        # split backward ("zb"): the derived W share (megatron/planner/schedule/zb_search.py)
+        return planned_split(self, costs, enc, dec), samples
 
     def _schedule_groups(self, rc, order, p, enc_all, dec_all, bound):
         """Quick search (the first round's orders) per DP group: enough to rank recompute levels."""

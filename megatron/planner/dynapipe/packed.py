@@ -33,6 +33,7 @@ from megatron.data.packing import next_fit_rows
 from megatron.planner.dynapipe import partitioner as part
 from megatron.planner.schedule.schedules import one_f_one_b, search
 from megatron.planner.schedule.simulator import PipelineCosts, simulate
+from megatron.planner.schedule.zb_search import planned_split
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -227,9 +228,10 @@ def pipeline_costs(planner, rc: str, sh: PackedShapes, idx=None) -> Optional[Pip
     sc = planner.stage_costs(rc, sh.mbs[idx], sh.enc[idx], dec, packed=tuple(q[idx] for q in sh.quad))
     if not (np.isfinite(sc["fwd"]).all() and np.isfinite(sc["peak"]).all()):
         return None
-    return PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]),
-                         grad_comm=np.array(sc["grad_comm"]) if "grad_comm" in sc else None,
-                         grad_comm_epilogue_only=planner.cfg.grad_compress_epilogue_only)
+    return planned_split(planner, PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]),
+                                                grad_comm=np.array(sc["grad_comm"]) if "grad_comm" in sc else None,
+                                                grad_comm_epilogue_only=planner.cfg.grad_compress_epilogue_only),
+                         sh.enc[idx], dec)
 
 
 def pipeline_costs_many(planner, rc: str, shapes: List[PackedShapes]) -> List[Optional[PipelineCosts]]:
@@ -248,9 +250,10 @@ def pipeline_costs_many(planner, rc: str, shapes: List[PackedShapes]) -> List[Op
         if not (np.isfinite(part_sc["fwd"]).all() and np.isfinite(part_sc["peak"]).all()):
             out.append(None)
             continue
-        out.append(PipelineCosts(part_sc["fwd"], part_sc["bwd"], part_sc["stored"], part_sc["transient"],
-                                 part_sc["comm"], grad_comm=part_sc.get("grad_comm"),
-                                 grad_comm_epilogue_only=planner.cfg.grad_compress_epilogue_only))
+        out.append(planned_split(planner, PipelineCosts(
+            part_sc["fwd"], part_sc["bwd"], part_sc["stored"], part_sc["transient"], part_sc["comm"],
+            grad_comm=part_sc.get("grad_comm"), grad_comm_epilogue_only=planner.cfg.grad_compress_epilogue_only),
+            sh.enc, sh.dec))
     return out
 
 

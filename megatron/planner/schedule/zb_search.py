@@ -46,6 +46,17 @@ def w_share_text(hidden: int) -> str:
             "capped at bwd/2; I = bwd - W")
 
 
+def planned_split(planner, costs: PipelineCosts, enc, dec=None) -> PipelineCosts:
+    """`costs` with the derived W share when the planner searches the "zb" schedule (each
+    stage's sequence: the decoder's on T5 decoder stages), else `costs` unchanged."""
+    if costs is None or "zb" not in planner.cfg.schedules:
+        return costs
+    enc = np.asarray(enc, float)
+    seq = np.stack([np.asarray(dec, float) if dec is not None and any(c == "decoder" for c, _ in comps) else enc
+                    for comps in planner.layout])
+    return with_split(costs, derive_wgrad(costs.fwd, costs.bwd, planner.cfg.hidden_size, seq))
+
+
 def with_split(costs: PipelineCosts, wgrad: np.ndarray) -> PipelineCosts:
     return PipelineCosts(costs.fwd, costs.bwd, costs.stored, costs.transient, costs.comm, grad_comm=costs.grad_comm,
                          grad_comm_epilogue_only=costs.grad_comm_epilogue_only, wgrad=np.asarray(wgrad, float),
