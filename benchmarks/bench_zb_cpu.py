@@ -51,7 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._ranks import run_ranks  # noqa: E402
 from benchmarks.bench_pipeline import available_cores, gpt_config  # noqa: E402
-from megatron.planner.schedule.simulator import Op, PipelineCosts, simulate  # noqa: E402
+from megatron.pipeline.lowering import ComputeOp  # noqa: E402
+from megatron.planner.schedule.simulator import PipelineCosts, simulate  # noqa: E402
 from megatron.planner.schedule.static import static_orders  # noqa: E402
 
 SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
@@ -94,16 +95,16 @@ def _analyse(schedule, pp, m, traces, iters):
         for r in range(pp):
             for kind, mb, s, t0, dur in traces[r][it]:
                 kind = "I" if split and kind == "B" else kind
-                ops[Op(kind, mb, s)] = (t0, t0 + dur, r)
+                ops[ComputeOp(kind, mb, s)] = (t0, t0 + dur, r)
         per_it.append(ops)
     op_ms = {}
     for kind in ("F", "B", "I", "W"):
-        got = [[statistics.median([ops[Op(kind, mb, s)][1] - ops[Op(kind, mb, s)][0] for ops in per_it])
-                for mb in range(m)] for s in range(pp) if Op(kind, 0, s) in per_it[0]]
+        got = [[statistics.median([ops[ComputeOp(kind, mb, s)][1] - ops[ComputeOp(kind, mb, s)][0] for ops in per_it])
+                for mb in range(m)] for s in range(pp) if ComputeOp(kind, 0, s) in per_it[0]]
         if got:
             op_ms[kind] = np.array(got)
     orders, s2r = static_orders(schedule, m, pp)
-    orders = [[Op(o.kind, o.microbatch, o.stage) for o in order] for order in orders]
+    orders = [[ComputeOp(o.kind, o.microbatch, o.stage) for o in order] for order in orders]
     z = np.zeros((pp, m))
     bwd = op_ms["B"] if not split else op_ms["I"] + op_ms["W"]
     costs = PipelineCosts(op_ms["F"], bwd, z + 1, z, z, wgrad=op_ms.get("W"))

@@ -78,7 +78,7 @@ _TP = "tests/training/test_terapipe_composition.py::"
 _TP_DP = _TP + "test_terapipe_with_optimizer_and_dp_features_matches_unsliced"
 _DYN_CC = "tests/compression/test_dynapipe_compression.py::"
 _HETERO = "tests/aceso/"
-_CP = "tests/test_context_parallel_compose.py::"
+_CP = "tests/training/test_context_parallel_compose.py::"
 PROOFS: Dict[Tuple[str, str], str] = {
     ("dynapipe", "terapipe"): "tests/training/test_dynapipe_terapipe.py::test_dynapipe_terapipe_two_slices_equals_plain_dynapipe",
     ("dynapipe", "aceso"): _HETERO + "test_hetero_compose.py::test_dynapipe_on_heterogeneous_stages_matches_whole_batch_step",
@@ -129,7 +129,7 @@ PROOFS: Dict[Tuple[str, str], str] = {
 SMOKE_TEST = "tests/cli/test_composition.py::test_pair_smoke"
 
 # pretrain_t5.py's pairs with a dedicated test (the others: its smoke sets, SMOKE_TESTS["t5"]).
-_T5 = "tests/test_composition_t5.py::"
+_T5 = "tests/cli/test_composition_t5.py::"
 PROOFS_T5: Dict[Tuple[str, str], str] = {
     ("aceso", "cb_lep"): _T5 + "test_t5_aceso_layout_with_compressed_backprop_compresses_and_is_exact",
     ("cb_lep", "powersgd"): _T5 + "test_t5_full_rank_compression_equals_the_plain_run",
@@ -139,7 +139,7 @@ PROOFS_BY_MODEL = {"gpt": PROOFS, "t5": PROOFS_T5}
 # one known defect fails one test. T5 x Aceso x CB: t5_trainer.py replaces the compression plan
 # pass with the layout pass (drop the entry once the plan-pass pipeline composes them).
 KEEP_APART: Dict[str, set] = {"gpt": set(), "t5": {("aceso", "cb_lep")}}
-SMOKE_TESTS = {"gpt": SMOKE_TEST, "t5": "tests/test_composition_t5.py::test_t5_pair_smoke"}
+SMOKE_TESTS = {"gpt": SMOKE_TEST, "t5": "tests/cli/test_composition_t5.py::test_t5_pair_smoke"}
 PROGRAMS = {"gpt": "pretrain_gpt.py", "t5": "pretrain_t5.py"}
 
 BASE = ("--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
@@ -376,7 +376,7 @@ def markdown(results: Optional[Dict[Tuple[str, str], Optional[str]]] = None, mod
                                                  for (a, b), u in proofs.items() if u == t) for k, t in enumerate(tests)]
     lines += ["", f"Works, proved by training a set of features together for 2 iterations on {SMOKE_WORLD} ranks "
               f"with every feature observed at work (S; every pair inside the set; `{SMOKE_TESTS[model]}[<set>]`; "
-              "what each feature must show: `tests/composition_checks.py`):", ""]
+              "what each feature must show: `tests/cli/composition_checks.py`):", ""]
     lines += [f"- S{k + 1} `{smoke_id(g)}`: " + ", ".join(FEATURES[n].label for n in g) for k, g in enumerate(groups)]
     return "\n".join(lines) + "\n"
 

@@ -6,7 +6,7 @@
 - the pair smoke run: the accepted pairs without a dedicated test are covered by a few feature
   sets (`composition.smoke_groups`), each trained together for 2 iterations on 4 gloo ranks
   (finite loss, the same on every last-stage rank, and every feature observably at work:
-  tests/composition_checks.py). All sets run in one process group, one after another, so the
+  tests/cli/composition_checks.py). All sets run in one process group, one after another, so the
   cost is the training, not the launches (~20 s on 2 loaded cores).
 """
 import math
@@ -16,7 +16,7 @@ import re
 import pytest
 
 from megatron.cli import composition as C
-from tests.composition_checks import _param_ids, _test_exists, train_groups, write_multitask_data
+from tests.cli.composition_checks import _param_ids, _test_exists, train_groups, write_multitask_data
 from tests.dist_harness import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -111,7 +111,7 @@ def smoke(tmp_path_factory):
 def test_pair_smoke(group, smoke):
     """The features of `group` train together: 2 iterations, a finite loss, the same on every
     last-stage rank (TP and DP replicas), and every feature at work on every rank
-    (tests/composition_checks.py: compressed bytes below raw, recomputed layers run twice, ...)."""
+    (tests/cli/composition_checks.py: compressed bytes below raw, recomputed layers run twice, ...)."""
     off = [f"rank {r}: {why}" for r, o in enumerate(smoke) for why in o[group][2]]
     assert not off, f"{group}: features accepted but not at work: " + "; ".join(off)
     reported = [losses for losses, last, _ in (o[group] for o in smoke) if last]

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 
 from megatron.planner.schedule.schedules import one_f_one_b, search
-from megatron.planner.schedule.simulator import Op, PipelineCosts, SimulationError, check_dependencies, simulate
+from megatron.pipeline.lowering import ComputeOp
+from megatron.planner.schedule.simulator import PipelineCosts, SimulationError, check_dependencies, simulate
 from megatron.planner.schedule.zb_search import derive_wgrad, gemm_share, zb_candidate
 from megatron.planner.schedule.zero_bubble import greedy_zb_orders, kept_limits, stage_to_rank_of
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _unit(S, m, scale=1.0):
@@ -28,7 +29,7 @@ def test_zero_bubble_schedules_close_the_bubble_in_simulation(p, m):
         s2r = stage_to_rank_of(sch, p)
         scale = 0.5 if sch == "zb-v" else 1.0  # a V chunk is half a stage
         costs = _unit(len(s2r), m, scale)
-        orders = greedy_zb_orders(m, s2r, kept_limits(sch, p, m), op_cls=Op,
+        orders = greedy_zb_orders(m, s2r, kept_limits(sch, p, m), op_cls=ComputeOp,
                                   cost=lambda k, mb, s: scale * (2.0 if k == "B" else 1.0))
         res = simulate(costs, orders, s2r)
         check_dependencies(res, costs, s2r)
@@ -42,13 +43,13 @@ def test_zero_bubble_schedules_close_the_bubble_in_simulation(p, m):
 def test_simulator_refuses_a_weight_pass_without_its_input_pass_on_the_rank():
     costs = _unit(1, 1)
     with pytest.raises(SimulationError, match="no I"):
-        simulate(costs, [[Op("F", 0, 0), Op("W", 0, 0)]])
+        simulate(costs, [[ComputeOp("F", 0, 0), ComputeOp("W", 0, 0)]])
 
 
 def test_deferred_weight_state_is_kept_in_memory_until_w():
     z = np.zeros((1, 2))
     costs = PipelineCosts(z + 1, z + 2, z + 10, z, z, wgrad=z + 1, wstored=z + 4)
-    res = simulate(costs, [[Op("F", 0, 0), Op("I", 0, 0), Op("F", 1, 0), Op("I", 1, 0), Op("W", 0, 0), Op("W", 1, 0)]])
+    res = simulate(costs, [[ComputeOp("F", 0, 0), ComputeOp("I", 0, 0), ComputeOp("F", 1, 0), ComputeOp("I", 1, 0), ComputeOp("W", 0, 0), ComputeOp("W", 1, 0)]])
     assert res.peak_memory[0] == 14  # F1's 10 MB next to F0's deferred 4 MB
     assert res.memory_trace[0][-1][1] == 0
 

@@ -42,7 +42,7 @@ def test_cp_prices_sequences_past_the_table(table):
 def test_dynapipe_plans_with_a_static_cp_size_where_it_alone_cannot():
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
     from bench_planner import make_batches
     from megatron.experiments.slicing import planner_for
     from megatron.planner.dynapipe.planner import PlanningError

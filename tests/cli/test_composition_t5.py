@@ -8,7 +8,7 @@ import os
 import pytest
 
 from megatron.cli import composition as C
-from tests.composition_checks import ROOT, _test_exists, train_groups, write_multitask_data
+from tests.cli.composition_checks import ROOT, _test_exists, train_groups, write_multitask_data
 from tests.dist_harness import run_distributed
 
 RESULTS = C.probe_all("t5")
@@ -60,7 +60,7 @@ def smoke(tmp_path_factory):
 @pytest.mark.parametrize("group", SMOKE_GROUPS, ids=SMOKE_IDS)
 def test_t5_pair_smoke(group, smoke):
     """The features of `group` train T5 together: 2 iterations, a finite loss, the same on every
-    last-stage rank, and every feature at work on every rank (tests/composition_checks.py)."""
+    last-stage rank, and every feature at work on every rank (tests/cli/composition_checks.py)."""
     off = [f"rank {r}: {why}" for r, o in enumerate(smoke) for why in o[group][2]]
     assert not off, f"{group}: features accepted but not at work: " + "; ".join(off)
     reported = [losses for losses, last, _ in (o[group] for o in smoke) if last]

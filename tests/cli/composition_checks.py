@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def instrument(trainer) -> Counter:
@@ -119,7 +119,7 @@ def inactive(name: str, trainer, history: list, counts: Counter) -> Optional[str
         if name == "fp16" and getattr(trainer.optimizer, "grad_scaler", None) is None:
             return "fp16 without a loss scaler"
         return None
-    raise KeyError(f"no activity check for feature {name!r}: add one to tests/composition_checks.py")
+    raise KeyError(f"no activity check for feature {name!r}: add one to tests/cli/composition_checks.py")
 
 
 def check_all(names, trainer, history, counts) -> list:

@@ -8,7 +8,7 @@ import pytest
 from tests.dist_harness import run_distributed
 from tests.parity_utils import assert_parity
 from tests.training.test_dynapipe_training import multitask  # noqa: F401 (the data fixture)
-from tests.test_zero_bubble_parity import _exact
+from tests.training.test_zero_bubble_parity import _exact
 
 pytestmark = pytest.mark.parity
 
