@@ -44,14 +44,22 @@ SIM = re.compile(r"simulated / measured iteration ms: ([0-9.]+) / ([0-9.]+)")
 SLICES = re.compile(r"token slices: (\[[^\]]*\])")
 
 
+def _run(cmd) -> None:
+    """A step of the bench; a refusal (a noisy host, a fit that misses) ends it with the tool's own words."""
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    if r.returncode:
+        tail = "\n".join(r.stderr.strip().splitlines()[-6:])
+        raise SystemExit(f"bench_time_model: `{' '.join(cmd[2:4])}` failed (exit {r.returncode}):\n{tail}")
+
+
 def profile(out: str, a) -> float:
     t0 = time.perf_counter()
     seqs = sorted({max(8, a.seq // d) for d in (16, 8, 4, 2, 1)})
     ctx = sorted({a.seq // 4, a.seq // 2, a.seq - a.seq // 8})
-    subprocess.run([sys.executable, "-m", "megatron.planner.terapipe.latency", "--output", out,
-                    "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads), "--mbs", "1",
-                    "--seqs", ",".join(map(str, seqs)), "--contexts", ",".join(map(str, ctx)),
-                    "--repeats", "5"], cwd=ROOT, env=_env(), check=True, capture_output=True, text=True)
+    _run([sys.executable, "-m", "megatron.planner.terapipe.latency", "--output", out,
+          "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads), "--mbs", "1",
+          "--seqs", ",".join(map(str, seqs)), "--contexts", ",".join(map(str, ctx)),
+          "--repeats", "5", "--max-spread", str(a.max_spread)])
     return time.perf_counter() - t0
 
 
@@ -64,9 +72,9 @@ def calibrate(out: str, a) -> float:
     s, h, q, e = a.seq, a.seq // 2, a.seq // 4, max(8, a.seq // 8)
     shapes = [f"1x{e}x16", f"1x{q}x8", f"1x{h}x4", f"1x{s}x4", f"1x{s}x4x2", f"1x{s}x4x8", f"1x{h}x4x4",
               f"1x{h}x8x2"]
-    subprocess.run([sys.executable, "-m", "megatron.profiling.calibrate", "--terapipe-cost-model", out,
-                    "--shapes", ",".join(shapes), "--", *model_flags(a)],
-                   cwd=ROOT, env=_env(), check=True, capture_output=True, text=True)
+    _run([sys.executable, "-m", "megatron.profiling.calibrate", "--terapipe-cost-model", out,
+          "--shapes", ",".join(shapes), "--max-spread", str(a.max_spread), "--max-fit-error", str(a.max_fit_error),
+          "--", *model_flags(a)])
     return time.perf_counter() - t0
 
 
@@ -112,6 +120,9 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2, help="iterations left out of the medians")
     p.add_argument("--fixed", default="4", help="the fixed slice count compared besides 1 and auto")
+    p.add_argument("--max-spread", type=float, default=0.5,
+                   help="passed to the profiler and calibrate: noisier cells/runs are re-measured, then refused")
+    p.add_argument("--max-fit-error", type=float, default=0.15, help="passed to calibrate")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="leave the latency file uncalibrated (the table's layer times alone)")
     a = p.parse_args(argv)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 from megatron.aceso.config import load_plan, save_plan
@@ -84,6 +86,13 @@ def main(argv=None):
     pf.add_argument("--vocab-size", type=int, required=True)
     pf.add_argument("--mbs", type=int, nargs="+", default=[1, 2, 4])
     pf.add_argument("--repeats", type=int, default=5)
+    pf.add_argument("--cpu-threads", type=int, default=1,
+                    help="torch threads while profiling (default 1, as each rank of a CPU job whose ranks share the cores)")
+    pf.add_argument("--max-spread", type=float, default=0.5,
+                    help="an operator whose repeats spread more ((median - min) / min) is re-measured, then refused: "
+                         "no table is kept while one stays noisy (default %(default)s)")
+    pf.add_argument("--remeasure", type=int, default=2, help="extra rounds for a noisy operator")
+    pf.add_argument("--quiet", action="store_true", help="no per-operator progress lines")
     args = ap.parse_args(argv)
 
     if args.cmd == "profile":
@@ -92,9 +101,30 @@ def main(argv=None):
         cfg = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                           num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
                           vocab_size=args.vocab_size)
-        for path in profile_gpt(cfg, args.out, size=args.size, mbs_values=args.mbs,
-                                repeats=args.repeats):
-            print(f"wrote {path}")
+        from megatron.profiling import noise
+        if args.repeats < 1 or args.cpu_threads < 1 or not args.max_spread > 0 or args.remeasure < 0:
+            ap.error("profile: --repeats and --cpu-threads must be >= 1, --max-spread > 0, --remeasure >= 0")
+        log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+        line = noise.host_load_line()
+        if line:
+            log(line)
+        nl = noise.NoiseLog(args.max_spread)
+        os.makedirs(args.out, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=args.out, prefix=".profiling-")  # tables land in --out only when quiet
+        try:
+            paths = profile_gpt(cfg, tmp, size=args.size, mbs_values=args.mbs, repeats=args.repeats,
+                                threads=args.cpu_threads, max_spread=args.max_spread, remeasure=args.remeasure,
+                                noise_log=nl, log=log)
+            refusal = nl.refusal("python -m megatron.aceso profile")
+            if refusal:
+                print(refusal, file=sys.stderr)
+                return 1
+            for path in paths:
+                final = os.path.join(args.out, os.path.basename(path))
+                os.replace(path, final)
+                print(f"wrote {final}")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         return 0
 
     if args.cmd == "predict":

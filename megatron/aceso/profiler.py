@@ -20,7 +20,8 @@ inputs they get inside the layer), so a row prices the code op-level recompute c
     final-layernorm              final_layernorm
     gpt-post-process             output projection (tied embedding) + vocab cross-entropy
 
-Per operator: forward and backward time (median of ``repeats`` runs after one warm-up, µs),
+Per operator: forward and backward time (median of ``repeats`` runs after one warm-up, µs,
+re-measured while their spread is past ``max_spread``: megatron/profiling/noise.py),
 input / output size, weights, and activations = the bytes autograd saves for backward
 (parameters excluded, each storage counted once), all in MB. ``fwd_reserved`` /
 ``bwd_reserved`` hold the operator's working set in its forward / backward
@@ -34,8 +35,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
-import time
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -46,6 +45,7 @@ from megatron.config.core import ModelConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.random import model_parallel_seed
+from megatron.profiling import noise
 from megatron.profiling.saved_memory import measure_working_set
 
 MB = 1024.0 * 1024.0
@@ -76,14 +76,10 @@ def _saved_bytes(fn, inputs, params) -> Tuple[float, object]:
     return total[0], out
 
 
-def _time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e6
+def _time(fn: Callable[[], object], repeats: int, **noise_kw) -> noise.Timing:
+    """µs of `fn` (median of `repeats` after one warm-up), with its spread (profiling/noise.py)."""
+    t = noise.timed(fn, 1, repeats, **noise_kw)
+    return noise.Timing((t.values[0] * 1e3,), t.spread, t.rounds, t.noisy, t.samples)
 
 
 def gpt_operators(stage, cfg: ModelConfig, mbs: int):
@@ -156,51 +152,71 @@ def _unit_params(layer, name, h_in):
     return ps
 
 
-def profile_operator(fn, make_inputs, params, repeats: int) -> OpRow:
-    """Time and size one operator; the name is filled in by the caller."""
+def profile_operator(fn, make_inputs, params, repeats: int, *, noise_log=None, name: str = "",
+                     **noise_kw) -> OpRow:
+    """Time and size one operator; the name is filled in by the caller. Forward and backward are
+    timed as separate cells of `noise_log` (re-measured past ``max_spread`` in `noise_kw`)."""
     inputs = make_inputs()
     act, out = _saved_bytes(fn, inputs, params)
     grad_out = torch.randn_like(out)
-    fwd_us = _time(lambda: fn(*inputs), repeats)   # autograd on, as in training
-    bwd_times = []
-    for _ in range(repeats + 1):
+    fwd = _time(lambda: fn(*inputs), repeats, **noise_kw)   # autograd on, as in training
+
+    def backward(_):
         y = fn(*make_inputs())
-        t0 = time.perf_counter()
+        t0 = noise.clock()
         torch.autograd.backward(y, grad_out)
-        bwd_times.append(time.perf_counter() - t0)
+        ms = (noise.clock() - t0) * 1e3
         for p in params:
             p.grad = None
-    bwd_us = statistics.median(bwd_times[1:]) * 1e6
+        return (ms,)
+    bwd = noise.repeat(backward, 1, repeats, **noise_kw)
+    if noise_log is not None:
+        noise_log.add(f"{name} forward", fwd)
+        noise_log.add(f"{name} backward", bwd)
     ws = measure_working_set(fn, make_inputs, params=params)
     for p in params:
         p.grad = None
-    return OpRow("", fwd_us, bwd_us, _nbytes(inputs) / MB, _nbytes(out) / MB,
+    return OpRow("", fwd.values[0], bwd.values[0] * 1e3, _nbytes(inputs) / MB, _nbytes(out) / MB,
                  sum(p.numel() * p.element_size() for p in params) / MB, act / MB,
                  ws.forward_bytes / MB, ws.backward_bytes / MB)
 
 
 def profile_gpt(cfg: ModelConfig, out_dir: str, *, size: str, mbs_values: Sequence[int] = (1, 2),
-                repeats: int = 5, seed: int = 1234) -> List[str]:
-    """Write ``gpt_<size>_mbs<M>_tp1_algo0.csv`` for each micro-batch size; returns the paths."""
+                repeats: int = 5, seed: int = 1234, threads: int = 1, max_spread: float = float("inf"),
+                remeasure: int = 0, noise_log=None, log: Callable[[str], None] = lambda s: None) -> List[str]:
+    """Write ``gpt_<size>_mbs<M>_tp1_algo0.csv`` for each micro-batch size; returns the paths.
+    Runs with `threads` torch threads (one, as each rank of a CPU job whose ranks share the
+    cores); every operator's spread goes to `noise_log`, progress and warnings to `log`."""
     from megatron.models.gpt import GPTStage
     model_parallel_seed(seed, 0, 0)  # dropout inside attention draws from the TP stream
     stage = GPTStage(cfg, ParallelState(), layer_start=0, layer_end=1, pre_process=True,
                      post_process=True, seed=seed)
     stage.train()
     os.makedirs(out_dir, exist_ok=True)
-    paths = []
-    for m in mbs_values:
-        rows = []
-        for name, fn, make_inputs, params in gpt_operators(stage, cfg, m):
-            r = profile_operator(fn, make_inputs, params, repeats)
-            rows.append(OpRow(name, *[getattr(r, f) for f in (
-                "fwd_us", "bwd_us", "input_mb", "output_mb", "weight_mb", "act_mb",
-                "fwd_reserved_mb", "bwd_reserved_mb")]))
-        path = os.path.join(out_dir, f"gpt_{size}_mbs{m}_tp1_algo0.csv")
-        write_op_csv(path, rows)
-        paths.append(path)
+    nl = noise_log if noise_log is not None else noise.NoiseLog(max_spread)
+    paths, per_op = [], {}
+    with noise.pin_threads(threads):
+        ops = {m: gpt_operators(stage, cfg, m) for m in mbs_values}
+        progress = noise.Progress(sum(len(v) for v in ops.values()))
+        for m in mbs_values:
+            rows = []
+            for name, fn, make_inputs, params in ops[m]:
+                r = profile_operator(fn, make_inputs, params, repeats, noise_log=nl, name=f"mbs{m} {name}",
+                                     max_spread=max_spread, remeasure=remeasure)
+                rows.append(OpRow(name, *[getattr(r, f) for f in (
+                    "fwd_us", "bwd_us", "input_mb", "output_mb", "weight_mb", "act_mb",
+                    "fwd_reserved_mb", "bwd_reserved_mb")]))
+                per_op.setdefault(name, []).append((r.fwd_us + r.bwd_us) / 1e3)
+                log(f"{progress.next()} mbs {m} {name}: fwd {r.fwd_us:.1f} us bwd {r.bwd_us:.1f} us")
+            path = os.path.join(out_dir, f"gpt_{size}_mbs{m}_tp1_algo0.csv")
+            write_op_csv(path, rows)
+            paths.append(path)
+    for name, ms in per_op.items():  # an operator's time across micro-batch sizes grows smoothly
+        for line in noise.implausible_lines(ms, [list(mbs_values)], ["mbs"], f"{name} forward+backward"):
+            log(line)
     with open(profile_meta_path(out_dir, "gpt", size), "w") as f:
         json.dump({"profiler": "megatron.aceso.profiler", "device": "cpu", "reserved_columns": "working_set"}, f)
+    log(f"timing noise: {nl.summary()}")
     return paths
 
 

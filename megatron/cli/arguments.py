@@ -459,6 +459,11 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
     )
     if args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
         raise ConfigError("--mock-data needs --vocab-size (or a tokenizer) to know the vocabulary")
+    if args.data_path and not args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
+        # caught here, before torchrun's ranks build anything: the size is needed for the embedding
+        raise ConfigError("--data-path needs --tokenizer-type (with the tokenizer's files, e.g. "
+                          "GPTSentencePieceTokenizer --tokenizer-model FILE) or --vocab-size: the vocabulary size "
+                          "is unknown")
     for flag, d in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
         _check_writable_dir(flag, d)
     _check_load_dir(args.load, args.save)

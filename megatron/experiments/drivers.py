@@ -14,12 +14,32 @@ from megatron.experiments.rows import append_rows, read_rows, row_key
 CONFIG_DIR = ROOT / "experiment_configs"
 
 
-def _progress(items, desc):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm is a dependency; keep going without a bar if it is missing
-        return items
-    return tqdm(items, desc=desc, file=sys.stderr, leave=False, disable=None)
+class _Progress:
+    """One stderr line per job that takes a while, at most one every `every` seconds otherwise,
+    and one at the end: ``desc: k/N jobs (s skipped: rows exist), T s, ETA E s``. Lines, not a
+    redrawn bar: a bar is invisible when stderr is a log file (run_all.sh's usual home)."""
+
+    def __init__(self, total: int, desc: str, every: float = 15.0, clock=None):
+        import time
+        self.total, self.desc, self.every = total, desc, every
+        self.clock = clock or time.monotonic
+        self.t0 = self.last = self.clock()
+        self.done = self.skipped = 0
+        self.ran_s = 0.0
+
+    def step(self, skipped: bool, seconds: float = 0.0) -> None:
+        self.done += 1
+        self.skipped += skipped
+        self.ran_s += seconds
+        now = self.clock()
+        if self.done == self.total or now - self.last >= self.every:
+            self.last = now
+            ran = self.done - self.skipped
+            left = self.total - self.done
+            eta = f", ETA {self.ran_s / ran * left:.0f} s" if ran and left else ""
+            skip = f" ({self.skipped} skipped: rows exist)" if self.skipped else ""
+            print(f"{self.desc}: {self.done}/{self.total} jobs{skip}, {now - self.t0:.0f} s{eta}",
+                  file=sys.stderr, flush=True)
 
 
 def run_jobs(grid: Grid, backend: Backend, jobs: List[Job], out: Path, force: bool, desc: str,
@@ -33,12 +53,15 @@ def run_jobs(grid: Grid, backend: Backend, jobs: List[Job], out: Path, force: bo
         for r in read_rows(path):
             donor[row_key(dict(r, experiment=""))] = r
     rows = []
-    for job in _progress(jobs, desc):
+    progress = _Progress(len(jobs), desc)
+    for job in jobs:
         probe = job.row(grid, backend.name, status="ok", iterations=0)
         k = row_key(probe)
         if k in have:
             rows.append(have[k])
+            progress.step(True)
             continue
+        t0 = progress.clock()
         d = donor.get(row_key(dict(probe, experiment="")))
         if d is not None and d["iterations"] == job.batches and d["status"] == "ok":
             row = dict(d, experiment=job.experiment)
@@ -47,6 +70,7 @@ def run_jobs(grid: Grid, backend: Backend, jobs: List[Job], out: Path, force: bo
         append_rows(out, [row])
         have[k] = row
         rows.append(row)
+        progress.step(False, progress.clock() - t0)
     return rows
 
 
@@ -114,9 +138,10 @@ def grid_search(grid: Grid, backend: Backend, out_dir: Path, force: bool = False
     config_dir = out_dir if config_dir is None else config_dir
     out = out_dir / "grid_search.jsonl"
     all_rows = []
-    for s in _progress(grid.settings(), "grid search"):
+    settings = list(grid.settings())
+    for i, s in enumerate(settings, 1):
         systems = grid.models[s.model].systems
-        rows = run_jobs(grid, backend, grid_jobs(grid, s), out, force, s.key)
+        rows = run_jobs(grid, backend, grid_jobs(grid, s), out, force, f"grid search {i}/{len(settings)} {s.key}")
         all_rows += rows
         verify = _verifier(grid, backend, s, out_dir, force)
         best = {sys_: _best(rows, verify, system=sys_) for sys_ in systems}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -154,8 +155,11 @@ def main(argv=None) -> int:
         print(f"error: --max-lens {args.max_lens!r}: expected comma-separated integers", file=sys.stderr)
         return 2
     rows: List[Dict] = []
-    for L in max_lens:
+    t0 = time.monotonic()
+    for i, L in enumerate(max_lens, 1):
         rows += compare(L, batches_for(L, args.batches, args.lengths_file))
+        print(f"slicing: max length {L} done ({i}/{len(max_lens)}, {time.monotonic() - t0:.0f} s)", file=sys.stderr,
+              flush=True)
     for path in write(rows, Path(args.out)):
         print(f"wrote {path}")
     return 0

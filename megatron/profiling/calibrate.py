@@ -15,12 +15,19 @@ and recompute you train with). `--terapipe-cost-model` calibrates a TeraPipe lat
 same way (its prediction of an unsliced run: `planner.terapipe.planner.pipelined_ms`).
 
 Re-run it after re-profiling: the fit belongs to the table, the model and the host together.
+
+On a noisy host (megatron/profiling/noise.py): a run whose iteration times spread past
+`--max-spread` is run again (`--remeasure`), then refused; a fit whose rms relative error over
+the runs is past `--max-fit-error` is shown with its worst run and not stored (exit 1). The
+trainer flags are checked in-process before the first run, and a run that fails shows the
+trainer's own error, not torchrun's report of it.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -29,6 +36,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from megatron.profiling import noise
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SHAPES = "1x256x4,1x128x8,2x128x4,2x64x12,4x64x6,4x32x16,8x32x8,1x64x16"
@@ -62,12 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dynapipe-cost-model", help="cost-model JSON to calibrate (DynaPipe / packing planners)")
     p.add_argument("--terapipe-cost-model", help="TeraPipe latency JSON to calibrate")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=2, help="ranks of the calibration runs (PP)")
-    p.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
-                   help=f"runs as MBSxSEQxMICROBATCHES[xTOKEN_SLICES], comma-separated (default {DEFAULT_SHAPES}); "
-                        "token slices (TeraPipe, uniform) only with --terapipe-cost-model alone")
+    p.add_argument("--shapes", type=parse_shapes, default=None,
+                   help=f"runs as MBSxSEQxMICROBATCHES[xTOKEN_SLICES], comma-separated (default: those of {DEFAULT_SHAPES} "
+                        "the table(s) can price; for a TeraPipe file alone, a run longer than its longest slice is cut "
+                        "into uniform token slices); token slices (TeraPipe, uniform) only with --terapipe-cost-model "
+                        "alone")
     p.add_argument("--iters", type=int, default=7, help="iterations per run")
     p.add_argument("--warmup", type=int, default=2, help="first iterations of a run left out of its median")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    p.add_argument("--max-spread", type=float, default=noise.MAX_SPREAD,
+                   help="a run whose iteration times spread more ((median - min) / min) is run again, up to "
+                        "--remeasure times, then refused (default %(default)s)")
+    p.add_argument("--remeasure", type=int, default=1, help="extra runs of a noisy shape (default %(default)s)")
+    p.add_argument("--max-fit-error", type=float, default=noise.MAX_FIT_ERROR,
+                   help="a fit whose rms relative error over the runs is larger is not stored (default %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
     p.add_argument("trainer_args", nargs=argparse.REMAINDER, help="after --: pretrain_gpt.py model flags")
     return p
@@ -79,24 +96,114 @@ def _env() -> dict:
                 PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def measure(args, b: int, s: int, n: int, k: int = 1) -> float:
-    """Median iteration ms of one plain run at micro-batches of b x s, n per iteration (k > 1:
-    each cut into k uniform token slices by --terapipe)."""
+def child_error(text: str, lines: int = 12) -> str:
+    """The end of a torchrun job's output without torchrun's own report of the failure (its
+    traceback and summary say only "exitcode: 2"): what the trainer itself printed."""
+    out = text.splitlines()
+    for i in range(len(out) - 1, -1, -1):  # torchrun's ChildFailedError traceback, to the end
+        if out[i].startswith("Traceback (most recent call last):") and \
+                any("torch/distributed/run.py" in x or "ChildFailedError" in x for x in out[i:i + 40]):
+            out = out[:i]
+            break
+    out = [x for x in out if not re.match(r"^[DIWEF]\d{4} [\d:.]+ +\d+ .*torch/distributed/", x)
+           and not x.startswith(("WARNING:torch.distributed", "*****", "Setting OMP_NUM_THREADS"))]
+    return "\n".join((out or text.splitlines())[-lines:]).strip("\n")
+
+
+def run_times(args, b: int, s: int, n: int, k: int = 1) -> list:
+    """Iteration ms (after --warmup) of one plain run at micro-batches of b x s, n per iteration
+    (k > 1: each cut into k uniform token slices by --terapipe)."""
     from megatron.experiments.logparse import parse_log
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(args.pipeline_model_parallel_size), str(ROOT / "pretrain_gpt.py"), *args.trainer_args,
-           "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size), "--micro-batch-size", str(b),
-           "--seq-length", str(s), "--global-batch-size", str(b * n), "--train-iters", str(args.iters),
-           "--mock-data", "--log-interval", "1", "--eval-interval", "1000000", "--eval-iters", "0", "--lr", "1e-4"]
-    if k > 1:
-        cmd += ["--terapipe", "--terapipe-slices", str(k)]
+           str(args.pipeline_model_parallel_size), str(ROOT / "pretrain_gpt.py"), *trainer_argv(args, b, s, n, k)]
     out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=args.timeout)
     rows = parse_log(out.stdout)
     times = [r["elapsed_ms"] for r in rows if r["iteration"] > args.warmup and r.get("elapsed_ms")]
     if out.returncode or not times:
-        tail = "\n".join((out.stdout + out.stderr).splitlines()[-12:])
+        tail = child_error((out.stdout or "") + "\n" + (out.stderr or ""))
         raise SystemExit(f"calibrate: the run at {shape_name((b, s, n, k))} failed (exit {out.returncode}):\n{tail}")
-    return statistics.median(times)
+    return times
+
+
+def trainer_argv(args, b: int, s: int, n: int, k: int = 1) -> list:
+    cmd = [*args.trainer_args,
+           "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size), "--micro-batch-size", str(b),
+           "--seq-length", str(s), "--global-batch-size", str(b * n), "--train-iters", str(args.iters),
+           "--mock-data", "--log-interval", "1", "--eval-interval", "1000000", "--eval-iters", "0", "--lr", "1e-4"]
+    return cmd + (["--terapipe", "--terapipe-slices", str(k)] if k > 1 else [])
+
+
+def check_trainer_args(args, shapes) -> None:
+    """The trainer's own argument checks, here and before any run, for every shape: a bad flag
+    after -- is one line now, not a torchrun failure after a minute."""
+    import contextlib
+    import io
+
+    from megatron.cli.arguments import build_parser as trainer_parser
+    from megatron.cli.arguments import config_from_args
+    from megatron.config.core import ConfigError
+    for shape in shapes:
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                ns = trainer_parser("gpt").parse_args(trainer_argv(args, *shape))
+            config_from_args(ns, "gpt", world_size=args.pipeline_model_parallel_size)
+        except SystemExit:
+            msg = (err.getvalue().strip().splitlines() or ["bad flags"])[-1]
+            raise SystemExit(f"calibrate: the trainer flags after -- are refused: {msg}") from None
+        except ConfigError as e:
+            raise SystemExit(f"calibrate: the run at {shape_name(shape)} would be refused by pretrain_gpt.py: "
+                             f"{e}") from None
+
+
+def measure(args, b: int, s: int, n: int, k: int = 1) -> noise.Timing:
+    """Median iteration ms of a run (`run_times`) with its spread: a run past --max-spread is
+    run again, up to --remeasure times; the quietest run is kept (`noisy` if it stays past)."""
+    best = None
+    for rnd in range(1, max(0, args.remeasure) + 2):
+        ts = run_times(args, b, s, n, k)
+        t = noise.Timing((statistics.median(ts),), noise.spread(ts), rnd, samples=[(x,) for x in ts])
+        if best is None or t.spread < best.spread:
+            best = t
+        best.rounds = rnd
+        if best.spread <= args.max_spread:
+            return best
+    best.noisy = True
+    return best
+
+
+class Unpriced(SystemExit):
+    """A run the table cannot price (outside its grid); `shape` names it."""
+
+    def __init__(self, shape, message: str):
+        super().__init__(message)
+        self.shape = shape
+
+
+def default_shapes(args, targets) -> list:
+    """DEFAULT_SHAPES as far as every table prices them: for a TeraPipe file alone, a run longer
+    than the file's longest slice is cut into 2, 4 or 8 uniform token slices (sliced runs also
+    calibrate the per-slice overhead); a run no table can price is left out."""
+    sliced = [k for k, _ in targets] == ["terapipe"]
+    shapes = []
+    for b, s, n, _ in parse_shapes(DEFAULT_SHAPES):
+        for k in ((1, 2, 4, 8) if sliced else (1,)):
+            if s % k == 0 and _prices(args, targets, (b, s, n, k)):
+                shapes.append((b, s, n, k))
+                break
+    if len(shapes) < 3:
+        raise SystemExit(f"calibrate: the table(s) price only {len(shapes)} of the default runs {DEFAULT_SHAPES}; "
+                         "give --shapes MBSxSEQxCOUNT,... inside the profiled grid (3 at least)")
+    return shapes
+
+
+def _prices(args, targets, shape) -> bool:
+    try:
+        for kind, path in targets:
+            (dynapipe_predictor if kind == "dynapipe" else terapipe_predictor)(path, args, [shape])
+    except Unpriced:
+        return False
+    return True
 
 
 def dynapipe_predictor(path: str, args, shapes):
@@ -119,8 +226,8 @@ def dynapipe_predictor(path: str, args, shapes):
     for b, s, n, _ in shapes:
         c = group_costs(planner, "gpt", [(b, s)] * n, "none")
         if c is None:
-            raise SystemExit(f"calibrate: {path} has no finite cost for micro-batches of {b}x{s}; pick --shapes "
-                             "inside its profiled grid")
+            raise Unpriced((b, s, n, 1), f"calibrate: {path} has no finite cost for micro-batches of {b}x{s}; pick "
+                                         "--shapes inside its profiled grid")
         base.append((c, one_f_one_b(planner.S, list(range(n)))))
 
     def predict(scale, overhead):
@@ -143,9 +250,9 @@ def terapipe_predictor(path: str, args, shapes):
         model.calibration = HostCalibration(scale, overhead, 0.0)
         stage_ms = lambda b, ln, c: model.stage_ms(b, ln, c, per_stage)  # noqa: E731
         return [pipelined_ms(slice_times(stage_ms, b, uniform_slices(s, k)) * n, pp) for b, s, n, k in shapes]
-    for (b, s, n, _), ms in zip(shapes, predict(1.0, 0.0)):
+    for (b, s, n, k), ms in zip(shapes, predict(1.0, 0.0)):
         if not np.isfinite(ms):
-            raise SystemExit(f"calibrate: {path} has no finite latency for micro-batches of {b}x{s} (its grid: "
+            raise Unpriced((b, s, n, k), f"calibrate: {path} has no finite latency for micro-batches of {b}x{s} (its grid: "
                              f"micro-batch sizes {model.mbs}, lengths {model.seq}); pick --shapes inside it")
     return predict
 
@@ -182,21 +289,47 @@ def main(argv=None) -> int:
     if not targets:
         print("calibrate: error: give --dynapipe-cost-model and/or --terapipe-cost-model", file=sys.stderr)
         return 2
+    if args.iters <= args.warmup:
+        print("calibrate: error: --iters must exceed --warmup", file=sys.stderr)
+        return 2
+    if not args.max_spread > 0 or args.remeasure < 0 or not args.max_fit_error > 0:
+        print("calibrate: error: --max-spread and --max-fit-error must be > 0, --remeasure >= 0", file=sys.stderr)
+        return 2
+    if args.shapes is None:
+        _flag(args.trainer_args, "--num-layers")  # the model first: its absence is the clearer message
+        args.shapes = default_shapes(args, targets)
     if args.dynapipe_cost_model and any(k > 1 for *_, k in args.shapes):
         print("calibrate: error: --shapes with token slices (a 4th number) calibrate a TeraPipe latency file; "
               "give --terapipe-cost-model alone, or drop the slices for --dynapipe-cost-model", file=sys.stderr)
         return 2
-    if args.iters <= args.warmup:
-        print("calibrate: error: --iters must exceed --warmup", file=sys.stderr)
-        return 2
     from megatron.planner.cost.calibration import fit
     predictors = {k: (dynapipe_predictor if k == "dynapipe" else terapipe_predictor)(p, args, args.shapes)
                   for k, p in targets}
+    check_trainer_args(args, args.shapes)
+    line = noise.host_load_line()
+    if line:
+        print(line, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    measured = []
+    measured, noisy = [], []
+    progress = noise.Progress(len(args.shapes))
     for b, s, n, k in args.shapes:
-        measured.append(measure(args, b, s, n, k))
-        print(json.dumps({"run": shape_name((b, s, n, k)), "measured_ms": round(measured[-1], 1)}), flush=True)
+        step = progress.next()
+        m = measure(args, b, s, n, k)
+        t = m if isinstance(m, noise.Timing) else noise.Timing((float(m),), 0.0)
+        measured.append(t.values[0])
+        if t.noisy:
+            noisy.append(f"{shape_name((b, s, n, k))}: spread {t.spread:.0%} over {len(t.samples)} iterations "
+                         f"(min {min(x for x, in t.samples):.1f} ms, median {t.values[0]:.1f} ms)")
+        print(json.dumps({"run": shape_name((b, s, n, k)), "measured_ms": round(measured[-1], 1),
+                          "spread": round(t.spread, 3), "runs": t.rounds}), flush=True)
+        print(f"calibrate: {step} run {shape_name((b, s, n, k))}: {measured[-1]:.1f} ms, spread {t.spread:.0%}",
+              file=sys.stderr, flush=True)
+    if noisy:
+        print(f"calibrate: error: {len(noisy)} of {len(measured)} runs stayed noisier than --max-spread "
+              f"{args.max_spread:g} after {args.remeasure} re-run(s) ({'; '.join(noisy[:3])}); the host is busy, "
+              "nothing written. Re-run when it is idle, or pass a larger --max-spread.", file=sys.stderr)
+        return 1
+    status = 0
     for kind, path in targets:
         cal = fit(measured, predictors[kind])
         pred = np.asarray(predictors[kind](cal.compute_scale, cal.op_overhead_ms)) + cal.step_overhead_ms
@@ -205,9 +338,20 @@ def main(argv=None) -> int:
                          "trainer_args": " ".join(args.trainer_args), "seconds": round(time.perf_counter() - t0, 1),
                          "source": "megatron.profiling.calibrate"})
         print(json.dumps({"file": path, "calibration": cal.to_dict()}), flush=True)
+        rms = cal.meta["rms_error"]
+        if rms > args.max_fit_error:
+            i = int(np.argmax(np.abs(pred - np.asarray(measured)) / np.asarray(measured)))
+            print(f"calibrate: {'warning' if args.dry_run else 'error'}: the fit for {path} misses the runs by "
+                  f"{rms:.1%} rms (past --max-fit-error {args.max_fit_error:g}; worst {shape_name(args.shapes[i])}: "
+                  f"predicted {pred[i]:.1f} ms vs {measured[i]:.1f} ms measured): the table does not describe this "
+                  "model on this host (profiled on a busy host, or for another model?)"
+                  + ("" if args.dry_run else "; not stored") + ". Re-profile it here when the host is idle.",
+                  file=sys.stderr, flush=True)
+            status = status if args.dry_run else 1
+            continue
         if not args.dry_run:
             write_calibration(path, cal)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

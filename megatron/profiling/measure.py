@@ -15,13 +15,12 @@ backward from an output gradient. Three kinds of numbers come out:
 """
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from megatron.profiling import noise
 from megatron.profiling.memory_probe import probe
 
 
@@ -49,6 +48,7 @@ class Result:
     backward_ms: float
     stored_bytes: int  # saved for backward, all measured layers together
     peak_bytes: int  # highest live activation memory during forward+backward, inputs included
+    timing: Optional[noise.Timing] = None  # spread and rounds of the time (profiling/noise.py)
 
 
 def _sync(device: torch.device) -> None:
@@ -64,34 +64,44 @@ def _ensure_grads(module: torch.nn.Module) -> None:
             p.grad = torch.zeros_like(p)
 
 
-STATISTICS = {"median": statistics.median, "min": min}
+STATISTICS = noise.STATISTICS
+
+
+def time_cell(w: Workload, device: torch.device, warmup: int, iters: int,
+              max_seconds: Optional[float], agree: Callable[[bool], bool] = lambda x: x,
+              statistic: str = "median", max_spread: float = float("inf"),
+              remeasure: int = 0) -> noise.Timing:
+    """Forward and backward ms of the workload as a `noise.Timing` (statistic over the timed
+    iterations, their spread, re-measured past `max_spread`). Raises ShapeInfeasible past
+    `max_seconds` for one forward+backward, judged on the first iteration; `agree` makes every
+    TP rank take the same decisions (one rank leaving while the others enter a collective would hang)."""
+    first = [True]
+
+    def sample(i):
+        inputs = w.make_inputs()
+        _sync(device)
+        t0 = noise.clock()
+        out = w.run(*inputs)
+        _sync(device)
+        t1 = noise.clock()
+        out.backward(torch.ones_like(out))
+        _sync(device)
+        t2 = noise.clock()
+        if first[0] and max_seconds is not None and agree(t2 - t0 > max_seconds):
+            raise ShapeInfeasible(f"one forward+backward took over --max-seconds-per-shape {max_seconds}s")
+        first[0] = False
+        del out, inputs
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+    return noise.repeat(sample, warmup, iters, statistic=statistic, max_spread=max_spread,
+                        remeasure=remeasure, agree=agree)
 
 
 def time_workload(w: Workload, device: torch.device, warmup: int, iters: int,
                   max_seconds: Optional[float], agree: Callable[[bool], bool] = lambda x: x,
                   statistic: str = "median") -> tuple:
-    """(forward ms, backward ms): median (or min) over the timed iterations. Raises ShapeInfeasible past `max_seconds`
-    for one forward+backward, judged on the first iteration; `agree` makes every TP rank take
-    the same decision (one rank leaving while the others enter a collective would hang)."""
-    fwd, bwd = [], []
-    for i in range(warmup + iters):
-        inputs = w.make_inputs()
-        _sync(device)
-        t0 = time.perf_counter()
-        out = w.run(*inputs)
-        _sync(device)
-        t1 = time.perf_counter()
-        out.backward(torch.ones_like(out))
-        _sync(device)
-        t2 = time.perf_counter()
-        if i == 0 and max_seconds is not None and agree(t2 - t0 > max_seconds):
-            raise ShapeInfeasible(f"one forward+backward took over --max-seconds-per-shape {max_seconds}s")
-        if i >= warmup:
-            fwd.append((t1 - t0) * 1e3)
-            bwd.append((t2 - t1) * 1e3)
-        del out, inputs
-    stat = STATISTICS[statistic]
-    return stat(fwd), stat(bwd)
+    """(forward ms, backward ms): median (or min) over the timed iterations (`time_cell`, once)."""
+    return time_cell(w, device, warmup, iters, max_seconds, agree, statistic).values
 
 
 def memory_workload(w: Workload, device: torch.device) -> tuple:
@@ -106,11 +116,12 @@ def memory_workload(w: Workload, device: torch.device) -> tuple:
 
 def measure(w: Workload, device: torch.device, warmup: int, iters: int,
             max_seconds: Optional[float] = None, agree: Callable[[bool], bool] = lambda x: x,
-            statistic: str = "median") -> Result:
+            statistic: str = "median", max_spread: float = float("inf"), remeasure: int = 0) -> Result:
     """Time and memory of one shape. Raises ShapeInfeasible when it does not fit."""
     try:
         _ensure_grads(w.module)
-        f, b = time_workload(w, device, warmup, iters, max_seconds, agree, statistic)
+        t = time_cell(w, device, warmup, iters, max_seconds, agree, statistic, max_spread, remeasure)
+        f, b = t.values
         stored, peak = memory_workload(w, device)
     except torch.cuda.OutOfMemoryError as e:
         torch.cuda.empty_cache()
@@ -119,4 +130,4 @@ def measure(w: Workload, device: torch.device, warmup: int, iters: int,
         if "can't allocate memory" in str(e) or "out of memory" in str(e):
             raise ShapeInfeasible(f"out of memory: {str(e).splitlines()[0]}") from None
         raise
-    return Result(f, b, stored, peak)
+    return Result(f, b, stored, peak, t)

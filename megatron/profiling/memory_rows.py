@@ -11,6 +11,8 @@ timed. Beside each measurement: what `DynaPipePlanner.stage_costs` predicts for 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from typing import List, Optional
 
@@ -94,6 +96,13 @@ def dynapipe_rows(cm: CostModel, settings=("none", "selective", "full"), shapes=
     dtype = torch.float32 if cm.meta.get("dtype", "float32") == "float32" else torch.bfloat16
     nbytes = torch.finfo(dtype).bits // 8
     cfg, ps = model_config(cm, layers), ParallelState()
+    longest = max(max(s[1:]) for s in shapes)
+    if longest > cfg.max_position_embeddings:
+        # A shape past the table's grid prices the planner's extrapolation; the model run beside it
+        # needs positions that far (only the first stage's position table grows).
+        cfg = dataclasses.replace(cfg, max_position_embeddings=longest, seq_length=longest,
+                                  **({"encoder_seq_length": longest, "decoder_seq_length": longest}
+                                     if cm.kind == "t5" else {}))
     kind = cm.kind
     planners = {pp: _planner(cm, cfg, pp, layers, nbytes) for pp in ((1, 3) if kind == "gpt" else (1, 2))}
     with _seeded(seed, 0, dev.type):

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--iters", type=int, default=5, help="timed iterations")
     g.add_argument("--statistic", choices=["median", "min"], default="median",
                    help="kept over the timed iterations (min resists other processes on a shared CPU)")
+    g.add_argument("--max-spread", type=float, default=None,
+                   help="a shape whose timed iterations spread more than this ((median - min) / min, default 0.5) is "
+                        "re-measured, then refused: nothing is written while a cell stays noisy")
+    g.add_argument("--remeasure", type=int, default=None, help="extra rounds for a noisy shape (default 2)")
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on CUDA, float32 on CPU")
@@ -123,7 +127,8 @@ def spec_from_args(args):
         dtype=args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
         max_seconds=args.max_seconds_per_shape, max_tokens=args.max_tokens, seed=args.seed,
         cpu_threads=args.cpu_threads, statistic=args.statistic, attention_split=args.attention_split,
-        name=args.name or Path(args.output).stem)
+        name=args.name or Path(args.output).stem,
+        **{k: v for k, v in (("max_spread", args.max_spread), ("remeasure", args.remeasure)) if v is not None})
 
 
 def main(argv=None) -> int:
@@ -139,7 +144,13 @@ def main(argv=None) -> int:
         print(f"profile_model: error: --output directory {out.parent} does not exist", file=sys.stderr)
         return 2
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
-    cm = run_profile(spec, log)
+    from megatron.profiling.noise import NoiseLog
+    noise_log = NoiseLog(spec.max_spread)
+    cm = run_profile(spec, log, noise_log)
+    refusal = noise_log.refusal("profile_model")
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 1
     # Write next to the target and rename: an interrupted run never leaves half a file.
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name, suffix=".tmp")
     os.close(fd)

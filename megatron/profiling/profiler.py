@@ -23,6 +23,7 @@ from megatron.core.tensor_parallel.random import get_rng_tracker, model_parallel
 from megatron.planner.cost.attention_cost import fit_grid
 from megatron.planner.cost.cost_model import COMPONENT_AXES, RECOMPUTE_LEVELS, CostModel, Grid, Profile
 from megatron.profiling import components as C
+from megatron.profiling import noise
 from megatron.profiling.measure import STATISTICS, ShapeInfeasible, measure
 
 MB = 1e6  # the cost-model files use decimal megabytes (the DynaPipe tables do too)
@@ -54,6 +55,10 @@ class ProfileSpec:
     # see megatron.planner.cost.attention_cost): packed rows of 1 vs `split_docs` documents.
     attention_split: bool = False
     split_docs: int = 4
+    # profiling/noise.py: a cell whose (median - min) / min is past max_spread is re-measured
+    # up to `remeasure` more rounds, then reported (profile_model refuses to write the file).
+    max_spread: float = noise.MAX_SPREAD
+    remeasure: int = noise.REMEASURE
 
     def __post_init__(self):
         def bad(flag, msg):
@@ -76,6 +81,9 @@ class ProfileSpec:
             bad("--iters/--warmup", f"need iters >= 1 and warmup >= 0, got {self.iters}/{self.warmup}")
         if self.statistic not in STATISTICS:
             bad("--statistic", f"must be one of {sorted(STATISTICS)}, got {self.statistic!r}")
+        if not self.max_spread > 0 or self.remeasure < 0:
+            bad("--max-spread/--remeasure", f"need max-spread > 0 and remeasure >= 0, got {self.max_spread}/"
+                                            f"{self.remeasure}")
         if self.cpu_threads < 1:
             bad("--cpu-threads", f"must be >= 1, got {self.cpu_threads}")
         if self.dtype not in DTYPES:
@@ -118,18 +126,16 @@ def _seeded(seed: int, tp_rank: int, device_type: str):
         torch.set_rng_state(saved[2])
 
 
-def _sweep(spec, axes, run_shape, log, label) -> Dict[str, np.ndarray]:
+def _sweep(spec, axes, run_shape, log, label, noise_log) -> Dict[str, np.ndarray]:
     shape = tuple(len(a) for a in axes)
     out = {q: np.full(shape, np.nan) for q in ("forward_ms", "backward_ms", "stored_mb", "peak_mb")}
     failed = []  # index tuples that did not fit: everything dominating them is skipped
-    total, t0 = int(np.prod(shape)), time.monotonic()
-    for k, idx in enumerate(itertools.product(*[range(n) for n in shape]), 1):
+    progress = noise.Progress(int(np.prod(shape)))
+    for idx in itertools.product(*[range(n) for n in shape]):
         vals = [a[i] for a, i in zip(axes, idx)]
         # A counter with the total and an ETA on every line (the lines come through the TP
         # ranks' queue, so a redrawn tqdm bar would interleave badly).
-        spent = time.monotonic() - t0
-        eta = spent / max(k - 1, 1) * (total - k + 1) if k > 1 else float("nan")
-        label_k = f"[{k}/{total}{'' if eta != eta else f', ETA {eta:.0f}s'}] {label}"
+        label_k = f"{progress.next()} {label}"
         tokens = vals[0] * max(vals[1:])
         why = None
         if any(all(i >= j for i, j in zip(idx, f)) for f in failed):
@@ -147,8 +153,14 @@ def _sweep(spec, axes, run_shape, log, label) -> Dict[str, np.ndarray]:
             continue
         for q, v in zip(out, (r.forward_ms, r.backward_ms, r.stored_bytes / MB, r.peak_bytes / MB)):
             out[q][idx] = v
+        t = r.timing
+        note = ""
+        if t is not None:
+            noise_log.add(f"{label} {vals}", t)
+            note = f" spread {t.spread:.0%}" + (f" ({t.rounds} rounds)" if t.rounds > 1 else "") + \
+                (" NOISY" if t.noisy else "")
         log(f"{label_k} {vals}: fwd {r.forward_ms:.3f} ms bwd {r.backward_ms:.3f} ms "
-            f"stored {r.stored_bytes / MB:.3f} MB peak {r.peak_bytes / MB:.3f} MB")
+            f"stored {r.stored_bytes / MB:.3f} MB peak {r.peak_bytes / MB:.3f} MB{note}")
     return out
 
 
@@ -157,7 +169,7 @@ def profile_rank(spec: ProfileSpec, ps: ParallelState, agree: Callable[[bool], b
     """Everything one TP size contributes, measured on this rank (all TP ranks must call it).
 
     Returns {"tp", "params": {component: (count, bytes)}, "grids": {recompute: {component:
-    {quantity: per-layer array}}}}. `agree(flag)` ORs a flag over the TP group so every rank
+    {quantity: per-layer array}}}, "noise": `noise.NoiseLog`}. `agree(flag)` ORs a flag over the TP group so every rank
     skips the same shapes (a rank alone leaving a collective would hang the others)."""
     device = torch.device(spec.device)
     if device.type == "cpu":
@@ -165,6 +177,8 @@ def profile_rank(spec: ProfileSpec, ps: ParallelState, agree: Callable[[bool], b
     dtype = DTYPES[spec.dtype]
     n, tp, cfg = spec.layers, ps.tp_size, spec.model
     cap = spec.max_seconds
+    noise_log = noise.NoiseLog(spec.max_spread)
+    timing = dict(max_spread=spec.max_spread, remeasure=spec.remeasure)
 
     def fits(fn):
         try:
@@ -189,28 +203,28 @@ def profile_rank(spec: ProfileSpec, ps: ParallelState, agree: Callable[[bool], b
             for comp, block in mods.items():
                 def run(mbs, seq, dec=None, block=block, rc=rc):
                     w = C.layer_workload(block, cfg, rc, mbs, seq, device, dtype, dec)
-                    r = fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree, spec.statistic))
+                    r = fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree, spec.statistic, **timing))
                     r.forward_ms, r.backward_ms = r.forward_ms / n, r.backward_ms / n
                     r.stored_bytes //= n
                     # The stack peaks at (n - 1) layers' stored memory plus one layer's peak; the
                     # planner adds them back the same way for a stage of any depth.
                     r.peak_bytes = max(r.peak_bytes - (n - 1) * r.stored_bytes, r.stored_bytes)
                     return r
-                grids[rc][comp] = _sweep(spec, spec.axes(comp), run, log, f"tp{tp} {rc} {comp}")
+                grids[rc][comp] = _sweep(spec, spec.axes(comp), run, log, f"tp{tp} {rc} {comp}", noise_log)
             if post is None:  # the head is never recomputed: one sweep serves every level
                 def run_post(mbs, seq):
                     w = C.postprocess_workload(head, cfg, mbs, seq, device, dtype)
-                    return fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree, spec.statistic))
-                post = _sweep(spec, spec.axes("postprocess"), run_post, log, f"tp{tp} postprocess")
+                    return fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree, spec.statistic, **timing))
+                post = _sweep(spec, spec.axes("postprocess"), run_post, log, f"tp{tp} postprocess", noise_log)
             if pre is None:  # nor is the embedding
                 def run_pre(mbs, seq):
                     w = C.preprocess_workload(emb, cfg, mbs, seq, device)
-                    return fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree, spec.statistic))
-                pre = _sweep(spec, spec.axes("preprocess"), run_pre, log, f"tp{tp} preprocess")
+                    return fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree, spec.statistic, **timing))
+                pre = _sweep(spec, spec.axes("preprocess"), run_pre, log, f"tp{tp} preprocess", noise_log)
             grids[rc]["postprocess"] = post
             grids[rc]["preprocess"] = pre
         doc_quad = _measure_doc_quad(spec, mods, grids, device, dtype, fits, log) if spec.attention_split else {}
-    return {"tp": tp, "params": params, "grids": grids, "doc_quad": doc_quad}
+    return {"tp": tp, "params": params, "grids": grids, "doc_quad": doc_quad, "noise": noise_log}
 
 
 def _measure_doc_quad(spec, mods, grids, device, dtype, fits, log) -> dict:
@@ -272,6 +286,7 @@ def to_cost_model(spec: ProfileSpec, results: List[dict], meta: dict) -> CostMod
     meta = dict(meta, units={"time": "ms", "memory": "MB (1e6 bytes)"}, parameters=params,
                 dtype=spec.dtype, profiler={"cpu_threads_per_rank": spec.cpu_threads,"layers_per_measurement": spec.layers, "warmup": spec.warmup,
                                              "iters": spec.iters, "statistic": spec.statistic,
+                                             "max_spread": spec.max_spread, "remeasure": spec.remeasure,
                                              "max_seconds": spec.max_seconds, "max_tokens": spec.max_tokens})
     cm = CostModel(spec.name, model, profiles, meta)
     cm.attention_splits.update(splits)
@@ -285,23 +300,52 @@ def describe_device(device: str) -> str:
     return f"CPU {platform.processor() or platform.machine()}, torch {torch.__version__}"
 
 
-def run_profile(spec: ProfileSpec, log: Callable[[str], None] = lambda s: None) -> CostModel:
-    """Profile every TP size of `spec` (TP > 1 in spawned ranks) and return the cost model."""
+def implausible_warnings(spec: ProfileSpec, results: List[dict]) -> List[str]:
+    """`noise.implausible_lines` over every measured time grid (forward + backward per layer)."""
+    lines = []
+    for res in results:
+        for rc, comps in res["grids"].items():
+            for comp, q in comps.items():
+                if rc != next(iter(res["grids"])) and comp in ("preprocess", "postprocess"):
+                    continue  # shared by every recompute level: checked once
+                total = q["forward_ms"] + q["backward_ms"]
+                lines += noise.implausible_lines(total, spec.axes(comp), ["mbs", "seq", "decoder seq"],
+                                                 f"tp{res['tp']} {rc} {comp} forward+backward")
+    return lines
+
+
+def run_profile(spec: ProfileSpec, log: Callable[[str], None] = lambda s: None,
+                noise_log: Optional[noise.NoiseLog] = None) -> CostModel:
+    """Profile every TP size of `spec` (TP > 1 in spawned ranks) and return the cost model.
+    The cells' spreads are collected in `noise_log` (its `refusal` says whether any stayed noisy)."""
     from megatron.profiling.launch import run_tp_ranks
     t0 = time.perf_counter()
     results = []
+    if not spec.device.startswith("cuda"):
+        line = noise.host_load_line()
+        if line:
+            log(line)
     for tp in spec.tps:
         if tp > 1:
             results.append(run_tp_ranks(spec, tp, log, profile_rank))
             continue
-        threads = torch.get_num_threads()
-        if not spec.device.startswith("cuda"):
-            torch.set_num_threads(spec.cpu_threads)
-        try:
+        if spec.device.startswith("cuda"):
             results.append(profile_rank(spec, ParallelState(), log=log))
-        finally:
-            torch.set_num_threads(threads)
+            continue
+        with noise.pin_threads(spec.cpu_threads):
+            results.append(profile_rank(spec, ParallelState(), log=log))
+    nl = noise_log if noise_log is not None else noise.NoiseLog(spec.max_spread)
+    for res in results:
+        rl = res.pop("noise", None)
+        if rl is not None:
+            nl.spreads += rl.spreads
+            nl.remeasured += rl.remeasured
+            nl.cells += rl.cells
+    warnings = implausible_warnings(spec, results)
+    for line in warnings:
+        log(line)
+    log(f"timing noise: {nl.summary()}")
     meta = {"device": describe_device(spec.device), "source": "megatron.profiling.profile_model",
-            "profile_seconds": round(time.perf_counter() - t0, 1)}
+            "profile_seconds": round(time.perf_counter() - t0, 1),
+            "noise": {"summary": nl.summary(), "implausible_cells": len(warnings)}}
     return to_cost_model(spec, results, meta)
-

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import os
+import statistics
 import sys
 import time
 from typing import Optional
@@ -81,6 +83,16 @@ def planner_line(info: dict, measured_s: float) -> str:
     return " | ".join(parts) + " |"
 
 
+def _busy_host() -> str:
+    """A note when the 1-minute load average exceeds the cores (other jobs slow every step)."""
+    try:
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    except (AttributeError, OSError):
+        return ""
+    return (f"but the host is busy (load average {load:.1f} on {cores} cores), so the measured time is not only "
+            "this job's: judge the cost model on an idle host") if load > cores else ""
+
+
 class MetricsLogger:
     def __init__(self, cfg: MegatronConfig, ps: ParallelState, flops_per_sample: float):
         self.cfg, self.ps = cfg, ps
@@ -91,6 +103,7 @@ class MetricsLogger:
         self._skipped_before_window = 0
         self._printed_any = False
         self._drift_warned = False
+        self._drift = []  # measured / simulated iteration time, one per planned iteration after the first
         if self.active and cfg.logging.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -122,6 +135,9 @@ class MetricsLogger:
             self.nan_iters += 1
         self.time_s += out["time_s"]
         self.tokens += out.get("real_tokens", out["tokens"])
+        sim = (out.get("planner") or {}).get("simulated_ms")
+        if sim and iteration > 1:  # the first iteration pays one-time set-up the model does not price
+            self._drift.append(out["time_s"] * 1e3 / sim)
         if self.writer is not None:
             self.writer.add_scalar("lm loss", loss, iteration)
             self.writer.add_scalar("learning-rate", lr, iteration)
@@ -155,9 +171,10 @@ class MetricsLogger:
         info = out.get("planner") or {}
         if info:
             print(planner_line(info, out["time_s"]), flush=True)
-            sim = info.get("simulated_ms")
-            if sim and not self._drift_warned and iteration > 1:
-                ratio = out["time_s"] * 1e3 / sim
+            # Judged on the median of the iterations so far (3 at least): one iteration slowed by
+            # another process on the host is not the cost model's fault.
+            if not self._drift_warned and len(self._drift) >= 3:
+                ratio = statistics.median(self._drift)
                 if ratio > 3.0 or ratio < 1 / 3.0:
                     self._drift_warned = True
                     # TeraPipe plans from its own latency model, DynaPipe from the per-layer cost model.
@@ -167,9 +184,11 @@ class MetricsLogger:
                             "megatron.profiling.calibrate --terapipe-cost-model FILE -- <model flags>, then "
                             "--terapipe-cost-model FILE" if info.get("planner") == "terapipe"
                             else "experiment_scripts/gen_cost_model.sh, which also calibrates it on CPU")
-                    print(f"WARNING: measured iteration time is {ratio:.1f}x the planner's simulated time; the cost "
+                    busy = _busy_host()
+                    print(f"WARNING: measured iteration time is {ratio:.1f}x the planner's simulated time (median of "
+                          f"{len(self._drift)} iterations); the cost "
                           "model does not describe this model or device, so plans (and memory) are unreliable: "
-                          f"profile it here ({tool})", file=sys.stderr, flush=True)
+                          f"profile it here ({tool})" + (f"; {busy}" if busy else ""), file=sys.stderr, flush=True)
         if self.writer is not None:
             for key in ("padding_efficiency", "planning_ms", "simulated_ms"):
                 if key in info:

@@ -3,6 +3,7 @@ planner, trainer, checkpoints. `run_pretraining(cfg)` returns the process exit c
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import traceback
 from typing import Callable
@@ -165,6 +166,24 @@ def supervised_source(cfg: MegatronConfig, ps, tokenizer, planner, shapes_fn):
     return source
 
 
+def report_failure(ps, what: str, message: str, trace: str = "", exc: BaseException = None) -> None:
+    """How a rank reports the error that ended its run: rank 0 in full (the traceback of an
+    unexpected error), every other rank one short line (its own error's first line and where it
+    was raised, which names the culprit when only that rank failed). A message that already
+    starts with this rank's description is not prefixed twice."""
+    who = ps.describe()
+    text = message[len(who) + 2:] if message.startswith(who + ": ") else message
+    if ps.rank == 0:
+        print(f"{who}: {what}:" + (f"\n{trace}" if trace else f" {text}"), file=sys.stderr, flush=True)
+        return
+    first = (text.strip().splitlines() or [""])[0]
+    where = ""
+    if exc is not None and exc.__traceback__ is not None:
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        where = f" (at {os.path.relpath(frame.filename)}:{frame.lineno})"
+    print(f"{who}: {what}: {first[:300]}{where}; rank 0 reports the job's failure", file=sys.stderr, flush=True)
+
+
 def _save_whole(trainer) -> None:
     """save_checkpoint with Ctrl-C held back until the checkpoint is complete and named."""
     with interrupt.deferred():
@@ -211,12 +230,12 @@ def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int
     except CheckpointError as e:
         if interrupt.received():
             return interrupt.report(cfg.checkpoint.save, trainer)
-        print(f"{ps.describe()}: checkpoint error: {e}", file=sys.stderr, flush=True)
+        report_failure(ps, "checkpoint error", str(e))
         return 1
-    except Exception:
+    except Exception as e:
         if interrupt.received():  # a peer stopped first and our collective failed: same Ctrl-C
             return interrupt.report(cfg.checkpoint.save, trainer)
-        print(f"{ps.describe()}: training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        report_failure(ps, "training failed", f"{type(e).__name__}: {e}", traceback.format_exc(), e)
         return 1
     finally:
         from megatron.core import heartbeat

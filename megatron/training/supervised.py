@@ -133,7 +133,12 @@ class _SupervisedSource:
         out = pack_samples(seqs, seq + 1, pad_id=self.ids["pad"], loss_starts=starts,
                            rows=[[at[i] for i in r] for r in rows])
         mb = _tensors({k: v[:, :seq] for k, v in out.items()})
-        mb["num_real_tokens"] = int((mb["segment_ids"] > 0).sum())
+        # Count what the padded collate counts for the same samples (`collate_supervised_gpt`:
+        # a sample of L tokens is L - 1 inputs, each with its next token as label): a position
+        # is real when the next one in its row belongs to the same sample. Counting every
+        # segment position added one per sample, and the modes' "consumed tokens" disagreed.
+        seg = out["segment_ids"]
+        mb["num_real_tokens"] = int(((seg[:, :seq] > 0) & (seg[:, 1:seq + 1] == seg[:, :seq])).sum())
         return mb
 
     def microbatches(self, lo: int, group) -> List[dict]:

@@ -251,3 +251,17 @@ def test_ctrl_c_during_a_checkpoint_save_waits_for_it():
         assert done == ["the save finished"] and interrupt.received()
     finally:
         interrupt.uninstall()
+
+
+def test_data_path_without_a_tokenizer_is_one_line_before_any_process_group(tmp_path):
+    """What the user types: torchrun with --data-path and no --tokenizer-type. One line from
+    rank 0 (no traceback from every rank), exit 2, before the ranks build a process group."""
+    prefix = _dataset(tmp_path / "c", 50)
+    r = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "pretrain_gpt.py", *MODEL,
+              "--pipeline-model-parallel-size", "2", "--data-path", prefix], timeout=300)
+    mine = [x for x in r.stderr.splitlines() if "pretrain_gpt.py" in x and "error" in x]
+    assert r.returncode != 0 and "Traceback (most recent call last):\n  File \"" + str(ROOT) not in r.stderr
+    assert mine == ["pretrain_gpt.py: error: --data-path needs --tokenizer-type (with the tokenizer's files, e.g. "
+                    "GPTSentencePieceTokenizer --tokenizer-model FILE) or --vocab-size: the vocabulary size is "
+                    "unknown"]
+    assert "ConfigError" not in r.stderr and "process group" not in r.stderr.lower()

@@ -35,6 +35,14 @@ def test_gpt_memory_past_the_grid_where_the_fit_is_trusted():
     assert abs(rows[0]["error"]) < 0.02 and abs(rows[0]["peak_error"]) < 0.02
 
 
+def test_a_stage_with_the_embedding_runs_past_the_tables_positions():
+    """bench_memory_model.py's default shapes end at (1, 768), past the table's 512 positions:
+    the first stage (position embedding) is built long enough instead of an IndexError."""
+    cm = CostModel.load(CM / "cpu_tiny_gpt.json")
+    row, = dynapipe_rows(cm, ("full",), shapes=[(1, 768)], roles=["first"])
+    assert row["seq"] == 768 and row["measured_bytes"] > 0 and abs(row["error"]) < 0.05
+
+
 def test_t5_stages_within_5_percent():
     cm = CostModel.load(CM / "cpu_tiny_t5.json")
     _check(list(dynapipe_rows(cm, SETTINGS, shapes=[(2, 48, 24)])))

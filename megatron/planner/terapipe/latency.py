@@ -26,7 +26,6 @@ Sources of a model (file format "megatron-terapipe-latency", version 1, JSON):
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -216,14 +215,16 @@ def from_cost_model(cost_model, tp: int = 1, recompute: str = "none", p2p_gbps: 
 
 
 # ---------------------------------------------------------------------------- profiling
-def time_layer_slice(layer, b: int, l: int, c: int, hidden: int, repeats: int = 3) -> float:
-    """Fastest ms of forward + backward of `layer` on a slice of l tokens after c cached ones
-    (the minimum: on a shared CPU other processes only ever add time, as in megatron.profiling)."""
+def time_layer_slice(layer, b: int, l: int, c: int, hidden: int, repeats: int = 3, **noise_kw):
+    """Forward + backward of `layer` on a slice of l tokens after c cached ones, as a
+    `noise.Timing` whose value is the fastest ms (on a shared CPU other processes only ever add
+    time, as in megatron.profiling), with its spread; re-measured past `max_spread`."""
     import torch
 
     from megatron.models.sliced_attention import SequenceKVCache
-    times = []
-    for _ in range(repeats + 1):
+    from megatron.profiling import noise
+
+    def sample(_):
         cache = SequenceKVCache(0, 0)
         if c:
             with torch.no_grad():
@@ -231,43 +232,73 @@ def time_layer_slice(layer, b: int, l: int, c: int, hidden: int, repeats: int = 
                 layer(torch.randn(c, b, hidden), kv_cache=cache)
                 cache.end()
         x = torch.randn(l, b, hidden, requires_grad=True)
-        t0 = time.perf_counter()
+        t0 = noise.clock()
         cache.begin(c, l)
         y = layer(x, kv_cache=cache)
         rec = cache.end()
         kv, _ = cache.output_grads(rec)
         torch.autograd.backward([y], [torch.ones_like(y)])
         cache.accumulate(rec)
-        times.append((time.perf_counter() - t0) * 1e3)
+        ms = (noise.clock() - t0) * 1e3
         del kv
-    return float(min(times[1:]))
+        return (ms,)
+    return noise.repeat(sample, 1, repeats, statistic="min", **noise_kw)
 
 
 def profile_cpu_model(model_cfg, mbs: Sequence[int], seqs: Sequence[int], contexts: Sequence[int],
-                      repeats: int = 3, seed: int = 1234) -> SliceLatencyModel:
-    """Profile one layer of `model_cfg` here (TP=1): t(b, l, 0) on the mbs x seqs grid, then
-    t(b, l, c) - t(b, l, 0) on mbs x seqs x contexts, fitted with `fit_context`."""
+                      repeats: int = 3, seed: int = 1234, *, threads: int = 1, max_spread: float = float("inf"),
+                      remeasure: int = 0, noise_log=None, log=lambda s: None) -> SliceLatencyModel:
+    """Profile one layer of `model_cfg` here (TP=1, `threads` torch threads): t(b, l, 0) on the
+    mbs x seqs grid, then t(b, l, c) - t(b, l, 0) on mbs x seqs x contexts, fitted with
+    `fit_context`. Every cell's spread goes to `noise_log` (profiling/noise.py); implausible
+    cells and a context term fitted to nothing are warned about through `log`."""
     import torch
 
     from megatron.core.host_memory import keep_freed_host_memory
     from megatron.models.transformer import TransformerLayer
+    from megatron.profiling import noise
     keep_freed_host_memory()  # the allocator the CPU trainer runs with (initialize.py)
     torch.manual_seed(seed)
     layer = TransformerLayer(model_cfg, None, layer_number=0, num_layers_total=1, seed=seed, key="profile")
     h = model_cfg.hidden_size
-    measured = np.array([[time_layer_slice(layer, b, l, 0, h, repeats) for l in seqs] for b in mbs])
+    nl = noise_log if noise_log is not None else noise.NoiseLog(max_spread)
+    ctx = [c for c in contexts if c > 0]
+    progress = noise.Progress(len(mbs) * len(seqs) * (1 + len(ctx)))
+
+    def cell(b, l, c):
+        t = nl.add(f"t(b={b}, l={l}, c={c})", time_layer_slice(layer, b, l, c, h, repeats, max_spread=max_spread,
+                                                              remeasure=remeasure))
+        log(f"{progress.next()} t(b={b}, l={l}, c={c}) = {t.values[0]:.3f} ms, spread {t.spread:.0%}"
+            + (f" ({t.rounds} rounds)" if t.rounds > 1 else "") + (" NOISY" if t.noisy else ""))
+        return t.values[0]
+
+    with noise.pin_threads(threads):
+        measured = np.array([[cell(b, l, 0) for l in seqs] for b in mbs])
+        with_ctx = np.array([[[cell(b, l, c) for c in ctx] for l in seqs] for b in mbs]).reshape(len(mbs), len(seqs), len(ctx))
     t0 = monotone_table(measured)
-    pts = []
-    for i, b in enumerate(mbs):
-        for j, l in enumerate(seqs):
-            for c in contexts:
-                if c > 0:
-                    pts.append((b, l, c, time_layer_slice(layer, b, l, c, h, repeats) - measured[i, j]))
+    pts = [(b, l, c, with_ctx[i, j, k] - measured[i, j]) for i, b in enumerate(mbs) for j, l in enumerate(seqs)
+           for k, c in enumerate(ctx)]
     coef = fit_context(pts)
+    warnings = noise.implausible_lines(measured, [mbs, seqs], ["b", "l"], "t(b, l, 0)")
+    if ctx:
+        warnings += noise.implausible_lines(with_ctx, [mbs, seqs, ctx], ["b", "l", "c"], "t(b, l, c)")
+        dts = np.array([p[3] for p in pts])
+        b, l, c = max(mbs), max(seqs), max(ctx)
+        extra = coef[0] * b * l + coef[1] * b * c + coef[2] * b * l * c
+        if extra < 0.01 * t0[-1, -1]:  # attending to c more keys is never free
+            warnings.append(f"WARNING: the context term fitted to context_coef [{', '.join(f'{x:.3g}' for x in coef)}]: "
+                            f"{extra:.3g} ms for {c} context tokens at b={b}, l={l}, under 1% of t(b, l, 0) = "
+                            f"{t0[-1, -1]:.3g} ms; {int(np.sum(dts <= 1e-9))} of {len(dts)} measured t(b, l, c) - "
+                            f"t(b, l, 0) are <= 0 (median {np.median(dts):.3g} ms): timing noise from a busy host, "
+                            "re-profile when it is idle")
+    for w in warnings:
+        log(w)
+    log(f"timing noise: {nl.summary()}")
     meta = {"origin": "profiled on CPU with megatron.planner.terapipe.latency.profile_cpu_model",
             "model": {"hidden_size": h, "num_attention_heads": model_cfg.num_attention_heads,
                       "ffn_hidden_size": model_cfg.ffn_hidden_size},
-            "contexts": list(contexts), "threads": torch.get_num_threads(),
+            "contexts": list(contexts), "threads": threads, "repeats": repeats,
+            "noise": {"summary": nl.summary(), "warnings": len(warnings)},
             "fit": "context term by non-negative least squares; t(b, l, 0) made non-decreasing by running maxima "
                    f"(raised {int(np.sum(t0 > measured))} of {t0.size} measured points)"}
     return SliceLatencyModel(mbs, seqs, t0, coef, hidden_size=h, meta=meta)
@@ -275,8 +306,10 @@ def profile_cpu_model(model_cfg, mbs: Sequence[int], seqs: Sequence[int], contex
 
 def main(argv=None) -> int:
     import argparse
+    import sys
 
     from megatron.config.core import ModelConfig
+    from megatron.profiling import noise
     p = argparse.ArgumentParser(prog="python -m megatron.planner.terapipe.latency",
                                 description="Profile (or derive) TeraPipe's latency model t(b, l, c) and save it.")
     p.add_argument("--output", required=True)
@@ -287,18 +320,47 @@ def main(argv=None) -> int:
     p.add_argument("--mbs", default="1,2")
     p.add_argument("--seqs", default="8,16,32,64")
     p.add_argument("--contexts", default="16,64,128")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per cell (the fastest is kept)")
+    p.add_argument("--cpu-threads", type=int, default=1,
+                   help="torch threads while profiling (default 1, as each rank of a CPU pipeline whose ranks "
+                        "share the cores runs)")
+    p.add_argument("--max-spread", type=float, default=noise.MAX_SPREAD,
+                   help="a cell whose repeats spread more ((median - min) / min) is re-measured, then refused: "
+                        "nothing is written while one stays noisy (default %(default)s)")
+    p.add_argument("--remeasure", type=int, default=noise.REMEASURE, help="extra rounds for a noisy cell")
+    p.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
     a = p.parse_args(argv)
     if a.from_cost_model:
         from megatron.planner.cost.cost_model import CostModel
         m = from_cost_model(CostModel.load(a.from_cost_model), a.tp)
     else:
-        ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+        def ints(flag, text):
+            try:
+                vals = [int(x) for x in text.split(",") if x.strip()]
+            except ValueError:
+                vals = []
+            if not vals or min(vals) < 0 or (flag != "--contexts" and min(vals) < 1):
+                p.error(f"{flag} takes comma-separated positive integers, got {text!r}")
+            return vals
+        mbs, seqs, ctxs = ints("--mbs", a.mbs), ints("--seqs", a.seqs), ints("--contexts", a.contexts)
+        if a.repeats < 1 or a.cpu_threads < 1 or not a.max_spread > 0 or a.remeasure < 0:
+            p.error("--repeats and --cpu-threads must be >= 1, --max-spread > 0, --remeasure >= 0")
+        if not any(c > 0 for c in ctxs):
+            p.error("--contexts needs a positive context length (the context term is fitted on them)")
         cfg = ModelConfig(num_layers=1, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
-                          seq_length=max(ints(a.seqs)) + max(ints(a.contexts)), vocab_size=128,
-                          max_position_embeddings=max(ints(a.seqs)) + max(ints(a.contexts)),
-                          hidden_dropout=0.0, attention_dropout=0.0)
-        m = profile_cpu_model(cfg, ints(a.mbs), ints(a.seqs), ints(a.contexts), a.repeats)
+                          seq_length=max(seqs) + max(ctxs), vocab_size=128,
+                          max_position_embeddings=max(seqs) + max(ctxs), hidden_dropout=0.0, attention_dropout=0.0)
+        log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+        line = noise.host_load_line()
+        if line:
+            log(line)
+        nl = noise.NoiseLog(a.max_spread)
+        m = profile_cpu_model(cfg, mbs, seqs, ctxs, a.repeats, threads=a.cpu_threads, max_spread=a.max_spread,
+                              remeasure=a.remeasure, noise_log=nl, log=log)
+        refusal = nl.refusal("terapipe_latency")
+        if refusal:
+            print(refusal, file=sys.stderr)
+            return 1
     m.save(a.output)
     print(json.dumps({"output": a.output, "context_coef": m.coef, "meta": m.meta}))
     return 0

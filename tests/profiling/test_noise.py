@@ -1,0 +1,187 @@
+"""profiling/noise.py and the four profilers that use it, with timings injected (a fake clock or
+fake runs): deterministic, whatever else the host is doing."""
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from megatron.profiling import noise
+
+
+class FakeClock:
+    """noise.clock replaced: call i advances the time by step(i) seconds."""
+
+    def __init__(self, step):
+        self.step, self.i, self.t = step, 0, 0.0
+
+    def __call__(self):
+        self.t += self.step(self.i)
+        self.i += 1
+        return self.t
+
+
+def two_call(durations_ms):
+    """For profilers that read the clock twice per sample (start, end): the samples' durations
+    cycle through `durations_ms`."""
+    cyc = itertools.cycle(durations_ms)
+    return FakeClock(lambda i: 0.0 if i % 2 == 0 else next(cyc) / 1e3)
+
+
+def test_quiet_cells_take_one_round():
+    t = noise.repeat(lambda i: (1.0, 2.0), 1, 4)
+    assert t.values == (1.0, 2.0) and t.spread == 0.0 and t.rounds == 1 and not t.noisy
+
+
+def test_a_noisy_round_is_measured_again_and_the_quiet_one_kept():
+    rounds = iter([[9, 1, 9, 9], [1, 1, 1.1, 1]])  # warm-up, then 3 timed, per round
+    cur = []
+
+    def sample(i):
+        if i == 0:
+            cur[:] = next(rounds)
+        return (cur[i],)
+    t = noise.repeat(sample, 1, 3, max_spread=0.5, remeasure=2)
+    assert t.rounds == 2 and not t.noisy and t.spread == pytest.approx(0.0) and t.values == (1.0,)
+
+
+def test_a_cell_that_stays_noisy_is_marked_with_its_numbers():
+    vals = itertools.cycle([1.0, 5.0, 5.0])
+    calls = []
+    t = noise.repeat(lambda i: (next(vals),), 0, 3, max_spread=0.5, remeasure=2,
+                     agree=lambda flag: calls.append(flag) or flag)
+    assert t.noisy and t.rounds == 3 and t.spread == pytest.approx(4.0) and calls == [True] * 3
+    log = noise.NoiseLog(0.5)
+    log.add("cell A", t)
+    msg = log.refusal("tool")
+    assert "1 of 1 cells" in msg and "cell A: spread 400% (min 1 ms, median 5 ms)" in msg and "--max-spread" in msg
+    assert noise.NoiseLog().refusal("tool") is None
+
+
+def test_a_cell_far_above_its_neighbours_is_implausible():
+    grid = np.array([[1.0, 1.2, 1.5], [1.1, 204.0, 1.8], [1.3, 1.7, 2.4]])
+    (idx, v, m), = noise.implausible(grid)
+    assert idx == (1, 1) and v == 204.0 and m == pytest.approx(1.45)
+    line, = noise.implausible_lines(grid, [[1, 2, 4], [8, 16, 32]], ["b", "l"], "t(b, l, 0)")
+    assert "t(b, l, 0) at b=2, l=16 is 204 ms, 141x its neighbours (median 1.45 ms)" in line
+    smooth = np.outer([1, 2, 4], [1, 2, 4, 8]).astype(float)  # times grow with the shape
+    smooth[0, 0] = np.nan
+    assert noise.implausible(smooth) == []
+
+
+def test_progress_eta_and_threads(monkeypatch):
+    now = iter([0.0, 10.0, 30.0])
+    p = noise.Progress(4, clock_fn=lambda: next(now))
+    assert p.next() == "[1/4]"
+    assert p.next() == "[2/4, ETA 30s]"  # 10 s for one cell, three to go
+    assert p.next() == "[3/4, ETA 30s]"  # 15 s a cell, two to go
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert noise.threads_for(ranks=2, cores=2) == 1 and noise.threads_for(ranks=1, cores=8) == 8
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert noise.threads_for(ranks=2, cores=2) == 3
+    assert noise.host_load_line(cores=2, load=1.5) is None
+    assert "load average 7.0 on 2 cores" in noise.host_load_line(cores=2, load=7.0)
+
+
+# ------------------------------------------------------------------ TeraPipe's latency profile
+TP_ARGS = ["--mbs", "1,2", "--seqs", "8,16", "--contexts", "8,16", "--repeats", "3", "--hidden-size", "32"]
+
+
+def test_terapipe_profile_on_a_busy_host_writes_nothing(tmp_path, monkeypatch, capsys):
+    from megatron.planner.terapipe import latency as terapipe_latency
+    monkeypatch.setattr(noise, "clock", two_call([1.0, 200.0, 200.0]))  # 2 of 3 repeats slowed down
+    out = tmp_path / "lat.json"
+    assert terapipe_latency.main(["--output", str(out), *TP_ARGS]) == 1
+    err = capsys.readouterr().err
+    assert not out.exists()
+    assert "terapipe_latency: error: 12 of 12 cells stayed noisier than --max-spread 0.5" in err
+    assert "spread 19900%" in err and "(3 rounds) NOISY" in err and "[12/12, ETA" in err
+
+
+def test_terapipe_profile_quiet_host_writes_and_flags_a_context_term_of_nothing(tmp_path, monkeypatch, capsys):
+    from megatron.planner.terapipe import latency as terapipe_latency
+    monkeypatch.setattr(noise, "clock", two_call([1.0]))  # every cell 1 ms: context costs nothing
+    out = tmp_path / "lat.json"
+    assert terapipe_latency.main(["--output", str(out), *TP_ARGS]) == 0
+    err = capsys.readouterr().err
+    doc = json.loads(out.read_text())
+    assert doc["context_coef"] == pytest.approx([0.0, 0.0, 0.0], abs=1e-9) and doc["meta"]["threads"] == 1
+    assert "WARNING: the context term fitted to context_coef [0, 0, 0]" in err and "8 of 8 measured" in err
+    assert "12 cells, spread (median-min)/min: median 0%, worst 0%; 0 re-measured" in err
+
+
+def test_terapipe_profile_warns_about_a_cell_far_above_its_neighbours(monkeypatch):
+    from megatron.config.core import ModelConfig
+    from megatron.planner.terapipe.latency import profile_cpu_model
+    # cells in order (b, l) = (1,8), (1,16), (2,8), (2,16), then the context cells; each cell is a
+    # warm-up and 3 repeats: the third cell is 300 ms in every repeat (quiet, but implausible)
+    per_cell = [1.0, 1.1, 300.0, 1.2] + [1.5] * 8
+    durations = [d for d in per_cell for _ in range(4)]
+    monkeypatch.setattr(noise, "clock", two_call(durations))
+    lines = []
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=128,
+                      max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0)
+    profile_cpu_model(cfg, [1, 2], [8, 16], [8, 16], repeats=3, max_spread=0.5, remeasure=0, log=lines.append)
+    warn = [x for x in lines if x.startswith("WARNING: t(b, l, 0)")]
+    assert len(warn) == 1 and "at b=2, l=8 is 300 ms" in warn[0] and "x its neighbours" in warn[0]
+
+
+# ------------------------------------------------------------------ DynaPipe's profile_model
+def test_profile_model_on_a_busy_host_writes_nothing(tmp_path, monkeypatch, capsys):
+    from megatron.profiling import profile_model
+    # three clock reads per iteration (start, after forward, after backward): 2 of 3 iterations slow
+    def step(i):
+        k, it = i % 3, i // 3
+        return 0.0 if k == 0 else (1e-3 if it % 3 == 0 else 0.1)
+    monkeypatch.setattr(noise, "clock", FakeClock(step))
+    out = tmp_path / "cm.json"
+    rc = profile_model.main(["--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", "100",
+                             "--micro-batch-sizes", "1", "--seq-lengths", "16", "--recompute", "none",
+                             "--num-layers-profiled", "1", "--warmup", "0", "--iters", "3", "--device", "cpu",
+                             "--remeasure", "1", "--output", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 1 and not out.exists()
+    assert "profile_model: error:" in err and "stayed noisier than --max-spread 0.5" in err
+    assert "tp1 none encoder [1, 16]" in err and "(2 rounds) NOISY" in err and "[1/1]" in err
+
+
+def test_profile_model_quiet_host_records_the_spread(tmp_path, monkeypatch):
+    from megatron.profiling import profile_model
+    monkeypatch.setattr(noise, "clock", FakeClock(lambda i: 0.0 if i % 3 == 0 else 1e-3))
+    out = tmp_path / "cm.json"
+    assert profile_model.main(["--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", "100",
+                               "--micro-batch-sizes", "1,2", "--seq-lengths", "16", "--recompute", "none",
+                               "--num-layers-profiled", "1", "--warmup", "0", "--iters", "3", "--device", "cpu",
+                               "--quiet", "--output", str(out)]) == 0
+    meta = json.loads(out.read_text())  # meta is stored at the top level
+    assert meta["profiler"]["max_spread"] == 0.5 and "0 re-measured, 0 still past" in meta["noise"]["summary"]
+
+
+# ------------------------------------------------------------------ Aceso's profile
+def test_aceso_profile_on_a_busy_host_keeps_no_table(tmp_path, monkeypatch, capsys):
+    from megatron.aceso.__main__ import main
+    monkeypatch.setattr(noise, "clock", two_call([1.0, 50.0, 50.0]))
+    out = tmp_path / "db"
+    rc = main(["profile", "--out", str(out), "--size", "t", "--num-layers", "1", "--hidden-size", "32",
+               "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "128", "--mbs", "1",
+               "--repeats", "3", "--remeasure", "0"])
+    err = capsys.readouterr().err
+    assert rc == 1 and list(out.iterdir()) == []
+    assert "python -m megatron.aceso profile: error: 26 of 26 cells stayed noisier" in err and "mbs1 enc" in err
+
+
+def test_aceso_profile_quiet_host_writes_the_tables(tmp_path, monkeypatch, capsys):
+    from megatron.aceso.__main__ import main
+    monkeypatch.setattr(noise, "clock", two_call([1.0]))
+    out = tmp_path / "db"
+    assert main(["profile", "--out", str(out), "--size", "t", "--num-layers", "1", "--hidden-size", "32",
+                 "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "128", "--mbs", "1", "2",
+                 "--repeats", "3"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["gpt_t_mbs1_tp1_algo0.csv", "gpt_t_mbs2_tp1_algo0.csv"]
+    assert "[26/26, ETA" in capsys.readouterr().err
+
+
+def test_spread_of_tiny_cells_is_relative_to_a_floor():
+    """20 us vs 30 us is interpreter jitter, not a busy host; 1 ms vs 5 ms is one."""
+    assert noise.spread([0.02, 0.03, 0.03]) == pytest.approx(0.1)
+    assert noise.spread([1.0, 5.0, 5.0]) == pytest.approx(4.0)
