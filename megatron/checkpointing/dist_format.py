@@ -15,8 +15,9 @@ same model finds what it needs. The cost is that a rank holds its stages' full t
 moment of the save and load (a rank's share of a model, times TP) — DTensor-sharded saving
 would avoid it and is the next step for models whose stage does not fit unsharded.
 
-Nothing is unpickled: tensors load with `weights_only=True` (DCP does this), DCP's own index is
-read with an unpickler that accepts only DCP's metadata classes, and the rest is JSON. What the
+Nothing is unpickled and nothing outside the folder is read: saving goes through DCP, loading
+never does (`megatron/checkpointing/dist_reader.py` checks DCP's index whole, then reads each
+chunk with `weights_only=True` from files the manifest lists), and the rest is JSON. What the
 format holds: model, AdamW state (per parameter, resharded like it: the optimizer's
 `param_states()` / `load_param_states()`, where the distributed optimizer gathers its DP shards
 into whole moments and cuts its own shard back out), RNG states and Optimus-CC compression
@@ -27,10 +28,8 @@ uniform or per-stage (--aceso-config) layouts.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
-import pickle
 import random
 import re
 import sys
@@ -40,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.checkpointing import dist_reader as reader
 COMMON = "common.json"
 _LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(.*)$")
 # Tensors with a row per (padded) vocabulary entry: stored cut to the real vocabulary.
@@ -47,46 +47,13 @@ _VOCAB = re.compile(r"(word_embeddings\.weight|output_layer\.weight|lm_head_bias
 _TIED = "embedding.word_embeddings.weight"
 
 
-# ---- DCP's index, read without running code ---------------------------------------------
-class _MetadataUnpickler(pickle.Unpickler):
-    _ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-        ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "Path"),
-        ("collections", "OrderedDict")}
-
-    def find_class(self, module, name):
-        if (module, name) in self._ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                   torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not part of a DCP index")
-
-
-def _reader(path: str):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            md_path = os.path.join(path, ".metadata")
-            try:
-                with open(md_path, "rb") as f:
-                    md = _MetadataUnpickler(io.BytesIO(f.read())).load()
-            except pickle.UnpicklingError as e:
-                raise ValueError(f"{md_path}: refused to load: {e} (a checkpoint must not carry code)") from None
-            if getattr(md, "storage_meta", None) is None:
-                from torch.distributed.checkpoint.metadata import StorageMeta
-                md.storage_meta = StorageMeta()
-            md.storage_meta.load_id = self.load_id
-            return md
-
-    return SafeReader(path)
-
-
+# ---- DCP's index, read without running code (megatron/checkpointing/dist_reader.py) -----------
 def read_index(it_dir: str) -> Dict[str, tuple]:
-    """{tensor name: (shape, dtype)} of a torch_dist iteration folder, without building a model."""
-    md = _reader(it_dir).read_metadata()
-    return {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+    """{tensor name: (shape, dtype)} of a torch_dist iteration folder, without building a model;
+    the index is checked against the folder's manifest first."""
+    md = reader.read_metadata(it_dir)
+    reader.check_index(md, it_dir, reader.read_manifest(it_dir))
+    return reader.tensor_index(md)
 
 
 def is_dist_checkpoint(it_dir: str) -> bool:
@@ -99,15 +66,17 @@ def verify(it_dir: str, manifest: str, rank: int = 0, world: int = 1) -> Optiona
     if not is_dist_checkpoint(it_dir):
         return f"{it_dir} is not a complete torch_dist checkpoint (no {COMMON})"
     try:
-        with open(os.path.join(it_dir, manifest)) as f:
-            files = json.load(f)["files"]
-        for name in sorted(files)[rank::world]:
-            path = os.path.join(it_dir, name)
-            got = sha256_digest(path).hex() if os.path.exists(path) else None
-            if got != files[name]["sha256"]:
-                return f"{path} is {'missing' if got is None else 'corrupted'}"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{os.path.join(it_dir, manifest)} is missing or unreadable ({e})"
+        files = reader.read_manifest(it_dir)  # (always manifest.json; the argument is kept for callers)
+    except reader.DistCheckpointError as e:
+        return str(e)
+    for name in sorted(files)[rank::world]:
+        path = os.path.join(it_dir, name)
+        try:
+            got = sha256_digest(path).hex() if os.path.isfile(path) and not os.path.islink(path) else None
+        except OSError:
+            got = None
+        if got != files[name]["sha256"]:
+            return f"{path} is {'missing' if got is None else 'corrupted'}"
     return None
 
 
@@ -297,12 +266,13 @@ def read_common(it_dir: str) -> dict:
 def load(trainer, it_dir: str, common: dict, load_optim: bool, load_rng: bool, load_compression: bool) -> None:
     """Every rank: fill this rank's stages (and optimizer, RNG, compression state) from `it_dir`
     at its own layout; RNG and compression state only at the layout that saved them."""
-    import torch.distributed.checkpoint as dcp
     cfg, ps = trainer.cfg, trainer.ps
     finish = getattr(trainer.optimizer, "finish_param_gather", None)
     if finish is not None:  # --overlap-param-gather: no gather in flight may overwrite what loads
         finish()
-    index = read_index(it_dir)
+    md = reader.read_metadata(it_dir)
+    reader.check_index(md, it_dir, reader.read_manifest(it_dir))
+    index = reader.tensor_index(md)
     padded = cfg.model.padded_vocab_size(ps.tp_size)
     sd, targets = {}, []
     for key, p, _ in _params(trainer):
@@ -326,7 +296,7 @@ def load(trainer, it_dir: str, common: dict, load_optim: bool, load_rng: bool, l
     for k in rng_keys + comp_keys:
         shape, dtype = index[k]
         sd[k] = torch.empty(shape, dtype=dtype)
-    dcp.load(sd, storage_reader=_reader(it_dir))
+    reader.read_tensors(md, it_dir, sd)  # never dcp.load: see checkpoint_dist_reader
     states = {}
     with torch.no_grad():
         for key, p in targets:

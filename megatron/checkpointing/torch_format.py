@@ -14,7 +14,9 @@ What a checkpoint guarantees:
   every rank fall back, together, to the newest older checkpoint that verifies, with a loud
   message naming the file; if none verifies, loading fails. It never trains on corrupted state.
 - Stray temporaries of killed writers and iteration folders that a killed save left incomplete
-  (newer than the tracker, without a manifest) are removed by the next save or load.
+  (marked `.saving.json` by a writer that is gone) are removed by the next job writing the same
+  --save; a job that only reads never changes the folder, and two jobs never write one folder
+  (megatron/checkpointing/ownership.py).
 - Files get the mode a plain write would (0666 minus the umask), so a team can read them.
 Loading also compares the saved configuration with the current one and names every mismatch
 with its flag.
@@ -36,6 +38,10 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from megatron.checkpointing import contents as checkpoint_contents
+
+from megatron.checkpointing import ownership as checkpoint_ownership
 
 from megatron.checkpointing import dist_format as checkpointing_dist
 from megatron.checkpointing.hints import MUST_MATCH, _saved_layout, convert_hint, missing_load_dir_message  # noqa: F401
@@ -135,17 +141,16 @@ def _is_stale_temporary(name: str, age_s: float, max_age_s: float) -> bool:
 
 
 def remove_stale_files(root: str, max_age_s: float = 3600.0) -> list:
-    """Remove temporaries of dead writers and incomplete iteration folders newer than the tracker.
+    """Remove what killed saves of this project left under `root`: temporaries of dead writers,
+    iteration folders whose `.saving.json` marker names a writer that is gone, and the staging
+    folders of a torch_dist re-save. Folders without that marker (Megatron-LM's, a live run's,
+    a person's) are never touched, whatever they lack.
 
-    Called by rank 0 only, at a point where no rank of this job is writing. Returns what it removed."""
+    Only the job holding `root`'s writer lock (checkpoint_ownership.claim, rank 0) cleans; for
+    anyone else this does nothing. Returns what it removed."""
     removed = []
-    if not os.path.isdir(root):
+    if not os.path.isdir(root) or not checkpoint_ownership.holds(root):
         return removed
-    tracked = None
-    try:
-        tracked = read_tracker(root)
-    except CheckpointError:
-        pass
     now = time.time()
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
@@ -165,25 +170,39 @@ def remove_stale_files(root: str, max_age_s: float = 3600.0) -> list:
     for name in sorted(os.listdir(root)):  # (".replaced" sorts before ".saving")
         full = os.path.join(root, name)
         m = _STAGED_RE.match(name)
-        if m:  # a torch_dist re-save of one iteration that did not finish (see _save_dist)
+        if m and m.group(2) == "replaced":  # a torch_dist re-save swapped halfway (see _save_dist)
             it_dir = os.path.join(root, m.group(1))
-            if m.group(2) == "replaced" and not os.path.isdir(it_dir):
+            if not os.path.isdir(it_dir):
                 os.replace(full, it_dir)  # killed between the two renames: the old save is the checkpoint
+            elif os.path.exists(os.path.join(it_dir, MANIFEST)):
+                shutil.rmtree(full, ignore_errors=True)  # the new save is complete: the old one is ours to drop
             else:
-                shutil.rmtree(full, ignore_errors=True)
+                continue
             removed.append(full)
             continue
-        m = _ITER_RE.match(name)
-        if not m or not os.path.isdir(full) or os.path.exists(os.path.join(full, MANIFEST)):
+        if not (m or _ITER_RE.match(name)) or not os.path.isdir(full):
             continue
-        it = int(m.group(1))
-        # A folder newer than the tracker was never completed (the tracker moves last); a folder
-        # holding no model file at all is a save killed before it wrote anything.
-        has_model = any(f == "model_optim_rng.pt" for _, _, fs in os.walk(full) for f in fs)
-        if (tracked is not None and it > tracked) or not has_model:
+        if os.path.exists(os.path.join(full, MANIFEST)):
+            checkpoint_ownership.unmark(full)  # complete; killed after its manifest, before the unmark
+        elif checkpoint_ownership.abandoned_save(full):
             shutil.rmtree(full, ignore_errors=True)
             removed.append(full)
     return removed
+
+
+def claim_and_clean(ps, root: str) -> None:
+    """Every rank of a job that writes `root`: rank 0 takes the folder's writer lock (a second
+    job writing it is refused, named) and removes its predecessors' leftovers; all ranks agree."""
+    problem = None
+    if ps.rank == 0:
+        try:
+            checkpoint_ownership.claim(root)
+            for gone in remove_stale_files(root):
+                print(f"checkpoint: removed {gone} (left by an interrupted save of this project)", flush=True)
+        except checkpoint_ownership.FolderInUseError as e:
+            problem = f"{ps.describe()}: {e}"
+    if not _all_ok(problem is None):
+        raise CheckpointError(problem or f"{ps.describe()}: rank 0 could not take --save {root} (its error names why)")
 
 
 def rng_state() -> dict:
@@ -247,9 +266,9 @@ def save_checkpoint(trainer, root: Optional[str] = None) -> str:
         return _save_dist(trainer, root)
     path = checkpoint_path(root, trainer.iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
     try:
+        claim_and_clean(ps, root)
         if ps.rank == 0:
-            os.makedirs(root, exist_ok=True)
-            remove_stale_files(root)
+            checkpoint_ownership.mark_saving(os.path.dirname(os.path.dirname(path)))
         _barrier()
         opt_state = trainer.optimizer.state_dict()
         if getattr(trainer.optimizer, "reduces_data_parallel_grads", False) and ps.grad_size > 1:
@@ -281,6 +300,7 @@ def save_checkpoint(trainer, root: Optional[str] = None) -> str:
         if ps.rank == 0:
             # The manifest marks the iteration complete; only then may the tracker move to it.
             _write_manifest(root, trainer.iteration)
+            checkpoint_ownership.unmark(os.path.dirname(os.path.dirname(path)))
             _move_tracker(root, trainer.iteration)
         _barrier()
     except OSError as e:
@@ -321,12 +341,14 @@ def _save_dist(trainer, root: str) -> str:
     # A complete save of this iteration may exist (a final save after an interval save): the new
     # one is written beside it and swapped in by two renames, so a crash never leaves neither.
     try:
+        claim_and_clean(ps, root)
+        restage = torch.tensor([int(ps.rank == 0 and os.path.isdir(it_dir))])  # decided after the cleanup
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(restage, 0)  # (one rank's view: a rank may not see the marked folder yet)
+        stage = it_dir + ".saving" if restage.item() else it_dir
         if ps.rank == 0:
-            os.makedirs(root, exist_ok=True)
-            remove_stale_files(root)
+            checkpoint_ownership.mark_saving(stage)
         _barrier()
-        stage = it_dir + ".saving" if os.path.isdir(it_dir) else it_dir  # decided after the cleanup,
-        _barrier()  # and by every rank before any creates it_dir
         checkpointing_dist.save(trainer, stage)
         _barrier()
         files = checkpointing_dist.file_digests(stage, checkpointing_dist.shard_files(stage), ps.rank,
@@ -338,6 +360,7 @@ def _save_dist(trainer, root: str) -> str:
             man = json.dumps({"iteration": trainer.iteration, "checkpoint_version": CHECKPOINT_VERSION,
                               "format": "torch_dist", "files": files}, indent=1, sort_keys=True).encode()
             _atomic_write_bytes(os.path.join(stage, MANIFEST), lambda f: f.write(man))
+            checkpoint_ownership.unmark(stage)
             if stage != it_dir:
                 os.replace(it_dir, it_dir + ".replaced")
                 os.replace(stage, it_dir)
@@ -389,8 +412,10 @@ def _read_dist(trainer, root: str, iteration: int) -> bool:
         checkpointing_dist.load(trainer, it_dir, common, load_optim,
                                 not cfg.checkpoint.no_load_rng and not cfg.checkpoint.finetune,
                                 not cfg.checkpoint.finetune)
-    except (ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{ps.describe()}: cannot read torch_dist checkpoint {it_dir}: {e}") from None
+        problem = None
+    except (ValueError, RuntimeError, TypeError, KeyError, IndexError) as e:  # forged contents: one line
+        problem = f"cannot read torch_dist checkpoint {it_dir}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    checkpoint_contents.agree(ps, problem, f"load its part of {it_dir}", CheckpointError)
     if not cfg.checkpoint.finetune:
         trainer.iteration = common["iteration"]
         trainer.consumed_samples = common["consumed_samples"]
@@ -486,10 +511,8 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
     missing = missing_load_dir_message(root, cfg.checkpoint.save)
     if missing:
         raise CheckpointError(missing)
-    if ps.rank == 0 and os.path.isdir(root) and os.access(root, os.W_OK):
-        for gone in remove_stale_files(root):
-            print(f"checkpoint: removed {gone} (left by an interrupted save)", flush=True)
-    _barrier()
+    if cfg.checkpoint.save:  # the job that writes --save cleans it; a reader never changes --load
+        claim_and_clean(ps, cfg.checkpoint.save)
     tracked = read_tracker(root)
     if tracked is None:
         if ps.rank == 0:
@@ -526,44 +549,27 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
     if iteration != tracked and ps.rank == 0:
         print(f"WARNING: loading iteration {iteration} instead of the tracked iteration {tracked}, whose files are "
               f"corrupt; training resumes from the older state", file=sys.stderr, flush=True)
+    problem, state = None, None
     try:
         state = safe_load(path)
     except UnsafeCheckpointError as e:
-        raise CheckpointError(f"{ps.describe()}: {e}") from None
-    except Exception as e:  # truncated or foreign file without a checksum
-        raise CheckpointError(f"{ps.describe()}: cannot read checkpoint {path}: {e}") from e
-    problems = config_mismatches(state.get("config", {}), cfg.to_dict())
-    if problems:
-        if any(p.startswith(("--tensor-model", "--pipeline-model-parallel-size")) for p in problems) \
-                and cfg.parallel.stage_parallel is None:
-            problems.append(convert_hint(root, iteration, ps.tp_size, ps.pp_size))
-        raise CheckpointError(f"checkpoint {path} does not match this run:\n  " + "\n  ".join(problems))
-    for sid, m in trainer.stages.items():
-        if sid not in state["model"]:
-            raise CheckpointError(f"checkpoint {path} has no weights for pipeline stage {sid}")
-        m.load_state_dict(state["model"][sid])
-    if cfg.checkpoint.finetune:
-        _barrier()
-        return True
-    trainer.iteration = state["iteration"]
-    trainer.consumed_samples = state["consumed_samples"]
-    trainer.skipped_iters = state.get("skipped_iters", 0)
-    trainer.consumed_tokens = state.get("consumed_tokens", 0)
-    if hasattr(trainer.logger, "load_state_dict"):
-        trainer.logger.load_state_dict(state.get("logger", {}))
-    for key, obj in getattr(trainer, "extra_checkpoint_state", {}).items():
-        if key in state:
-            obj.load_state_dict(state[key])
-    if not cfg.checkpoint.no_load_optim and state.get("optimizer") is not None:
-        trainer.optimizer.load_state_dict(state["optimizer"])
-        trainer.lr_scheduler.load_state_dict(state["opt_param_scheduler"])
-    else:
-        if state.get("optimizer") is None and ps.rank == 0 and not cfg.checkpoint.no_load_optim:
-            print(f"note: {path} holds no optimizer state (a converted checkpoint); the optimizer starts fresh "
-                  f"at iteration {trainer.iteration}", flush=True)
-        trainer.lr_scheduler.num_steps = trainer.iteration
-    if not cfg.checkpoint.no_load_rng and state.get("rng_state") is not None:
-        set_rng_state(state["rng_state"])
+        problem = str(e)
+    except Exception as e:  # noqa: BLE001 - truncated or foreign file without a checksum
+        problem = f"cannot read checkpoint {path}: {checkpoint_contents.one_line(e)}"
+    problem = problem or checkpoint_contents.structure_problem(state, path)
+    mismatch = [] if problem else config_mismatches(state["config"], cfg.to_dict())
+    if any(p.startswith(("--tensor-model", "--pipeline-model-parallel-size")) for p in mismatch) \
+            and cfg.parallel.stage_parallel is None:
+        mismatch.append(convert_hint(root, iteration, ps.tp_size, ps.pp_size))
+    if mismatch:
+        problem = f"checkpoint {path} does not match this run:\n  " + "\n  ".join(mismatch)
+    problem = problem or checkpoint_contents.load_models(trainer, state, path)
+    checkpoint_contents.agree(ps, problem, f"load its checkpoint under --load {root}", CheckpointError)
+    try:
+        checkpoint_contents.apply_state(trainer, state, path, set_rng_state)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as e:
+        problem = f"checkpoint {path}: its counters, optimizer or RNG state do not fit ({checkpoint_contents.one_line(e)})"
+    checkpoint_contents.agree(ps, problem, f"load its checkpoint under --load {root}", CheckpointError)
     _barrier()
     if ps.rank == 0:
         print(f"loaded checkpoint {root} at iteration {trainer.iteration}", flush=True)

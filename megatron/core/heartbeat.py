@@ -8,10 +8,17 @@ instruction its executor is on. A thread keeps beating while its main thread wai
 collective, but not when the whole process is stopped or dead; so on a timeout a survivor
 samples every counter twice and names the ranks whose counter did not move, with their last
 instruction. Counters, not timestamps: clocks on different hosts need not agree.
+
+Nobody has to time out first for a stall to be named: two watcher ranks (global 0 and the
+last) read every counter at each beat, and a rank whose counter has not moved for `stall_s`
+(default: min(10 s, half the job's --distributed-timeout-minutes), at least 3 beats;
+MEGATRON_HEARTBEAT_STALL_SECONDS overrides) is reported at once, on the watcher's stderr and in
+the store, with its last iteration and instruction; a later timeout's diagnosis quotes it.
 """
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from typing import Optional
@@ -21,8 +28,12 @@ _active: Optional["Heartbeat"] = None
 
 
 class Heartbeat:
-    def __init__(self, store, rank: int, world_size: int, interval_s: float = 1.0):
+    def __init__(self, store, rank: int, world_size: int, interval_s: float = 1.0, stall_s: float = 10.0):
         self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
+        self.stall_s = max(stall_s, 3 * interval_s)
+        self.watcher = world_size > 1 and rank in (0, world_size - 1)
+        self._seen = {}  # rank -> (count, monotonic time it last moved)
+        self._reported = set()
         clone = getattr(store, "clone", None)
         self._beat_store = clone() if clone is not None else store
         self._query_store = clone() if clone is not None else store
@@ -47,6 +58,8 @@ class Heartbeat:
             try:
                 self._beat_store.set(f"{_PREFIX}/what/{self.rank}", self._what())
                 self._beat_store.add(f"{_PREFIX}/count/{self.rank}", 1)
+                if self.watcher:
+                    self._watch()
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending
                 return
             self._stop.wait(self.interval_s)
@@ -58,6 +71,44 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
+        try:  # a rank that ends is not a stalled one
+            self._query_store.set(f"{_PREFIX}/done/{self.rank}", b"1")
+        except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
+            pass
+
+    def _watch(self) -> None:
+        now = time.monotonic()
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            count = self._beat_store.add(f"{_PREFIX}/count/{r}", 0)
+            last = self._seen.get(r)
+            if count == 0:
+                continue  # not started yet: start-up has its own timeouts
+            if last is None or count != last[0]:
+                self._seen[r] = (count, now)
+                self._reported.discard(r)
+            elif now - last[1] >= self.stall_s and r not in self._reported:
+                self._reported.add(r)
+                if self._beat_store.check([f"{_PREFIX}/done/{r}"]):
+                    continue
+                try:
+                    what = self._beat_store.get(f"{_PREFIX}/what/{r}").decode(errors="replace")
+                except Exception:  # noqa: BLE001
+                    what = "unknown"
+                msg = (f"global rank {r} (last at {what}) has not answered for {now - last[1]:.0f}s (process "
+                       f"stopped, hung or dead)")
+                self._beat_store.set(f"{_PREFIX}/stalled/{r}", msg)
+                print(f"HEARTBEAT (seen by global rank {self.rank}): {msg}", file=sys.stderr, flush=True)
+
+    def stalled(self) -> list:
+        """What the watchers have reported stalled so far (fast: no waiting)."""
+        out = []
+        for r in range(self.world_size):
+            key = f"{_PREFIX}/stalled/{r}"
+            if r != self.rank and self._query_store.check([key]):
+                out.append(self._query_store.get(key).decode(errors="replace"))
+        return out
 
     def _counts(self) -> list:
         return [self._query_store.add(f"{_PREFIX}/count/{r}", 0) for r in range(self.world_size)]
@@ -65,6 +116,9 @@ class Heartbeat:
     def diagnose(self) -> str:
         """One sentence naming the ranks that stopped beating (takes ~3 heartbeat intervals)."""
         try:
+            known = self.stalled()
+            if known:
+                return "not responding (reported by the heartbeat watchers): " + "; ".join(known)
             before = self._counts()
             time.sleep(3 * self.interval_s)
             after = self._counts()
@@ -83,12 +137,14 @@ class Heartbeat:
             return f"heartbeat diagnosis unavailable ({e})"
 
 
-def start(store, rank: int, world_size: int) -> Heartbeat:
-    """Start this process's heartbeat once (later calls return the running one)."""
+def start(store, rank: int, world_size: int, timeout_s: float = 600.0) -> Heartbeat:
+    """Start this process's heartbeat once (later calls return the running one). `timeout_s`:
+    the job's collective timeout; a stall is reported well before it."""
     global _active
     if _active is None or _active.rank != rank or _active.world_size != world_size:
         interval = float(os.environ.get("MEGATRON_HEARTBEAT_SECONDS", "1.0"))
-        _active = Heartbeat(store, rank, world_size, interval)
+        stall = float(os.environ.get("MEGATRON_HEARTBEAT_STALL_SECONDS", min(10.0, timeout_s / 2)))
+        _active = Heartbeat(store, rank, world_size, interval, stall)
     return _active
 
 

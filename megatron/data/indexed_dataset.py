@@ -8,7 +8,7 @@ Byte layout of `.idx` (little-endian), identical to what Megatron-LM writes and 
     offset 18  sequence_count   <Q
     offset 26  document_count   <Q  (number of documents + 1)
     offset 34  sequence_lengths   int32[sequence_count]
-               sequence_pointers  int64[sequence_count]  (byte offsets into .bin)
+               sequence_pointers  int64[sequence_count]  (byte offsets into .bin, all checked at open)
                document_indices   int64[document_count]  (0, then the end sequence of each doc)
 
 `.bin` has no header: the tokens of every sequence, back to back, in the index dtype.
@@ -122,9 +122,32 @@ class _Index:
         if d == 0 or doc[0] != 0 or doc[-1] > n or (d > 1 and bool((np.diff(doc) < 0).any())):
             raise IndexedDatasetError(
                 f"{path}: document_indices must start at 0, never decrease and stay <= {n}")
-        if n and (self.sequence_pointers[0] != 0 or self.sequence_pointers[-1] != (
-                int(self.sequence_lengths.sum(dtype=np.int64)) - int(self.sequence_lengths[-1])) * self.dtype.itemsize):
-            raise IndexedDatasetError(f"{path}: sequence_pointers disagree with sequence_lengths (corrupt index)")
+        check_pointers(path, self.sequence_lengths, self.sequence_pointers, self.dtype.itemsize)
+
+
+_CHUNK = 1 << 22  # entries per vectorised pass: bounds the temporary to 32 MiB whatever the file
+
+
+def check_pointers(path: str, lengths: np.ndarray, pointers: np.ndarray, itemsize: int) -> None:
+    """Every sequence pointer must be where the lengths before it put it (the .bin holds the
+    sequences back to back, as Megatron's builder writes them): one vectorised pass over the
+    whole index at open, in chunks; the first bad entry is named. With the .bin size checked
+    against the lengths' sum, every read stays inside the .bin and on its own sequence."""
+    start = 0
+    for lo in range(0, len(lengths), _CHUNK):
+        hi = min(lo + _CHUNK, len(lengths))
+        ends = np.cumsum(lengths[lo:hi], dtype=np.int64)
+        expected = np.empty(hi - lo, dtype=np.int64)
+        expected[0] = start
+        expected[1:] = start + ends[:-1]
+        expected *= itemsize
+        bad = np.flatnonzero(expected != pointers[lo:hi])
+        if bad.size:
+            i = lo + int(bad[0])
+            raise IndexedDatasetError(
+                f"{path}: sequence {i} points at byte {int(pointers[i])} of the .bin, but the lengths before it put it "
+                f"at byte {int(expected[bad[0]])} (corrupt or forged index; re-run tools/preprocess_data.py)")
+        start += int(ends[-1])
 
 
 class IndexedDataset:

@@ -204,8 +204,8 @@ class PipelineExecutor:
                     f"{type(ins).__name__}(microbatch={ins.microbatch}, stage={ins.stage}) failed: {e}") from e
             if trace is not None:
                 self._trace(ins, t0 - t_start)
-        if beat is not None:
-            beat.current = None
+        if beat is not None:  # a stall in the collectives after the schedule still names its iteration
+            beat.note(plan.iteration, "after the pipeline schedule (gradient reduction, optimizer step)", str)
         if self.sends or self.recvs:
             raise PlanExecutionError(
                 f"{self.rank_desc}, iteration {plan.iteration}: plan ended with unfinished communication "

@@ -53,6 +53,9 @@ def load_vocab_and_merges(vocab_file: str, merge_file: str):
             raise ValueError(f"--vocab-file {vocab_file}: not a GPT-2 JSON vocabulary ({exc})") from None
         except RecursionError:
             raise ValueError(f"--vocab-file {vocab_file}: JSON nested too deeply (not a GPT-2 vocabulary)") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"--vocab-file {vocab_file}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                             f"not a GPT-2 JSON vocabulary") from None
     # token -> id, ids distinct and dense enough: a forged id of 10**12 must not size a table.
     if not isinstance(encoder, dict) or not all(
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 * len(encoder) + 1024
@@ -60,15 +63,22 @@ def load_vocab_and_merges(vocab_file: str, merge_file: str):
         raise ValueError(f"--vocab-file {vocab_file}: expected a JSON object of token -> distinct id in "
                          f"[0, {2 * len(encoder) + 1024 if isinstance(encoder, dict) else 0}), not a GPT-2 vocabulary")
     merges = []
-    with open_text(merge_file) as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if not line or line.startswith("#version"):
-                continue
-            parts = line.split(" ")
-            if len(parts) != 2:
-                raise ValueError(f"--merge-file {merge_file}:{lineno}: expected two symbols, got {line!r}")
-            merges.append((parts[0], parts[1]))
+    lineno = 0
+    try:
+        with open_text(merge_file) as f:
+            for lineno, line in enumerate(f, 1):
+                line = line.rstrip("\n")
+                if not line or line.startswith("#version"):
+                    continue
+                parts = line.split(" ")
+                if len(parts) != 2:
+                    raise ValueError(f"--merge-file {merge_file}:{lineno}: expected two symbols, got {line[:80]!r}")
+                merges.append((parts[0], parts[1]))
+    except (UnicodeDecodeError, EOFError, OSError) as exc:  # binary, or a truncated .gz
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise ValueError(f"--merge-file {merge_file}: unreadable after line {lineno} ({exc}); expected GPT-2's "
+                         f"vocab.bpe text, one merge per line") from None
     return encoder, merges
 
 

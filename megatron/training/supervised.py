@@ -190,7 +190,7 @@ class DynaPipeSource(_SupervisedSource):
         # After a checkpoint load this lays out the global batches from the consumed-samples
         # position and (re)starts the plan service at the resumed iteration.
         super()._start(iteration, consumed_samples)
-        from megatron.planner.service.worker import plan_iteration
+        from megatron.planner.service.worker import batch_digest, plan_iteration
         d = self.cfg.data
         # Only one process writes traces: rank 0 (its workers, or itself without the service).
         trace_dir = d.dynapipe_trace_dir if self.ps.rank == 0 else None
@@ -202,13 +202,17 @@ class DynaPipeSource(_SupervisedSource):
             self.service = PlanService(self.plan_fn if self.ps.rank == 0 else None, self.ps.rank,
                                        self.ps.world_size, lookahead=self.lookahead, num_workers=self.num_workers,
                                        start_iteration=self.first_iteration, num_iterations=len(self.bounds) - 1,
-                                       prefix=f"dynapipe-plans-{self.first_iteration}")
+                                       prefix=f"dynapipe-plans-{self.first_iteration}",
+                                       batch_digest=functools.partial(batch_digest, self.lengths, self.bounds,
+                                                                      self.first_iteration))
 
     def next(self, iteration: int, consumed_samples: int) -> IterationWork:
         lo, hi = self._batch(iteration, consumed_samples)
         t0 = time.perf_counter()
         plan = self.service.get(iteration) if self.service is not None else self.plan_fn(iteration)
         wait_ms = (time.perf_counter() - t0) * 1e3
+        from megatron.planner.service.worker import check_covers
+        check_covers(plan, iteration, hi - lo)
         groups = 1 if self.ps.stage_layouts else self.ps.dp_size  # per-stage DP splits rows, not batches
         if len(plan.groups) != groups:
             raise RuntimeError(f"iteration {iteration}: plan has {len(plan.groups)} data-parallel groups, "

@@ -170,7 +170,7 @@ class Trainer:
         if dist.is_initialized() and ps.world_size > 1:
             from megatron.core import heartbeat
             from megatron.core.parallel_state import job_store
-            heartbeat.start(job_store(), ps.rank, ps.world_size)
+            heartbeat.start(job_store(), ps.rank, ps.world_size, 60.0 * cfg.parallel.distributed_timeout_minutes)
         self.iteration = 0
         self._trace_first: Optional[int] = None  # first iteration this run traces (--dynapipe-trace-dir)
         self.consumed_samples = 0

@@ -121,16 +121,28 @@ def test_corrupted_newest_falls_back_to_the_older_checkpoint(tmp_path, capfd):
 
 
 def test_saving_one_iteration_twice_never_leaves_it_missing(tmp_path):
+    from megatron.checkpointing.ownership import claim, release
     from megatron.checkpointing.torch_format import remove_stale_files
     run_distributed(_first_half, 1, str(tmp_path), {})
     run_distributed(_first_half, 1, str(tmp_path), {})  # replaces the complete save beside it
     it = f"iter_{TOTAL // 2:07d}"
-    assert sorted(os.listdir(tmp_path)) == [it, "latest_checkpointed_iteration.txt"]
+    assert sorted(n for n in os.listdir(tmp_path) if n != ".writer.json") == [it, "latest_checkpointed_iteration.txt"]
     assert run_distributed(_loaded_iteration, 1, str(tmp_path), {}) == [TOTAL // 2]
     # killed between the swap's two renames: the old save is put back, a half-written new one removed
     os.replace(tmp_path / it, tmp_path / f"{it}.replaced")
     (tmp_path / f"{it}.saving").mkdir()
-    assert sorted(os.path.basename(p) for p in remove_stale_files(str(tmp_path))) == [f"{it}.replaced", f"{it}.saving"]
+    import socket
+    import subprocess
+    import sys
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    (tmp_path / f"{it}.saving" / ".saving.json").write_text(json.dumps({"host": socket.gethostname(), "pid": dead}))
+    claim(str(tmp_path))  # only the job writing the folder cleans it
+    try:
+        assert sorted(os.path.basename(p) for p in remove_stale_files(str(tmp_path))) == [f"{it}.replaced",
+                                                                                          f"{it}.saving"]
+    finally:
+        release(str(tmp_path))
     assert run_distributed(_loaded_iteration, 1, str(tmp_path), {}) == [TOTAL // 2]
 
 

@@ -1,4 +1,5 @@
 """Checkpoints: bit-exact resume, atomic saves, and clear errors for mismatched or broken files."""
+import json
 import os
 
 import pytest
@@ -114,6 +115,12 @@ def _load_report(rank, world, ckpt, kw):
     return t.iteration, t.consumed_tokens
 
 
+def _resume_writer(rank, world, ckpt, kw):
+    t = make_trainer(_cfg(world, ckpt, load=ckpt, **kw))
+    assert load_checkpoint(t)
+    return t.iteration
+
+
 @pytest.mark.parametrize("world,kw", [(1, {}), (2, dict(pp=2))])
 def test_flipped_bytes_fall_back_to_previous_checkpoint(tmp_path, capfd, world, kw):
     run_distributed(_save_twice, world, str(tmp_path), kw)
@@ -174,7 +181,11 @@ def test_stale_temporaries_and_incomplete_folders_removed(tmp_path):
     killed = os.path.join(tmp_path, "iter_0000003", "mp_rank_00")  # a save killed before its model file
     os.makedirs(killed)
     open(os.path.join(killed, ".tmp-otherhost-1-x"), "wb").write(b"p")
-    run_distributed(_load_report, 1, str(tmp_path), {})
+    with open(os.path.join(tmp_path, "iter_0000003", ".saving.json"), "w") as f:  # marked by its (dead) writer
+        json.dump({"host": socket.gethostname(), "pid": int(dead), "job": "killed", "start": None}, f)
+    run_distributed(_load_report, 1, str(tmp_path), {})  # a reader: changes nothing
+    assert os.path.exists(stale) and os.path.exists(os.path.join(tmp_path, "iter_0000003"))
+    run_distributed(_resume_writer, 1, str(tmp_path), {})  # the job writing --save cleans
     assert not os.path.exists(stale)
     assert os.path.exists(live)  # its writer (this process) is alive
     assert not os.path.exists(os.path.join(tmp_path, "iter_0000003"))

@@ -109,7 +109,7 @@ def test_corrupt_pointers_and_doc_indices(tmp_path):
     bad = data.copy()
     bad[ptr_off + 8:ptr_off + 16] = struct.pack("<q", 4)  # second pointer should be 12
     open(prefix + ".idx", "wb").write(bytes(bad))
-    with pytest.raises(IndexedDatasetError, match="sequence_pointers"):
+    with pytest.raises(IndexedDatasetError, match="sequence 1 points at byte 4 "):
         IndexedDataset(prefix)
     bad = data.copy()
     bad[-8:] = struct.pack("<q", 7)  # last document ends past the 2 sequences

@@ -164,7 +164,19 @@ def load_hf(folder: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
         v = cfg.get(k)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 < v < 1 << 24):
             raise ValueError(f"{path}: field {k!r} is {v!r}, expected a positive integer below 2**24")
-    return cfg, load_file(os.path.join(folder, "model.safetensors"))
+    for size, heads in (("n_embd", "n_head"), ("hidden_size", "num_attention_heads"),
+                        ("num_attention_heads", "num_key_value_heads")):
+        if isinstance(cfg.get(size), int) and isinstance(cfg.get(heads), int) and cfg[size] % cfg[heads]:
+            raise ValueError(f"{path}: {size} {cfg[size]} is not divisible by {heads} {cfg[heads]}; not a model "
+                             f"this converter (or Hugging Face) can build")
+    weights = os.path.join(folder, "model.safetensors")
+    try:
+        return cfg, load_file(weights)
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type: a truncated or foreign file
+        raise ValueError(f"{weights}: not a readable safetensors file ({str(e).splitlines()[0][:200]}); the "
+                         f"download is truncated or the file is not safetensors") from None
 
 
 def our_logits(model_fields: dict, full: Dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:

@@ -66,8 +66,8 @@ def decode(data: bytes) -> Any:
                          f"{start + jlen + sum(lens)}")
     try:
         head = json.loads(bytes(data[start:start + jlen]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"record's JSON part is corrupt: {e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # (nesting deep enough to exhaust the stack)
+        raise ValueError(f"record's JSON part is corrupt: {type(e).__name__}: {str(e)[:160]}") from None
     blobs, off = [], start + jlen
     for n in lens:
         blobs.append(bytes(data[off:off + n]))

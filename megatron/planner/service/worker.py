@@ -11,8 +11,10 @@ thread 0, transfers on thread 1, the activation-memory counter beside them.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import struct
 from typing import Optional
 
 import numpy as np
@@ -86,3 +88,33 @@ def plan_iteration(config, lengths: np.ndarray, bounds: np.ndarray, first_iterat
         os.makedirs(trace_dir, exist_ok=True)
         write_json_atomic(trace_path(trace_dir, iteration), iteration_trace(plan))
     return strip(plan)
+
+
+def batch_digest(lengths: np.ndarray, bounds: np.ndarray, first_iteration: int, iteration: int) -> bytes:
+    """sha256 of global batch `iteration` as planned: its number, sample range and lengths. The
+    worker stamps a plan with it and every rank recomputes it from its own batch
+    (megatron/planner/service/service.py), so a plan cannot be run for another batch."""
+    k = iteration - first_iteration
+    if not 0 <= k < len(bounds) - 1:
+        return bytes(32)  # no such batch: matches no plan (plan_iteration refuses it too)
+    lo, hi = int(bounds[k]), int(bounds[k + 1])
+    body = np.ascontiguousarray(np.asarray(lengths[lo:hi]), dtype="<i8").tobytes()
+    return hashlib.sha256(struct.pack("<qqq", iteration, lo, hi) + body).digest()
+
+
+def check_covers(plan, iteration: int, num_samples: int) -> None:
+    """Every sample of the batch exactly once over the plan's groups (packed rows or
+    micro-batches): a plan made for another batch does not pass silently."""
+    seen = np.zeros(num_samples, dtype=np.int64)
+    for g in plan.groups:
+        ids = [i for rows in g.rows for r in rows for i in r] if g.rows is not None else \
+            [i for mb in g.microbatches for i in mb]
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= num_samples):
+            raise ValueError(f"iteration {iteration}: the plan names sample {int(ids.max())} of a batch of "
+                             f"{num_samples}: it was made for another batch")
+        np.add.at(seen, ids, 1)
+    bad = np.flatnonzero(seen != 1)
+    if bad.size:
+        raise ValueError(f"iteration {iteration}: the plan uses sample {int(bad[0])} of its batch "
+                         f"{int(seen[bad[0]])} times (expected once): it was made for another batch")

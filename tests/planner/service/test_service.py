@@ -109,12 +109,11 @@ def test_workers_are_not_forked_from_the_training_process():
 def test_different_bytes_are_detected():
     store = local_store()
     svc = PlanService(None, 1, 2, store, prefix="t4", timeout_s=2)
-    import hashlib
-    import struct
-
     from megatron.planner.service import wire
+    from megatron.planner.service.service import NO_BATCH, plan_record
+    store.set("t4/job", b"j" * 16)
     for payload in (wire.encode("a"), wire.encode("b")):
-        store.set("t4/0", b"P" + struct.pack("<q", 0) + hashlib.sha256(payload).digest() + payload)
+        store.set("t4/0", plan_record(0, b"j" * 16, NO_BATCH, payload))
         if payload == wire.encode("a"):
             assert svc.get(0) == "a"
     with pytest.raises(PlanServiceError, match="different plan for iteration 0"):

@@ -1,17 +1,15 @@
 """Plans cross the TCP store as a fixed-schema record, never a pickle: a real DynaPipe plan
 round-trips exactly; a pickle (with a valid digest), a truncated or an oversized record is
 refused, naming the iteration."""
-import hashlib
 import os
 import pickle
-import struct
 
 import numpy as np
 import pytest
 
 from megatron.planner.service import wire
 from megatron.planner.dynapipe.planner import DynaPipePlanner
-from megatron.planner.service.service import PlanService, PlanServiceError
+from megatron.planner.service.service import NO_BATCH, PlanService, PlanServiceError, plan_record
 from megatron.planner.service.worker import strip
 from tests.planner.dynapipe.test_dynapipe import gpt_config, lengths
 from tests.planner.service.test_service import local_store
@@ -65,9 +63,10 @@ class _Hostile:
 def test_pickle_in_the_store_is_refused_naming_the_iteration(tmp_path):
     store = local_store()
     svc = PlanService(None, 1, 2, store, prefix="hostile", timeout_s=2)
+    store.set("hostile/job", b"j" * 16)
     marker = tmp_path / "pwned"
     payload = pickle.dumps(_Hostile(marker))
-    store.set("hostile/5", b"P" + struct.pack("<q", 5) + hashlib.sha256(payload).digest() + payload)
+    store.set("hostile/5", plan_record(5, b"j" * 16, NO_BATCH, payload))
     with pytest.raises(PlanServiceError, match="plan of iteration 5 refused: not a plan record"):
         svc.get(5)
     assert not marker.exists()
