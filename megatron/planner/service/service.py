@@ -45,7 +45,6 @@ import struct
 import threading
 import time
 import traceback
-from datetime import timedelta
 from typing import Callable, Optional
 
 from megatron.planner.service import wire
