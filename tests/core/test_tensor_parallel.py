@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from megatron.core.parallel_state import initialize_model_parallel
 from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                            get_rng_tracker, model_parallel_seed, vocab_parallel_cross_entropy)
-from megatron.core.tensor_parallel.layers import _init_full
+from megatron.core.tensor_parallel.layers import init_full
 from tests.dist_harness import run_distributed
 
 
@@ -17,7 +17,7 @@ def _linears(rank, world):
     row = RowParallelLinear(12, 8, ps.tp_group, seed=1, key="r", init_std=0.5)
     y = row(F.gelu(col(x)))
     y.sum().backward()
-    wc, wr = _init_full((12, 8), 0.5, 1, "c.weight"), _init_full((8, 12), 0.5, 1, "r.weight")
+    wc, wr = init_full((12, 8), 0.5, 1, "c.weight"), init_full((8, 12), 0.5, 1, "r.weight")
     x2 = x.detach().clone().requires_grad_(True)
     ref = F.linear(F.gelu(F.linear(x2, wc)), wr)
     ref.sum().backward()
@@ -36,7 +36,7 @@ def _vocab(rank, world, vocab, padded):
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, vocab, (4, 7), generator=g)
     out = emb(ids)
-    full = _init_full((vocab, 6), 0.02, 3, "embedding.word_embeddings.weight")
+    full = init_full((vocab, 6), 0.02, 3, "embedding.word_embeddings.weight")
     torch.testing.assert_close(out, F.embedding(ids, full))
     logits = torch.randn(4, 7, padded, generator=g)
     per = padded // world
