@@ -1,7 +1,8 @@
 """When do token slices beat context parallelism? Simulated iteration time of GPT-6.7B on the
 A100 table (cost_models/gpt_6.7b_a100.json), 8 and 16 GPUs, 36,000 MB per GPU, global batches
 of 65,536 tokens (at least 2 sequences) from bench_planner's heavy-tailed multi-task mixture
-scaled to each max length. One JSON object per line per (max length, GPUs, system):
+capped at each max length (`--lengths multitask`; few samples reach it), or of max-length
+sequences only (`--lengths fixed`). One JSON object per line per (max length, GPUs, system):
 
   cp               Megatron with context parallelism: the better of packed rows of max length
                    (next-fit) and padded micro-batches of samples, 1F1B, CP in {2, 4, 8} (megatron/planner/cost/cp_cost.py;
@@ -58,7 +59,7 @@ def _packing(planner, batch, max_len, names=("packing",)) -> float:
     return float(min(got[n][0] for n in names))
 
 
-def candidates(system: str, gpus: int, comm: str):
+def candidates(system: str, gpus: int, comm: str, flash: bool = True):
     """(layout name, fn(batch, max_len) -> ms) for every layout the system may take."""
     for pp in (1, 2, 4, 8):
         dp = gpus // pp
@@ -68,10 +69,10 @@ def candidates(system: str, gpus: int, comm: str):
                     continue
                 name = f"PP{pp}xDP{dp // cp}xCP{cp}"
                 if system == "cp":
-                    yield name, (lambda b, L, pp=pp, dp=dp, cp=cp: _packing(cp_planner(planner_for(pp, dp).cfg, cp, comm), b, L,
+                    yield name, (lambda b, L, pp=pp, dp=dp, cp=cp: _packing(cp_planner(planner_for(pp, dp).cfg, cp, comm, flash), b, L,
                                                                              ("packing", "fixed")))
                 else:
-                    yield name, (lambda b, L, pp=pp, dp=dp, cp=cp: _plan(cp_planner(planner_for(pp, dp).cfg, cp, comm), b))
+                    yield name, (lambda b, L, pp=pp, dp=dp, cp=cp: _plan(cp_planner(planner_for(pp, dp).cfg, cp, comm, flash), b))
         elif system == "terapipe":
             yield f"PP{pp}xDP{dp}", (lambda b, L, pp=pp, dp=dp: terapipe_time(planner_for(pp, dp, -1), b, L))
         elif system == "dynapipe_slices":
@@ -89,14 +90,23 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, default=1)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--comm", default="p2p", choices=["p2p", "all_gather"])
+    ap.add_argument("--lengths", default="multitask", choices=["multitask", "fixed"],
+                    help="multitask: the heavy-tailed mix capped at the max length (few samples reach it); "
+                         "fixed: every sequence is max-length (at least 2 per batch)")
+    ap.add_argument("--cp-memory", default="flash", choices=["flash", "table"],
+                    help="CP activation memory: flash kernel (no scores kept) or the table's score memory, as the "
+                         "slices and DynaPipe are priced")
     args = ap.parse_args(argv)
     for L in [int(x) for x in args.max_lens.split(",")]:
-        batches = make_batches("gpt", L, max(TOKENS, 2 * L), args.batches, seed=1000 + L, mixture="multitask")
+        if args.lengths == "fixed":  # every sequence exactly L tokens: what "tokens per sequence" means
+            batches = [[L] * max(2, TOKENS // L)] * args.batches
+        else:
+            batches = make_batches("gpt", L, max(TOKENS, 2 * L), args.batches, seed=1000 + L, mixture="multitask")
         tokens = float(np.mean([sum(int(x) for x in b) for b in batches]))
         for gpus in [int(x) for x in args.gpus.split(",")]:
             for system in args.systems.split(","):
                 t0, best = time.perf_counter(), (np.inf, None)
-                for name, fn in candidates(system, gpus, args.comm):
+                for name, fn in candidates(system, gpus, args.comm, args.cp_memory == "flash"):
                     try:  # a layout whose model states alone overflow memory has no plan
                         ms = float(np.mean([fn(b, L) for b in batches]))
                     except (PlanningError, ValueError):
@@ -104,8 +114,10 @@ def main(argv=None):
                     if ms < best[0]:
                         best = (ms, name)
                 ms, layout = best
-                print(json.dumps({"benchmark": "cp_vs_slices", "max_len": L, "gpus": gpus, "system": system,
+                print(json.dumps({"benchmark": "cp_vs_slices", "lengths": args.lengths, "max_len": L, "gpus": gpus,
+                                  "system": system,
                                   "comm": args.comm if system in ("cp", "dynapipe_cp") else None,
+                                  "cp_memory": args.cp_memory if system in ("cp", "dynapipe_cp") else None,
                                   "ms": round(ms, 1) if np.isfinite(ms) else "inf", "layout": layout,
                                   "tokens_per_s": round(tokens / ms * 1e3) if np.isfinite(ms) else 0,
                                   "search_s": round(time.perf_counter() - t0, 1)}), flush=True)

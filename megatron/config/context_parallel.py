@@ -25,11 +25,17 @@ def check_context_parallel_config(cfg) -> None:
         raise ValueError(f"{flag} with --terapipe: token slices and context parallelism both cut the sequence; "
                          "pick one (the planner prices both: benchmarks/bench_cp.py)")
     if d.dynapipe:
-        raise ValueError(f"{flag} with --dynapipe: the runtime plans DynaPipe micro-batches at CP 1 only so far "
-                         "(the planner prices DynaPipe + CP in megatron/planner/cost/cp_cost.py); drop one")
-    if cfg.compression.enabled or cfg.compression.mp_grad_comp or cfg.compression.mp_acti_comp:
-        raise ValueError(f"{flag} with Optimus-CC compression: the compressors reduce over the data-parallel "
-                         "group, context parallelism reduces gradients over DP x CP; drop the compression flags")
+        raise ValueError(f"{flag} with --dynapipe is not supported yet: DynaPipe's batch source and plans carry "
+                         "CP 1 micro-batches (the planner prices DynaPipe + CP: megatron/planner/cost/cp_cost.py); drop one")
+    c = cfg.compression
+    if c.grad_comp or c.emb_comm_opt or c.emb_grad_comp:
+        raise ValueError(f"{flag} with --grad-comp / --emb-comm-opt / --emb-grad-comp: these sum gradients over "
+                         "the data-parallel group, but under context parallelism each CP rank holds the gradient of "
+                         "other tokens, so the sum must span DP x CP; drop the compression flag")
+    if c.inter_grad_comp or c.mp_grad_comp or c.mp_acti_comp:
+        raise ValueError(f"{flag} with --inter-grad-comp / --mp-grad-comp / --mp-acti-comp: their error-feedback "
+                         "state is per data-parallel rank and saved from one rank of each DP group, but CP ranks "
+                         "compress different tokens' messages, so a resume would lose it; drop the compression flag")
     if getattr(cfg.checkpoint, "ckpt_format", "torch") == "torch_dist":
         raise ValueError(f"{flag} with --ckpt-format torch_dist: save with --ckpt-format torch (its files do not "
                          "depend on the CP size)")

@@ -186,15 +186,6 @@ class ParallelConfig:
 
     def __post_init__(self):
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        cp = self.context_parallel_size
-        _require(cp >= 1, f"--context-parallel-size must be >= 1, got {cp}")
-        _require(self.cp_comm_type in ("all_gather", "p2p"),
-                 f"--cp-comm-type must be all_gather or p2p, got {self.cp_comm_type!r}")
-        _require(cp == 1 or self.stage_parallel is None,
-                 "--context-parallel-size with per-stage TP x DP sizes (--aceso-config) is not supported: drop one")
-        _require(self.world_size % (tp * pp * cp) == 0,
-                 f"world size ({self.world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
-                 f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) = {tp * pp * cp}")
         _require(tp >= 1, f"--tensor-model-parallel-size must be >= 1, got {tp}")
         _require(pp >= 1, f"--pipeline-model-parallel-size must be >= 1, got {pp}")
         if self.stage_parallel is not None:
@@ -202,6 +193,7 @@ class ParallelConfig:
         _require(self.stage_parallel is not None or self.world_size % (tp * pp) == 0,
                  f"world size ({self.world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
                  f"--pipeline-model-parallel-size ({pp}) = {tp * pp}")
+        self._check_context_parallel()
         _require(self.distributed_backend in (None, "gloo", "nccl"),
                  f"--distributed-backend must be nccl or gloo, got {self.distributed_backend!r}")
         _require(self.distributed_timeout_minutes > 0,
@@ -214,6 +206,20 @@ class ParallelConfig:
             _require(0 <= self.pipeline_model_parallel_split_rank <= pp,
                      f"--pipeline-model-parallel-split-rank must be in [0, {pp}], got {self.pipeline_model_parallel_split_rank}")
         check_parallel_schedule(self)
+
+    def _check_context_parallel(self) -> None:
+        tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
+        _require(cp >= 1, f"--context-parallel-size must be >= 1, got {cp}")
+        _require(self.cp_comm_type in ("all_gather", "p2p"),
+                 f"--cp-comm-type must be all_gather or p2p, got {self.cp_comm_type!r}")
+        if cp == 1:
+            return
+        _require(self.stage_parallel is None,
+                 "--context-parallel-size with --aceso-config: per-stage TP x DP sizes give stages different "
+                 "rank counts, but a CP group holds the same sequence chunks on every stage; drop one")
+        _require(self.world_size % (tp * pp * cp) == 0,
+                 f"world size ({self.world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
+                 f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) = {tp * pp * cp}")
 
     def _check_stage_parallel(self) -> None:
         sp = self.stage_parallel

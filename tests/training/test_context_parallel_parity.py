@@ -28,4 +28,6 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_cp_layout_matches_single_process(reference, name):
     world, kwargs = LAYOUTS[name]  # cp2_dp2: 4 ranks at CP 2 leave DP 2
-    assert_parity(reference, run_distributed(run_layout, world, kwargs, timeout_s=120))
+    # the ring's online softmax rounds once more per merged block (parity_utils formula 4)
+    ring = int(kwargs.get("cp_comm") == "p2p")
+    assert_parity(reference, run_distributed(run_layout, world, kwargs, timeout_s=120), codec_roundings=ring)

@@ -24,7 +24,8 @@ into a token-wise part and an attention part beta * b * s^2 (megatron.planner.co
 `ContextParallelCostModel` wraps a `CostModel` with these rules, so every planner that reads a
 cost model (DynaPipe, the baselines) plans at a static CP size unchanged: give it the data-
 parallel size world / (PP x CP), ZeRO shards over DP x CP (`cp_planner_config`). Stage
-boundaries carry s/N tokens per CP rank: priced as N x the link bandwidth.
+boundaries carry s/N tokens per CP rank: priced as N x the link bandwidth; the embedding's and
+the head's memory are those of s/N tokens (`cp_planner`).
 """
 from __future__ import annotations
 
@@ -127,11 +128,19 @@ def cp_planner_config(cfg, cp: int):
                                bandwidth_gbps=cfg.bandwidth_gbps * cp, packed_rows=False)
 
 
-def cp_planner(cfg, cp: int, comm_type: str = "p2p"):
+def cp_planner(cfg, cp: int, comm_type: str = "p2p", flash_memory: bool = True):
     """A DynaPipePlanner that plans micro-batches for CP groups of `cp` (static size)."""
     from megatron.planner.cost.cost_model import CostModel
     from megatron.planner.dynapipe.planner import DynaPipePlanner
     base = CostModel.load(cfg.cost_model_path)
-    cm = base if cp == 1 else ContextParallelCostModel(base, cp, comm_type, cfg.bandwidth_gbps,
-                                                       cfg.link_latency_ms, cfg.activation_bytes)
-    return DynaPipePlanner(cp_planner_config(cfg, cp) if cp > 1 else cfg, cost_model=cm)
+    if cp == 1:
+        return DynaPipePlanner(cfg, cost_model=base)
+    cm = ContextParallelCostModel(base, cp, comm_type, cfg.bandwidth_gbps, cfg.link_latency_ms,
+                                  cfg.activation_bytes, flash_memory)
+
+    class ContextParallelPlanner(DynaPipePlanner):
+        def _pre_post(self, which, rc, mbs, seq, tp):
+            """The embedding and the head (logits, loss) of a CP rank hold its s/N tokens."""
+            return super()._pre_post(which, rc, mbs, np.asarray(seq, float) / cp, tp)
+
+    return ContextParallelPlanner(cp_planner_config(cfg, cp), cost_model=cm)
