@@ -75,6 +75,7 @@ class TeraPipeConfig:
         if self.enabled:
             _require(self.slices != "auto" or self.cost_model is not None or self.with_dynapipe,
                      "--terapipe-slices auto plans slices from a latency model: give --terapipe-cost-model FILE "
-                     "(python -m megatron.planner.terapipe.latency --output FILE), or fixed --terapipe-slices N|l1,l2,...")
+                     "(python -m megatron.planner.terapipe.latency --output FILE), "
+                     "or fixed --terapipe-slices N|l1,l2,...")
             _require(self.memory_limit_mb > 0,
                      f"--terapipe-memory-limit must be positive, got {self.memory_limit_mb}")
