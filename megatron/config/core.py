@@ -210,13 +210,11 @@ class ParallelConfig:
                  f"--distributed-timeout-minutes must be positive, got {self.distributed_timeout_minutes}")
         _require(self.world_size >= 1, f"world size must be >= 1, got {self.world_size}")
         if self.num_layers_per_virtual_pipeline_stage is not None:
-            _require(self.num_layers_per_virtual_pipeline_stage >= 1,
-                     f"--num-layers-per-virtual-pipeline-stage must be >= 1, "
-                     f"got {self.num_layers_per_virtual_pipeline_stage}")
+            _require(self.num_layers_per_virtual_pipeline_stage >= 1, "--num-layers-per-virtual-pipeline-stage "
+                     f"must be >= 1, got {self.num_layers_per_virtual_pipeline_stage}")
         if self.pipeline_model_parallel_split_rank is not None:
-            _require(0 <= self.pipeline_model_parallel_split_rank <= pp,
-                     f"--pipeline-model-parallel-split-rank must be in [0, {pp}], "
-                     f"got {self.pipeline_model_parallel_split_rank}")
+            _require(0 <= self.pipeline_model_parallel_split_rank <= pp, "--pipeline-model-parallel-split-rank "
+                     f"must be in [0, {pp}], got {self.pipeline_model_parallel_split_rank}")
         check_parallel_schedule(self)
 
     def _check_stage_parallel(self) -> None:
@@ -392,8 +390,7 @@ class DataConfig:
         if self.dynapipe:
             _require(bool(self.targets_data_path),
                      "--dynapipe trains on multi-task data: give --data-path INPUTS --targets-data-path TARGETS")
-            _require(self.dynapipe_cost_model is not None,
-                     "--dynapipe needs --dynapipe-cost-model FILE "
+            _require(self.dynapipe_cost_model is not None, "--dynapipe needs --dynapipe-cost-model FILE "
                      "(see cost_models/ and experiment_scripts/gen_cost_model.sh)")
             _require(not self.pack_dataset, "--pack-dataset fixes the micro-batches (rows of --micro-batch-size) that "
                      "--dynapipe plans per batch; DynaPipe packs rows itself with --dynapipe-packed-rows")
