@@ -87,7 +87,8 @@ def main(argv=None):
     pf.add_argument("--mbs", type=int, nargs="+", default=[1, 2, 4])
     pf.add_argument("--repeats", type=int, default=5)
     pf.add_argument("--cpu-threads", type=int, default=1,
-                    help="torch threads while profiling (default 1, as each rank of a CPU job whose ranks share the cores)")
+                    help="torch threads while profiling (default 1, as each rank of a CPU job whose ranks share "
+                         "the cores)")
     pf.add_argument("--max-spread", type=float, default=0.5,
                     help="an operator whose repeats spread more ((median - min) / min) is re-measured, then refused: "
                          "no table is kept while one stays noisy (default %(default)s)")

@@ -27,7 +27,8 @@ OP_HEADER = [
 ]
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 _OP_FILE = re.compile(r"^(?P<model>[a-z0-9]+)_(?P<size>.+)_mbs(?P<mbs>\d+)_tp(?P<tp>\d+)_algo(?P<algo>\d+)\.csv$")
-_PRIM_FILE = re.compile(r"^prim_(?P<model>[a-z0-9]+)_(?P<size>.+)_(?P<coll>" + "|".join(COLLECTIVES) + r")_(?P<n>\d+)gpus\.csv$")
+_PRIM_FILE = re.compile(r"^prim_(?P<model>[a-z0-9]+)_(?P<size>.+)_(?P<coll>" + "|".join(COLLECTIVES)
+                        + r")_(?P<n>\d+)gpus\.csv$")
 
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 

@@ -52,7 +52,8 @@ micro-batch in flight::
 ``rebuilt_k``: the activations of k's recompute run up to k (rebuilt, not yet freed);
 ``kept_after_k``: what ops after k keep (already freed when k's backward runs); ``out_last``:
 the stage output and its gradient; ``residual_k``: the residual stream's gradient where it is
-a tensor of its own (before a layer's last residual add, or in any but the stage's last layer). Backward of the attention core with the MLP's activations freed, not the
+a tensor of its own (before a layer's last residual add, or in any but the stage's last layer).
+Backward of the attention core with the MLP's activations freed, not the
 sum of the largest run and the largest working set, is where a layer peaks.
 """
 from __future__ import annotations

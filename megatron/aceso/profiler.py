@@ -120,7 +120,8 @@ def _layer_operators(layer, x):
         for names, fn in units:
             if len(names) != 1:
                 raise ValueError(f"the Aceso profiler times one operator per table row; {'+'.join(names)} run "
-                                 f"as one unit in this layer (gated MLP): profile without --swiglu or --gated-linear-unit")
+                                 f"as one unit in this layer (gated MLP): profile without --swiglu or "
+                                 f"--gated-linear-unit")
             ins.append((hh, r))
             hh, r = fn(hh, r)
     out = []

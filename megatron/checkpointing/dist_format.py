@@ -313,8 +313,8 @@ def load(trainer, it_dir: str, common: dict, load_optim: bool, load_rng: bool, l
     if rng_keys:
         _set_rng(sd, ps.rank)
     elif load_rng and ps.rank == 0:
-        print(f"note: {it_dir} was saved at layout {common['layout']}, this run is {_layout(trainer)}: RNG states start "
-              f"from this run's seed", file=sys.stderr, flush=True)
+        print(f"note: {it_dir} was saved at layout {common['layout']}, this run is {_layout(trainer)}: "
+              f"RNG states start from this run's seed", file=sys.stderr, flush=True)
 
 
 def sha256_digest(path: str) -> bytes:

@@ -91,7 +91,8 @@ def read_metadata(it_dir: str):
             raise EOFError("the file is empty")
         md = _MetadataUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as e:
-        raise DistCheckpointError(f"{path}: refused to load: {str(e)[:200]} (a checkpoint must not carry code)") from None
+        raise DistCheckpointError(f"{path}: refused to load: {str(e)[:200]} "
+                                  f"(a checkpoint must not carry code)") from None
     except (OSError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, RecursionError,
             MemoryError, RuntimeError) as e:
         raise DistCheckpointError(f"{path}: unreadable DCP index ({type(e).__name__}: {str(e)[:160]}); the save "
@@ -225,7 +226,8 @@ def _chunk(data: bytes, path: str, offset: int, name: str, dtype, shape) -> torc
         raise DistCheckpointError(f"{where}: refused to load: {str(e).splitlines()[0][:160]} (a checkpoint must not "
                                   f"carry code)") from None
     except Exception as e:  # noqa: BLE001 - any failure to parse a forged or torn record is bad input
-        raise DistCheckpointError(f"{where}: unreadable ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); "
+        raise DistCheckpointError(f"{where}: unreadable "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); "
                                   f"the shard is truncated or corrupt") from None
     if type(t) is not torch.Tensor or t.dtype != dtype or tuple(t.shape) != shape:
         got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__

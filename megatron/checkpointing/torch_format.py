@@ -402,7 +402,8 @@ def _read_dist(trainer, root: str, iteration: int) -> bool:
         raise CheckpointError(str(e)) from None
     current = json.loads(json.dumps(cfg.to_dict(), default=str))
     # Only the model's shape must match: the layout is free (that is what the format is for).
-    problems = [f"{flag}: checkpoint has {common['config'].get(sec, {}).get(key)}, this run has {current.get(sec, {}).get(key)}"
+    problems = [f"{flag}: checkpoint has {common['config'].get(sec, {}).get(key)}, "
+                f"this run has {current.get(sec, {}).get(key)}"
          for sec, key, flag in MUST_MATCH if sec == "model"
          and common["config"].get(sec, {}).get(key) != current.get(sec, {}).get(key)]
     if problems:
@@ -414,7 +415,8 @@ def _read_dist(trainer, root: str, iteration: int) -> bool:
                                 not cfg.checkpoint.finetune)
         problem = None
     except (ValueError, RuntimeError, TypeError, KeyError, IndexError) as e:  # forged contents: one line
-        problem = f"cannot read torch_dist checkpoint {it_dir}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        problem = (f"cannot read torch_dist checkpoint {it_dir}: "
+                   f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
     checkpoint_contents.agree(ps, problem, f"load its part of {it_dir}", CheckpointError)
     if not cfg.checkpoint.finetune:
         trainer.iteration = common["iteration"]
@@ -524,7 +526,8 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
     for iteration in [tracked] + _older_complete_iterations(root, tracked):
         path = checkpoint_path(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
         problem = _verify_file(path)
-        not_in_layout = problem is not None and not os.path.exists(path) and not _listed_in_manifest(root, iteration, path)
+        not_in_layout = (problem is not None and not os.path.exists(path)
+                         and not _listed_in_manifest(root, iteration, path))
         if not _all_ok(not not_in_layout):
             # A layout mismatch, not corruption: falling back would only hide the real problem.
             it_dir = os.path.join(root, f"iter_{iteration:07d}")
@@ -568,7 +571,8 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
     try:
         checkpoint_contents.apply_state(trainer, state, path, set_rng_state)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as e:
-        problem = f"checkpoint {path}: its counters, optimizer or RNG state do not fit ({checkpoint_contents.one_line(e)})"
+        problem = (f"checkpoint {path}: its counters, optimizer or RNG state do not fit "
+                   f"({checkpoint_contents.one_line(e)})")
     checkpoint_contents.agree(ps, problem, f"load its checkpoint under --load {root}", CheckpointError)
     _barrier()
     if ps.rank == 0:

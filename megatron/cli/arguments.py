@@ -14,8 +14,8 @@ from megatron.cli.parser import HelpFormatter, OneLineParser, int_list
 from megatron.cli.arguments_systems import (_add_aceso_args, _add_compression_args, _add_dynapipe_args,
                                         _add_fused_kernel_args, _add_profile_args, _add_terapipe_args,
                                         _apply_fused_kernel_args, _terapipe_config)
-from megatron.config.core import (CheckpointConfig, CompressionConfig, ConfigError, DataConfig, LoggingConfig, MegatronConfig,
-                             ModelConfig, ParallelConfig, TrainingConfig)
+from megatron.config.core import (CheckpointConfig, CompressionConfig, ConfigError, DataConfig, LoggingConfig,
+                             MegatronConfig, ModelConfig, ParallelConfig, TrainingConfig)
 
 
 def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
@@ -71,7 +71,8 @@ def _add_network_size_args(p, model_type: str) -> None:
     g.add_argument("--rotary-percent", type=float, default=1.0, help="fraction of each head's channels RoPE rotates")
     g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base period")
     g.add_argument("--group-query-attention", action="store_true", help="grouped-query attention (--num-query-groups)")
-    g.add_argument("--num-query-groups", type=int, default=None, help="key/value head groups for --group-query-attention")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="key/value head groups for --group-query-attention")
     if model_type == "t5":
         g.add_argument("--encoder-num-layers", type=int, default=None, help="encoder layers (default: --num-layers)")
         g.add_argument("--decoder-num-layers", type=int, default=None, help="decoder layers (default: encoder's)")
@@ -257,7 +258,8 @@ def _add_legacy_args(p: argparse.ArgumentParser) -> None:
         if not any(f"--no-{name}-fusion" in a.option_strings for a in p._actions):
             g.add_argument(f"--no-{name}-fusion", dest=f"{name.replace('-', '_')}_fusion", action="store_false",
                            help="turn the fused kernel off (the eager path is used where no fused kernel is built)")
-    g.add_argument("--use-mcore-models", action="store_true", help="accepted, no effect: there is one model implementation")
+    g.add_argument("--use-mcore-models", action="store_true",
+                   help="accepted, no effect: there is one model implementation")
     g.add_argument("--keep-sequential-samples", action="store_true",
                    help="accepted, no effect: token-budget global batches already take samples in data order")
 
@@ -481,11 +483,13 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         use_error_feedback=args.use_error_feedback, emb_comm_opt=args.emb_comm_opt, grad_comp=args.grad_comp,
         grad_comp_rank=args.grad_comp_rank, grad_comp_warm_up=args.grad_comp_warm_up,
         selective_grad_comp=args.selective_grad_comp, selective_grad_comp_way=args.selective_grad_comp_way,
-        grad_comp_type=args.grad_comp_type, emb_grad_comp=args.emb_grad_comp, emb_grad_comp_rank=args.emb_grad_comp_rank,
+        grad_comp_type=args.grad_comp_type, emb_grad_comp=args.emb_grad_comp,
+        emb_grad_comp_rank=args.emb_grad_comp_rank,
         emb_grad_comp_type=args.emb_grad_comp_type, emb_grad_comp_warm_up=args.emb_grad_comp_warm_up,
         emb_use_error_feedback=args.emb_use_error_feedback, log_compression_stats=args.log_compression_stats,
         lep_carry_across_iterations=args.lep_carry_across_iterations, mp_grad_comp=args.mp_grad_comp,
-        mp_grad_comp_rank=args.mp_grad_comp_rank, mp_acti_comp=args.mp_acti_comp, mp_acti_comp_rank=args.mp_acti_comp_rank)
+        mp_grad_comp_rank=args.mp_grad_comp_rank, mp_acti_comp=args.mp_acti_comp,
+        mp_acti_comp_rank=args.mp_acti_comp_rank)
     cfg = MegatronConfig(model=model, parallel=parallel, training=training, data=data,
                          checkpoint=checkpoint, logging=logging_cfg, compression=compression,
                          terapipe=_terapipe_config(args))

@@ -78,7 +78,8 @@ def _add_dynapipe_args(p) -> None:
     g.add_argument("--dynapipe-trace-dir", default=None,
                    help="write the simulated and the measured Chrome trace of the first --dynapipe-trace-iters "
                         "iterations here (iter_N.sim.json, iter_N.measured.json)")
-    g.add_argument("--dynapipe-trace-iters", type=int, default=4, help="how many iterations --dynapipe-trace-dir traces")
+    g.add_argument("--dynapipe-trace-iters", type=int, default=4,
+                   help="how many iterations --dynapipe-trace-dir traces")
     g.add_argument("--dynapipe-cost-model-any", action="store_true",
                    help="use --dynapipe-cost-model although it was profiled for another model shape (experiments)")
     g.add_argument("--dynapipe-packed-rows", action="store_true",

@@ -39,8 +39,8 @@ FEATURES: Dict[str, Feature] = {
                                      "--dynapipe-cost-model-any", "--dynapipe-planner-workers", "0",
                                      "--dynapipe-memory-limit", "400"), multitask=True,
                         cannot_test=("tp", "the shipped CPU cost models (cost_models/cpu_tiny_{gpt,t5}.json) profile "
-                                           "TP 1 only, so the pair smoke runs cannot plan DynaPipe at TP > 1 (a dedicated "
-                                           "test writes its own TP 2 copy)")),
+                                           "TP 1 only, so the pair smoke runs cannot plan DynaPipe at TP > 1 "
+                                           "(a dedicated test writes its own TP 2 copy)")),
     "terapipe": Feature("TeraPipe", ("--terapipe", "--terapipe-slices", "2"), frozenset({"pp"})),
     # its config (aceso_config) runs TP 2 x DP 1 then TP 1 x DP 2: every parallel dim is there
     "aceso": Feature("Aceso layout", (), frozenset({"tp", "pp", "dp"}), aceso=True),
@@ -80,17 +80,24 @@ _DYN_CC = "tests/compression/test_dynapipe_compression.py::"
 _HETERO = "tests/aceso/"
 _CP = "tests/training/test_context_parallel_compose.py::"
 PROOFS: Dict[Tuple[str, str], str] = {
-    ("dynapipe", "terapipe"): "tests/training/test_dynapipe_terapipe.py::test_dynapipe_terapipe_two_slices_equals_plain_dynapipe",
-    ("dynapipe", "aceso"): _HETERO + "test_hetero_compose.py::test_dynapipe_on_heterogeneous_stages_matches_whole_batch_step",
+    ("dynapipe", "terapipe"): "tests/training/test_dynapipe_terapipe.py::"
+                              "test_dynapipe_terapipe_two_slices_equals_plain_dynapipe",
+    ("dynapipe", "aceso"): _HETERO + "test_hetero_compose.py::"
+                           "test_dynapipe_on_heterogeneous_stages_matches_whole_batch_step",
     ("dynapipe", "cb_lep"): _DYN_CC + "test_compressed_backprop_with_lep_at_full_rank_equals_plain_dynapipe",
-    ("dynapipe", "powersgd"): _DYN_CC + "test_powersgd_and_fused_embedding_sync_at_full_rank_equal_plain_dynapipe[False]",
+    ("dynapipe", "powersgd"): _DYN_CC + "test_powersgd_and_fused_embedding_sync_at_full_rank_equal_plain_dynapipe"
+                                        "[False]",
     ("dynapipe", "embsync"): _DYN_CC + "test_fused_embedding_sync_alone_is_exact_on_dynapipe",
-    ("dynapipe", "distopt"): _DYN_CC + "test_powersgd_and_fused_embedding_sync_at_full_rank_equal_plain_dynapipe[True]",
-    ("dynapipe", "interleaved"): "tests/training/test_dynapipe_interleaved_training.py::test_dynapipe_interleaved_equals_plain_dynapipe",
+    ("dynapipe", "distopt"): _DYN_CC + "test_powersgd_and_fused_embedding_sync_at_full_rank_equal_plain_dynapipe"
+                                       "[True]",
+    ("dynapipe", "interleaved"): "tests/training/test_dynapipe_interleaved_training.py::"
+                                 "test_dynapipe_interleaved_equals_plain_dynapipe",
     ("interleaved", "packing"): "tests/training/test_interleaved_multitask.py::"
                                 "test_interleaved_multitask_pp2_matches_plain_pipeline[packing-2-480]",
-    ("dynapipe", "sp"): "tests/training/test_dynapipe_sequence_parallel.py::test_dynapipe_sequence_parallel_tp2_pp2_equals_whole_batch_step",
-    ("terapipe", "aceso"): _HETERO + "test_hetero_compose.py::test_terapipe_on_heterogeneous_stages_matches_single_process",
+    ("dynapipe", "sp"): "tests/training/test_dynapipe_sequence_parallel.py::"
+                        "test_dynapipe_sequence_parallel_tp2_pp2_equals_whole_batch_step",
+    ("terapipe", "aceso"): _HETERO + "test_hetero_compose.py::"
+                           "test_terapipe_on_heterogeneous_stages_matches_single_process",
     ("terapipe", "cb_lep"): "tests/compression/test_terapipe_compression.py::"
                             "test_full_rank_compressed_slices_with_lep_equal_plain_terapipe",
     ("terapipe", "powersgd"): _TP_DP + "[grad_comp]",
@@ -105,10 +112,13 @@ PROOFS: Dict[Tuple[str, str], str] = {
     ("terapipe", "bf16"): _TP + "test_terapipe_mixed_precision_trains_like_unsliced[bf16]",
     ("aceso", "cb_lep"): _HETERO + "test_hetero_compression.py::"
                          "test_compressed_pieces_between_stages_equal_single_process_with_the_same_codec[cb-lep]",
-    ("aceso", "powersgd"): _HETERO + "test_hetero_compression.py::test_powersgd_over_a_stage_dp_group_equals_the_uniform_layout",
-    ("aceso", "embsync"): _HETERO + "test_hetero_compression.py::test_powersgd_over_a_stage_dp_group_equals_the_uniform_layout",
+    ("aceso", "powersgd"): _HETERO + "test_hetero_compression.py::"
+                           "test_powersgd_over_a_stage_dp_group_equals_the_uniform_layout",
+    ("aceso", "embsync"): _HETERO + "test_hetero_compression.py::"
+                          "test_powersgd_over_a_stage_dp_group_equals_the_uniform_layout",
     ("aceso", "distopt"): _HETERO + "test_hetero_grads.py::test_distributed_optimizer_shards_over_each_stage_dp_group",
-    ("aceso", "sp"): _HETERO + "test_hetero_sequence_parallel.py::test_sequence_parallel_stages_match_single_process[tp2-dp2]",
+    ("aceso", "sp"): _HETERO + "test_hetero_sequence_parallel.py::"
+                     "test_sequence_parallel_stages_match_single_process[tp2-dp2]",
     ("aceso", "packing"): _HETERO + "test_hetero_compose.py::"
                           "test_multitask_data_on_heterogeneous_stages_matches_whole_batch_step[packing]",
     ("powersgd", "distopt"): "tests/compression/test_distributed_optimizer_compression.py::"
@@ -373,7 +383,8 @@ def markdown(results: Optional[Dict[Tuple[str, str], Optional[str]]] = None, mod
         lines += [f"- {FEATURES[a].label} × {FEATURES[b].label}: {why}" for (a, b), why in gaps.items()]
     lines += ["", "Works, proved by a dedicated test (T):", ""]
     lines += [f"- T{k + 1} `{t}`: " + ", ".join(f"{FEATURES[a].label} × {FEATURES[b].label}"
-                                                 for (a, b), u in proofs.items() if u == t) for k, t in enumerate(tests)]
+                                                 for (a, b), u in proofs.items() if u == t)
+              for k, t in enumerate(tests)]
     lines += ["", f"Works, proved by training a set of features together for 2 iterations on {SMOKE_WORLD} ranks "
               f"with every feature observed at work (S; every pair inside the set; `{SMOKE_TESTS[model]}[<set>]`; "
               "what each feature must show: `tests/cli/composition_checks.py`):", ""]
@@ -381,7 +392,8 @@ def markdown(results: Optional[Dict[Tuple[str, str], Optional[str]]] = None, mod
     return "\n".join(lines) + "\n"
 
 
-BEGIN, END = "<!-- composition table: python -m megatron.cli.composition --markdown -->", "<!-- end composition table -->"
+BEGIN, END = ("<!-- composition table: python -m megatron.cli.composition --markdown -->",
+              "<!-- end composition table -->")
 MARKERS = {"gpt": (BEGIN, END),
            "t5": ("<!-- composition table: python -m megatron.cli.composition --model t5 --markdown -->",
                   "<!-- end t5 composition table -->")}

@@ -140,7 +140,8 @@ class PowerSGDReducer:
         compressed ones missed."""
         if self.stats is None or not mats:
             return []
-        return _flat_all_reduce([matrix_view(g).to(torch.promote_types(g.dtype, torch.float32)).clone() for _, g, _, _, _ in mats], self.dp_group)
+        return _flat_all_reduce([matrix_view(g).to(torch.promote_types(g.dtype, torch.float32)).clone()
+                                 for _, g, _, _, _ in mats], self.dp_group)
 
     def _reduce(self, grads, iteration):
         vectors, mats = self.split(grads, range(len(grads)))

@@ -81,7 +81,8 @@ class OverlappedPowerSGD(OverlappedGradReducer):
             all_mats += mats
         self.works = [None] * len(self.buckets)
         true = self.reducer.true_sums(all_mats)
-        timer = Timer(all_mats[0][2].device) if self.reducer.stats is not None and all_mats else contextlib.nullcontext()
+        timer = (Timer(all_mats[0][2].device) if self.reducer.stats is not None and all_mats
+                 else contextlib.nullcontext())
         with timer:
             if all_mats:
                 sent += self.reducer.finish_compress(all_mats, summed)

@@ -79,7 +79,8 @@ def error_key(stage: int, index: int, shape: Sequence[int], token_offset: int = 
         between (a reordered schedule) and folded a [64, 1] residual into a [32, 2] gradient
         (64 tokens both), adding token (i, j)'s error to an unrelated position. DynaPipe
         sorts micro-batches by length, so equal shapes are usually adjacent and both keys
-        fold equally often there (26 compressed messages of a PP=2 test run: 9 folds with either key). Weight gradients are sums over
+        fold equally often there (26 compressed messages of a PP=2 test run: 9 folds with either key).
+        Weight gradients are sums over
         micro-batches, so a residual that reaches the weights through another same-shape
         micro-batch is still delivered: per key, sum of sent + kept = sum of true gradients.
       * TeraPipe (token slices): the offset keys a slice's residual to the same token

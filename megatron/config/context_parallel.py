@@ -3,6 +3,8 @@ no torch): what context parallelism composes with, and one line naming the flag 
 not. The runtime is megatron/core/context_parallel.py and megatron/models/cp_attention.py."""
 from __future__ import annotations
 
+from megatron.config.errors import _require
+
 
 def cp_granule(cfg) -> int:
     """Tokens per sequence must be a multiple of this: 2 chunks per CP rank (causal load
@@ -26,7 +28,8 @@ def check_context_parallel_config(cfg) -> None:
                          "pick one (the planner prices both: benchmarks/bench_cp.py)")
     if d.dynapipe:
         raise ValueError(f"{flag} with --dynapipe is not supported yet: DynaPipe's batch source and plans carry "
-                         "CP 1 micro-batches (the planner prices DynaPipe + CP: megatron/planner/cost/cp_cost.py); drop one")
+                         "CP 1 micro-batches (the planner prices DynaPipe + CP: megatron/planner/cost/cp_cost.py); "
+                         "drop one")
     c = cfg.compression
     if c.grad_comp or c.emb_comm_opt or c.emb_grad_comp:
         raise ValueError(f"{flag} with --grad-comp / --emb-comm-opt / --emb-grad-comp: these sum gradients over "
@@ -44,3 +47,19 @@ def check_context_parallel_config(cfg) -> None:
         raise ValueError(f"{flag}: --seq-length ({m.seq_length}) must be a multiple of 2 x CP"
                          + (f" x TP (--sequence-parallel) = {cp_granule(cfg)}" if tp > 1 else f" = {2 * cp}")
                          + " (each CP rank holds two chunks of every sequence)")
+
+
+def check_cp_parallel(p) -> None:
+    """What --context-parallel-size needs from the parallel layout alone (`ParallelConfig`)."""
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    _require(cp >= 1, f"--context-parallel-size must be >= 1, got {cp}")
+    _require(p.cp_comm_type in ("all_gather", "p2p"),
+             f"--cp-comm-type must be all_gather or p2p, got {p.cp_comm_type!r}")
+    if cp == 1:
+        return
+    _require(p.stage_parallel is None,
+             "--context-parallel-size with --aceso-config: per-stage TP x DP sizes give stages different "
+             "rank counts, but a CP group holds the same sequence chunks on every stage; drop one")
+    _require(p.world_size % (tp * pp * cp) == 0,
+             f"world size ({p.world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
+             f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) = {tp * pp * cp}")

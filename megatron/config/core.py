@@ -12,6 +12,7 @@ from typing import List, Optional
 
 from megatron.config.errors import ConfigError, _require  # noqa: F401 (re-exported)
 from megatron.config.systems import CompressionConfig, TeraPipeConfig  # noqa: F401 (re-exported)
+from megatron.config.context_parallel import check_cp_parallel
 from megatron.config.schedules import check_parallel_schedule, check_schedule_config
 from megatron.config.terapipe import check_terapipe_config
 
@@ -120,14 +121,16 @@ class ModelConfig:
                  "--swiglu is the gated SiLU MLP; it conflicts with --activation-func relu and --gated-linear-unit "
                  "(use --gated-linear-unit alone for a gated GeLU/ReLU MLP)")
         _require(self.position_embedding_type in ("learned_absolute", "relative", "rope"),
-                 f"--position-embedding-type must be learned_absolute, relative or rope, got {self.position_embedding_type!r}")
+                 f"--position-embedding-type must be learned_absolute, relative or rope, "
+                 f"got {self.position_embedding_type!r}")
         if self.position_embedding_type == "rope":
-            _require(self.model_type == "gpt", "--position-embedding-type rope is implemented for GPT; T5 uses relative")
+            _require(self.model_type == "gpt",
+                     "--position-embedding-type rope is implemented for GPT; T5 uses relative")
             _require(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
             rot = int(self.kv_channels * self.rotary_percent)
             _require(rot >= 2 and rot % 2 == 0,
-                     f"--rotary-percent {self.rotary_percent} x head size {self.kv_channels} = {rot} rotary dimensions; "
-                     "it must be a positive even number")
+                     f"--rotary-percent {self.rotary_percent} x head size {self.kv_channels} = {rot} "
+                     "rotary dimensions; it must be a positive even number")
             _require(self.rotary_base > 0, f"--rotary-base must be positive, got {self.rotary_base}")
         if self.num_query_groups is not None:
             _require(self.num_query_groups >= 1 and self.num_attention_heads % self.num_query_groups == 0,
@@ -193,33 +196,19 @@ class ParallelConfig:
         _require(self.stage_parallel is not None or self.world_size % (tp * pp) == 0,
                  f"world size ({self.world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
                  f"--pipeline-model-parallel-size ({pp}) = {tp * pp}")
-        self._check_context_parallel()
+        check_cp_parallel(self)
         _require(self.distributed_backend in (None, "gloo", "nccl"),
                  f"--distributed-backend must be nccl or gloo, got {self.distributed_backend!r}")
         _require(self.distributed_timeout_minutes > 0,
                  f"--distributed-timeout-minutes must be positive, got {self.distributed_timeout_minutes}")
         _require(self.world_size >= 1, f"world size must be >= 1, got {self.world_size}")
         if self.num_layers_per_virtual_pipeline_stage is not None:
-            _require(self.num_layers_per_virtual_pipeline_stage >= 1,
-                     f"--num-layers-per-virtual-pipeline-stage must be >= 1, got {self.num_layers_per_virtual_pipeline_stage}")
+            _require(self.num_layers_per_virtual_pipeline_stage >= 1, "--num-layers-per-virtual-pipeline-stage "
+                     f"must be >= 1, got {self.num_layers_per_virtual_pipeline_stage}")
         if self.pipeline_model_parallel_split_rank is not None:
-            _require(0 <= self.pipeline_model_parallel_split_rank <= pp,
-                     f"--pipeline-model-parallel-split-rank must be in [0, {pp}], got {self.pipeline_model_parallel_split_rank}")
+            _require(0 <= self.pipeline_model_parallel_split_rank <= pp, "--pipeline-model-parallel-split-rank "
+                     f"must be in [0, {pp}], got {self.pipeline_model_parallel_split_rank}")
         check_parallel_schedule(self)
-
-    def _check_context_parallel(self) -> None:
-        tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
-        _require(cp >= 1, f"--context-parallel-size must be >= 1, got {cp}")
-        _require(self.cp_comm_type in ("all_gather", "p2p"),
-                 f"--cp-comm-type must be all_gather or p2p, got {self.cp_comm_type!r}")
-        if cp == 1:
-            return
-        _require(self.stage_parallel is None,
-                 "--context-parallel-size with --aceso-config: per-stage TP x DP sizes give stages different "
-                 "rank counts, but a CP group holds the same sequence chunks on every stage; drop one")
-        _require(self.world_size % (tp * pp * cp) == 0,
-                 f"world size ({self.world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
-                 f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) = {tp * pp * cp}")
 
     def _check_stage_parallel(self) -> None:
         sp = self.stage_parallel
@@ -285,7 +274,8 @@ class TrainingConfig:
         _require(self.train_iters >= 0, f"--train-iters must be >= 0, got {self.train_iters}")
         _require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are mutually exclusive; pick one")
         _require(self.lr_decay_style in ("constant", "linear", "cosine", "inverse-square-root"),
-                 f"--lr-decay-style must be constant, linear, cosine or inverse-square-root, got {self.lr_decay_style!r}")
+                 f"--lr-decay-style must be constant, linear, cosine or inverse-square-root, "
+                 f"got {self.lr_decay_style!r}")
         _require(self.lr >= 0 and self.min_lr >= 0, f"--lr ({self.lr}) and --min-lr ({self.min_lr}) must be >= 0")
         _require(self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
         _require(not (self.lr_warmup_fraction is not None and self.lr_warmup_iters),
@@ -315,7 +305,8 @@ class TrainingConfig:
                  f"--exit-interval must be positive, got {self.exit_interval}")
         _require(self.max_consecutive_skipped_iters >= 0,
                  f"--max-consecutive-skipped-iters must be >= 0, got {self.max_consecutive_skipped_iters}")
-        _require(self.loss_scale is None or self.loss_scale > 0, f"--loss-scale must be positive, got {self.loss_scale}")
+        _require(self.loss_scale is None or self.loss_scale > 0,
+                 f"--loss-scale must be positive, got {self.loss_scale}")
         _require(self.initial_loss_scale > 0 and self.min_loss_scale > 0,
                  f"--initial-loss-scale ({self.initial_loss_scale}) and --min-loss-scale ({self.min_loss_scale}) "
                  "must be positive")
@@ -384,21 +375,24 @@ class DataConfig:
 
     def __post_init__(self):
         if not self.mock_data:
-            _require(bool(self.data_path), "no training data: give --data-path PREFIX, or --mock-data for generated tokens")
+            _require(bool(self.data_path),
+                     "no training data: give --data-path PREFIX, or --mock-data for generated tokens")
         if self.targets_data_path:
             _require(self.tokens_per_global_batch is not None and self.tokens_per_global_batch > 0,
                      "multi-task data (--targets-data-path) is batched by tokens: give --tokens-per-global-batch N")
         if self.dynapipe:
             _require(bool(self.targets_data_path),
                      "--dynapipe trains on multi-task data: give --data-path INPUTS --targets-data-path TARGETS")
-            _require(self.dynapipe_cost_model is not None,
-                     "--dynapipe needs --dynapipe-cost-model FILE (see cost_models/ and experiment_scripts/gen_cost_model.sh)")
+            _require(self.dynapipe_cost_model is not None, "--dynapipe needs --dynapipe-cost-model FILE "
+                     "(see cost_models/ and experiment_scripts/gen_cost_model.sh)")
             _require(not self.pack_dataset, "--pack-dataset fixes the micro-batches (rows of --micro-batch-size) that "
                      "--dynapipe plans per batch; DynaPipe packs rows itself with --dynapipe-packed-rows")
-            _require(self.dynapipe_memory_limit > 0, f"--dynapipe-memory-limit must be positive, got {self.dynapipe_memory_limit}")
+            _require(self.dynapipe_memory_limit > 0,
+                     f"--dynapipe-memory-limit must be positive, got {self.dynapipe_memory_limit}")
             _require(self.dynapipe_planner_workers >= 0 and self.dynapipe_lookahead >= 1,
                      "--dynapipe-planner-workers must be >= 0 and --dynapipe-lookahead >= 1")
-            _require(self.dynapipe_trace_iters >= 0, f"--dynapipe-trace-iters must be >= 0, got {self.dynapipe_trace_iters}")
+            _require(self.dynapipe_trace_iters >= 0,
+                     f"--dynapipe-trace-iters must be >= 0, got {self.dynapipe_trace_iters}")
         _require(not self.pack_dataset or bool(self.targets_data_path),
                  "--pack-dataset packs multi-task (inputs, targets) samples into rows: give --targets-data-path "
                  "(pretraining data is already read as full --seq-length sequences)")
@@ -497,7 +491,8 @@ class MegatronConfig:
                      f"--num-layers ({m.num_layers}) / --pipeline-model-parallel-size "
                      f"({p.pipeline_model_parallel_size}) must be divisible by "
                      f"--num-layers-per-virtual-pipeline-stage ({p.num_layers_per_virtual_pipeline_stage})")
-        if p.pipeline_stage_layers is None and p.num_layers_per_virtual_pipeline_stage is None and m.model_type == "gpt":
+        if (p.pipeline_stage_layers is None and p.num_layers_per_virtual_pipeline_stage is None
+                and m.model_type == "gpt"):
             _require(m.num_layers % p.pipeline_model_parallel_size == 0,
                      f"--num-layers ({m.num_layers}) is not divisible by --pipeline-model-parallel-size "
                      f"({p.pipeline_model_parallel_size}); give an explicit split with --pipeline-stage-layers")

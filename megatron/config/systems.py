@@ -36,7 +36,8 @@ class CompressionConfig:
     mp_acti_comp_rank: int = 4
 
     def __post_init__(self):
-        _require(self.inter_grad_comp_rank >= 1, f"--inter-grad-comp-rank must be >= 1, got {self.inter_grad_comp_rank}")
+        _require(self.inter_grad_comp_rank >= 1,
+                 f"--inter-grad-comp-rank must be >= 1, got {self.inter_grad_comp_rank}")
         _require(self.grad_comp_rank >= 1, f"--grad-comp-rank must be >= 1, got {self.grad_comp_rank}")
         _require(0.0 <= self.grad_comp_warm_up <= 1.0,
                  f"--grad-comp-warm-up is a fraction of --train-iters in [0, 1], got {self.grad_comp_warm_up}")
@@ -47,7 +48,8 @@ class CompressionConfig:
             _require(self.selective_grad_comp_way is not None and self.selective_grad_comp_way >= 1,
                      "--selective-grad-comp needs --selective-grad-comp-way K >= 1 (the first K pipeline stages "
                      "compress)")
-        for flag, v in (("--emb-grad-comp-rank", self.emb_grad_comp_rank), ("--mp-grad-comp-rank", self.mp_grad_comp_rank),
+        for flag, v in (("--emb-grad-comp-rank", self.emb_grad_comp_rank),
+                        ("--mp-grad-comp-rank", self.mp_grad_comp_rank),
                         ("--mp-acti-comp-rank", self.mp_acti_comp_rank)):
             _require(v >= 1, f"{flag} must be >= 1, got {v}")
         _require(0.0 <= self.emb_grad_comp_warm_up <= 1.0,
@@ -73,5 +75,7 @@ class TeraPipeConfig:
         if self.enabled:
             _require(self.slices != "auto" or self.cost_model is not None or self.with_dynapipe,
                      "--terapipe-slices auto plans slices from a latency model: give --terapipe-cost-model FILE "
-                     "(python -m megatron.planner.terapipe.latency --output FILE), or fixed --terapipe-slices N|l1,l2,...")
-            _require(self.memory_limit_mb > 0, f"--terapipe-memory-limit must be positive, got {self.memory_limit_mb}")
+                     "(python -m megatron.planner.terapipe.latency --output FILE), "
+                     "or fixed --terapipe-slices N|l1,l2,...")
+            _require(self.memory_limit_mb > 0,
+                     f"--terapipe-memory-limit must be positive, got {self.memory_limit_mb}")

@@ -150,7 +150,8 @@ class DistributedOptimizer(MegatronOptimizer):
         self._uncovered: Optional[tuple] = None
         if self.overlap_param_gather:
             for m in modules:
-                self._hooks.append(m.register_forward_pre_hook(lambda mod, args: self._wait_buckets(self._uncovered or ())))
+                self._hooks.append(m.register_forward_pre_hook(
+                    lambda mod, args: self._wait_buckets(self._uncovered or ())))
                 for sub in m.modules():
                     own = tuple(sorted({self.bucket_of[id(p)] for p in sub.parameters(recurse=False)
                                         if id(p) in self.bucket_of}))

@@ -73,7 +73,8 @@ def main(argv=None) -> int:
             elif c == "benchmark":
                 res = drivers.benchmark(grid, backend, out, args.force, configs_dir)
                 print("best throughput\n" + drivers.speedup_table(res["best_throughput"]))
-                print("controlled baseline (DynaPipe's parallelism)\n" + drivers.speedup_table(res["controlled_baseline"]))
+                print("controlled baseline (DynaPipe's parallelism)\n"
+                      + drivers.speedup_table(res["controlled_baseline"]))
             elif c == "ablation":
                 if backend.name == "live":
                     print("ablation: skipped with --live (planner internals; run it with --simulate)")

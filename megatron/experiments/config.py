@@ -166,7 +166,8 @@ def load_grid(path) -> Grid:
         live=_need(doc, "live", dict, where, {}))
     bad = [r for r in g.recompute if r not in RECOMPUTE]
     if bad or not g.recompute:
-        raise ExperimentConfigError(f"{gw}: field 'recompute' must be a non-empty subset of {RECOMPUTE}, got {g.recompute!r}")
+        raise ExperimentConfigError(f"{gw}: field 'recompute' must be a non-empty subset of {RECOMPUTE}, "
+                                    f"got {g.recompute!r}")
     if g.lengths_file and not (ROOT / g.lengths_file).is_file() and not Path(g.lengths_file).is_file():
         raise ExperimentConfigError(f"{where}: field 'lengths_file': no such file {g.lengths_file!r}")
     for s in g.settings():

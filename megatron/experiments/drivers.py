@@ -111,7 +111,8 @@ def _verifier(grid: Grid, backend: Backend, s: Setting, out_dir: Path, force: bo
 
     def verify(r: dict) -> bool:
         job = Job("grid_verify", s, r["system"], r["pp"], r["tp"], r["dp"],
-                  micro_batch_size=r["micro_batch_size"], recompute=None if r["system"] == "dynapipe" else r["recompute"],
+                  micro_batch_size=r["micro_batch_size"],
+                  recompute=None if r["system"] == "dynapipe" else r["recompute"],
                   batches=grid.benchmark_batches)
         return run_jobs(grid, backend, [job], out_dir / "grid_verify.jsonl", force, "verify")[0]["status"] == "ok"
     return verify
@@ -178,7 +179,8 @@ def _setting_jobs(grid: Grid, kind: str, experiment: str, config_dir: Path) -> L
         path = setting_config_path(grid, s, kind, config_dir)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: missing; run the grid search first "
-                                    f"(experiment_scripts/run_grid_search.sh or `python -m megatron.experiments grid-search`)")
+                                    f"(experiment_scripts/run_grid_search.sh or "
+                                    f"`python -m megatron.experiments grid-search`)")
         doc = load_setting_config(path, grid)
         for system, d in doc["systems"].items():
             if d is None:

@@ -231,7 +231,8 @@ def tied_embedding_params(stages: dict, num_stages: int) -> list:
     if 0 in stages and (num_stages - 1) not in stages:
         out.append(stages[0].embedding.word_embeddings.weight)
     last = stages.get(num_stages - 1)
-    if last is not None and 0 not in stages and getattr(getattr(last, "output_layer", None), "weight", None) is not None \
+    if last is not None and 0 not in stages \
+            and getattr(getattr(last, "output_layer", None), "weight", None) is not None \
             and getattr(last.output_layer.weight, "shared_embedding", False):
         out.append(last.output_layer.weight)
     return out

@@ -71,8 +71,8 @@ class ParallelAttention(nn.Module):
         std = cfg.init_method_std
         bias = cfg.add_bias_linear
         if cross:
-            self.query = ColumnParallelLinear(cfg.hidden_size, proj, tp_group, init_std=std, seed=seed, key=key + ".query",
-                                              bias=bias)
+            self.query = ColumnParallelLinear(cfg.hidden_size, proj, tp_group, init_std=std, seed=seed,
+                                              key=key + ".query", bias=bias)
             self.key_value = ColumnParallelLinear(cfg.hidden_size, 2 * proj, tp_group, init_std=std, seed=seed,
                                                   key=key + ".key_value", bias=bias)
         else:

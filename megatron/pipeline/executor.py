@@ -191,8 +191,8 @@ class PipelineExecutor:
                 handler = self._HANDLERS[type(ins)]
             except KeyError:
                 raise PlanExecutionError(f"{self.rank_desc}: no handler for instruction {ins!r}")
-            if forward_only and isinstance(ins, (I.BackwardPass, I.BackwardInput, I.BackwardWeight, I.SendGradStart, I.SendGradFinish,
-                                                 I.RecvGradStart, I.RecvGradFinish)):
+            if forward_only and isinstance(ins, (I.BackwardPass, I.BackwardInput, I.BackwardWeight, I.SendGradStart,
+                                                 I.SendGradFinish, I.RecvGradStart, I.RecvGradFinish)):
                 continue
             try:
                 handler(self, ins)
@@ -221,7 +221,8 @@ class PipelineExecutor:
             raise PlanExecutionError(
                 f"{self.rank_desc}, iteration {plan.iteration}: token slices of (sequence, stage) "
                 f"{sorted(self.kv_caches)} never ran the backward of their first slice")
-        self.slots = self.records = self.deferred = self.data = self.kv_caches = self.slice_records = self.assembling = {}
+        self.slots = self.records = self.deferred = self.data = self.kv_caches = self.slice_records = \
+            self.assembling = {}
         self.encoded = {}
         return self.stats
 
@@ -232,7 +233,8 @@ class PipelineExecutor:
             torch.cuda.synchronize(self.device)
         end_s = time.perf_counter() - self._trace_t0
         kind = "compute" if compute else "comm" if isinstance(ins, I.CommInstruction) else "other"
-        short = {I.ForwardPass: "F", I.BackwardPass: "B", I.BackwardInput: "B", I.BackwardWeight: "W"}.get(type(ins), type(ins).__name__)
+        short = {I.ForwardPass: "F", I.BackwardPass: "B", I.BackwardInput: "B",
+                 I.BackwardWeight: "W"}.get(type(ins), type(ins).__name__)
         self.trace_events.append({"name": f"{short}{ins.microbatch}", "cat": kind, "ph": "X",
                                   "tid": 0 if compute else 1, "ts": start_s * 1e6, "dur": (end_s - start_s) * 1e6,
                                   "args": {"stage": ins.stage, "microbatch": ins.microbatch}})
@@ -450,8 +452,8 @@ class PipelineExecutor:
     def _send_finish(self, ins, kind: str):
         handle = self.sends.pop(self._key(kind, ins))
         if handle.peer != ins.peer:
-            raise PlanExecutionError(f"{self.rank_desc}: {type(ins).__name__}(microbatch={ins.microbatch}) names pipeline "
-                               f"rank {ins.peer} but its Start sent to {handle.peer}")
+            raise PlanExecutionError(f"{self.rank_desc}: {type(ins).__name__}(microbatch={ins.microbatch}) "
+                                     f"names pipeline rank {ins.peer} but its Start sent to {handle.peer}")
         self.comm.wait(handle)
         if ins.batch_slice and any(k[:3] == (kind, ins.microbatch, ins.stage) for k in self.sends):
             return  # other pieces of this output are still going out: keep its data

@@ -47,8 +47,8 @@ from collections import deque
 from typing import Callable, NamedTuple, Sequence
 
 from megatron.pipeline.instructions import (
-    BackwardInput, BackwardPass, BackwardWeight, ExecutionPlan, ForwardPass, FreeBuffer, LoadInput, RecvActivationFinish,
-    RecvActivationStart, RecvGradFinish, RecvGradStart, SendActivationFinish,
+    BackwardInput, BackwardPass, BackwardWeight, ExecutionPlan, ForwardPass, FreeBuffer, LoadInput,
+    RecvActivationFinish, RecvActivationStart, RecvGradFinish, RecvGradStart, SendActivationFinish,
     SendActivationStart, SendGradFinish, SendGradStart,
 )
 

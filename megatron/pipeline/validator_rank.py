@@ -3,7 +3,9 @@ one pass over one rank's instruction stream, and the error every rule raises."""
 from __future__ import annotations
 
 from megatron.pipeline.instructions import (
-    BackwardInput, BackwardPass, BackwardWeight, ExecutionPlan, ForwardPass, FreeBuffer, LoadInput, RecvActivationFinish, RecvActivationStart, RecvGradFinish, RecvGradStart, SendActivationFinish, SendActivationStart, SendGradFinish, SendGradStart, describe,
+    BackwardInput, BackwardPass, BackwardWeight, ExecutionPlan, ForwardPass, FreeBuffer, LoadInput,
+    RecvActivationFinish, RecvActivationStart, RecvGradFinish, RecvGradStart, SendActivationFinish,
+    SendActivationStart, SendGradFinish, SendGradStart, describe,
 )
 
 

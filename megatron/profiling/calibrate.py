@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--terapipe-cost-model", help="TeraPipe latency JSON to calibrate")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=2, help="ranks of the calibration runs (PP)")
     p.add_argument("--shapes", type=parse_shapes, default=None,
-                   help=f"runs as MBSxSEQxMICROBATCHES[xTOKEN_SLICES], comma-separated (default: those of {DEFAULT_SHAPES} "
+                   help=f"runs as MBSxSEQxMICROBATCHES[xTOKEN_SLICES], comma-separated "
+                        f"(default: those of {DEFAULT_SHAPES} "
                         "the table(s) can price; for a TeraPipe file alone, a run longer than its longest slice is cut "
                         "into uniform token slices); token slices (TeraPipe, uniform) only with --terapipe-cost-model "
                         "alone")
@@ -252,8 +253,8 @@ def terapipe_predictor(path: str, args, shapes):
         return [pipelined_ms(slice_times(stage_ms, b, uniform_slices(s, k)) * n, pp) for b, s, n, k in shapes]
     for (b, s, n, k), ms in zip(shapes, predict(1.0, 0.0)):
         if not np.isfinite(ms):
-            raise Unpriced((b, s, n, k), f"calibrate: {path} has no finite latency for micro-batches of {b}x{s} (its grid: "
-                             f"micro-batch sizes {model.mbs}, lengths {model.seq}); pick --shapes inside it")
+            raise Unpriced((b, s, n, k), f"calibrate: {path} has no finite latency for micro-batches of {b}x{s} "
+                             f"(its grid: micro-batch sizes {model.mbs}, lengths {model.seq}); pick --shapes inside it")
     return predict
 
 
@@ -333,8 +334,10 @@ def main(argv=None) -> int:
     for kind, path in targets:
         cal = fit(measured, predictors[kind])
         pred = np.asarray(predictors[kind](cal.compute_scale, cal.op_overhead_ms)) + cal.step_overhead_ms
-        cal.meta.update({"shapes": [shape_name(sh) for sh in args.shapes], "measured_ms": [round(m, 1) for m in measured],
-                         "predicted_ms": [round(float(p), 1) for p in pred], "pipeline_parallel": args.pipeline_model_parallel_size,
+        cal.meta.update({"shapes": [shape_name(sh) for sh in args.shapes],
+                         "measured_ms": [round(m, 1) for m in measured],
+                         "predicted_ms": [round(float(p), 1) for p in pred],
+                         "pipeline_parallel": args.pipeline_model_parallel_size,
                          "trainer_args": " ".join(args.trainer_args), "seconds": round(time.perf_counter() - t0, 1),
                          "source": "megatron.profiling.calibrate"})
         print(json.dumps({"file": path, "calibration": cal.to_dict()}), flush=True)

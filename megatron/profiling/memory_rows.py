@@ -84,7 +84,8 @@ def _inputs(cfg, kind, role, mbs, seq, dec, device, dtype):
         batch = {"tokens": ids(seq), "labels": ids(seq)}
         return batch, ([] if role in ("first", "whole") else [h(seq)])
     ones = lambda s: torch.ones(mbs, s, dtype=torch.bool, device=device)  # noqa: E731
-    batch = {"text_enc": ids(seq), "text_dec": ids(dec), "labels": ids(dec), "enc_mask": ones(seq), "dec_mask": ones(dec)}
+    batch = {"text_enc": ids(seq), "text_dec": ids(dec), "labels": ids(dec), "enc_mask": ones(seq),
+             "dec_mask": ones(dec)}
     return batch, ([h(seq)] if role == "decoder" else [])
 
 

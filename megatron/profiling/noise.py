@@ -8,7 +8,8 @@ host calibration) is garbage that looks like a number. The rules, shared by Dyna
 
 * **repeat**: every cell is timed `repeats` times after warm-up; the cell keeps the statistic
   its profiler uses (median or min) and its **spread**, ``(median - min) / min`` (the min taken
-  as at least 0.1 ms): how far a typical sample sits above the fastest one. A quiet host gives a few percent; a contended one
+  as at least 0.1 ms): how far a typical sample sits above the fastest one. A quiet host gives a few percent;
+  a contended one
   gives tens or hundreds of percent.
 * **re-measure, then refuse**: a cell whose spread is past `max_spread` (default
   `MAX_SPREAD`) is measured again, up to `remeasure` more rounds, keeping the quietest round;

@@ -70,7 +70,8 @@ class ProfileSpec:
         t5 = self.model.model_type == "t5"
         if t5 and (not self.decoder_seq_lengths or sorted(set(self.decoder_seq_lengths)) != self.decoder_seq_lengths
                    or self.decoder_seq_lengths[0] < 1):
-            bad("--decoder-seq-lengths", f"T5 needs distinct positive increasing values, got {self.decoder_seq_lengths}")
+            bad("--decoder-seq-lengths",
+                f"T5 needs distinct positive increasing values, got {self.decoder_seq_lengths}")
         if not t5 and self.decoder_seq_lengths:
             bad("--decoder-seq-lengths", "only applies to --model-type t5")
         if not self.recompute or any(r not in RECOMPUTE_LEVELS for r in self.recompute):
@@ -214,12 +215,14 @@ def profile_rank(spec: ProfileSpec, ps: ParallelState, agree: Callable[[bool], b
             if post is None:  # the head is never recomputed: one sweep serves every level
                 def run_post(mbs, seq):
                     w = C.postprocess_workload(head, cfg, mbs, seq, device, dtype)
-                    return fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree, spec.statistic, **timing))
+                    return fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree, spec.statistic,
+                                                **timing))
                 post = _sweep(spec, spec.axes("postprocess"), run_post, log, f"tp{tp} postprocess", noise_log)
             if pre is None:  # nor is the embedding
                 def run_pre(mbs, seq):
                     w = C.preprocess_workload(emb, cfg, mbs, seq, device)
-                    return fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree, spec.statistic, **timing))
+                    return fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree, spec.statistic,
+                                                **timing))
                 pre = _sweep(spec, spec.axes("preprocess"), run_pre, log, f"tp{tp} preprocess", noise_log)
             grids[rc]["postprocess"] = post
             grids[rc]["preprocess"] = pre
@@ -284,7 +287,8 @@ def to_cost_model(spec: ProfileSpec, results: List[dict], meta: dict) -> CostMod
              "activation_func": m.activation_func, "gated_linear_unit": m.gated_linear_unit,
              "position_embedding_type": m.position_embedding_type, "num_query_groups": m.query_groups}
     meta = dict(meta, units={"time": "ms", "memory": "MB (1e6 bytes)"}, parameters=params,
-                dtype=spec.dtype, profiler={"cpu_threads_per_rank": spec.cpu_threads,"layers_per_measurement": spec.layers, "warmup": spec.warmup,
+                dtype=spec.dtype, profiler={"cpu_threads_per_rank": spec.cpu_threads,
+                                             "layers_per_measurement": spec.layers, "warmup": spec.warmup,
                                              "iters": spec.iters, "statistic": spec.statistic,
                                              "max_spread": spec.max_spread, "remeasure": spec.remeasure,
                                              "max_seconds": spec.max_seconds, "max_tokens": spec.max_tokens})

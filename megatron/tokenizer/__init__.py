@@ -38,7 +38,8 @@ def build_tokenizer(tokenizer_type: str, *, vocab_file=None, merge_file=None, to
         if vocab_size is None:
             raise ValueError("--vocab-size is required for NullTokenizer")
         return NullTokenizer(int(vocab_size), extra)
-    raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")
+    raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; "
+                     f"choose one of {', '.join(TOKENIZER_TYPES)}")
 
 
 __all__ = ["build_tokenizer", "TOKENIZER_TYPES", "AbstractTokenizer"]

@@ -280,7 +280,8 @@ class HuggingFaceTokenizer(_HFBackedTokenizer):
         if os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
         if not os.path.exists(path):
-            raise FileNotFoundError(f"--tokenizer-model {path}: no tokenizer.json (HuggingFaceTokenizer never downloads)")
+            raise FileNotFoundError(f"--tokenizer-model {path}: no tokenizer.json "
+                                    f"(HuggingFaceTokenizer never downloads)")
         self.tok = Tokenizer.from_file(path)
         if vocab_extra_ids:
             self.tok.add_special_tokens([AddedToken(s, special=True) for s in sentinel_names(vocab_extra_ids)])

@@ -124,7 +124,8 @@ class MetricsLogger:
 
     def record(self, iteration: int, consumed: int, out: dict, lr: float, loss_scale: float,
                skipped_total: int) -> None:
-        self.consumed_tokens = int(out.get("consumed_tokens", self.consumed_tokens + out.get("real_tokens", out["tokens"])))
+        self.consumed_tokens = int(out.get("consumed_tokens",
+                                           self.consumed_tokens + out.get("real_tokens", out["tokens"])))
         if not self.active:
             return
         loss = out["loss"]

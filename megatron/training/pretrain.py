@@ -214,8 +214,10 @@ def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int
             batch = (f"global batch {cfg.training.global_batch_size} = {cfg.num_microbatches} pipeline micro-batches "
                      f"of {cfg.training.micro_batch_size}, split over each stage's DP ranks")
         else:
-            layout = f"TP={ps.tp_size} PP={ps.pp_size} DP={ps.dp_size}" + (f" CP={ps.cp_size}" if ps.cp_size > 1 else "")
-        print_rank_0(f"> {cfg.model.model_type.upper()}: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
+            layout = f"TP={ps.tp_size} PP={ps.pp_size} DP={ps.dp_size}"
+            layout += f" CP={ps.cp_size}" if ps.cp_size > 1 else ""
+        print_rank_0(f"> {cfg.model.model_type.upper()}: {cfg.model.num_layers} layers, "
+                     f"hidden {cfg.model.hidden_size}, "
                      f"{layout}, {batch}")
         trainer = build_trainer(cfg, ps, device)
         if cfg.checkpoint.load:

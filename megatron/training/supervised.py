@@ -375,7 +375,8 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   tensor_parallel=cfg.parallel.tensor_model_parallel_size if hetero else ps.tp_size,
                   stage_parallel=tuple(tuple(x) for x in ps.stage_layouts) if hetero else None,
                   # explicit stage layer counts (--pipeline-stage-layers, an Aceso layout): priced per stage
-                  stage_layer_counts=tuple(cfg.parallel.pipeline_stage_layers or [m.num_layers // ps.pp_size] * ps.pp_size)
+                  stage_layer_counts=tuple(cfg.parallel.pipeline_stage_layers
+                                           or [m.num_layers // ps.pp_size] * ps.pp_size)
                   if hetero or cfg.parallel.pipeline_stage_layers else None,
                   memory_limit_mb=d.dynapipe_memory_limit, pad_multiple=pad_multiple(cfg),
                   dtype=cfg.training.params_dtype_name,
@@ -398,7 +399,8 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   if cfg.terapipe.enabled else 0,
                   # --pipeline-schedule zb-h1/zb-h2: DynaPipe may split backwards and place the
                   # weight-gradient passes into its bubbles (megatron/planner/schedule/zb_search.py)
-                  schedules=("1f1b", "adaptive") + (("zb",) if cfg.parallel.pipeline_schedule.startswith("zb-") else ()))
+                  schedules=("1f1b", "adaptive")
+                  + (("zb",) if cfg.parallel.pipeline_schedule.startswith("zb-") else ()))
     if d.dynapipe_packed_rows:  # rows as long as the fixed batches' sequences (T5: both sides)
         common.update(packed_max_len=m.seq_length if m.model_type == "gpt" else m.encoder_seq_length,
                       packed_dec_len=None if m.model_type == "gpt" else m.decoder_seq_length)

@@ -292,7 +292,8 @@ class Trainer:
         self.iteration += 1
         self.consumed_samples += work.num_samples
         self.consumed_tokens += int(total_real)
-        return {"consumed_tokens": self.consumed_tokens, "loss": loss_sum / loss_tokens if loss_tokens else float("nan"), "grad_norm": grad_norm,
+        return {"consumed_tokens": self.consumed_tokens,
+                "loss": loss_sum / loss_tokens if loss_tokens else float("nan"), "grad_norm": grad_norm,
                 "applied": applied, "tokens": total_tokens, "real_tokens": total_real, "num_microbatches": len(mbs),
                 "num_samples": work.num_samples, "planner": work.info, "comm_bytes": comm_bytes}
 

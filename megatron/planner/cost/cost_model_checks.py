@@ -109,7 +109,8 @@ def document_problem(doc, component_axes: dict, levels, quantities, fmt: str, ve
                 f"{', '.join(map(str, versions))}")
     for key, typ in (("model", dict), ("name", str), ("profiles", list)):
         if key in doc and not isinstance(doc[key], typ):
-            return f"{key!r} must be a{'n object' if typ is dict else ' ' + typ.__name__}, got {type(doc[key]).__name__}"
+            return (f"{key!r} must be a{'n object' if typ is dict else ' ' + typ.__name__}, "
+                    f"got {type(doc[key]).__name__}")
     profiles = doc.get("profiles", [])
     if len(profiles) > MAX_PROFILES:
         return f"{len(profiles)} profiles, at most {MAX_PROFILES} allowed"

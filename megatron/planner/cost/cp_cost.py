@@ -18,7 +18,8 @@ into a token-wise part and an attention part beta * b * s^2 (megatron.planner.co
   a flash kernel, as Megatron-Core's CP does through Transformer Engine: no s^2 scores are
   kept; the same rule attention_cost applies to per-document kernels), plus the gathered K/V
   (all_gather keeps all S keys and values per layer for the backward; the ring holds two
-  blocks in flight and receives them again in the backward, as Megatron-Core's ring does). `flash_memory=False` keeps the table's score memory and adds the s^2/N
+  blocks in flight and receives them again in the backward, as Megatron-Core's ring does).
+  `flash_memory=False` keeps the table's score memory and adds the s^2/N
   share instead (the A100 tables' non-flash kernels).
 
 `ContextParallelCostModel` wraps a `CostModel` with these rules, so every planner that reads a

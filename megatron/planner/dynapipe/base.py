@@ -165,7 +165,8 @@ class DynaPipeBase:
             for comp, n in comps:
                 key = (comp, tp, self.stage_dp[s])
                 if key not in layer and packed is not None:
-                    layer[key] = self.attention.packed_layer(comp, tp, rc, mbs, enc, packed[0], dec, packed[1], packed[2])
+                    layer[key] = self.attention.packed_layer(comp, tp, rc, mbs, enc, packed[0], dec, packed[1],
+                                                             packed[2])
                 elif key not in layer:
                     layer[key] = self.cm.layer(comp, tp, rc, mbs, enc, dec)
                 c = layer[key]

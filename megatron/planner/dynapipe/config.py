@@ -97,14 +97,16 @@ class DynaPipeConfig:
                              "data_parallel 1")
         if self.model_kind == "t5" and self.pipeline_parallel % 2 and self.pipeline_parallel != 1 \
                 and self.stage_layer_counts is None:
-            raise ValueError(f"T5 needs an even pipeline_parallel (encoder half, decoder half), got {self.pipeline_parallel}")
+            raise ValueError(f"T5 needs an even pipeline_parallel (encoder half, decoder half), "
+                             f"got {self.pipeline_parallel}")
         tps = [t for t, _ in self.stage_parallel] if self.stage_parallel else [self.tensor_parallel]
         if self.sequence_parallel and any(self.pad_multiple % t for t in tps):
             raise ValueError(f"sequence_parallel splits each micro-batch's length over the TP ranks: pad_multiple "
                              f"({self.pad_multiple}) must be a multiple of every TP size ({sorted(set(tps))})")
         bad = [r for r in self.recompute_levels if r not in RECOMPUTE_LEVELS]
         if bad or not self.recompute_levels:
-            raise ValueError(f"recompute_levels must be a non-empty subset of {RECOMPUTE_LEVELS}, got {self.recompute_levels}")
+            raise ValueError(f"recompute_levels must be a non-empty subset of {RECOMPUTE_LEVELS}, "
+                             f"got {self.recompute_levels}")
         for s in self.schedules:
             if s not in ("1f1b", "adaptive", "zb"):
                 raise ValueError(f"unknown schedule {s!r}; choose from '1f1b', 'adaptive', 'zb' (split backward)")

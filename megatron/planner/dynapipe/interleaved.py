@@ -110,7 +110,8 @@ class InterleavedDynaPipePlanner(DynaPipeBase):
         shape = (self.PP,) + (1,) * (peak.ndim - 1)
         with np.errstate(invalid="ignore"):
             need = inflight.reshape(shape) * stored + peak
-        ok = (need <= self.available.reshape(shape)) & np.isfinite(sc["fwd"]).all(axis=0) & np.isfinite(sc["bwd"]).all(axis=0)
+        ok = ((need <= self.available.reshape(shape)) & np.isfinite(sc["fwd"]).all(axis=0)
+              & np.isfinite(sc["bwd"]).all(axis=0))
         return ok.all(axis=0)
 
     def _bottleneck(self, sc: dict) -> np.ndarray:

@@ -228,7 +228,8 @@ def pipeline_costs(planner, rc: str, sh: PackedShapes, idx=None) -> Optional[Pip
     sc = planner.stage_costs(rc, sh.mbs[idx], sh.enc[idx], dec, packed=tuple(q[idx] for q in sh.quad))
     if not (np.isfinite(sc["fwd"]).all() and np.isfinite(sc["peak"]).all()):
         return None
-    return planned_split(planner, PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]),
+    return planned_split(planner, PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"],
+                                                np.array(sc["comm"]),
                                                 grad_comm=np.array(sc["grad_comm"]) if "grad_comm" in sc else None,
                                                 grad_comm_epilogue_only=planner.cfg.grad_compress_epilogue_only),
                          sh.enc[idx], dec)

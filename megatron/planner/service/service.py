@@ -13,7 +13,8 @@ published under ``{prefix}/job`` (every reader takes it from there once), so a r
 another run is refused; `batch` is the digest of the global batch the plan was computed for
 (`batch_digest(iteration)`, computed in the planner worker from the data it planned, and by
 every reader from its own batch), so a genuine plan re-labelled for another iteration is
-refused; the sha256 covers everything after it and the header. The payload is `megatron.planner.service.wire`'s fixed-schema record (JSON plus the binary
+refused; the sha256 covers everything after it and the header. The payload is
+`megatron.planner.service.wire`'s fixed-schema record (JSON plus the binary
 `ExecutionPlan` format), never a pickle: the store is an unauthenticated port, and nothing read
 from it may run code (only rank 0's own worker pipes carry pickles). A planner exception (or a
 crashed worker) becomes an error record, and every rank
@@ -200,7 +201,8 @@ class PlanService:
             while not self._stop.is_set() and (end is None or publish < end):
                 completed = first + store.add(f"{self.prefix}/completed", 0)
                 # Bounded look-ahead: never more than `lookahead` unread plans in the store.
-                while (end is None or nxt < end) and nxt < completed + self.lookahead and len(pending) < self.lookahead + num_workers:
+                while ((end is None or nxt < end) and nxt < completed + self.lookahead
+                       and len(pending) < self.lookahead + num_workers):
                     pending[nxt] = self._pool.submit(_run, plan_fn, batch_digest, nxt)
                     nxt += 1
                 fut = pending.get(publish)
@@ -245,8 +247,9 @@ class PlanService:
         except PlanServiceError:
             raise
         except Exception as e:  # noqa: BLE001 - whatever a forged record trips (RecursionError, ...): one line
-            raise PlanServiceError(f"rank {self.rank}: plan record of iteration {iteration} under {self._key(iteration)} "
-                                   f"refused: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            raise PlanServiceError(f"rank {self.rank}: plan record of iteration {iteration} "
+                                   f"under {self._key(iteration)} refused: {type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:200] if str(e) else ''}"
                                    ) from None
 
     def _job(self, iteration: int) -> bytes:
@@ -312,8 +315,9 @@ class PlanService:
         if it != iteration:
             raise PlanServiceError(f"rank {self.rank}: key {key} holds a record for iteration {it}; refusing it")
         if rec_job != job:
-            raise PlanServiceError(f"rank {self.rank}: record under {key} is from another run (job {rec_job.hex()[:12]}, "
-                                   f"this run is {job.hex()[:12]}): a replayed record; refusing it")
+            raise PlanServiceError(f"rank {self.rank}: record under {key} is from another run "
+                                   f"(job {rec_job.hex()[:12]}, this run is {job.hex()[:12]}): "
+                                   f"a replayed record; refusing it")
         if kind == b"E":
             self._mark_read(iteration)
             raise PlanServiceError(f"planner failed for iteration {iteration}; its error record under {key} reads:\n"

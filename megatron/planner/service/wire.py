@@ -93,7 +93,8 @@ def _dynapipe_to_json(plan):
                        "shapes": [[[int(d) for d in s] for s in shp] for shp in g.shapes],
                        "schedule": g.schedule, "makespan_ms": float(g.makespan_ms),
                        "peak_memory_mb": [float(x) for x in g.peak_memory_mb], "num_plans": len(g.plans),
-                       "token_slices": None if g.token_slices is None else [[int(x) for x in u] for u in g.token_slices],
+                       "token_slices": None if g.token_slices is None
+                       else [[int(x) for x in u] for u in g.token_slices],
                        "rows": None if g.rows is None else [[[int(i) for i in r] for r in mb] for mb in g.rows]})
         blobs.extend(p.serialize() for p in g.plans)
     head["groups"] = groups

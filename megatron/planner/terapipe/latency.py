@@ -274,7 +274,8 @@ def profile_cpu_model(model_cfg, mbs: Sequence[int], seqs: Sequence[int], contex
 
     with noise.pin_threads(threads):
         measured = np.array([[cell(b, l, 0) for l in seqs] for b in mbs])
-        with_ctx = np.array([[[cell(b, l, c) for c in ctx] for l in seqs] for b in mbs]).reshape(len(mbs), len(seqs), len(ctx))
+        with_ctx = np.array([[[cell(b, l, c) for c in ctx] for l in seqs] for b in mbs]).reshape(len(mbs), len(seqs),
+                                                                                               len(ctx))
     t0 = monotone_table(measured)
     pts = [(b, l, c, with_ctx[i, j, k] - measured[i, j]) for i, b in enumerate(mbs) for j, l in enumerate(seqs)
            for k, c in enumerate(ctx)]
@@ -286,7 +287,8 @@ def profile_cpu_model(model_cfg, mbs: Sequence[int], seqs: Sequence[int], contex
         b, l, c = max(mbs), max(seqs), max(ctx)
         extra = coef[0] * b * l + coef[1] * b * c + coef[2] * b * l * c
         if extra < 0.01 * t0[-1, -1]:  # attending to c more keys is never free
-            warnings.append(f"WARNING: the context term fitted to context_coef [{', '.join(f'{x:.3g}' for x in coef)}]: "
+            warnings.append(f"WARNING: the context term fitted to context_coef "
+                            f"[{', '.join(f'{x:.3g}' for x in coef)}]: "
                             f"{extra:.3g} ms for {c} context tokens at b={b}, l={l}, under 1% of t(b, l, 0) = "
                             f"{t0[-1, -1]:.3g} ms; {int(np.sum(dts <= 1e-9))} of {len(dts)} measured t(b, l, c) - "
                             f"t(b, l, 0) are <= 0 (median {np.median(dts):.3g} ms): timing noise from a busy host, "

@@ -233,7 +233,8 @@ def plan_slices(seq_len: int, num_stages: int, t: Callable, grid: int = GRID,
     skipped; the remaining ones run `chunk` at a time through one vectorised DP.
     `cap_tolerance` > 0 is the fast mode for long sequences: a coarse pass over caps a factor
     1 + 8 * tol apart, then the caps within that factor of the coarse winner's max t_i,
-    1 + tol apart (an approximation; 0 = exact; None = `default_cap_tolerance`). `mem_ok(slices)` rejects slicings over the memory
+    1 + tol apart (an approximation; 0 = exact; None = `default_cap_tolerance`).
+    `mem_ok(slices)` rejects slicings over the memory
     limit; the DP itself is not memory-aware, so uniform slicings that fit are scored too."""
     t0 = time.perf_counter()
     if seq_len <= 0:

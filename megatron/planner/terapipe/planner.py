@@ -126,7 +126,8 @@ class TeraPipePlanner:
                 plans = self.plan_pass(plans)
                 validate_plans(plans)
             self._plans = {shapes: plans}
-        self.info = {"planner": "terapipe", "num_microbatches": len(shapes), "microbatch_shapes": [s[0] for s in shapes],
+        self.info = {"planner": "terapipe", "num_microbatches": len(shapes),
+                     "microbatch_shapes": [s[0] for s in shapes],
                      "slices": slicings[0] if all(s == slicings[0] for s in slicings) else slicings,
                      # wall time of this call: the DP and plan building run once per new shape
                      "planning_ms": (time.perf_counter() - t0) * 1e3,
