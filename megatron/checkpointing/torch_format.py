@@ -43,6 +43,10 @@ from megatron.checkpointing import contents as checkpoint_contents
 
 from megatron.checkpointing import ownership as checkpoint_ownership
 
+from megatron.checkpointing import megatron_legacy as checkpoint_megatron_legacy
+
+from megatron.checkpointing import megatron_write as checkpoint_megatron_write
+
 from megatron.checkpointing import dist_format as checkpointing_dist
 from megatron.checkpointing.hints import MUST_MATCH, _saved_layout, convert_hint, missing_load_dir_message  # noqa: F401
 from megatron.checkpointing.safety import UnsafeCheckpointError, numpy_rng_from_plain, numpy_rng_to_plain, safe_load
@@ -264,6 +268,12 @@ def save_checkpoint(trainer, root: Optional[str] = None) -> str:
     root = root or cfg.checkpoint.save
     if getattr(cfg.checkpoint, "ckpt_format", "torch") == "torch_dist":
         return _save_dist(trainer, root)
+    if cfg.checkpoint.ckpt_format == "megatron-legacy":  # what Megatron-LM's own --load reads
+        from types import SimpleNamespace
+        return checkpoint_megatron_write.save_from_trainer(trainer, root, SimpleNamespace(
+            atomic_write=_atomic_write_bytes, barrier=_barrier, move_tracker=_move_tracker,
+            write_error=_write_error, claim_and_clean=claim_and_clean, mark_saving=checkpoint_ownership.mark_saving,
+            unmark=checkpoint_ownership.unmark))
     path = checkpoint_path(root, trainer.iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
     try:
         claim_and_clean(ps, root)
@@ -520,6 +530,11 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
         if ps.rank == 0:
             print(f"warning: no {TRACKER} under --load {root}; starting from scratch", flush=True)
         return False
+    if checkpoint_megatron_legacy.detect(root):  # written by Megatron-LM itself
+        try:
+            return checkpoint_megatron_legacy.load_into_trainer(trainer, root)
+        except (checkpoint_megatron_legacy.MegatronCheckpointError, UnsafeCheckpointError, OSError) as e:
+            raise CheckpointError(f"{ps.describe()}: {e}") from None
     if checkpointing_dist.is_dist_checkpoint(os.path.join(root, f"iter_{tracked:07d}")):
         return _load_dist(trainer, root, tracked)
     iteration, path = tracked, None

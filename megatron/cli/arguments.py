@@ -139,9 +139,11 @@ def _add_checkpointing_args(p) -> None:
     g.add_argument("--no-load-rng", action="store_true", help="do not load the random-number state from --load")
     g.add_argument("--finetune", action="store_true",
                    help="load the weights only and start at iteration 0 (no optimizer, RNG or iteration)")
-    g.add_argument("--ckpt-format", choices=("torch", "torch_dist"), default="torch",
+    g.add_argument("--ckpt-format", choices=("torch", "torch_dist", "megatron-legacy"), default="torch",
                    help="torch: one model_optim_rng.pt per TP/PP rank (Megatron's layout); torch_dist: "
-                        "torch.distributed.checkpoint shards that load at any TP/PP/DP layout")
+                        "torch.distributed.checkpoint shards that load at any TP/PP/DP layout; megatron-legacy: "
+                        "the files Megatron-LM's legacy code writes, for Megatron-LM's --load (GPT; weights, "
+                        "counters, schedule, RNG; no optimizer state)")
 
 
 def _add_mixed_precision_args(p) -> None:

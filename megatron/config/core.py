@@ -417,8 +417,8 @@ class CheckpointConfig:
     ckpt_format: str = "torch"
 
     def __post_init__(self):
-        _require(self.ckpt_format in ("torch", "torch_dist"),
-                 f"--ckpt-format must be torch or torch_dist, got {self.ckpt_format!r}")
+        _require(self.ckpt_format in ("torch", "torch_dist", "megatron-legacy"),
+                 f"--ckpt-format must be torch, torch_dist or megatron-legacy, got {self.ckpt_format!r}")
         if self.save_interval is not None:
             _require(self.save_interval > 0, f"--save-interval must be positive, got {self.save_interval}")
             _require(self.save is not None, "--save-interval needs --save DIR")

@@ -46,6 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write a Hugging Face folder (safetensors + config): GPT-2, Llama or T5, from the model")
     p.add_argument("--from-hf", action="store_true",
                    help="read a Hugging Face folder (config.json + model.safetensors): gpt2, llama or t5")
+    p.add_argument("--to-megatron", action="store_true",
+                   help="write Megatron-LM's legacy format (args Namespace, nested language_model, release/) at the "
+                        "target TP/PP, for Megatron-LM's own --load and converters (GPT)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="--from-megatron: the tokenizer's vocabulary size, when Megatron's args do not record it "
+                        "(GPT2BPETokenizer runs store only padded_vocab_size; e.g. 50257 for GPT-2)")
+    p.add_argument("--megatron-norm-names", choices=("layernorm", "norm"), default="layernorm",
+                   help="--to-megatron: `input_layernorm` (Megatron-LM <= 23.x, v2.x, transformers' converters) or "
+                        "`input_norm` (the legacy model of Megatron-Core 0.5 and later)")
+    p.add_argument("--from-megatron", action="store_true",
+                   help="read a checkpoint Megatron-LM wrote (legacy or Megatron-Core torch format, any TP/PP) and "
+                        "write this project's format at the target TP/PP (GPT)")
     p.add_argument("--verify", action="store_true", help="compare logits of both models on random tokens")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="--from-hf: the vocabulary padding the training run will use (must match its flag)")
@@ -60,8 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Flags, checked for consistency (exit status 2 with one line on a bad combination)."""
     p = build_parser()
     args = p.parse_args(argv)
-    if args.to_hf and args.from_hf:
-        p.error("--to-hf and --from-hf are two directions; pick one")
+    if sum(map(bool, (args.to_hf, args.from_hf, args.to_megatron, args.from_megatron))) > 1:
+        p.error("--to-hf, --from-hf, --to-megatron and --from-megatron are separate directions; pick one")
     if not args.to_hf and (args.target_tensor_parallel_size is None or args.target_pipeline_parallel_size is None):
         p.error("give --target-tensor-parallel-size and --target-pipeline-parallel-size")
     if not args.to_hf and min(args.target_tensor_parallel_size, args.target_pipeline_parallel_size) < 1:
@@ -73,6 +85,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.to_hf or args.from_hf:
         return _hf(args)
+    if args.to_megatron or args.from_megatron:
+        return _megatron(args)
     if os.path.exists(os.path.join(args.save, "latest_checkpointed_iteration.txt")):
         print(f"convert: error: --save {args.save} already holds a checkpoint; choose an empty folder",
               file=sys.stderr)
@@ -89,6 +103,39 @@ def main(argv=None) -> int:
           f"{src['pipeline_model_parallel_size']} -> TP {args.target_tensor_parallel_size} x PP "
           f"{args.target_pipeline_parallel_size}, {len(full)} tensors -> {out}")
     return 0
+
+
+def _megatron(args) -> int:
+    from megatron.checkpointing import megatron_legacy as mlegacy
+    from megatron.checkpointing import megatron_write as mwrite
+    from megatron.checkpointing.torch_format import _atomic_write_bytes
+    from megatron.checkpointing.safety import UnsafeCheckpointError
+    from megatron.config.core import MegatronConfig, ModelConfig
+    try:
+        if args.to_megatron:
+            config, full, meta = read_full_model(args.load, args.iteration)
+            out = mwrite.write_full(args.save, config["model"], full, meta, args.target_tensor_parallel_size,
+                                     args.target_pipeline_parallel_size, release=True,
+                                     norm_names=args.megatron_norm_names, atomic_write=_atomic_write_bytes)
+            print(f"wrote Megatron-LM legacy checkpoint (release, {len(full)} tensors) to {out}")
+            return 0
+        margs, full, meta = mlegacy.read_full(args.load)
+        fields = mlegacy.model_fields(margs)
+        fields["vocab_size"] = args.vocab_size or mlegacy.tokenizer_vocab_size(margs)
+        for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            if k in full:
+                full[k] = full[k][:fields["vocab_size"]]
+        fields = {k: v for k, v in fields.items() if v is not None}
+        config = MegatronConfig(model=ModelConfig(**fields)).to_dict()
+        meta = {"iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"], "skipped_iters": 0,
+                "consumed_tokens": 0}
+        out = write_resharded(config, full, meta, args.save, args.target_tensor_parallel_size,
+                              args.target_pipeline_parallel_size, args.target_pipeline_model_parallel_split_rank)
+        print(f"wrote our checkpoint (iteration {meta['iteration']}) to {out}")
+        return 0
+    except (ReshardError, mlegacy.MegatronCheckpointError, UnsafeCheckpointError, ValueError, KeyError, OSError) as e:
+        print(f"convert: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _hf(args) -> int:

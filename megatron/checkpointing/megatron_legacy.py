@@ -1,0 +1,479 @@
+"""Checkpoints that Megatron-LM itself wrote (and writing them for Megatron-LM).
+
+Two on-disk formats share Megatron's file layout (`latest_checkpointed_iteration.txt`, holding a
+number or `release`, and `iter_NNNNNNN|release/mp_rank_XX[_YYY]/model_optim_rng.pt`):
+
+- legacy models (`megatron.model` / `megatron.legacy.model`, checkpoint_version 3.0): the model
+  is nested, `model['language_model']['embedding'|'encoder'|'output_layer']`, the last
+  pipeline stage of a tied GPT adds `word_embeddings_for_head`;
+- Megatron-Core models saved with `--ckpt-format torch`: flat names
+  (`decoder.layers.N.self_attention.linear_qkv.weight`, ...) and `_extra_state` entries.
+
+Both carry `args` (an `argparse.Namespace`), `iteration`, `rng_state` (a list of dicts, one per
+data-parallel rank), `opt_param_scheduler` (Megatron's keys) and optionally `optimizer`.
+Virtual pipeline stages are `model0`, `model1`, ...; layer indices restart at 0 in each stage.
+
+Reading never runs code: `torch.load(weights_only=True)` with exactly these extra types allowed:
+`argparse.Namespace`, numpy arrays of boolean / integer / float dtypes (numpy's RNG state) and
+Megatron-Core's `ModelType` enum (stood in for by a local enum with the same members). After the
+load every array's dtype is checked again (no object arrays).
+
+Here each file's model is translated to this project's names (`convert_*`), the tensor-parallel
+shards are joined and layer indices made global (`read_full`): one {global name: full tensor}
+dict, which any of this project's layouts cuts its own shards from (`load_into_trainer`).
+"""
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+import re
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+
+class MegatronCheckpointError(ValueError):
+    pass
+
+
+# ---- loading without code ------------------------------------------------------------------
+class ModelType(enum.Enum):
+    """Megatron-Core's `megatron.core.enums.ModelType` (args.model_type), by value."""
+    encoder_or_decoder = 1
+    encoder_and_decoder = 2
+    retro_encoder = 3
+    retro_decoder = 4
+
+
+_PLAIN_DTYPES = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+                 np.float16, np.float32, np.float64)
+
+
+def _safe_globals() -> list:
+    mod = getattr(np, "_core", None) or np.core
+    rec = mod.multiarray._reconstruct
+    out = [argparse.Namespace, rec, (rec, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype]
+    out += [type(np.dtype(t)) for t in _PLAIN_DTYPES]
+    out += [(ModelType, "megatron.core.enums.ModelType"), (ModelType, "megatron.model.enums.ModelType")]
+    return out
+
+
+def _arrays(obj, path=()):
+    if isinstance(obj, np.ndarray):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _arrays(v, path + (k,))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _arrays(v, path + (i,))
+    elif isinstance(obj, argparse.Namespace):
+        yield from _arrays(vars(obj), path + ("args",))
+
+
+def safe_load_megatron(path: str):
+    """A Megatron-LM checkpoint file, loaded with weights_only=True and the allowlist above."""
+    import pickle
+    from megatron.checkpointing.safety import UnsafeCheckpointError, _offending
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"{path}: refused to load: the file references `{_offending(e)}`; a Megatron-LM checkpoint may hold "
+            f"tensors, argparse.Namespace, numpy arrays of plain dtypes and ModelType, nothing else") from None
+    for where, arr in _arrays(state):
+        if arr.dtype.kind not in "biuf":
+            raise UnsafeCheckpointError(f"{path}: refused to load: a numpy array of dtype {arr.dtype} at "
+                                        f"{'/'.join(map(str, where))} (only boolean, integer and float arrays)")
+    if not isinstance(state, dict):
+        raise MegatronCheckpointError(f"{path}: not a checkpoint (top level is {type(state).__name__})")
+    return state
+
+
+# ---- names ---------------------------------------------------------------------------------
+# Megatron-Core layer names -> ours (layer-local part). TE fuses the norms into the linears.
+_CORE_LAYER = [
+    ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+    ("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"),
+    ("mlp.linear_fc1.layer_norm_weight", "post_attention_layernorm.weight"),
+    ("mlp.linear_fc1.layer_norm_bias", "post_attention_layernorm.bias"),
+    ("self_attention.linear_qkv.", "self_attention.query_key_value."),
+    ("self_attention.linear_proj.", "self_attention.dense."),
+    ("cross_attention.linear_q.", "inter_attention.query."),
+    ("cross_attention.linear_kv.", "inter_attention.key_value."),
+    ("cross_attention.linear_proj.", "inter_attention.dense."),
+    ("pre_cross_attn_layernorm.", "post_attention_layernorm."),
+    ("pre_mlp_layernorm.", "post_attention_layernorm."),
+    ("mlp.linear_fc1.", "mlp.dense_h_to_4h."),
+    ("mlp.linear_fc2.", "mlp.dense_4h_to_h."),
+    ("input_layernorm.", "input_layernorm."),
+]
+
+
+def _core_layer_name(rest: str) -> str:
+    for a, b in _CORE_LAYER:
+        if rest.startswith(a):
+            return b + rest[len(a):]
+    raise MegatronCheckpointError(f"unknown Megatron-Core layer parameter {rest!r}")
+
+
+def _split_gate(sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Megatron's gated MLP keeps [gate; up] in one column-parallel matrix per TP rank (its
+    forward chunks the rank's output in two and applies the activation to the first half); this
+    project keeps them as two linears."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith(("mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")):
+            gate, up = v.chunk(2, dim=0)
+            out[k.replace("dense_h_to_4h", "dense_h_to_4h_gate")] = gate
+            out[k] = up
+        else:
+            out[k] = v
+    return out
+
+
+def convert_core(model: dict, gated: bool) -> Dict[str, torch.Tensor]:
+    """One Megatron-Core (`torch` format) stage's state dict -> ours (stage-local layer indices)."""
+    out = {}
+    for k, v in model.items():
+        if k.endswith("_extra_state") or v is None:
+            continue
+        if not isinstance(v, torch.Tensor):
+            raise MegatronCheckpointError(f"model entry {k} is a {type(v).__name__}, not a tensor")
+        m = re.match(r"^(encoder|decoder)\.layers\.(\d+)\.(.*)$", k)
+        if m:
+            out[f"{m.group(1)}.layers.{m.group(2)}.{_core_layer_name(m.group(3))}"] = v
+        elif k == "embedding.position_embeddings.weight":
+            out["embedding.position_embeddings"] = v
+        elif k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            out[k] = v
+        elif k.startswith("decoder.final_layernorm."):
+            out["final_layernorm." + k.rsplit(".", 1)[1]] = v
+        else:
+            raise MegatronCheckpointError(f"unknown Megatron-Core parameter {k!r}")
+    return _split_gate(out) if gated else out
+
+
+def _flatten(d: dict, prefix: str = "") -> Dict[str, torch.Tensor]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        elif v is not None:
+            out[prefix + k] = v
+    return out
+
+
+def convert_legacy(model: dict, gated: bool) -> Dict[str, torch.Tensor]:
+    """One legacy-model stage's nested state dict -> ours (stage-local layer indices)."""
+    out = {}
+    for k, v in _flatten(model).items():
+        if k.endswith("_extra_state"):
+            continue
+        if not isinstance(v, torch.Tensor):
+            raise MegatronCheckpointError(f"model entry {k} is a {type(v).__name__}, not a tensor")
+        k = k.replace("language_model.", "", 1)
+        m = re.match(r"^(encoder|decoder|transformer)\.layers\.(\d+)\.(.*)$", k)
+        if m:
+            block = "decoder" if m.group(1) == "transformer" else m.group(1)
+            # Older releases named the attention `attention` and the norms `*_layernorm`; newer `*_norm`.
+            rest = m.group(3).replace("input_norm.", "input_layernorm.").replace(
+                "post_attention_norm.", "post_attention_layernorm.").replace("attention.", "self_attention.", 1) \
+                if m.group(3).startswith(("attention.", "input_norm", "post_attention_norm")) else m.group(3)
+            out[f"{block}.layers.{m.group(2)}.{rest}"] = v
+        elif k.startswith("embedding.word_embeddings."):
+            out["embedding.word_embeddings.weight"] = v
+        elif k.startswith("embedding.position_embeddings."):
+            out["embedding.position_embeddings"] = v
+        elif re.match(r"^(encoder|transformer|decoder)\.final_(layer)?norm\.", k):
+            out[k.split(".", 1)[0] + "_final_layernorm." + k.rsplit(".", 1)[1]] = v
+        elif k in ("output_layer.weight", "word_embeddings_for_head.weight"):
+            out["output_layer.weight"] = v
+        elif k == "lm_head.bias":
+            out["lm_head_bias"] = v
+        else:
+            raise MegatronCheckpointError(f"unknown legacy Megatron parameter {k!r}")
+    return _split_gate(out) if gated else out
+
+
+# Split along the output dimension (column-parallel, vocabulary tables) / the input dimension.
+_DIM0 = re.compile(r"(query_key_value|\.query|key_value|dense_h_to_4h|dense_h_to_4h_gate)\.(weight|bias)$"
+                   r"|(word_embeddings|output_layer)\.weight$|^lm_head_bias$")
+_DIM1 = re.compile(r"(self_attention\.dense|inter_attention\.dense|dense_4h_to_h)\.weight$")
+_VOCAB = re.compile(r"(word_embeddings|output_layer)\.weight$|^lm_head_bias$")
+
+
+def partition_dim(name: str) -> Optional[int]:
+    return 0 if _DIM0.search(name) else 1 if _DIM1.search(name) else None
+
+
+# ---- whole checkpoints ---------------------------------------------------------------------
+def read_tracker(root: str) -> Tuple[str, int]:
+    """(iteration folder name, iteration) from Megatron's tracker; `release` -> ('release', 0)."""
+    path = os.path.join(root, TRACKER)
+    text = open(path).read().strip()
+    if text == "release":
+        return "release", 0
+    try:
+        it = int(text)
+    except ValueError:
+        raise MegatronCheckpointError(f"{path}: expected an iteration number or 'release', found {text[:40]!r}") \
+            from None
+    return f"iter_{it:07d}", it
+
+
+def _verify_manifest(it_dir: str) -> Optional[str]:
+    """The files a manifest.json (written by this project's Megatron writer) lists, checked
+    against their sha256; None when they match or there is no manifest (Megatron wrote it)."""
+    import json
+    from megatron.checkpointing.dist_format import sha256_digest
+    path = os.path.join(it_dir, "manifest.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+        for rel, rec in files.items():
+            full = os.path.join(it_dir, rel)
+            if not os.path.exists(full) or sha256_digest(full).hex() != rec["sha256"]:
+                return f"{full} is {'missing' if not os.path.exists(full) else 'corrupted'} (sha256 in {path})"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{path} is unreadable ({e})"
+    return None
+
+
+def rank_files(it_dir: str) -> Dict[Tuple[int, int], str]:
+    """{(tp rank, pp rank): model file} of one iteration folder (model_optim_rng.pt, or
+    model_rng.pt when the distributed optimizer wrote its state apart)."""
+    out = {}
+    for sub in sorted(os.listdir(it_dir)):
+        m = _RANK_DIR.match(sub)
+        if not m:
+            continue
+        for name in ("model_optim_rng.pt", "model_rng.pt"):
+            path = os.path.join(it_dir, sub, name)
+            if os.path.exists(path):
+                out[(int(m.group(1)), int(m.group(2) or 0))] = path
+                break
+    return out
+
+
+def is_megatron_checkpoint(state: dict) -> bool:
+    return isinstance(state.get("args"), argparse.Namespace) and "config" not in state
+
+
+def _stage_models(state: dict) -> list:
+    if "model" in state:
+        return [state["model"]]
+    chunks = sorted((int(k[5:]), v) for k, v in state.items() if re.match(r"^model\d+$", k))
+    if not chunks:
+        raise MegatronCheckpointError("the file holds no 'model' or 'model0' entry")
+    return [v for _, v in chunks]
+
+
+def _is_core(model: dict) -> bool:
+    return not any(k in model for k in ("language_model", "word_embeddings_for_head", "lm_head"))
+
+
+def _layer_offsets(args, n_stages: int, block_layers: int) -> list:
+    """Global index of each virtual stage's first layer (Megatron's uniform split: virtual stage
+    v of pipeline rank p holds layers at offset v*L/V + p*L/(V*P))."""
+    per = block_layers // n_stages
+    return [i * per for i in range(n_stages)]
+
+
+def _gpt_name(name: str) -> str:
+    if name.startswith("encoder.layers."):
+        return "decoder" + name[len("encoder"):]
+    if name.startswith(("encoder_final_layernorm.", "decoder_final_layernorm.")):
+        return name.split("_", 1)[1]
+    return name
+
+
+def model_fields(args) -> dict:
+    """This project's model settings from Megatron's args (what the run must match)."""
+    a = vars(args)
+    t5 = a.get("encoder_num_layers") is not None and a.get("decoder_num_layers") is not None \
+        and "t5" in str(a.get("model_type", "")).lower() \
+        or str(a.get("model_type")) == str(ModelType.encoder_and_decoder)
+    heads = a["num_attention_heads"]
+    out = dict(model_type="t5" if t5 else "gpt", num_layers=a["num_layers"], hidden_size=a["hidden_size"],
+               num_attention_heads=heads, ffn_hidden_size=a.get("ffn_hidden_size") or 4 * a["hidden_size"],
+               max_position_embeddings=a.get("max_position_embeddings"),
+               seq_length=a.get("seq_length") or a.get("max_position_embeddings"),
+               make_vocab_size_divisible_by=a.get("make_vocab_size_divisible_by", 128),
+               swiglu=bool(a.get("swiglu")), normalization=a.get("normalization") or "LayerNorm",
+               add_bias_linear=a.get("add_bias_linear", True),
+               untie_embeddings_and_output_weights=bool(a.get("untie_embeddings_and_output_weights")),
+               position_embedding_type=a.get("position_embedding_type") or "learned_absolute",
+               num_query_groups=a.get("num_query_groups") if a.get("group_query_attention") else None,
+               layernorm_epsilon=a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5)))
+    if a.get("kv_channels"):
+        out["kv_channels"] = a["kv_channels"]
+    return out
+
+
+def tokenizer_vocab_size(args) -> int:
+    """The tokenizer's vocabulary as far as Megatron's args tell it: NullTokenizer adds an
+    end-of-document id to --vocab-size; file-based tokenizers leave only padded_vocab_size."""
+    v = getattr(args, "vocab_size", None)
+    if v and getattr(args, "tokenizer_type", None) == "NullTokenizer":
+        return v + 1
+    return v or args.padded_vocab_size
+
+
+def read_full(root: str) -> Tuple[argparse.Namespace, Dict[str, torch.Tensor], dict]:
+    """-> (Megatron's args, {our global name: full tensor, vocabulary rows as saved (padded)},
+    metadata: iteration, release, consumed samples, scheduler, source layout, format)."""
+    folder, iteration = read_tracker(root)
+    it_dir = os.path.join(root, folder)
+    files = rank_files(it_dir) if os.path.isdir(it_dir) else {}
+    if not files:
+        raise MegatronCheckpointError(f"{it_dir}: no mp_rank_*/model_optim_rng.pt files")
+    problem = _verify_manifest(it_dir)
+    if problem:
+        raise MegatronCheckpointError(problem)
+    tp = max(t for t, _ in files) + 1
+    pp = max(p for _, p in files) + 1
+    if sorted(files) != [(t, p) for t in range(tp) for p in range(pp)]:
+        raise MegatronCheckpointError(f"{it_dir}: rank folders {sorted(files)} do not cover TP {tp} x PP {pp}")
+    shards: Dict[str, Dict[int, torch.Tensor]] = {}
+    args = meta = None
+    fmt = None
+    for (t, p), path in sorted(files.items()):
+        state = safe_load_megatron(path)
+        if not isinstance(state.get("args"), argparse.Namespace):
+            raise MegatronCheckpointError(f"{path}: no Megatron `args` in the file")
+        args = args or state["args"]
+        if meta is None:
+            meta = {"iteration": int(state.get("iteration", iteration)), "release": folder == "release",
+                    "consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
+                    "opt_param_scheduler": state.get("opt_param_scheduler"),
+                    "checkpoint_version": state.get("checkpoint_version"), "tp": tp, "pp": pp}
+        gated = bool(getattr(args, "swiglu", False))
+        chunks = _stage_models(state)
+        n_stages = pp * len(chunks)
+        for v, model in enumerate(chunks):
+            fmt = fmt or ("core" if _is_core(model) else "legacy")
+            local = convert_core(model, gated) if _is_core(model) else convert_legacy(model, gated)
+            stage = v * pp + p
+            for name, tensor in local.items():
+                m = re.match(r"^(encoder|decoder)\.layers\.(\d+)\.(.*)$", name)
+                if m:
+                    total = getattr(args, f"{m.group(1)}_num_layers", None) or args.num_layers
+                    off = _layer_offsets(args, n_stages, total)[stage]
+                    name = f"{m.group(1)}.layers.{off + int(m.group(2))}.{m.group(3)}"
+                if name == "output_layer.weight" and not getattr(args, "untie_embeddings_and_output_weights", False):
+                    continue  # the last stage's copy of the tied word embeddings
+                shards.setdefault(name, {})[t] = tensor
+    meta["format"] = fmt
+    if model_fields(args)["model_type"] == "gpt":  # legacy GPT calls its one block `encoder`
+        shards = {_gpt_name(k): v for k, v in shards.items()}
+    full = {}
+    for name, by_rank in shards.items():
+        if sorted(by_rank) != list(range(tp)):
+            raise MegatronCheckpointError(f"{name}: found TP ranks {sorted(by_rank)}, expected 0..{tp - 1}")
+        d = partition_dim(name)
+        full[name] = by_rank[0] if d is None else torch.cat([by_rank[r] for r in range(tp)], dim=d)
+    return args, full, meta
+
+
+# ---- --load of a Megatron-LM checkpoint ----------------------------------------------------
+def detect(root: str) -> bool:
+    """True when --load names a checkpoint Megatron-LM wrote (tracker `release`, or the rank-0
+    file holds Megatron's `args` and no project `config`)."""
+    try:
+        folder, _ = read_tracker(root)
+    except (OSError, MegatronCheckpointError):
+        return False
+    it_dir = os.path.join(root, folder)
+    if folder == "release":
+        return True
+    if os.path.exists(os.path.join(it_dir, "common.json")) or not os.path.isdir(it_dir):
+        return False
+    files = rank_files(it_dir)
+    if not files or any(os.path.exists(p + ".sha256") for p in files.values()):
+        return False  # this project's own torch format writes a checksum beside each file
+    try:
+        return is_megatron_checkpoint(safe_load_megatron(files[min(files)]))
+    except Exception:
+        return False  # not ours to judge: the project's own loader reports what is wrong
+
+
+def _fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """A vocabulary table with `rows` rows: Megatron's padding kept when the sizes agree, else
+    cut to the run's vocabulary and padded with zeros."""
+    if t.shape[0] >= rows:
+        return t[:rows]
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def load_into_trainer(trainer, root: str) -> bool:
+    """Fill every stage of this rank from a Megatron-LM checkpoint at this run's layout.
+    Resumes the iteration, consumed samples and LR schedule unless --finetune; the optimizer
+    starts fresh (Megatron's optimizer state is ordered by its own parameter groups)."""
+    import sys
+    from megatron.checkpointing.dist_format import _dim, _params
+    cfg, ps = trainer.cfg, trainer.ps
+    args, full, meta = read_full(root)
+    problems = []
+    theirs = model_fields(args)
+    ours = cfg.model
+    for key, flag in (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
+                      ("num_attention_heads", "--num-attention-heads"), ("ffn_hidden_size", "--ffn-hidden-size"),
+                      ("swiglu", "--swiglu"), ("normalization", "--normalization"),
+                      ("add_bias_linear", "--disable-bias-linear"), ("position_embedding_type",
+                                                                      "--position-embedding-type"),
+                      ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights")):
+        if getattr(ours, key, None) != theirs[key]:
+            problems.append(f"{flag}: checkpoint has {theirs[key]}, this run has {getattr(ours, key, None)}")
+    if theirs["model_type"] != ours.model_type:
+        problems.append(f"model type: checkpoint is {theirs['model_type']}, this run is {ours.model_type}")
+    if ours.position_embedding_type == "learned_absolute" and \
+            theirs["max_position_embeddings"] != ours.max_position_embeddings:
+        problems.append(f"--max-position-embeddings: checkpoint has {theirs['max_position_embeddings']}, "
+                        f"this run has {ours.max_position_embeddings}")
+    padded_src = full["embedding.word_embeddings.weight"].shape[0]
+    if ours.vocab_size > padded_src:
+        problems.append(f"--vocab-size / tokenizer: this run's vocabulary ({ours.vocab_size}) is larger than the "
+                        f"checkpoint's padded table ({padded_src} rows)")
+    if problems:
+        raise MegatronCheckpointError(f"Megatron-LM checkpoint {root} does not match this run:\n  "
+                                      + "\n  ".join(problems))
+    padded = ours.padded_vocab_size(ps.tp_size)
+    finish = getattr(trainer.optimizer, "finish_param_gather", None)
+    if finish is not None:
+        finish()
+    with torch.no_grad():
+        for key, p, _ in _params(trainer):
+            if key not in full:
+                raise MegatronCheckpointError(f"Megatron-LM checkpoint {root} holds no weights for {key}")
+            t = full[key]
+            if _VOCAB.search(key):
+                t = _fit_rows(t, padded)
+            d = _dim(p)
+            if d is not None:
+                per = t.shape[d] // ps.tp_size
+                t = t.narrow(d, ps.tp_rank * per, per)
+            if tuple(t.shape) != tuple(p.shape):
+                raise MegatronCheckpointError(f"{key}: Megatron-LM checkpoint {root} gives shape {tuple(t.shape)} on "
+                                              f"{ps.describe()}, the model has {tuple(p.shape)}")
+            p.copy_(t.to(p.dtype))
+    if not cfg.checkpoint.finetune and not meta["release"]:
+        trainer.iteration = meta["iteration"]
+        trainer.consumed_samples = meta["consumed_samples"]
+        sched = meta.get("opt_param_scheduler") or {}
+        trainer.lr_scheduler.num_steps = int(sched.get("num_steps", trainer.iteration)) \
+            if not cfg.checkpoint.no_load_optim else trainer.iteration
+    if ps.rank == 0:
+        print(f"loaded Megatron-LM checkpoint ({meta['format']} model, TP {meta['tp']} x PP {meta['pp']}) {root} "
+              f"at iteration {meta['iteration']}{' (release)' if meta['release'] else ''}; the optimizer starts "
+              f"fresh and the RNG from this run's seed", file=sys.stderr, flush=True)
+    return True
+

@@ -1,0 +1,244 @@
+"""Writing checkpoints as Megatron-LM's legacy code writes them (GPT), for Megatron-LM's own
+`--load`, its `tools/checkpoint` loaders and transformers' Megatron converters. The reading side
+and the name mapping are in `checkpoint_megatron_legacy`."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+
+from megatron.checkpointing.megatron_legacy import (_VOCAB, TRACKER, MegatronCheckpointError, _fit_rows,
+                                                 partition_dim)
+
+
+def megatron_args(model: dict, tp: int, pp: int, iteration: int, consumed_samples: int,
+                  vocab_size: int, padded_vocab: int, extra: Optional[dict] = None) -> argparse.Namespace:
+    """Megatron's `args` with every field its loaders (`check_checkpoint_args`,
+    `tools/checkpoint_util.py`'s loader) and transformers' Megatron converters read."""
+    gqa = model.get("num_query_groups") not in (None, model["num_attention_heads"])
+    a = dict(num_layers=model["num_layers"], hidden_size=model["hidden_size"],
+             num_attention_heads=model["num_attention_heads"], ffn_hidden_size=model["ffn_hidden_size"],
+             kv_channels=model.get("kv_channels") or model["hidden_size"] // model["num_attention_heads"],
+             max_position_embeddings=model.get("max_position_embeddings"), seq_length=model.get("seq_length"),
+             encoder_seq_length=model.get("seq_length"), padded_vocab_size=padded_vocab, vocab_size=vocab_size,
+             make_vocab_size_divisible_by=model.get("make_vocab_size_divisible_by", 128),
+             tokenizer_type=None, vocab_file=None, merge_file=None,
+             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+             virtual_pipeline_model_parallel_size=None, data_parallel_random_init=False,
+             consumed_train_samples=consumed_samples, consumed_valid_samples=0, iteration=iteration,
+             swiglu=bool(model.get("swiglu")), normalization=model.get("normalization", "LayerNorm"),
+             add_bias_linear=model.get("add_bias_linear", True), add_position_embedding=model.get(
+                 "position_embedding_type", "learned_absolute") == "learned_absolute",
+             position_embedding_type=model.get("position_embedding_type", "learned_absolute"),
+             untie_embeddings_and_output_weights=bool(model.get("untie_embeddings_and_output_weights")),
+             group_query_attention=gqa, num_query_groups=model.get("num_query_groups") if gqa else None,
+             layernorm_epsilon=model.get("layernorm_epsilon", 1e-5), norm_epsilon=model.get("layernorm_epsilon", 1e-5),
+             params_dtype=torch.float32, fp16=False, bf16=False, openai_gelu=False, onnx_safe=None,
+             bias_gelu_fusion=True, apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True,
+             apply_residual_connection_post_layernorm=False, hidden_dropout=model.get("hidden_dropout", 0.1),
+             attention_dropout=model.get("attention_dropout", 0.1), use_distributed_optimizer=False,
+             num_experts=None, rotary_percent=model.get("rotary_percent", 1.0),
+             rotary_base=model.get("rotary_base", 10000), use_rotary_position_embeddings=model.get(
+                 "position_embedding_type") == "rope")
+    if model.get("model_type") == "t5":
+        a.update(encoder_num_layers=model.get("encoder_num_layers"), decoder_num_layers=model.get("decoder_num_layers"),
+                 decoder_seq_length=model.get("decoder_seq_length"), encoder_seq_length=model.get("encoder_seq_length"))
+    a.update(extra or {})
+    return argparse.Namespace(**a)
+
+
+# Megatron-LM's legacy model named its norms `*_layernorm` up to 23.x (v2.x, the DynaPipe fork,
+# what transformers' Megatron converters read) and `*_norm` from core_v0.5 on.
+NORM_NAMES = ("layernorm", "norm")
+
+
+def _layer_to_legacy(rest: str, norm_names: str) -> str:
+    # Our layer names are the legacy model's (and its checkpoint version 3.0 QKV order).
+    if norm_names == "norm":
+        rest = rest.replace("input_layernorm.", "input_norm.").replace("post_attention_layernorm.",
+                                                                        "post_attention_norm.")
+    return rest
+
+
+def to_legacy_model(local: Dict[str, torch.Tensor], pre_process: bool, post_process: bool, tied: bool,
+                    pp: int, norm_names: str = "layernorm") -> dict:
+    """One GPT stage's state dict in our names (stage-local layers, this TP rank's shards) ->
+    the legacy model's nested dict."""
+    lm: dict = {}
+    for k, v in local.items():
+        if k.endswith("dense_h_to_4h_gate.weight") or k.endswith("dense_h_to_4h_gate.bias"):
+            continue
+        gate = k.replace("dense_h_to_4h", "dense_h_to_4h_gate")
+        if k.endswith(("mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")) and gate in local:
+            v = torch.cat([local[gate], v])  # Megatron's [gate; up] per TP rank
+        m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", k)
+        if m:
+            lm.setdefault("encoder", {})[f"layers.{m.group(1)}.{_layer_to_legacy(m.group(2), norm_names)}"] = v
+        elif k == "embedding.word_embeddings.weight":
+            lm.setdefault("embedding", {}).setdefault("word_embeddings", {})["weight"] = v
+        elif k == "embedding.position_embeddings":
+            lm.setdefault("embedding", {}).setdefault("position_embeddings", {})["weight"] = v
+        elif k.startswith("final_layernorm."):
+            name = k if norm_names == "layernorm" else k.replace("final_layernorm", "final_norm")
+            lm.setdefault("encoder", {})[name] = v
+        elif k == "output_layer.weight" and not tied:
+            lm["output_layer"] = {"weight": v}
+        elif k != "output_layer.weight":
+            raise MegatronCheckpointError(f"no legacy Megatron name for {k}")
+    out = {"language_model": lm}
+    if tied and post_process and not pre_process:
+        out["word_embeddings_for_head"] = {"weight": local["output_layer.weight"]}
+    return out
+
+
+def megatron_rng_state() -> list:
+    """Megatron's `rng_state`: one dict per data-parallel rank (only this one is kept, as
+    Megatron does without --data-parallel-random-init)."""
+    import random
+    from megatron.core.tensor_parallel.random import get_rng_tracker
+    return [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(),
+             "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state(),
+             "rng_tracker_states": get_rng_tracker().get_states()}]
+
+
+def megatron_scheduler(ours: Optional[dict], weight_decay: float = 0.01) -> Optional[dict]:
+    """This project's LR schedule state with Megatron's OptimizerParamScheduler keys."""
+    if not ours:
+        return None
+    return {"max_lr": ours.get("max_lr"), "min_lr": ours.get("min_lr"),
+            "lr_warmup_steps": ours.get("warmup_iters", ours.get("warmup_steps", 0)),
+            "lr_decay_steps": ours.get("decay_iters", ours.get("decay_steps")),
+            "lr_decay_style": ours.get("decay_style", "linear"), "num_steps": ours.get("num_steps", 0),
+            "start_wd": weight_decay, "end_wd": weight_decay, "wd_incr_steps": ours.get("decay_iters") or 1,
+            "wd_incr_style": "constant"}
+
+
+def write_full(out: str, model: dict, full: Dict[str, torch.Tensor], meta: dict, tp: int, pp: int,
+               release: bool = True, norm_names: str = "layernorm", atomic_write=None) -> str:
+    """Write a GPT `full` model ({our global name: tensor}, vocabulary rows unpadded) as
+    Megatron-LM writes it: `release/` (tracker `release`) for a converted checkpoint, else
+    `iter_NNNNNNN`; `atomic_write(path, write_fn) -> sha256 hex` is the checkpoint writer's
+    (`megatron.checkpointing.torch_format._atomic_write_bytes`, passed in: that module
+    dispatches to this one); `norm_names` picks the release's spelling (NORM_NAMES). Integrity
+    data (sha256 of every file) goes to `<folder>/manifest.json`, never beside a model file.
+    Returns the iteration folder."""
+    from megatron.config.core import ModelConfig
+    if model.get("model_type", "gpt") != "gpt":
+        raise MegatronCheckpointError("writing Megatron-LM's legacy format is implemented for GPT only")
+    cfg = ModelConfig(**model)
+    L = cfg.num_layers
+    if L % pp or cfg.num_attention_heads % tp or cfg.ffn_hidden_size % tp:
+        raise MegatronCheckpointError(f"TP {tp} x PP {pp} does not divide the layers, heads or FFN size")
+    padded = cfg.padded_vocab_size(tp)
+    tied = not cfg.untie_embeddings_and_output_weights
+    iteration = meta.get("iteration", 0)
+    folder = "release" if release else f"iter_{iteration:07d}"
+    it_dir = os.path.join(out, folder)
+    args = megatron_args(model, tp, pp, iteration, meta.get("consumed_samples", 0), cfg.vocab_size, padded)
+    per = L // pp
+    files = {}
+    for p in range(pp):
+        for r in range(tp):
+            local = {}
+            for name, t in full.items():
+                m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
+                if m:
+                    i = int(m.group(1))
+                    if not p * per <= i < (p + 1) * per:
+                        continue
+                    name = f"decoder.layers.{i - p * per}.{m.group(2)}"
+                elif name.startswith("embedding.") and p != 0:
+                    continue
+                elif name.startswith(("final_layernorm.", "output_layer.")) and p != pp - 1:
+                    continue
+                if _VOCAB.search(name):
+                    t = _fit_rows(t, padded)
+                d = partition_dim(name)
+                if d is not None:
+                    n = t.shape[d] // tp
+                    t = t.narrow(d, r * n, n)
+                local[name] = t.contiguous().clone()
+            if tied and p == pp - 1 and pp > 1:
+                w = _fit_rows(full["embedding.word_embeddings.weight"], padded)
+                local["output_layer.weight"] = w.narrow(0, r * (padded // tp), padded // tp).clone()
+            state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                     "model": to_legacy_model(local, p == 0, p == pp - 1, tied, pp, norm_names),
+                     "rng_state": megatron_rng_state()}
+            sched = megatron_scheduler(meta.get("opt_param_scheduler"))
+            if sched is not None:
+                state["opt_param_scheduler"] = sched
+            sub = f"mp_rank_{r:02d}" if pp == 1 else f"mp_rank_{r:02d}_{p:03d}"
+            path = os.path.join(it_dir, sub, "model_optim_rng.pt")
+            digest = atomic_write(path, lambda f: torch.save(state, f))
+            files[os.path.join(sub, "model_optim_rng.pt")] = {"sha256": digest, "bytes": os.path.getsize(path)}
+    body = json.dumps({"iteration": iteration, "checkpoint_version": 3.0, "format": "megatron-legacy",
+                       "files": files}, indent=1, sort_keys=True).encode()
+    atomic_write(os.path.join(it_dir, "manifest.json"), lambda f: f.write(body))
+    tracker = "release" if release else str(iteration)
+    atomic_write(os.path.join(out, TRACKER), lambda f: f.write(tracker.encode()))
+    return it_dir
+
+
+def save_from_trainer(trainer, root: str, ops) -> str:
+    """`--ckpt-format megatron-legacy` (GPT): every rank's stages as Megatron-LM's legacy code
+    writes them (`iter_NNNNNNN/mp_rank_XX[_YYY]/model_optim_rng.pt`, virtual stages `model0`,
+    `model1`, ...), then (rank 0) the manifest with every file's sha256 and the tracker.
+    What it keeps is what Megatron-LM can use: weights, counters in `args`, scheduler, RNG. A
+    --load of it resumes those; the optimizer starts fresh (Megatron orders its state by its
+    own parameter groups, which this project does not reproduce). `ops`: the checkpoint
+    writer's atomic_write, barrier, move_tracker, write_error, claim_and_clean, mark_saving and unmark."""
+    _atomic_write_bytes, _barrier, _move_tracker = ops.atomic_write, ops.barrier, ops.move_tracker
+    _write_error = ops.write_error
+    from megatron.checkpointing.dist_format import sha256_digest
+    cfg, ps = trainer.cfg, trainer.ps
+    model = cfg.to_dict()["model"]
+    if model.get("model_type", "gpt") != "gpt":
+        raise MegatronCheckpointError("--ckpt-format megatron-legacy writes GPT models only (T5: use torch)")
+    it_dir = os.path.join(root, f"iter_{trainer.iteration:07d}")
+    tied = not cfg.model.untie_embeddings_and_output_weights
+    padded = cfg.model.padded_vocab_size(ps.tp_size)
+    try:
+        # the writer's lock on --save and the in-progress marker, as every save of this project
+        ops.claim_and_clean(ps, root)
+        if ps.rank == 0:
+            ops.mark_saving(it_dir)
+        _barrier()
+        if ps.dp_rank == 0:
+            args = megatron_args(model, ps.tp_size, ps.pp_size, trainer.iteration, trainer.consumed_samples,
+                                 cfg.model.vocab_size, padded)
+            args.virtual_pipeline_model_parallel_size = len(trainer.stages) if len(trainer.stages) > 1 else None
+            state = {"args": args, "checkpoint_version": 3.0, "iteration": trainer.iteration,
+                     "rng_state": megatron_rng_state(),
+                     "opt_param_scheduler": megatron_scheduler(trainer.lr_scheduler.state_dict())}
+            chunks = [trainer.stages[sid] for sid in sorted(trainer.stages)]
+            nested = [to_legacy_model({k: v.detach().clone() for k, v in s.state_dict().items()},
+                                      s.pre_process, s.post_process, tied, ps.pp_size) for s in chunks]
+            if len(nested) == 1:
+                state["model"] = nested[0]
+            else:
+                state.update({f"model{i}": m for i, m in enumerate(nested)})
+            sub = f"mp_rank_{ps.tp_rank:02d}" if ps.pp_size == 1 else f"mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}"
+            _atomic_write_bytes(os.path.join(it_dir, sub, "model_optim_rng.pt"), lambda f: torch.save(state, f))
+        _barrier()
+        if ps.rank == 0:
+            files = {}
+            for sub in sorted(os.listdir(it_dir)):
+                path = os.path.join(it_dir, sub, "model_optim_rng.pt")
+                if os.path.exists(path):
+                    files[os.path.join(sub, "model_optim_rng.pt")] = {"sha256": sha256_digest(path).hex(),
+                                                                      "bytes": os.path.getsize(path)}
+            body = json.dumps({"iteration": trainer.iteration, "checkpoint_version": 3.0,
+                               "format": "megatron-legacy", "files": files}, indent=1, sort_keys=True).encode()
+            _atomic_write_bytes(os.path.join(it_dir, "manifest.json"), lambda f: f.write(body))
+            ops.unmark(it_dir)
+            _move_tracker(root, trainer.iteration, "megatron-legacy")
+        _barrier()
+    except OSError as e:
+        raise _write_error(ps, root, e) from e
+    return it_dir
