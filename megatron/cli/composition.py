@@ -20,6 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron.atomic import write_text
+
 
 @dataclass(frozen=True)
 class Feature:
@@ -338,10 +340,7 @@ def main(argv_: Optional[Sequence[str]] = None) -> int:
             return 2
         head, rest = old.split(BEGIN, 1)
         new = head + BEGIN + "\n" + text + END + rest.split(END, 1)[1]
-        tmp = a.update_readme + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(new)
-        os.replace(tmp, a.update_readme)
+        write_text(a.update_readme, new)
         return 0
     if a.markdown:
         print(text, end="")
