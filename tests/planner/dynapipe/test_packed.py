@@ -36,15 +36,15 @@ def test_planner_rows_are_the_rows_the_data_path_builds():
 
 
 def test_paper_packing_baseline_is_priced_on_the_rows_the_data_path_builds():
-    # 250 + 6 tokens fill a 256-token row, but as GPT samples they take 251 + 7 of a 257-token
-    # row: the runtime needs two rows, and so does the baseline's price.
-    lens = [250, 6, 100, 100, 50] + batch(2)
+    # Two 128-token samples fill a 256-token row, but as GPT samples they take 129 + 129 of a
+    # 257-token row: the runtime needs a row for each, and so does the baseline's price.
+    lens = [128] * 8 + batch(2)
     planner = DynaPipePlanner(tiny_gpt())
     built = pack_samples([np.arange(n + 1) + 1 for n in lens], 257)["tokens"].shape[0]
     for b in (1, 4):
         shapes = microbatch_shapes(planner, "gpt", "packing", lens, 256, b)
         assert sum(m for m, _, _ in shapes) == built and all(m <= b and s == 256 for m, s, _ in shapes)
-    assert [len(r) for r in packed.next_fit("gpt", lens, 256)[:2]] == [1, 3]
+    assert [len(r) for r in packed.next_fit("gpt", lens, 256)[:8]] == [1] * 8
 
 
 @pytest.mark.parametrize("kind", ["gpt", "t5"])
