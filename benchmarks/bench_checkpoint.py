@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._ranks import run_ranks  # noqa: E402
+from megatron.core.launch import run_ranks  # noqa: E402
 
 
 def _config(args):
@@ -97,7 +97,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     world = args.tp * args.pp * args.dp
     with tempfile.TemporaryDirectory() as d:
-        res = run_ranks(_worker, world, args, os.path.join(d, "ckpt"), what="checkpoint benchmark")[0]
+        res = run_ranks(_worker, world, args, os.path.join(d, "ckpt"), timeout_s=1800,
+                        what="checkpoint benchmark")[0]
     res.update(config=vars(args), dist_over_torch_save=res["torch_dist"]["save_s"] / res["torch"]["save_s"],
                dist_over_torch_load=res["torch_dist"]["load_s"] / res["torch"]["load_s"])
     print(json.dumps(res), flush=True)

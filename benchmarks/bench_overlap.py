@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._ranks import run_ranks  # noqa: E402
+from megatron.core.launch import run_ranks  # noqa: E402
 
 
 def _config(args, overlap):
@@ -87,7 +87,7 @@ def main(argv=None):
                          "(bucketed reduce-scatters during backward, asynchronous parameter all-gathers)")
     args = ap.parse_args(argv)
     world = args.dp * args.pp
-    res = run_ranks(_worker, world, args, what="overlap benchmark")[0]
+    res = run_ranks(_worker, world, args, timeout_s=1800, what="overlap benchmark")[0]
     res.update(optimizer="distributed" if args.distributed_optimizer else "plain", config=vars(args),
                overlap_over_plain=res["overlap"]["median_step_ms"] / res["plain"]["median_step_ms"])
     print(json.dumps(res), flush=True)

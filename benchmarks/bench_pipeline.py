@@ -77,7 +77,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._ranks import run_ranks  # noqa: E402
+from megatron.core.launch import run_ranks  # noqa: E402
 from megatron.planner.schedule.static import analytic_bubble, static_orders  # noqa: E402
 
 SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved")

@@ -31,7 +31,6 @@ import re
 import shutil
 import socket
 import sys
-import tempfile
 import time
 from typing import Optional
 
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.atomic import atomic_open, fsync_dir as _fsync_dir
 from megatron.checkpointing import contents as checkpoint_contents
 
 from megatron.checkpointing import ownership as checkpoint_ownership
@@ -71,25 +71,6 @@ _ITER_RE = re.compile(r"^iter_(\d{7})$")
 _STAGED_RE = re.compile(r"^(iter_\d{7})\.(saving|replaced)$")
 
 
-def _file_mode() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-def _fsync_dir(d: str) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return  # not supported on this platform / file system
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 class _HashingWriter:
     """File wrapper that hashes what passes through, so a checkpoint is read from disk only once."""
 
@@ -106,24 +87,13 @@ class _HashingWriter:
 
 def _atomic_write_bytes(path: str, write_fn) -> str:
     """Write via a temporary file + fsync + rename + directory fsync; returns the sha256 hex digest."""
-    d = os.path.dirname(path)
-    os.makedirs(d, exist_ok=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     # The writer's host and pid in the name let a later run tell a dead writer's leftovers apart.
-    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            w = _HashingWriter(f)
-            write_fn(w)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _file_mode())
-        os.replace(tmp, path)
-        _fsync_dir(d)
-        return w.h.hexdigest()
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    prefix = f"{_TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-"
+    with atomic_open(path, "wb", suffix="", prefix=prefix, fsync=True) as f:
+        w = _HashingWriter(f)
+        write_fn(w)
+    return w.h.hexdigest()
 
 
 def _sha256_file(path: str) -> str:

@@ -22,6 +22,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron.atomic import write_text
+
 
 @dataclass(frozen=True)
 class Feature:
@@ -427,10 +429,7 @@ def main(argv_: Optional[Sequence[str]] = None) -> int:
                 return 2
             head, rest = new.split(begin, 1)
             new = head + begin + "\n" + markdown(model=model) + end + rest.split(end, 1)[1]
-        tmp = a.update_readme + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(new)
-        os.replace(tmp, a.update_readme)
+        write_text(a.update_readme, new)
         return 0
     model = a.model or "gpt"
     if a.markdown:

@@ -15,6 +15,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from megatron.atomic import atomic_path, write_text
+
 
 def _dist():
     try:
@@ -36,9 +38,8 @@ def barrier() -> None:
 
 
 def _save_atomic(path: str, arr: np.ndarray) -> None:
-    tmp = f"{path}.tmp{os.getpid()}.npy"
-    np.save(tmp, arr, allow_pickle=False)
-    os.replace(tmp, path)
+    with atomic_path(path, suffix=".tmp.npy") as tmp:  # np.save appends .npy to any other name
+        np.save(tmp, arr, allow_pickle=False)
 
 
 def cached_arrays(cache_dir: Optional[str], description: str, kind: str, names: list[str],
@@ -65,9 +66,7 @@ def cached_arrays(cache_dir: Optional[str], description: str, kind: str, names: 
             os.makedirs(cache_dir, exist_ok=True)
             for n, p in paths.items():
                 _save_atomic(p, np.asarray(built[n]))
-            with open(desc_path + ".tmp", "w") as f:
-                f.write(description)
-            os.replace(desc_path + ".tmp", desc_path)
+            write_text(desc_path, description)
         except OSError as exc:  # read-only data folder: train anyway, just uncached
             warnings.warn(f"cannot write dataset index cache under {cache_dir} ({exc}); indices are rebuilt "
                           "on every run and by every rank; pass --data-cache-path to a writable folder")

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from megatron.atomic import write_json
+
 ROOT = Path(__file__).resolve().parents[2]
 # packing: the DynaPipe paper's (attention over whole rows); packing_varlen / packing_balanced:
 # per-document attention (next-fit / WLB-LLM cost-balanced), see megatron.planner.dynapipe.baselines.
@@ -184,9 +186,7 @@ def setting_doc(grid: Grid, s: Setting) -> dict:
 
 def write_config(path: Path, doc: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    tmp.replace(path)
+    write_json(path, doc, indent=1, sort_keys=True)
 
 
 SYSTEM_FIELDS = {"dynapipe": ("pp", "tp", "dp"),

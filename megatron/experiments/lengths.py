@@ -18,6 +18,7 @@ from typing import List, Optional
 
 import numpy as np
 
+from megatron.atomic import write_text
 from megatron.experiments.config import ROOT
 
 DATA = ROOT / "data" / "multitask" / "kjv_tasks.jsonl.gz"
@@ -63,10 +64,8 @@ def load_lengths(path: Optional[str] = None) -> np.ndarray:
         return read_lengths_file(CACHE)
     arr = _tokenize_shipped()
     CACHE.parent.mkdir(parents=True, exist_ok=True)
-    tmp = CACHE.with_suffix(".tmp")
-    tmp.write_text("# (input, target) SentencePiece lengths of data/multitask/kjv_tasks.jsonl.gz\n"
-                   + "\n".join(f"{a} {b}" for a, b in arr) + "\n")
-    tmp.replace(CACHE)
+    write_text(CACHE, "# (input, target) SentencePiece lengths of data/multitask/kjv_tasks.jsonl.gz\n"
+               + "\n".join(f"{a} {b}" for a, b in arr) + "\n")
     return arr
 
 

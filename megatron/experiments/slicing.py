@@ -32,6 +32,7 @@ from typing import Dict, List
 
 import numpy as np
 
+from megatron.atomic import atomic_open
 from megatron.experiments.config import ROOT
 
 SYSTEMS = ("dynapipe", "dynapipe_slices", "terapipe", "packing")
@@ -112,14 +113,12 @@ def batches_for(max_len: int, n: int, lengths_file=None) -> list:
 def write(rows: List[dict], out: Path) -> List[Path]:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "dynapipe_slicing.csv"
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", newline="") as f:
+    with atomic_open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["max_len", "system", "layout", "mean_iteration_ms", "tokens_per_s"])
         for r in rows:
             w.writerow([r["max_len"], r["system"], r["layout"],
                         f"{r['mean_ms']:.1f}" if np.isfinite(r["mean_ms"]) else "inf", f"{r['tokens_per_s']:.0f}"])
-    tmp.replace(path)
     written = [path]
     from megatron.experiments.figures import _plt
     plt = _plt()

@@ -31,12 +31,12 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from megatron.atomic import write_json
 from megatron.profiling import noise
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -271,15 +271,8 @@ def write_calibration(path: str, cal) -> None:
     """Store `cal` in the JSON file at `path` (rename over it: never half a file)."""
     doc = json.loads(Path(path).read_text())
     doc["calibration"] = cal.to_dict()
-    fd, tmp = tempfile.mkstemp(dir=str(Path(path).parent), prefix=Path(path).name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:  # cost tables are stored compact, latency files indented
-            f.write((json.dumps(doc, separators=(",", ":")) if "profiles" in doc else json.dumps(doc, indent=1)) + "\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # cost tables are stored compact, latency files indented
+    write_json(path, doc, mode=0o644, **({"separators": (",", ":")} if "profiles" in doc else {"indent": 1}))
 
 
 def main(argv=None) -> int:

@@ -10,10 +10,10 @@ T5 adds `--decoder-seq-lengths`. The file is written atomically once every shape
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from pathlib import Path
+
+from megatron.atomic import atomic_path
 
 
 def _ints(flag):
@@ -151,18 +151,8 @@ def main(argv=None) -> int:
     if refusal:
         print(refusal, file=sys.stderr)
         return 1
-    # Write next to the target and rename: an interrupted run never leaves half a file.
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name, suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(out) as tmp:  # an interrupted run never leaves half a file
         cm.save(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only; the result is a shared artifact
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     print(f"wrote {out} ({cm.meta['profile_seconds']} s of profiling)", file=sys.stderr)
     return 0
 

@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from megatron.atomic import atomic_path
+
 
 class StepProfiler:
     def __init__(self, logging_cfg, rank: int, device: torch.device):
@@ -64,9 +66,8 @@ class StepProfiler:
             return
         os.makedirs(self.folder, exist_ok=True)
         path = os.path.join(self.folder, f"trace_rank{self.rank}_iters{self.first}-{self._last}.json")
-        tmp = path + ".tmp"
-        prof.export_chrome_trace(tmp)
-        os.replace(tmp, path)  # never a half-written trace under the final name
+        with atomic_path(path) as tmp:  # never a half-written trace under the final name
+            prof.export_chrome_trace(tmp)
         self.path = path
         print(f"rank {self.rank}: wrote torch.profiler trace of iterations {self.first}-{self._last} to {path}",
               flush=True)

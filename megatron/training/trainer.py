@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.atomic import write_json
 from megatron.config.core import MegatronConfig
 from megatron.core.optimizer import LRScheduler, MegatronOptimizer
 from megatron.core.parallel_state import ParallelState
@@ -329,7 +330,7 @@ class Trainer:
         if ps.rank != 0:
             return
         import os
-        from megatron.planner.service.worker import trace_path, write_json_atomic
+        from megatron.planner.service.worker import trace_path
         out = [ev for rank_events in gathered for ev in rank_events]
         for d in range(ps.dp_size):
             for p in range(ps.pp_size):
@@ -339,8 +340,8 @@ class Trainer:
                 "simulated_ms": work.info.get("simulated_ms") if work.info else None}
         trace_dir = self.cfg.data.dynapipe_trace_dir
         os.makedirs(trace_dir, exist_ok=True)
-        write_json_atomic(trace_path(trace_dir, iteration, "measured"),
-                          {"traceEvents": out, "displayTimeUnit": "ms", "otherData": meta})
+        write_json(trace_path(trace_dir, iteration, "measured"),
+                   {"traceEvents": out, "displayTimeUnit": "ms", "otherData": meta})
 
     def _check_consecutive_skips(self) -> None:
         t, n = self.cfg.training, self.consecutive_skipped

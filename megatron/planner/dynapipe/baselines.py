@@ -1,8 +1,9 @@
 """Megatron-style baselines for multi-task batches, costed with a DynaPipe planner's cost model.
 
-* packing: samples packed next-fit into rows of `max_len` tokens (T5: both sides must fit),
-  `b` rows per micro-batch, 1F1B, attention over the whole row (the DynaPipe paper's
-  baseline: dense rows costing b * L^2, kept to reproduce its figures);
+* packing: samples packed next-fit into the rows the data path builds (`packed.next_fit`: a GPT
+  sample of l tokens takes l + 1 of a row of max_len + 1; T5: both sides must fit), `b` rows per
+  micro-batch, 1F1B, attention over the whole row (the DynaPipe paper's baseline: dense rows
+  costing b * L^2, kept to reproduce its figures);
 * packing_varlen: the same rows run with per-document attention (Megatron-Core THD /
   `cu_seqlens`, this project's `--pack-dataset`): attention priced on sum l_i^2 and activation
   memory linear in tokens (flash/varlen kernel), see `megatron.planner.cost.attention_cost`;
@@ -32,30 +33,21 @@ SIZES = packed.SIZES
 NAMES = ("packing", "packing_varlen", "packing_balanced", "fixed")
 
 
-def pack_rows(batch, kind, max_len):
-    """Next-fit packing into rows of max_len tokens (T5: both sides must fit)."""
-    rows, cur = [], None
-    for s in batch:
-        e, d = (s, 0) if kind == "gpt" else s
-        if cur is None or cur[0] + e > max_len or cur[1] + d > max_len:
-            cur = [0, 0]
-            rows.append(cur)
-        cur[0] += e
-        cur[1] += d
-    return rows
-
-
 def microbatch_shapes(planner, kind: str, system: str, batch, max_len: int, b: int) -> List[Tuple[int, int, int]]:
     """(size, encoder/GPT length, decoder length) of each micro-batch of `system`."""
     q = planner.cfg.pad_multiple
     pad = lambda x: -(-int(x) // q) * q  # noqa: E731
     extra = planner.cfg.decoder_extra_tokens
     if system == "packing":
-        rows = pack_rows(batch, kind, max_len)
+        rows = packed.next_fit(kind, batch, max_len)  # the rows the data path builds
         n_mb = -(-len(rows) // b)
         # Rows are full max-length sequences; T5 pads targets to the longest row's (at most
         # max_len: the decoder row is a max_len sequence, its bos/eos included).
-        dec_len = min(pad(max(r[1] for r in rows) + extra), pad(max_len)) if kind == "t5" else 0
+        if kind == "t5":
+            dec = packed.doc_lengths(kind, batch, max_len)[1]
+            dec_len = min(pad(max(dec[row].sum() for row in rows) + extra), pad(max_len))
+        else:
+            dec_len = 0
         return [(min(b, len(rows) - k * b), max_len, dec_len) for k in range(n_mb)]
     if system != "fixed":
         raise ValueError(f"unknown baseline {system!r}; choose 'packing' or 'fixed'")

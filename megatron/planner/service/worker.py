@@ -12,12 +12,13 @@ thread 0, transfers on thread 1, the activation-memory counter beside them.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import struct
 from typing import Optional
 
 import numpy as np
+
+from megatron.atomic import write_json
 
 _PLANNERS: dict = {}
 
@@ -59,13 +60,6 @@ def iteration_trace(plan) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}
 
 
-def write_json_atomic(path: str, obj) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
-
-
 def strip(plan):
     """Drop what ranks do not need (simulator results, compute orders: large)."""
     for g in plan.groups:
@@ -86,7 +80,7 @@ def plan_iteration(config, lengths: np.ndarray, bounds: np.ndarray, first_iterat
     plan = planner_for(config).plan(lengths[lo:hi].tolist(), iteration=iteration, validate=validate)
     if trace_dir and k < trace_iters:
         os.makedirs(trace_dir, exist_ok=True)
-        write_json_atomic(trace_path(trace_dir, iteration), iteration_trace(plan))
+        write_json(trace_path(trace_dir, iteration), iteration_trace(plan), end="")
     return strip(plan)
 
 

@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from megatron.atomic import write_json
 from megatron.planner.cost import cost_model_checks as checks
 from megatron.planner.cost.calibration import IDENTITY, HostCalibration
 
@@ -160,9 +161,7 @@ class SliceLatencyModel:
     def save(self, path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        tmp.replace(path)
+        write_json(path, self.to_dict(), indent=1, end="")
 
     @classmethod
     def load(cls, path) -> "SliceLatencyModel":

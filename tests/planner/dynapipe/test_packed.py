@@ -6,7 +6,7 @@ import pytest
 from megatron.data.packing import next_fit_rows, pack_samples
 from megatron.pipeline.validator import validate_plans
 from megatron.planner.dynapipe import packed
-from megatron.planner.dynapipe.baselines import NAMES, BalancedStream, baselines
+from megatron.planner.dynapipe.baselines import NAMES, BalancedStream, baselines, microbatch_shapes
 from megatron.planner.dynapipe.planner import DynaPipeConfig, DynaPipePlanner
 
 CM = Path(__file__).resolve().parents[3] / "cost_models"
@@ -33,6 +33,18 @@ def test_planner_rows_are_the_rows_the_data_path_builds():
     for r, row in enumerate(rows):
         assert np.bincount(got[r])[1:].tolist() == [lens[i] + 1 for i in row]
     assert next_fit_rows([(3, 1), (2, 2), (1, 2)], 4) == [[0], [1, 2]]  # T5: both sides must fit
+
+
+def test_paper_packing_baseline_is_priced_on_the_rows_the_data_path_builds():
+    # Two 128-token samples fill a 256-token row, but as GPT samples they take 129 + 129 of a
+    # 257-token row: the runtime needs a row for each, and so does the baseline's price.
+    lens = [128] * 8 + batch(2)
+    planner = DynaPipePlanner(tiny_gpt())
+    built = pack_samples([np.arange(n + 1) + 1 for n in lens], 257)["tokens"].shape[0]
+    for b in (1, 4):
+        shapes = microbatch_shapes(planner, "gpt", "packing", lens, 256, b)
+        assert sum(m for m, _, _ in shapes) == built and all(m <= b and s == 256 for m, s, _ in shapes)
+    assert [len(r) for r in packed.next_fit("gpt", lens, 256)[:7]] == [1] * 7
 
 
 @pytest.mark.parametrize("kind", ["gpt", "t5"])
