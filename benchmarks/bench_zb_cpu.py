@@ -28,6 +28,12 @@ instruction (`PipelineExecutor.trace_events`) in the timed iterations. From them
                          the sum of the ranks' work, not bubbles
 
 Summary per PP: measured and simulated speed-ups of ZB-H1 / ZB-H2 over 1F1B.
+
+`--split-cost` (one process, no pipeline): the cost of the split itself on a GPT last stage
+(the bench's width, `--layers` layers, output layer and loss): the whole backward against the
+input pass plus the weight pass (`megatron/pipeline/split_backward.py`), and against the input
+pass plus the whole-graph walk the executor falls back to; medians of alternating repeats, so
+a change in machine load hits all three alike ("benchmark": "zero_bubble_split_cost").
 """
 from __future__ import annotations
 
@@ -134,6 +140,60 @@ def _analyse(schedule, pp, m, traces, iters):
     }
 
 
+def split_cost(args, repeats=7):
+    from megatron.core.parallel_state import initialize_model_parallel
+    from megatron.models.gpt import GPTStage
+    from megatron.pipeline.split_backward import WeightPlan
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    cfg = gpt_config(1, "1f1b", None, hidden=args.hidden, heads=8, layers=args.layers, seq=args.seq, vocab=1024,
+                     micro_batch_size=2, num_microbatches=1, train_iters=1)
+    ps = initialize_model_parallel(1, 1, timedelta(minutes=5))
+    stage = GPTStage(cfg.model, ps, layer_start=0, layer_end=args.layers, pre_process=False, post_process=True, seed=1)
+    b, s_, h = 2, args.seq, args.hidden
+    batch = {"tokens": torch.randint(0, 1000, (b, s_)), "labels": torch.randint(0, 1000, (b, s_)),
+             "loss_mask": torch.ones(b, s_), "position_ids": torch.arange(s_).expand(b, s_)}
+    params = [p for p in stage.parameters() if p.requires_grad]
+
+    def forward():
+        x = torch.randn(s_, b, h, requires_grad=True)
+        return x, stage(batch, [x])[0].sum()
+
+    def whole():
+        x, loss = forward()
+        t0 = time.perf_counter()
+        loss.backward()
+        return time.perf_counter() - t0
+
+    def split(boundary):
+        x, loss = forward()
+        plan = WeightPlan.build([loss], [x], params)
+        t0 = time.perf_counter()
+        torch.autograd.grad(loss, x, retain_graph=True)
+        plan.remove_hooks()
+        t1 = time.perf_counter()
+        if boundary:
+            assert plan.run()
+        else:
+            loss.backward()
+        return t1 - t0, time.perf_counter() - t1
+    got = {"B": [], "I": [], "W": [], "W_walk": []}
+    for k in range(repeats + 1):
+        b_ms, (i_ms, w_ms), (_, walk_ms) = whole(), split(True), split(False)
+        if k:  # the first round warms up
+            for key, v in zip(got, (b_ms, i_ms, w_ms, walk_ms)):
+                got[key].append(v * 1e3)
+    med = {k: statistics.median(v) for k, v in got.items()}
+    for p in params:
+        p.grad = None
+    return {"benchmark": "zero_bubble_split_cost", "layers": args.layers, "hidden": args.hidden, "seq": args.seq,
+            **{f"{k}_ms": round(v, 2) for k, v in med.items()},
+            "split_over_whole": round((med["I"] + med["W"]) / med["B"], 3),
+            "walk_fallback_over_whole": round((med["I"] + med["W_walk"]) / med["B"], 3),
+            "w_share_of_backward": round(med["W"] / (med["I"] + med["W"]), 3)}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
@@ -143,7 +203,11 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--split-cost", action="store_true", help="only the in-process cost of the split itself")
     args = ap.parse_args(argv)
+    if args.split_cost:
+        print(json.dumps(split_cost(args)), flush=True)
+        return
     for pp in args.pp:
         lines = {}
         for schedule in SCHEDULES:

@@ -28,11 +28,12 @@ stage's outputs restricted to the stage's inputs (no parameter gradient is compu
 accumulated, so the weight GEMMs are skipped) and keeps the graph; `BackwardWeight` later runs
 the engine again over the kept graph, accumulating the parameter gradients exactly as a
 `BackwardPass` would (same graph, same grads, same accumulation hooks: the overlapped DP
-reduction sees each parameter's final gradient at its last BackwardWeight). Recompute segments
-are replayed by each walk (non-reentrant checkpoint, RNG restored), TP/SP collectives inside
-the graph run in both walks on every TP rank in the same plan order. The weight walk re-visits
-the input-gradient path on the way to the parameters; what it saves is the critical path, not
-work.
+reduction sees each parameter's final gradient at its last BackwardWeight). Without recompute
+the weight pass starts at the weight side of the graph (gradients the input pass captured at
+its boundary nodes, `split_backward.py`): only the weight GEMMs run again. With recompute, on
+stage 0 and where a parameter is shared, it walks the kept graph again from the outputs
+(segments replayed, RNG restored; TP/SP collectives of the graph run in both walks, on every
+TP rank in the same plan order).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ from torch import nn
 from megatron.core import heartbeat
 from megatron.pipeline import instructions as I
 from megatron.pipeline.p2p import DTYPES, P2PCommunicator
+from megatron.pipeline.split_backward import WeightPlan
 from megatron.models.sliced_attention import SequenceKVCache
 
 SLICED_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -150,6 +152,9 @@ class PipelineExecutor:
         # A list to receive one Chrome-trace event per instruction of the next run() (measured
         # timeline; on CUDA each compute instruction is synchronised so its span is GPU time).
         self.trace_events: Optional[list] = None
+        # BackwardWeight starts at the weight side of the kept graph (megatron/pipeline/
+        # split_backward.py) instead of walking the whole graph again; False: always walk it.
+        self.split_weight_pass = True
 
     # -- helpers -------------------------------------------------------------------------
     def _autocast(self):
@@ -359,14 +364,22 @@ class PipelineExecutor:
         if len(grads) != len(outputs):
             raise PlanExecutionError(f"{self.rank_desc}: stage {ins.stage} has {len(outputs)} outputs but "
                                      f"{len(grads)} gradients arrived")
+        weights = None
+        if ins.output_buffer_ids and self.plan.recompute == "none" and self.split_weight_pass:
+            stage = self.stages[ins.stage]
+            weights = WeightPlan.build(outputs, inputs, [p for p in stage.parameters() if p.requires_grad])
         if ins.output_buffer_ids:
-            in_grads = _input_grads(outputs, grads, inputs)
+            try:
+                in_grads = _input_grads(outputs, grads, inputs)
+            finally:
+                if weights is not None:
+                    weights.remove_hooks()
             in_grads = [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, in_grads)]
             in_grads = [g if g.dtype == self.comm_dtype else g.to(self.comm_dtype) for g in in_grads]
             self._write_slots(ins.output_buffer_ids, in_grads)
         # The received gradient tensors stay referenced here, not through their slot, which
         # the plan may free and reuse before the weight pass.
-        self.deferred[key] = (outputs, grads)
+        self.deferred[key] = (outputs, grads, weights)
         self.stats.peak_live_records = max(self.stats.peak_live_records, len(self.records) + len(self.deferred))
 
     def _backward_weight(self, ins: I.BackwardWeight):
@@ -374,8 +387,9 @@ class PipelineExecutor:
         if key not in self.deferred:
             raise PlanExecutionError(f"{self.rank_desc}: BackwardWeight of microbatch {ins.microbatch} stage "
                                      f"{ins.stage} before its BackwardInput")
-        outputs, grads = self.deferred.pop(key)
-        _run_backward(outputs, grads)
+        outputs, grads, weights = self.deferred.pop(key)
+        if weights is None or not weights.run():
+            _run_backward(outputs, grads)
         self.stats.backward_passes += 1
 
     def _free(self, ins: I.FreeBuffer):

@@ -122,3 +122,35 @@ def test_executor_split_backward_equals_whole_backward_bitwise(limit):
     assert results[0].keys() == results[1].keys()
     for name in results[0]:
         assert torch.equal(results[0][name], results[1][name]), name
+
+
+def test_weight_pass_starts_at_the_boundaries_and_matches_the_whole_backward_bitwise():
+    from megatron.pipeline.split_backward import WeightPlan
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    x = torch.randn(4, 8)
+
+    def run(split):
+        net.zero_grad(set_to_none=True)
+        inp = x.clone().requires_grad_(True)
+        loss = (net(inp) ** 2).sum()
+        if not split:
+            loss.backward()
+            return inp.grad, [p.grad.clone() for p in net.parameters()]
+        plan = WeightPlan.build([loss], [inp], list(net.parameters()))
+        assert plan is not None and len(plan.boundaries) == 3  # the norm and the two linears
+        (gx,) = torch.autograd.grad(loss, inp, retain_graph=True)
+        plan.remove_hooks()
+        assert all(p.grad is None for p in net.parameters())  # the input pass leaves weights alone
+        assert plan.run()
+        return gx, [p.grad.clone() for p in net.parameters()]
+    (gx0, g0), (gx1, g1) = run(False), run(True)
+    assert torch.equal(gx0, gx1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+def test_weight_pass_keeps_the_whole_walk_for_foreign_leaves_and_inputless_stages():
+    from megatron.pipeline.split_backward import WeightPlan
+    lin, foreign = nn.Linear(4, 4), nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    assert WeightPlan.build([(lin(x) @ foreign).sum()], [x], list(lin.parameters())) is None
+    assert WeightPlan.build([lin(x.detach()).sum()], [x.detach()], list(lin.parameters())) is None

@@ -19,7 +19,9 @@ def _exact(a_outs, b_outs):
         for step, (ga, gb) in enumerate(zip(a["grads"] + [a["params"]], b["grads"] + [b["params"]])):
             assert ga.keys() == gb.keys()
             for name in ga:
-                assert torch.equal(ga[name][0], gb[name][0]), f"rank {rank}, step {step}: {name} differs"
+                # (an fp16 overflow step holds nan gradients in both runs)
+                assert torch.allclose(ga[name][0], gb[name][0], rtol=0, atol=0, equal_nan=True), \
+                    f"rank {rank}, step {step}: {name} differs"
 
 
 CASES = {
