@@ -36,10 +36,10 @@ def test_every_accepted_t5_pair_names_an_existing_test():
 
 
 def test_t5_rows_are_what_pretrain_t5_accepts():
-    # what T5 refuses alone (TeraPipe, --emb-comm-opt, --sequence-parallel, virtual stages) is
+    # what T5 refuses alone (TeraPipe, --emb-comm-opt, --sequence-parallel, virtual stages, CP) is
     # listed once, not as a row of refusals; everything else is a row
     alone = C.refused_alone("t5")
-    assert set(alone) == {"terapipe", "embsync", "sp", "interleaved"}, alone
+    assert set(alone) == {"terapipe", "embsync", "sp", "interleaved", "cp"}, alone
     assert all("\n" not in why for why in alone.values())
     rows = {n for p in C.pairs("t5") for n in p}
     assert rows == set(C.FEATURES) - set(alone)
@@ -121,8 +121,6 @@ _LOW = ("--inter-grad-comp-rank", "2", "--grad-comp-rank", "2")
 
 
 @pytest.mark.parity  # float64 (tests/conftest.py)
-@pytest.mark.xfail(strict=True, reason="fixed by plan-pass pipeline: t5_trainer.py replaces the compression "
-                                       "plan pass with the Aceso layout pass, so nothing is compressed")
 def test_t5_aceso_layout_with_compressed_backprop_compresses_and_is_exact(tmp_path):
     """pretrain_t5.py --aceso-config ... --inter-grad-comp --use-error-feedback: the gradients
     between the encoder stage (TP 2 x DP 1) and the decoder stage (TP 1 x DP 2) are compressed
