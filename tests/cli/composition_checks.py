@@ -119,6 +119,15 @@ def inactive(name: str, trainer, history: list, counts: Counter) -> Optional[str
         if name == "fp16" and getattr(trainer.optimizer, "grad_scaler", None) is None:
             return "fp16 without a loss scaler"
         return None
+    if name == "cp":
+        if trainer.ps.cp_size < 2:
+            return f"context-parallel size {trainer.ps.cp_size}"
+        src = type(trainer.batch_source).__name__
+        if src != "ContextParallelSource":
+            return f"batches come from {src}, not ContextParallelSource: sequences are not cut into CP chunks"
+        # the source stamps every micro-batch with its chunk index, which routes attention through
+        # the K/V exchange (models/gpt.py: build_cp_spec)
+        return None
     raise KeyError(f"no activity check for feature {name!r}: add one to tests/cli/composition_checks.py")
 
 

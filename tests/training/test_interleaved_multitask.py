@@ -21,7 +21,7 @@ def _train(rank, world, data, mode, mbs, tokens, vpp_layers=None):
     --tokens-per-global-batch `tokens`), with --num-layers-per-virtual-pipeline-stage
     `vpp_layers` when given; also returns the (schedule, micro-batches, chunks) of every
     static plan built."""
-    import megatron.training.trainer as training
+    import megatron.planner.schedule.fixed as training  # where FixedBatchPlanner builds its plans
     import tests.training.test_dynapipe_training as td
     orig_cfg, orig_build, built = td._cfg, training.build_static_plans, []
 

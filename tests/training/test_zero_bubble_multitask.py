@@ -14,7 +14,7 @@ pytestmark = pytest.mark.parity
 
 
 def _train(rank, world, kind, data, mode, mbs, tokens, schedule):
-    import megatron.training.trainer as training
+    import megatron.planner.schedule.fixed as training  # where FixedBatchPlanner builds its plans
     import tests.training.test_dynapipe_training as td
     orig_cfg, orig_build, built = td._cfg, training.build_static_plans, []
 

@@ -41,7 +41,8 @@ COMPOSED = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(COMPOSED))
+# fp16 autocast runs float32 weights (float64 ones make a mixed-dtype layer norm): kept in float32
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.fp32) if "fp16" in n else n for n in sorted(COMPOSED)])
 def test_zero_bubble_composes_and_stays_bitwise_1f1b(name):
     world, kwargs = COMPOSED[name]
     schedule = name.split("_")[-1]
