@@ -33,6 +33,8 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
+from megatron.checkpointing.safety import _arrays
+
 TRACKER = "latest_checkpointed_iteration.txt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
@@ -61,19 +63,6 @@ def _safe_globals() -> list:
     out += [type(np.dtype(t)) for t in _PLAIN_DTYPES]
     out += [(ModelType, "megatron.core.enums.ModelType"), (ModelType, "megatron.model.enums.ModelType")]
     return out
-
-
-def _arrays(obj, path=()):
-    if isinstance(obj, np.ndarray):
-        yield path, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _arrays(v, path + (k,))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _arrays(v, path + (i,))
-    elif isinstance(obj, argparse.Namespace):
-        yield from _arrays(vars(obj), path + ("args",))
 
 
 def safe_load_megatron(path: str):

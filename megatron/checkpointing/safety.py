@@ -18,6 +18,7 @@ name and the type it names.
 """
 from __future__ import annotations
 
+import argparse
 import pickle
 import re
 from typing import Any
@@ -54,6 +55,7 @@ def _offending(e: Exception) -> str:
 
 
 def _arrays(obj, path=()):
+    """(path, array) for every numpy array inside dicts, lists, tuples and Namespaces."""
     if isinstance(obj, np.ndarray):
         yield path, obj
     elif isinstance(obj, dict):
@@ -62,6 +64,8 @@ def _arrays(obj, path=()):
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             yield from _arrays(v, path + (i,))
+    elif isinstance(obj, argparse.Namespace):  # Megatron-LM's `args` (megatron_legacy.py)
+        yield from _arrays(vars(obj), path + ("args",))
 
 
 def numpy_rng_to_plain(st) -> dict:
