@@ -87,50 +87,70 @@ class Heartbeat:
                 continue  # not started yet: start-up has its own timeouts
             if last is None or count != last[0]:
                 self._seen[r] = (count, now)
-                self._reported.discard(r)
+                if r in self._reported:  # it was only slow (a loaded host): withdraw the accusation
+                    self._reported.discard(r)
+                    self._beat_store.delete_key(f"{_PREFIX}/stalled/{r}")
             elif now - last[1] >= self.stall_s and r not in self._reported:
                 self._reported.add(r)
                 if self._beat_store.check([f"{_PREFIX}/done/{r}"]):
                     continue
-                try:
-                    what = self._beat_store.get(f"{_PREFIX}/what/{r}").decode(errors="replace")
-                except Exception:  # noqa: BLE001
-                    what = "unknown"
+                what = self._last_what(self._beat_store, r)
                 msg = (f"global rank {r} (last at {what}) has not answered for {now - last[1]:.0f}s (process "
                        f"stopped, hung or dead)")
                 self._beat_store.set(f"{_PREFIX}/stalled/{r}", msg)
                 print(f"HEARTBEAT (seen by global rank {self.rank}): {msg}", file=sys.stderr, flush=True)
 
-    def stalled(self) -> list:
-        """What the watchers have reported stalled so far (fast: no waiting)."""
-        out = []
+    @staticmethod
+    def _last_what(store, r: int) -> str:
+        # check() first: get() of a key nobody set waits for the store's whole timeout (minutes)
+        key = f"{_PREFIX}/what/{r}"
+        if not store.check([key]):
+            return "never started"
+        return store.get(key).decode(errors="replace")
+
+    def _reports(self) -> dict:
+        out = {}
         for r in range(self.world_size):
             key = f"{_PREFIX}/stalled/{r}"
             if r != self.rank and self._query_store.check([key]):
-                out.append(self._query_store.get(key).decode(errors="replace"))
+                out[r] = self._query_store.get(key).decode(errors="replace")
         return out
+
+    def stalled(self) -> list:
+        """What the watchers have reported stalled so far (fast: no waiting)."""
+        return list(self._reports().values())
 
     def _counts(self) -> list:
         return [self._query_store.add(f"{_PREFIX}/count/{r}", 0) for r in range(self.world_size)]
 
     def diagnose(self) -> str:
-        """One sentence naming the ranks that stopped beating (takes ~3 heartbeat intervals)."""
+        """One sentence naming the ranks that stopped beating.
+
+        A rank is named only if its counter does not move during the whole sampling window: on
+        a loaded host a live rank's heartbeat thread can miss several beats, so one short window
+        (or a watcher's report from a moment ago) is not proof. The window is 3 beats when a
+        watcher has already reported someone (we only confirm it), else the stall limit."""
         try:
-            known = self.stalled()
-            if known:
-                return "not responding (reported by the heartbeat watchers): " + "; ".join(known)
+            known = self._reports()
+            window = 3 * self.interval_s if known else max(3 * self.interval_s, self.stall_s)
             before = self._counts()
-            time.sleep(3 * self.interval_s)
-            after = self._counts()
-            stuck = [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]]
+            others = [r for r in range(self.world_size) if r != self.rank]
+            moved, deadline = set(), time.monotonic() + window
+            while True:
+                time.sleep(self.interval_s)
+                now = self._counts()
+                moved |= {r for r in others if now[r] != before[r]}
+                if len(moved) == len(others) or time.monotonic() >= deadline:
+                    break
+            stuck = [r for r in others if r not in moved]
             if not stuck:
                 return "every other rank is still alive (its heartbeat advances): the peer is slow or waiting itself"
+            if all(r in known for r in stuck):
+                return ("not responding (reported by the heartbeat watchers): "
+                        + "; ".join(known[r] for r in stuck))
             parts = []
             for r in stuck:
-                try:
-                    what = self._query_store.get(f"{_PREFIX}/what/{r}").decode()
-                except Exception:  # noqa: BLE001
-                    what = "never started"
+                what = self._last_what(self._query_store, r)
                 parts.append(f"global rank {r} (last at {what})")
             return ("not responding (heartbeat stopped: process stopped, hung or dead): " + "; ".join(parts))
         except Exception as e:  # noqa: BLE001 - diagnosis must never hide the original error

@@ -65,15 +65,17 @@ class P2PCommunicator:
     def _error(self, what: str, peer: int, cause, elapsed: float) -> PipelineCommError:
         text = str(cause).splitlines()[0] if cause is not None else ""
         where = f"global rank {self.my_rank}, in {what} (pipeline rank {peer} = global rank {self.peers[peer]})"
+        beat = heartbeat.active()
+        # A closed connection is not proof that the peer died: a peer that timed out waiting on a
+        # third rank drops its connections too. The heartbeat says who really stopped.
+        blame = f"; diagnosis: {beat.diagnose()}" if beat is not None else ""
         if cause is None or "timed out" in text.lower():
-            beat = heartbeat.active()
-            blame = f"; diagnosis: {beat.diagnose()}" if beat is not None else ""
             return PipelineCommError(
                 f"{where}: timed out after {elapsed:.1f}s (limit {self.timeout.total_seconds():.0f}s): the peer never "
                 f"reached the matching operation; it is stuck or slow (raise --distributed-timeout-minutes if slow)"
                 f"{blame}")
-        return PipelineCommError(f"{where}: communication failed after {elapsed:.1f}s: the peer probably died; "
-                                 f"see its log ({text})")
+        return PipelineCommError(f"{where}: communication failed after {elapsed:.1f}s: the peer probably died "
+                                 f"or gave up waiting itself; see its log ({text}){blame}")
 
     def wait(self, handle: P2PHandle) -> List[torch.Tensor]:
         start = time.monotonic()
