@@ -3,7 +3,8 @@ pipeline parallelism (core_v0.9.0, TP2 x PP2 and interleaved virtual stages) and
 (core_v0.9.0's legacy classes: RMSNorm, SwiGLU, RoPE, no biases, GQA, untied output) and by
 transformers 4.46.3's own GPT-2 -> Megatron converter (`release/`, SimpleNamespace args, vocabulary
 padded 100 -> 256 with copies of the last row), each loaded here at another TP/PP than the
-source's with the source's logits (within 1e-5), then trained."""
+source's with the source's logits (within 1e-5), then trained; and by the DynaPipe fork's own
+`save_checkpoint` (Megatron v2.x/v3 era legacy GPT, `*_layernorm` names, TP2)."""
 import os
 
 import pytest
@@ -15,7 +16,7 @@ FIX = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "mega
 
 # fixture -> (the source's TP, PP, virtual stages per rank, iteration / consumed samples it holds)
 SOURCES = {"mcore_gpt_tp2_pp2": (2, 2, 1, 3), "mcore_gpt_pp2_vp2": (1, 2, 2, 3), "legacy_llama_tp2": (2, 1, 1, 3),
-           "hf_tool_gpt2_tp2_pp2": (2, 2, 1, 0)}
+           "hf_tool_gpt2_tp2_pp2": (2, 2, 1, 0), "dynapipe_gpt_tp2": (2, 1, 1, 3)}
 
 
 def _present(name):
@@ -100,7 +101,8 @@ def test_source_layout_and_logits(name):
 
 # (fixture, our world size, our TP, our PP): always a layout other than the source's.
 CASES = [("mcore_gpt_tp2_pp2", 1, 1, 1), ("mcore_gpt_tp2_pp2", 2, 1, 2), ("mcore_gpt_pp2_vp2", 2, 2, 1),
-         ("legacy_llama_tp2", 1, 1, 1), ("legacy_llama_tp2", 2, 1, 2), ("hf_tool_gpt2_tp2_pp2", 2, 2, 1)]
+         ("legacy_llama_tp2", 1, 1, 1), ("legacy_llama_tp2", 2, 1, 2), ("hf_tool_gpt2_tp2_pp2", 2, 2, 1),
+         ("dynapipe_gpt_tp2", 1, 1, 1), ("dynapipe_gpt_tp2", 2, 1, 2)]
 
 
 @pytest.mark.parametrize("name,world,tp,pp", CASES)
