@@ -14,9 +14,10 @@ data-parallel rank), `opt_param_scheduler` (Megatron's keys) and optionally `opt
 Virtual pipeline stages are `model0`, `model1`, ...; layer indices restart at 0 in each stage.
 
 Reading never runs code: `torch.load(weights_only=True)` with exactly these extra types allowed:
-`argparse.Namespace` (`types.SimpleNamespace` in transformers' converter's output), numpy arrays of boolean / integer / float dtypes (numpy's RNG state) and
-Megatron-Core's `ModelType` enum (stood in for by a local enum with the same members). After the
-load every array's dtype is checked again (no object arrays).
+`argparse.Namespace` (`types.SimpleNamespace` in transformers' converter's output), numpy
+arrays of boolean / integer / float dtypes (numpy's RNG state) and Megatron-Core's `ModelType`
+enum (stood in for by a local enum with the same members). After the load every array's dtype
+is checked again (no object arrays).
 
 Here each file's model is translated to this project's names (`convert_*`), the tensor-parallel
 shards are joined and layer indices made global (`read_full`): one {global name: full tensor}
