@@ -88,3 +88,33 @@ def test_vocab_mismatch_rule():
     assert vocab_mismatch(cfg(50304, tp=2), cfg(50257, tp=2), "--vocab-size") is None  # both 50432
     assert vocab_mismatch(cfg(50257), cfg(50304 + 1), "--vocab-size") is not None
     assert vocab_mismatch(cfg(100), cfg(101, 1), "--vocab-size").startswith("--vocab-size: checkpoint has 100")
+
+
+def test_megatron_release_of_a_gpt2_trains_with_the_gpt2_tokenizer(tmp_path):
+    """HF GPT-2 (50257) -> `--from-hf` -> `--to-megatron` writes what transformers' GPT-2 ->
+    Megatron converter writes (`release/`, 50304 rows padded with copies of the last one; the
+    two agree tensor for tensor on the converter's own fixture, test_checkpoint_megatron_sources.py).
+    `--load` of that folder, and of its `--from-megatron` conversion (no --vocab-size given),
+    trains with the README's GPT-2 tokenizer flags."""
+    from megatron.checkpointing import megatron_legacy as L
+    from tools.checkpoint import convert
+    hf = _hf_gpt2(str(tmp_path / "hf"), 50257)
+    ours, mega, back = str(tmp_path / "ours"), str(tmp_path / "mega"), str(tmp_path / "back")
+    sizes = ["--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1"]
+    assert convert.main(["--from-hf", "--load", hf, "--save", ours] + sizes) == 0
+    assert convert.main(["--to-megatron", "--load", ours, "--save", mega] + sizes) == 0
+    args, full, meta = L.read_full(mega)
+    assert meta["release"] and (args.padded_vocab_size, args.orig_vocab_size) == (50304, 50257)
+    w = full["embedding.word_embeddings.weight"]
+    assert w.shape[0] == 50304 and torch.equal(w[50257:], w[50256].expand(47, -1))
+    assert convert.main(["--from-megatron", "--load", mega, "--save", back] + sizes) == 0
+    data = _dataset(str(tmp_path / "gpt2_text_document"))
+    for load in (mega, back):
+        r = _pretrain(["--train-iters", "1", "--load", load, "--data-path", data, "--split", "949,50,1",
+                       "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", GPT2[0], "--merge-file", GPT2[1]],
+                      tmp_path)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-3000:]
+        said = f"loaded Megatron-LM checkpoint (legacy model, TP 1 x PP 1) {load}" if load == mega \
+            else f"loaded checkpoint {load}"
+        assert said in out and " iteration        1/       1 |" in out, out[-2000:]
