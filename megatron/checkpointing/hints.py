@@ -58,8 +58,9 @@ def vocab_mismatch(saved: dict, current: dict, flag: str) -> Optional[str]:
     if pa == pb:
         return None
     return (f"{flag}: checkpoint has {va} (padded {pa}), this run has {vb} (padded {pb} with "
-            f"--make-vocab-size-divisible-by {b.get('make_vocab_size_divisible_by')} x TP {tp}); a different "
-            f"tokenizer needs a new model (or --make-vocab-size-divisible-by that pads both alike)")
+            f"--make-vocab-size-divisible-by {b.get('make_vocab_size_divisible_by')} x TP {tp}); give the "
+            f"tokenizer the model was trained with (a checkpoint converted from Megatron-LM records its padded "
+            f"table unless tools/checkpoint/convert.py was given --vocab-size)")
 
 
 def missing_load_dir_message(load: Optional[str], save: Optional[str]) -> Optional[str]:
