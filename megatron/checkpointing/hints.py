@@ -36,6 +36,33 @@ MUST_MATCH = [
 ]
 
 
+def _padded(vocab, divisible_by, tp: int):
+    multiple = (divisible_by or 1) * tp
+    return -(-vocab // multiple) * multiple
+
+
+def vocab_mismatch(saved: dict, current: dict, flag: str) -> Optional[str]:
+    """Megatron compares the padded vocabulary (`padded_vocab_size`), not the tokenizer's: a
+    checkpoint that records its padded table (50304, e.g. converted from Megatron-LM's GPT-2 BPE
+    run or Hugging Face's Megatron converter) loads in a run whose tokenizer has 50257 ids when
+    both pad to the same size at this run's TP. None when they agree, else one line."""
+    a, b = saved.get("model", {}), current.get("model", {})
+    va, vb = a.get("vocab_size"), b.get("vocab_size")
+    if va == vb:
+        return None
+    tp = current.get("parallel", {}).get("tensor_model_parallel_size") or 1
+    if not isinstance(va, int) or not isinstance(vb, int):
+        return f"{flag}: checkpoint has {va}, this run has {vb}"
+    pa = _padded(va, a.get("make_vocab_size_divisible_by"), tp)
+    pb = _padded(vb, b.get("make_vocab_size_divisible_by"), tp)
+    if pa == pb:
+        return None
+    return (f"{flag}: checkpoint has {va} (padded {pa}), this run has {vb} (padded {pb} with "
+            f"--make-vocab-size-divisible-by {b.get('make_vocab_size_divisible_by')} x TP {tp}); give the "
+            f"tokenizer the model was trained with (a checkpoint converted from Megatron-LM records its padded "
+            f"table unless tools/checkpoint/convert.py was given --vocab-size)")
+
+
 def missing_load_dir_message(load: Optional[str], save: Optional[str]) -> Optional[str]:
     """Why `--load` cannot be used, or None. A folder that does not exist is a typo (training from
     scratch would hide it), unless it is also --save: the resume-or-start pattern."""

@@ -14,9 +14,10 @@ data-parallel rank), `opt_param_scheduler` (Megatron's keys) and optionally `opt
 Virtual pipeline stages are `model0`, `model1`, ...; layer indices restart at 0 in each stage.
 
 Reading never runs code: `torch.load(weights_only=True)` with exactly these extra types allowed:
-`argparse.Namespace`, numpy arrays of boolean / integer / float dtypes (numpy's RNG state) and
-Megatron-Core's `ModelType` enum (stood in for by a local enum with the same members). After the
-load every array's dtype is checked again (no object arrays).
+`argparse.Namespace` (`types.SimpleNamespace` in transformers' converter's output), numpy
+arrays of boolean / integer / float dtypes (numpy's RNG state) and Megatron-Core's `ModelType`
+enum (stood in for by a local enum with the same members). After the load every array's dtype
+is checked again (no object arrays).
 
 Here each file's model is translated to this project's names (`convert_*`), the tensor-parallel
 shards are joined and layer indices made global (`read_full`): one {global name: full tensor}
@@ -28,6 +29,7 @@ import argparse
 import enum
 import os
 import re
+import types
 from typing import Dict, Optional, Tuple
 
 import numpy as np
@@ -59,7 +61,9 @@ _PLAIN_DTYPES = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.u
 def _safe_globals() -> list:
     mod = getattr(np, "_core", None) or np.core
     rec = mod.multiarray._reconstruct
-    out = [argparse.Namespace, rec, (rec, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype]
+    # transformers' Megatron converter stores its args as a types.SimpleNamespace.
+    out = [argparse.Namespace, types.SimpleNamespace, rec, (rec, "numpy.core.multiarray._reconstruct"), np.ndarray,
+           np.dtype]
     out += [type(np.dtype(t)) for t in _PLAIN_DTYPES]
     out += [(ModelType, "megatron.core.enums.ModelType"), (ModelType, "megatron.model.enums.ModelType")]
     return out
@@ -75,7 +79,8 @@ def safe_load_megatron(path: str):
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpointError(
             f"{path}: refused to load: the file references `{_offending(e)}`; a Megatron-LM checkpoint may hold "
-            f"tensors, argparse.Namespace, numpy arrays of plain dtypes and ModelType, nothing else") from None
+            f"tensors, argparse.Namespace / types.SimpleNamespace, numpy arrays of plain dtypes and ModelType, "
+            f"nothing else") from None
     for where, arr in _arrays(state):
         if arr.dtype.kind not in "biuf":
             raise UnsafeCheckpointError(f"{path}: refused to load: a numpy array of dtype {arr.dtype} at "
@@ -253,8 +258,11 @@ def rank_files(it_dir: str) -> Dict[Tuple[int, int], str]:
     return out
 
 
+_ARGS_TYPES = (argparse.Namespace, types.SimpleNamespace)
+
+
 def is_megatron_checkpoint(state: dict) -> bool:
-    return isinstance(state.get("args"), argparse.Namespace) and "config" not in state
+    return isinstance(state.get("args"), _ARGS_TYPES) and "config" not in state
 
 
 def _stage_models(state: dict) -> list:
@@ -310,7 +318,10 @@ def model_fields(args) -> dict:
 
 def tokenizer_vocab_size(args) -> int:
     """The tokenizer's vocabulary as far as Megatron's args tell it: NullTokenizer adds an
-    end-of-document id to --vocab-size; file-based tokenizers leave only padded_vocab_size."""
+    end-of-document id to --vocab-size; transformers' converter records `orig_vocab_size` (the
+    HF model's, e.g. 50257); Megatron's file-based tokenizers leave only padded_vocab_size."""
+    if getattr(args, "orig_vocab_size", None):
+        return args.orig_vocab_size
     v = getattr(args, "vocab_size", None)
     if v and getattr(args, "tokenizer_type", None) == "NullTokenizer":
         return v + 1
@@ -337,7 +348,7 @@ def read_full(root: str) -> Tuple[argparse.Namespace, Dict[str, torch.Tensor], d
     fmt = None
     for (t, p), path in sorted(files.items()):
         state = safe_load_megatron(path)
-        if not isinstance(state.get("args"), argparse.Namespace):
+        if not isinstance(state.get("args"), _ARGS_TYPES):
             raise MegatronCheckpointError(f"{path}: no Megatron `args` in the file")
         args = args or state["args"]
         if meta is None:

@@ -12,7 +12,7 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
-from megatron.checkpointing.megatron_legacy import (_VOCAB, TRACKER, MegatronCheckpointError, _fit_rows,
+from megatron.checkpointing.megatron_legacy import (_VOCAB, TRACKER, MegatronCheckpointError,
                                                  partition_dim)
 
 
@@ -26,6 +26,7 @@ def megatron_args(model: dict, tp: int, pp: int, iteration: int, consumed_sample
              kv_channels=model.get("kv_channels") or model["hidden_size"] // model["num_attention_heads"],
              max_position_embeddings=model.get("max_position_embeddings"), seq_length=model.get("seq_length"),
              encoder_seq_length=model.get("seq_length"), padded_vocab_size=padded_vocab, vocab_size=vocab_size,
+             orig_vocab_size=vocab_size,  # transformers' converters export this many rows (else the padded)
              make_vocab_size_divisible_by=model.get("make_vocab_size_divisible_by", 128),
              tokenizer_type=None, vocab_file=None, merge_file=None,
              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -119,6 +120,14 @@ def megatron_scheduler(ours: Optional[dict], weight_decay: float = 0.01) -> Opti
             "wd_incr_style": "constant"}
 
 
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """A vocabulary table padded to Megatron's padded size as transformers' GPT-2 -> Megatron
+    converter pads it (copies of the last real row), or cut to it."""
+    if t.shape[0] >= rows:
+        return t[:rows]
+    return torch.cat([t, t[-1:].expand(rows - t.shape[0], *t.shape[1:])])
+
+
 def write_full(out: str, model: dict, full: Dict[str, torch.Tensor], meta: dict, tp: int, pp: int,
                release: bool = True, norm_names: str = "layernorm", atomic_write=None) -> str:
     """Write a GPT `full` model ({our global name: tensor}, vocabulary rows unpadded) as
@@ -158,14 +167,14 @@ def write_full(out: str, model: dict, full: Dict[str, torch.Tensor], meta: dict,
                 elif name.startswith(("final_layernorm.", "output_layer.")) and p != pp - 1:
                     continue
                 if _VOCAB.search(name):
-                    t = _fit_rows(t, padded)
+                    t = _pad_rows(t, padded)
                 d = partition_dim(name)
                 if d is not None:
                     n = t.shape[d] // tp
                     t = t.narrow(d, r * n, n)
                 local[name] = t.contiguous().clone()
             if tied and p == pp - 1 and pp > 1:
-                w = _fit_rows(full["embedding.word_embeddings.weight"], padded)
+                w = _pad_rows(full["embedding.word_embeddings.weight"], padded)
                 local["output_layer.weight"] = w.narrow(0, r * (padded // tp), padded // tp).clone()
             state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
                      "model": to_legacy_model(local, p == 0, p == pp - 1, tied, pp, norm_names),

@@ -48,7 +48,8 @@ from megatron.checkpointing import megatron_legacy as checkpoint_megatron_legacy
 from megatron.checkpointing import megatron_write as checkpoint_megatron_write
 
 from megatron.checkpointing import dist_format as checkpointing_dist
-from megatron.checkpointing.hints import MUST_MATCH, _saved_layout, convert_hint, missing_load_dir_message  # noqa: F401
+from megatron.checkpointing.hints import (MUST_MATCH, _saved_layout, convert_hint, missing_load_dir_message,  # noqa: F401
+                                         vocab_mismatch)
 from megatron.checkpointing.safety import UnsafeCheckpointError, numpy_rng_from_plain, numpy_rng_to_plain, safe_load
 from megatron.core.tensor_parallel.random import get_rng_tracker
 
@@ -383,9 +384,11 @@ def _read_dist(trainer, root: str, iteration: int) -> bool:
     current = json.loads(json.dumps(cfg.to_dict(), default=str))
     # Only the model's shape must match: the layout is free (that is what the format is for).
     problems = [f"{flag}: checkpoint has {common['config'].get(sec, {}).get(key)}, "
-                f"this run has {current.get(sec, {}).get(key)}"
-         for sec, key, flag in MUST_MATCH if sec == "model"
-         and common["config"].get(sec, {}).get(key) != current.get(sec, {}).get(key)]
+                f"this run has {current.get(sec, {}).get(key)}" if key != "vocab_size"
+                else vocab_mismatch(common["config"], current, flag)
+                for sec, key, flag in MUST_MATCH if sec == "model"
+                and common["config"].get(sec, {}).get(key) != current.get(sec, {}).get(key)]
+    problems = [p for p in problems if p]
     if problems:
         raise CheckpointError(f"checkpoint {it_dir} does not match this run:\n  " + "\n  ".join(problems))
     load_optim = not cfg.checkpoint.no_load_optim and not cfg.checkpoint.finetune
@@ -437,7 +440,10 @@ def config_mismatches(saved: dict, current: dict) -> list:
     for section, key, flag in MUST_MATCH:
         a = saved.get(section, {}).get(key)
         b = current.get(section, {}).get(key)
-        if a != b:
+        if key == "vocab_size":
+            problem = vocab_mismatch(saved, current, flag)
+            out += [problem] if problem else []
+        elif a != b:
             out.append(f"{flag}: checkpoint has {a}, this run has {b}")
     return out
 
