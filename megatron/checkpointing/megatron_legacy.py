@@ -293,6 +293,16 @@ def _gpt_name(name: str) -> str:
     return name
 
 
+def _activation(a: dict) -> str:
+    """Megatron's MLP GeLU is exact (erf) unless its fused bias-GeLU kernel (tanh form, the default)
+    or --openai-gelu (tanh) computed it; ReLU-family settings are not GeLU at all."""
+    if a.get("swiglu") or a.get("squared_relu"):
+        return "gelu"
+    if a.get("openai_gelu") or a.get("bias_gelu_fusion", True):
+        return "gelu"
+    return "gelu-erf"
+
+
 def model_fields(args) -> dict:
     """This project's model settings from Megatron's args (what the run must match)."""
     a = vars(args)
@@ -310,7 +320,8 @@ def model_fields(args) -> dict:
                untie_embeddings_and_output_weights=bool(a.get("untie_embeddings_and_output_weights")),
                position_embedding_type=a.get("position_embedding_type") or "learned_absolute",
                num_query_groups=a.get("num_query_groups") if a.get("group_query_attention") else None,
-               layernorm_epsilon=a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5)))
+               layernorm_epsilon=a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5)),
+               activation_func=_activation(a))
     if a.get("kv_channels"):
         out["kv_channels"] = a["kv_channels"]
     return out
@@ -475,5 +486,10 @@ def load_into_trainer(trainer, root: str) -> bool:
         print(f"loaded Megatron-LM checkpoint ({meta['format']} model, TP {meta['tp']} x PP {meta['pp']}) {root} "
               f"at iteration {meta['iteration']}{' (release)' if meta['release'] else ''}; the optimizer starts "
               f"fresh and the RNG from this run's seed", file=sys.stderr, flush=True)
+        if not ours.swiglu and theirs["activation_func"] != ours.activation_func:
+            print(f"note: the Megatron-LM run computed its MLP with --activation-func {theirs['activation_func']} "
+                  f"(its --bias-gelu-fusion / --openai-gelu settings) and this run uses {ours.activation_func}; pass "
+                  f"--activation-func {theirs['activation_func']} to compute what it computed", file=sys.stderr,
+                  flush=True)
     return True
 

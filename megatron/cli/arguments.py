@@ -79,8 +79,10 @@ def _add_network_size_args(p, model_type: str) -> None:
         g.add_argument("--relative-attention-num-buckets", type=int, default=32, help="T5 relative position buckets")
         g.add_argument("--relative-attention-max-distance", type=int, default=128,
                        help="T5 relative positions beyond this share the last bucket")
-    g.add_argument("--activation-func", default="gelu", choices=["gelu", "relu"],
-                   help="MLP activation without --swiglu: gelu (tanh approximation) or relu (the original T5's)")
+    g.add_argument("--activation-func", default="gelu", choices=["gelu", "gelu-erf", "relu"],
+                   help="MLP activation without --swiglu: gelu (tanh approximation, as HF GPT-2 and Megatron's "
+                        "fused bias-GeLU), gelu-erf (exact, as Megatron without --bias-gelu-fusion) or relu "
+                        "(the original T5's)")
     g.add_argument("--gated-linear-unit", action="store_true",
                    help="gated MLP act(gate(x)) * up(x) with --activation-func (T5 v1.1 / Flan-T5 gated GeLU)")
 

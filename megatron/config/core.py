@@ -38,9 +38,11 @@ class ModelConfig:
     normalization: str = "LayerNorm"  # or "RMSNorm"
     swiglu: bool = False  # gated SiLU MLP (gate and up projections, each ffn_hidden_size wide)
     # The MLP without --swiglu: act(up(x)), or with gated_linear_unit act(gate(x)) * up(x)
-    # (Megatron-core's TransformerConfig names). "gelu" is the tanh approximation (HF gelu_new);
-    # "relu" is the original T5's, GeLU + gated_linear_unit is T5 v1.1 / Flan-T5's "gated-gelu".
-    activation_func: str = "gelu"  # or "relu"
+    # (Megatron-core's TransformerConfig names). "gelu" is the tanh approximation (HF gelu_new, and
+    # Megatron's fused bias-GeLU); "gelu-erf" is the exact form Megatron computes without that fusion
+    # (--no-bias-gelu-fusion); "relu" is the original T5's, GeLU + gated_linear_unit is T5 v1.1 /
+    # Flan-T5's "gated-gelu".
+    activation_func: str = "gelu"  # or "gelu-erf", "relu"
     gated_linear_unit: bool = False
     add_bias_linear: bool = True  # --disable-bias-linear sets False
     # --sequence-parallel: norms, dropout and residuals split along the sequence inside TP
@@ -115,8 +117,8 @@ class ModelConfig:
                  f"--make-vocab-size-divisible-by must be positive, got {self.make_vocab_size_divisible_by}")
         _require(self.normalization in ("LayerNorm", "RMSNorm"),
                  f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
-        _require(self.activation_func in ("gelu", "relu"),
-                 f"--activation-func must be gelu or relu, got {self.activation_func!r}")
+        _require(self.activation_func in ("gelu", "gelu-erf", "relu"),
+                 f"--activation-func must be gelu, gelu-erf or relu, got {self.activation_func!r}")
         _require(not self.swiglu or (self.activation_func == "gelu" and not self.gated_linear_unit),
                  "--swiglu is the gated SiLU MLP; it conflicts with --activation-func relu and --gated-linear-unit "
                  "(use --gated-linear-unit alone for a gated GeLU/ReLU MLP)")

@@ -164,7 +164,7 @@ def _gelu_tanh(x):
 
 
 class ParallelMLP(nn.Module):
-    """h -> ffn -> h with GeLU (tanh) or ReLU (--activation-func), or gated: act(gate(x)) * up(x) -> h
+    """h -> ffn -> h with GeLU (tanh or exact erf) or ReLU (--activation-func), or gated: act(gate(x)) * up(x) -> h
     with act = SiLU (--swiglu) or the --activation-func (--gated-linear-unit; T5 v1.1's gated GeLU).
 
     The SwiGLU gate and up projections are separate column-parallel linears, so each TP rank
@@ -175,7 +175,7 @@ class ParallelMLP(nn.Module):
         super().__init__()
         bias = cfg.add_bias_linear
         self.gated = cfg.gated_mlp  # gate projection present (SwiGLU or a gated GeLU/ReLU)
-        self.act = F.silu if cfg.swiglu else F.relu if cfg.activation_func == "relu" else _gelu_tanh
+        self.act = F.silu if cfg.swiglu else {"relu": F.relu, "gelu-erf": F.gelu}.get(cfg.activation_func, _gelu_tanh)
         sp = cfg.sequence_parallel
         self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp_group,
                                                   init_std=cfg.init_method_std, seed=seed, key=key + ".dense_h_to_4h",

@@ -314,3 +314,18 @@ def test_model_type_with_a_foreign_value_is_refused(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "megatron.core.enums")
     with pytest.raises((UnsafeCheckpointError, ValueError)):
         L.safe_load_megatron(path)
+
+
+def test_megatron_without_bias_gelu_fusion_computes_exact_gelu():
+    """The fixtures ran with --no-bias-gelu-fusion: Megatron's MLP then uses the exact (erf) GeLU,
+    and its args say so; the tanh form (its fused kernel's, HF GPT-2's) lands measurably further off."""
+    from tools.checkpoint.hf_gpt2 import our_logits
+    root = os.path.join(FIX, "mcore_gpt_tp1")
+    args, full, _ = L.read_full(root)
+    assert args.bias_gelu_fusion is False and L.model_fields(args)["activation_func"] == "gelu-erf"
+    ref = torch.load(os.path.join(root, "logits.pt"), weights_only=True)
+    n = ref["logits"].shape[-1]
+    exact = (our_logits(_fields(args), full, ref["tokens"])[..., :n] - ref["logits"]).abs().max().item()
+    tanh = (our_logits({**_fields(args), "activation_func": "gelu"}, full, ref["tokens"])[..., :n]
+            - ref["logits"]).abs().max().item()
+    assert exact < 5e-7 and tanh > 3 * exact, (exact, tanh)

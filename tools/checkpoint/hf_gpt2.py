@@ -23,7 +23,7 @@ def _check(m: ModelConfig) -> None:
         bad.append(f"--normalization {m.normalization}")
     if m.swiglu:
         bad.append("--swiglu")
-    if m.activation_func != "gelu":
+    if m.activation_func not in ("gelu", "gelu-erf"):
         bad.append(f"--activation-func {m.activation_func}")
     if m.gated_linear_unit:
         bad.append("--gated-linear-unit")
@@ -96,7 +96,8 @@ def to_hf(config: dict, full: Dict[str, torch.Tensor]) -> Tuple[dict, Dict[str, 
         sd[h + "mlp.c_proj.bias"] = full[p + "mlp.dense_4h_to_h.bias"]
     hf_config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m.vocab_size,
                  "n_positions": m.max_position_embeddings, "n_embd": m.hidden_size, "n_layer": m.num_layers,
-                 "n_head": nh, "n_inner": m.ffn_hidden_size, "activation_function": "gelu_new",
+                 "n_head": nh, "n_inner": m.ffn_hidden_size,
+                 "activation_function": "gelu" if m.activation_func == "gelu-erf" else "gelu_new",
                  "layer_norm_epsilon": m.layernorm_epsilon, "resid_pdrop": m.hidden_dropout,
                  "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
                  "initializer_range": m.init_method_std, "tie_word_embeddings": True,
@@ -106,12 +107,20 @@ def to_hf(config: dict, full: Dict[str, torch.Tensor]) -> Tuple[dict, Dict[str, 
     return hf_config, {k: v.contiguous().clone() for k, v in sd.items()}
 
 
+# HF GPT-2's activation_function -> ours: "gelu" is the exact (erf) GeLU in transformers.
+_HF_GELU = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "gelu", "gelu": "gelu-erf"}
+
+
 def from_hf(hf_config: dict, sd: Dict[str, torch.Tensor]) -> Tuple[dict, Dict[str, torch.Tensor]]:
     if hf_config.get("model_type") != "gpt2":
         raise ValueError(f"model_type {hf_config.get('model_type')!r}: only gpt2 import is implemented")
     sd = {k[len("transformer."):] if k.startswith("transformer.") else k: v for k, v in sd.items()}
     nh, nl, h = hf_config["n_head"], hf_config["n_layer"], hf_config["n_embd"]
-    model = dict(model_type="gpt", num_layers=nl, hidden_size=h, num_attention_heads=nh,
+    act = _HF_GELU.get(hf_config.get("activation_function", "gelu_new"))
+    if act is None:
+        raise ValueError(f"activation_function {hf_config.get('activation_function')!r}: GPT-2 import supports "
+                         f"{', '.join(sorted(_HF_GELU))}")
+    model = dict(activation_func=act, model_type="gpt", num_layers=nl, hidden_size=h, num_attention_heads=nh,
                  ffn_hidden_size=hf_config.get("n_inner") or 4 * h, seq_length=hf_config["n_positions"],
                  max_position_embeddings=hf_config["n_positions"], vocab_size=hf_config["vocab_size"],
                  layernorm_epsilon=hf_config.get("layer_norm_epsilon", 1e-5),
