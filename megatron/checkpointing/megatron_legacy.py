@@ -413,15 +413,15 @@ def _fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-def load_into_trainer(trainer, root: str) -> bool:
+def load_into_trainer(trainer, root: str, training_state=None) -> bool:
     """Fill every stage of this rank from a Megatron-LM checkpoint at this run's layout.
     Resumes the iteration, consumed samples and LR schedule unless --finetune, the optimizer's
-    state unless --no-load-optim and the RNG unless --no-load-rng (`megatron_optim`)."""
+    state unless --no-load-optim and the RNG unless --no-load-rng, where `training_state` (the
+    module `megatron_optim`, passed in by the dispatcher) is given."""
     import sys
-    from megatron.checkpointing import megatron_optim
     from megatron.checkpointing.dist_format import _dim, _params
     cfg, ps = trainer.cfg, trainer.ps
-    collect = megatron_optim.Collector()
+    collect = training_state.Collector() if training_state is not None else None
     args, full, meta = read_full(root, on_state=collect)
     problems = []
     theirs = model_fields(args)
@@ -475,14 +475,9 @@ def load_into_trainer(trainer, root: str) -> bool:
         gbs = int(getattr(args, "global_batch_size", 1) or 1)
         trainer.lr_scheduler.num_steps = int(sched.get("num_steps", trainer.iteration * gbs)) // gbs \
             if not cfg.checkpoint.no_load_optim else trainer.iteration
-        if not cfg.checkpoint.no_load_optim:
-            states, step = collect.full(args, meta["tp"], meta["pp"])
-            if states:
-                megatron_optim.load_optimizer(trainer, states, step,
-                                              lambda key, t: _fit_rows(t, padded) if _VOCAB.search(key) else t)
-                optim = f"the optimizer's state resumed (step {int(step)})"
-        if not cfg.checkpoint.no_load_rng:
-            rng = megatron_optim.set_rng(collect.rng, args, ps, trainer.device.type)
+        if training_state is not None:
+            optim, rng = training_state.resume(trainer, collect, args, meta, (optim, rng),
+                                               lambda key, t: _fit_rows(t, padded) if _VOCAB.search(key) else t)
     if ps.rank == 0:
         print(f"loaded Megatron-LM checkpoint ({meta['format']} model, TP {meta['tp']} x PP {meta['pp']}) {root} "
               f"at iteration {meta['iteration']}{' (release)' if meta['release'] else ''}; {optim}; {rng}",

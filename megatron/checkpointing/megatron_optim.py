@@ -283,6 +283,23 @@ def load_optimizer(trainer, states: Dict[str, Dict[str, torch.Tensor]], step: fl
     trainer.optimizer.load_param_states(per)
 
 
+def resume(trainer, collect: Collector, args, meta: dict, messages: Tuple[str, str], fit) -> Tuple[str, str]:
+    """`load_into_trainer`'s hook (not --finetune, not a release): the optimizer unless
+    --no-load-optim, the RNG unless --no-load-rng; returns the log's (optimizer, RNG) words."""
+    optim, rng = messages
+    ck = trainer.cfg.checkpoint
+    if not ck.no_load_optim:
+        states, step = collect.full(args, meta["tp"], meta["pp"])
+        if states:
+            load_optimizer(trainer, states, step, fit)
+            optim = f"the optimizer's state resumed (step {int(step)})"
+        else:
+            optim = "the checkpoint holds no optimizer state: the optimizer starts fresh"
+    if not ck.no_load_rng:
+        rng = set_rng(collect.rng, args, trainer.ps, trainer.device.type)
+    return optim, rng
+
+
 def set_rng(rng_state, args, ps, device_type: str) -> str:
     """Megatron's `rng_state` (one dict per DP rank, or one for all) -> this process; returns
     what was restored, for the log line."""
@@ -302,3 +319,66 @@ def set_rng(rng_state, args, ps, device_type: str) -> str:
     if st.get("rng_tracker_states"):
         get_rng_tracker().set_states(st["rng_tracker_states"])
     return "python, numpy, torch, CUDA and tracker RNG restored"
+
+
+# ---- writing: this project's optimizer in Megatron's FP32Optimizer form ----------------------------
+_TOP = ("embedding.word_embeddings", "embedding.position_embeddings", "encoder.layers.", "encoder.final",
+        "output_layer", "word_embeddings_for_head")
+_INNER = ("input_", "query_key_value", "self_attention.dense", "post_attention_", "dense_h_to_4h", "dense_4h_to_h")
+
+
+def _legacy_rank(name: str) -> tuple:
+    import re
+    top = next((i for i, t in enumerate(_TOP) if t in name), len(_TOP))
+    m = re.search(r"layers\.(\d+)\.", name)
+    inner = next((i for i, t in enumerate(_INNER) if t in name), len(_INNER))
+    return top, int(m.group(1)) if m else -1, inner, name.endswith("bias")
+
+
+def legacy_order(d: dict, prefix: str = "") -> dict:
+    """A legacy GPT model dict in the legacy model's named-parameter order (Megatron's
+    `state_dict` order, from which the optimizer's order is rebuilt on reading): word then
+    position embeddings, layers by index (norm, QKV, dense, norm, MLP in, MLP out; weight
+    before bias), final norm, output layer / tied head."""
+    def rank(k, v):
+        if isinstance(v, dict):
+            return min((_legacy_rank(prefix + k + "." + n) for n, _ in _named(v)), default=(len(_TOP),))
+        return _legacy_rank(prefix + k)
+    return {k: legacy_order(v, f"{prefix}{k}.") if isinstance(v, dict) else v
+            for k, v in sorted(d.items(), key=lambda kv: rank(*kv))}
+
+
+def megatron_optimizer_state(nested: List[dict], moments: Dict[str, List[dict]], step: float, torch_group: dict,
+                             weight_decay: float, lr: float, max_lr: float, min_lr: float) -> dict:
+    """Megatron's non-distributed `optimizer` entry (torch's AdamW state dict in Megatron's
+    default parameter groups) for one rank file. `nested`: the file's model chunks as written;
+    `moments[kind]`: the same chunks with each weight replaced by its exp_avg / exp_avg_sq;
+    `torch_group`: one of this run's torch param groups (its hyper-parameter keys, same torch)."""
+    by_name = {k: [dict(_named(m)) for m in chunks] for k, chunks in moments.items()}
+    state, groups, idx = {}, [], 0
+    for g in group_order(nested):
+        params = []
+        for wd, c, name, w in g:
+            state[idx] = {"step": torch.tensor(float(step)),
+                          **{k: by_name[k][c][name].detach().clone().float() for k in ("exp_avg", "exp_avg_sq")}}
+            params.append(idx)
+            idx += 1
+        group = {k: v for k, v in torch_group.items() if k != "params"}
+        group.update(params=params, wd_mult=wd, lr_mult=1.0, is_expert_parallel=False, is_decoupled_lr=False,
+                     lr=lr, weight_decay=weight_decay * wd, max_lr=max_lr, min_lr=min_lr)
+        groups.append(group)
+    return {"state": state, "param_groups": groups}
+
+
+def optimizer_for_file(trainer, chunks: list, states: dict, to_nested) -> Optional[dict]:
+    """The `optimizer` entry of this rank's file (None before the first step). `states`: this
+    run's `param_states()`; `to_nested(stage, {name: tensor})` is the writer's model nesting."""
+    if not states:
+        return None
+    nested = [legacy_order(to_nested(s, {k: v.detach() for k, v in s.state_dict().items()})) for s in chunks]
+    moments = {k: [to_nested(s, {n: states[id(p)][k] for n, p in s.named_parameters()}) for s in chunks]
+               for k in ("exp_avg", "exp_avg_sq")}
+    step = max(float(st["step"]) for st in states.values())
+    t = trainer.cfg.training
+    return megatron_optimizer_state(nested, moments, step, trainer.optimizer.optimizer.param_groups[0],
+                                    t.weight_decay, trainer.lr_scheduler.lr(), t.lr, t.min_lr)

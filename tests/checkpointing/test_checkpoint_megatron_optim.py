@@ -52,7 +52,7 @@ def _cfg(world, root, tp, gbs, dist_opt, **ckpt):
 def _step4(rank, world, name, tp, dist_opt, ckpt):
     from megatron.checkpointing.torch_format import load_checkpoint
     from tests.parity_utils import make_trainer, shards
-    root = os.path.join(FIX, name)
+    root = os.path.join(FIX, name)  # (an absolute `name` stays as it is)
     ref = torch.load(os.path.join(root, "step4.pt"), weights_only=True)
     gbs = ref["batch"].shape[0]
     t = make_trainer(_cfg(world, root, tp, gbs, dist_opt, **ckpt))
@@ -68,12 +68,13 @@ def _run(name, world, tp, dist_opt=False, **ckpt):
     from tests.parity_utils import assemble
     from tools.checkpoint.hf_gpt2 import our_logits
     res = run_distributed(_step4, world, name, tp, dist_opt, ckpt, timeout_s=600)
-    args, _, _ = L.read_full(os.path.join(FIX, name))
+    root = os.path.join(FIX, name)
+    args, _, _ = L.read_full(root)
     full = assemble([r["shards"] for r in res])
     fields = L.model_fields(args)
     fields.pop("num_query_groups")
     fields.update(vocab_size=101, make_vocab_size_divisible_by=1)
-    ref = torch.load(os.path.join(FIX, name, "step4.pt"), weights_only=True)
+    ref = torch.load(os.path.join(root, "step4.pt"), weights_only=True)
     logits = our_logits(fields, full, ref["tokens"])[..., :ref["logits"].shape[-1]]
     loss = [r["loss"] for r in res if r["loss"] == r["loss"]][-1]
     return (logits - ref["logits"]).abs().max().item(), abs(loss - ref["loss"]), res
@@ -188,3 +189,43 @@ def test_buffer_layout_pads_each_parameter_to_64_and_drops_bucket_ends():
     assert off == {"c": 0, "b": 64, "a": 192} and total == 202
     off, total = O.buffer_offsets(names, dp=2, bucket_size=50)  # b fills a bucket: a starts the next
     assert off == {"c": 0, "b": 64, "a": 164} and total == 174
+
+
+def _load_save(rank, world, name, tp, dist_opt, save):
+    """Megatron's fixture -> ours (optimizer resumed) -> --ckpt-format megatron-legacy at iteration 3."""
+    import dataclasses
+    from megatron.checkpointing.torch_format import load_checkpoint, save_checkpoint
+    from tests.parity_utils import make_trainer
+    root = os.path.join(FIX, name)
+    gbs = torch.load(os.path.join(root, "step4.pt"), weights_only=True)["batch"].shape[0]
+    cfg = _cfg(world, root, tp, gbs, dist_opt)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, save=save, ckpt_format="megatron-legacy")
+    t = make_trainer(cfg)
+    assert load_checkpoint(t)
+    save_checkpoint(t)
+    return t.iteration
+
+
+@pytest.mark.parametrize("name,world,tp,dist_opt", [("optim_gpt_tp1", 1, 1, False), ("distopt_gpt_dp2", 2, 1, True)])
+def test_our_megatron_legacy_files_carry_the_optimizer(tmp_path, name, world, tp, dist_opt):
+    """What --ckpt-format megatron-legacy writes holds Megatron's FP32Optimizer state in Megatron's
+    group order (checked against the legacy model Megatron itself saved), and resumes to the
+    same 4th step."""
+    from tests.dist_harness import run_distributed
+    save = str(tmp_path / "ours")
+    assert run_distributed(_load_save, world, name, tp, dist_opt, save, timeout_s=600) == [3] * world
+    ours = L.safe_load_megatron(os.path.join(save, "iter_0000003", "mp_rank_00", "model_optim_rng.pt"))
+    theirs = L.safe_load_megatron(os.path.join(FIX, "optim_legacy_gpt_tp1", "iter_0000003", "mp_rank_00",
+                                               "model_optim_rng.pt"))
+    strip = [n.replace("layernorm", "norm") for n, _ in O._named(ours["model"])]
+    assert strip == [n for n, _ in O._named(theirs["model"])]  # the legacy model's named-parameter order
+    og, tg = ours["optimizer"]["param_groups"], theirs["optimizer"]["param_groups"]
+    assert [(len(g["params"]), g["wd_mult"]) for g in og] == [(len(g["params"]), g["wd_mult"]) for g in tg]
+    assert set(og[0]) == set(tg[0])
+    assert ours["opt_param_scheduler"]["num_steps"] == 3 * ours["args"].global_batch_size
+    # Read back by this project: the same 4th step as Megatron's.
+    import shutil
+    for f in ("step4.pt", "logits.pt"):
+        shutil.copy(os.path.join(FIX, name, f), save)
+    diff, dloss, _ = _run(save, world, 1)
+    assert diff < 1e-5 and dloss < 1e-5
