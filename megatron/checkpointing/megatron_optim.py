@@ -370,15 +370,39 @@ def megatron_optimizer_state(nested: List[dict], moments: Dict[str, List[dict]],
     return {"state": state, "param_groups": groups}
 
 
-def optimizer_for_file(trainer, chunks: list, states: dict, to_nested) -> Optional[dict]:
-    """The `optimizer` entry of this rank's file (None before the first step). `states`: this
-    run's `param_states()`; `to_nested(stage, {name: tensor})` is the writer's model nesting."""
+def megatron_distributed_state(nested: List[dict], moments: Dict[str, List[dict]], fp32: dict, dp: int) -> dict:
+    """Megatron-Core's `distrib_optim.pt` (core_v0.9.0, DP-rank-0 gathered form) for one rank
+    file: per model chunk one fp32 grad buffer, `param` (the fp32 weights) and the moments laid
+    out as `buffer_offsets` (no bucketing: Megatron's default without --overlap-grad-reduce)."""
+    out = {"buckets_coalesced": True}
+    for c, model in enumerate(nested):
+        named = _named(model)
+        offsets, total = buffer_offsets([(n, t.numel(), False) for n, t in named], dp, None)
+        flat = {k: torch.zeros(total, dtype=torch.float32) for k in KINDS}
+        by_name = {"param": dict(named), **{k: dict(_named(moments[k][c])) for k in ("exp_avg", "exp_avg_sq")}}
+        for n, t in named:
+            for k in KINDS:
+                flat[k][offsets[n]:offsets[n] + t.numel()] = by_name[k][n].detach().reshape(-1).float()
+        out[c] = {fp32: {**flat, "numel_unpadded": total}}
+    return out
+
+
+def optimizer_for_file(trainer, chunks: list, states: dict, to_nested) -> Tuple[Optional[dict], Optional[dict]]:
+    """(the `optimizer` entry of this rank's file, the `distrib_optim.pt` contents or None);
+    (None, None) before the first step. `states`: this run's `param_states()`;
+    `to_nested(stage, {name: tensor})` is the writer's model nesting. With
+    --use-distributed-optimizer the state goes to distrib_optim.pt as Megatron-Core writes it."""
     if not states:
-        return None
+        return None, None
     nested = [legacy_order(to_nested(s, {k: v.detach() for k, v in s.state_dict().items()})) for s in chunks]
     moments = {k: [to_nested(s, {n: states[id(p)][k] for n, p in s.named_parameters()}) for s in chunks]
                for k in ("exp_avg", "exp_avg_sq")}
     step = max(float(st["step"]) for st in states.values())
     t = trainer.cfg.training
-    return megatron_optimizer_state(nested, moments, step, trainer.optimizer.optimizer.param_groups[0],
-                                    t.weight_decay, trainer.lr_scheduler.lr(), t.lr, t.min_lr)
+    opt = megatron_optimizer_state(nested, moments, step, trainer.optimizer.optimizer.param_groups[0],
+                                   t.weight_decay, trainer.lr_scheduler.lr(), t.lr, t.min_lr)
+    if not t.use_distributed_optimizer:
+        return opt, None
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": step} for g in opt["param_groups"]]
+    return {"optimizer": {"param_groups": groups}}, \
+        megatron_distributed_state(nested, moments, (torch.float32, torch.float32), max(trainer.ps.dp_size, 1))

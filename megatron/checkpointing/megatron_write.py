@@ -192,9 +192,10 @@ def save_from_trainer(trainer, root: str, ops) -> str:
     writes them (`iter_NNNNNNN/mp_rank_XX[_YYY]/model_optim_rng.pt`, virtual stages `model0`,
     `model1`, ...), then (rank 0) the manifest with every file's sha256 and the tracker.
     What it keeps is what Megatron-LM can use: weights, counters in `args`, scheduler, RNG and
-    the optimizer in Megatron's non-distributed form (`megatron_optim.megatron_optimizer_state`,
-    also when this run uses the distributed optimizer). `ops`: the checkpoint
-    writer's atomic_write, barrier, move_tracker, write_error, claim_and_clean, mark_saving and unmark."""
+    the optimizer in Megatron's non-distributed form (`megatron_optim.megatron_optimizer_state`),
+    or with --use-distributed-optimizer in Megatron-Core's `distrib_optim.pt` beside the model
+    file. `ops`: the checkpoint writer's atomic_write, barrier, move_tracker, write_error,
+    claim_and_clean, mark_saving and unmark."""
     _atomic_write_bytes, _barrier, _move_tracker = ops.atomic_write, ops.barrier, ops.move_tracker
     _write_error = ops.write_error
     from megatron.checkpointing.dist_format import sha256_digest
@@ -227,24 +228,29 @@ def save_from_trainer(trainer, root: str, ops) -> str:
             chunks = [trainer.stages[sid] for sid in sorted(trainer.stages)]
             nested = [legacy_order(to_legacy_model({k: v.detach().clone() for k, v in s.state_dict().items()},
                                                    s.pre_process, s.post_process, tied, ps.pp_size)) for s in chunks]
-            optim = optimizer_for_file(trainer, chunks, moments, lambda s, sd: to_legacy_model(
+            optim, distrib = optimizer_for_file(trainer, chunks, moments, lambda s, sd: to_legacy_model(
                 sd, s.pre_process, s.post_process, tied, ps.pp_size))
             if optim is not None:
                 state["optimizer"] = optim
+            args.use_distributed_optimizer = distrib is not None
+            args.data_parallel_size = ps.dp_size
             if len(nested) == 1:
                 state["model"] = nested[0]
             else:
                 state.update({f"model{i}": m for i, m in enumerate(nested)})
             sub = f"mp_rank_{ps.tp_rank:02d}" if ps.pp_size == 1 else f"mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}"
             _atomic_write_bytes(os.path.join(it_dir, sub, "model_optim_rng.pt"), lambda f: torch.save(state, f))
+            if distrib is not None:  # Megatron-Core's distributed optimizer: its state beside the model file
+                _atomic_write_bytes(os.path.join(it_dir, sub, "distrib_optim.pt"), lambda f: torch.save(distrib, f))
         _barrier()
         if ps.rank == 0:
             files = {}
             for sub in sorted(os.listdir(it_dir)):
-                path = os.path.join(it_dir, sub, "model_optim_rng.pt")
-                if os.path.exists(path):
-                    files[os.path.join(sub, "model_optim_rng.pt")] = {"sha256": sha256_digest(path).hex(),
-                                                                      "bytes": os.path.getsize(path)}
+                for name in ("model_optim_rng.pt", "distrib_optim.pt"):
+                    path = os.path.join(it_dir, sub, name)
+                    if os.path.exists(path):
+                        files[os.path.join(sub, name)] = {"sha256": sha256_digest(path).hex(),
+                                                          "bytes": os.path.getsize(path)}
             body = json.dumps({"iteration": trainer.iteration, "checkpoint_version": 3.0,
                                "format": "megatron-legacy", "files": files}, indent=1, sort_keys=True).encode()
             _atomic_write_bytes(os.path.join(it_dir, "manifest.json"), lambda f: f.write(body))

@@ -219,9 +219,19 @@ def test_our_megatron_legacy_files_carry_the_optimizer(tmp_path, name, world, tp
                                                "model_optim_rng.pt"))
     strip = [n.replace("layernorm", "norm") for n, _ in O._named(ours["model"])]
     assert strip == [n for n, _ in O._named(theirs["model"])]  # the legacy model's named-parameter order
-    og, tg = ours["optimizer"]["param_groups"], theirs["optimizer"]["param_groups"]
-    assert [(len(g["params"]), g["wd_mult"]) for g in og] == [(len(g["params"]), g["wd_mult"]) for g in tg]
-    assert set(og[0]) == set(tg[0])
+    og, tg = ours["optimizer"], theirs["optimizer"]
+    if dist_opt:  # Megatron-Core's form: param groups (with `step`) here, the state in distrib_optim.pt
+        mega = L.safe_load_megatron(os.path.join(FIX, name, "iter_0000003", "mp_rank_00", "model_optim_rng.pt"))
+        assert set(og) == {"optimizer"} and set(og["optimizer"]) == {"param_groups"}
+        assert [set(g) for g in og["optimizer"]["param_groups"]] == \
+            [set(g) for g in mega["optimizer"]["optimizer"]["param_groups"]]
+        d = L.safe_load_megatron(os.path.join(save, "iter_0000003", "mp_rank_00", "distrib_optim.pt"))
+        m = L.safe_load_megatron(os.path.join(FIX, name, "iter_0000003", "mp_rank_00", "distrib_optim.pt"))
+        assert list(d[0]) == list(m[0]) and d[0][list(d[0])[0]]["numel_unpadded"] == 21504
+    else:
+        assert [(len(g["params"]), g["wd_mult"]) for g in og["param_groups"]] == \
+            [(len(g["params"]), g["wd_mult"]) for g in tg["param_groups"]]
+        assert set(og["param_groups"][0]) == set(tg["param_groups"][0])
     assert ours["opt_param_scheduler"]["num_steps"] == 3 * ours["args"].global_batch_size
     # Read back by this project: the same 4th step as Megatron's.
     import shutil
