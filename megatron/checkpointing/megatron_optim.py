@@ -209,6 +209,7 @@ class Collector:
     def __init__(self):
         self.models: Dict[str, Dict[Tuple[int, int], list]] = {k: {} for k in KINDS}
         self.steps, self.rng, self.missing = set(), None, []
+        self.split = False  # Megatron v2.x's distributed optimizer: model_rng.pt + mp_rank_XX_DDD/optim.pt
 
     def __call__(self, rank: Tuple[int, int], path: str, state: dict) -> None:
         from megatron.checkpointing.megatron_legacy import _stage_models
@@ -217,6 +218,7 @@ class Collector:
         opt = state.get("optimizer")
         if not opt:
             self.missing.append(path)
+            self.split = self.split or os.path.basename(path) == "model_rng.pt"
             return
         if not isinstance(opt, dict):
             raise MegatronCheckpointError(f"{path}: the optimizer state is a {type(opt).__name__} (several chained "
@@ -293,6 +295,9 @@ def resume(trainer, collect: Collector, args, meta: dict, messages: Tuple[str, s
         if states:
             load_optimizer(trainer, states, step, fit)
             optim = f"the optimizer's state resumed (step {int(step)})"
+        elif collect.split:
+            optim = ("Megatron v2.x's distributed-optimizer files (mp_rank_XX_DDD/optim.pt) are not read: the "
+                     "optimizer starts fresh")
         else:
             optim = "the checkpoint holds no optimizer state: the optimizer starts fresh"
     if not ck.no_load_rng:

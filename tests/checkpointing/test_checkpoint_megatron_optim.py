@@ -239,3 +239,23 @@ def test_our_megatron_legacy_files_carry_the_optimizer(tmp_path, name, world, tp
         shutil.copy(os.path.join(FIX, name, f), save)
     diff, dloss, _ = _run(save, world, 1)
     assert diff < 1e-5 and dloss < 1e-5
+
+
+def test_v2_split_layout_starts_the_optimizer_fresh_and_says_so(tmp_path):
+    """Megatron v2.x (the DynaPipe fork) with --use-distributed-optimizer: model_rng.pt holds no
+    optimizer; its mp_rank_XX_DDD/optim.pt files are not read (no fixture: the fork's optimizer
+    needs apex)."""
+    root = _copy(tmp_path, "optim_gpt_tp1")
+    sub = root / "iter_0000003" / "mp_rank_00"
+    st = L.safe_load_megatron(str(sub / "model_optim_rng.pt"))
+    st.pop("optimizer")
+    st["args"].model_type = None
+    torch.save(st, sub / "model_rng.pt")
+    os.remove(sub / "model_optim_rng.pt")
+    c = O.Collector()
+    args, _, meta = L.read_full(str(root), on_state=c)
+    assert c.split and c.full(args, 1, 1) == ({}, 0.0)
+    trainer = argparse.Namespace(cfg=argparse.Namespace(checkpoint=argparse.Namespace(no_load_optim=False,
+                                                                                       no_load_rng=True)))
+    optim, _ = O.resume(trainer, c, args, meta, ("fresh", "seed"), None)
+    assert "optim.pt) are not read" in optim
