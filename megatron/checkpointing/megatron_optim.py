@@ -375,14 +375,16 @@ def megatron_optimizer_state(nested: List[dict], moments: Dict[str, List[dict]],
     return {"state": state, "param_groups": groups}
 
 
-def megatron_distributed_state(nested: List[dict], moments: Dict[str, List[dict]], fp32: dict, dp: int) -> dict:
+def megatron_distributed_state(nested: List[dict], moments: Dict[str, List[dict]], fp32: tuple, dp: int,
+                               args=None, pp_rank: int = 0, pp: int = 1) -> dict:
     """Megatron-Core's `distrib_optim.pt` (core_v0.9.0, DP-rank-0 gathered form) for one rank
     file: per model chunk one fp32 grad buffer, `param` (the fp32 weights) and the moments laid
     out as `buffer_offsets` (no bucketing: Megatron's default without --overlap-grad-reduce)."""
     out = {"buckets_coalesced": True}
     for c, model in enumerate(nested):
         named = _named(model)
-        offsets, total = buffer_offsets([(n, t.numel(), False) for n, t in named], dp, None)
+        offsets, total = buffer_offsets([(n, t.numel(), _shared_embedding(c, n, len(nested), args, pp_rank, pp))
+                                         for n, t in named], dp, None)
         flat = {k: torch.zeros(total, dtype=torch.float32) for k in KINDS}
         by_name = {"param": dict(named), **{k: dict(_named(moments[k][c])) for k in ("exp_avg", "exp_avg_sq")}}
         for n, t in named:
@@ -410,4 +412,5 @@ def optimizer_for_file(trainer, chunks: list, states: dict, to_nested) -> Tuple[
         return opt, None
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": step} for g in opt["param_groups"]]
     return {"optimizer": {"param_groups": groups}}, \
-        megatron_distributed_state(nested, moments, (torch.float32, torch.float32), max(trainer.ps.dp_size, 1))
+        megatron_distributed_state(nested, moments, (torch.float32, torch.float32), max(trainer.ps.dp_size, 1),
+                                   trainer.cfg.model, trainer.ps.pp_rank, trainer.ps.pp_size)
