@@ -206,7 +206,8 @@ def _distributed_form(path: str, chunks: list, opt: dict, args, pp_rank: int, pp
 class Collector:
     """`read_full`'s per-file hook: the optimizer state and RNG list of every rank file."""
 
-    def __init__(self):
+    def __init__(self, read_optim: bool = True):
+        self.read_optim = read_optim  # False with --no-load-optim / --finetune: not even parsed
         self.models: Dict[str, Dict[Tuple[int, int], list]] = {k: {} for k in KINDS}
         self.steps, self.rng, self.missing = set(), None, []
         self.split = False  # Megatron v2.x's distributed optimizer: model_rng.pt + mp_rank_XX_DDD/optim.pt
@@ -215,6 +216,8 @@ class Collector:
         from megatron.checkpointing.megatron_legacy import _stage_models
         if self.rng is None:
             self.rng = state.get("rng_state")
+        if not self.read_optim:
+            return
         opt = state.get("optimizer")
         if not opt:
             self.missing.append(path)

@@ -152,6 +152,7 @@ def test_a_misordered_optimizer_is_refused(tmp_path):
     torch.save(st, path)
     with pytest.raises(L.MegatronCheckpointError, match="not Megatron's default grouping"):
         L.read_full(str(root), on_state=O.Collector())
+    L.read_full(str(root), on_state=O.Collector(read_optim=False))  # --no-load-optim: not even parsed
 
 
 def test_distrib_optim_of_the_wrong_size_is_refused(tmp_path):
