@@ -339,7 +339,7 @@ def tokenizer_vocab_size(args) -> int:
     return v or args.padded_vocab_size
 
 
-def read_full(root: str) -> Tuple[argparse.Namespace, Dict[str, torch.Tensor], dict]:
+def read_full(root: str, on_state=None) -> Tuple[argparse.Namespace, Dict[str, torch.Tensor], dict]:
     """-> (Megatron's args, {our global name: full tensor, vocabulary rows as saved (padded)},
     metadata: iteration, release, consumed samples, scheduler, source layout, format)."""
     folder, iteration = read_tracker(root)
@@ -354,9 +354,8 @@ def read_full(root: str) -> Tuple[argparse.Namespace, Dict[str, torch.Tensor], d
     pp = max(p for _, p in files) + 1
     if sorted(files) != [(t, p) for t in range(tp) for p in range(pp)]:
         raise MegatronCheckpointError(f"{it_dir}: rank folders {sorted(files)} do not cover TP {tp} x PP {pp}")
-    shards: Dict[str, Dict[int, torch.Tensor]] = {}
     args = meta = None
-    fmt = None
+    models: Dict[Tuple[int, int], list] = {}
     for (t, p), path in sorted(files.items()):
         state = safe_load_megatron(path)
         if not isinstance(state.get("args"), _ARGS_TYPES):
@@ -367,8 +366,20 @@ def read_full(root: str) -> Tuple[argparse.Namespace, Dict[str, torch.Tensor], d
                     "consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
                     "opt_param_scheduler": state.get("opt_param_scheduler"),
                     "checkpoint_version": state.get("checkpoint_version"), "tp": tp, "pp": pp}
+        models[(t, p)] = _stage_models(state)
+        if on_state is not None:  # e.g. megatron_optim: the optimizer and RNG state of the same file
+            on_state((t, p), path, state)
+    full, meta["format"] = join_shards(args, models, tp, pp)
+    return args, full, meta
+
+
+def join_shards(args, models: Dict[Tuple[int, int], list], tp: int, pp: int) -> Tuple[Dict[str, torch.Tensor], str]:
+    """{(tp rank, pp rank): [each virtual stage's model dict]} -> ({our global name: full tensor}, 'core' or
+    'legacy'). Any dicts shaped like Megatron's model (e.g. Adam moments in the weights' places) join alike."""
+    shards: Dict[str, Dict[int, torch.Tensor]] = {}
+    fmt = None
+    for (t, p), chunks in sorted(models.items()):
         gated = bool(getattr(args, "swiglu", False))
-        chunks = _stage_models(state)
         n_stages = pp * len(chunks)
         for v, model in enumerate(chunks):
             fmt = fmt or ("core" if _is_core(model) else "legacy")
@@ -383,7 +394,6 @@ def read_full(root: str) -> Tuple[argparse.Namespace, Dict[str, torch.Tensor], d
                 if name == "output_layer.weight" and not getattr(args, "untie_embeddings_and_output_weights", False):
                     continue  # the last stage's copy of the tied word embeddings
                 shards.setdefault(name, {})[t] = tensor
-    meta["format"] = fmt
     if model_fields(args)["model_type"] == "gpt":  # legacy GPT calls its one block `encoder`
         shards = {_gpt_name(k): v for k, v in shards.items()}
     full = {}
@@ -392,7 +402,7 @@ def read_full(root: str) -> Tuple[argparse.Namespace, Dict[str, torch.Tensor], d
             raise MegatronCheckpointError(f"{name}: found TP ranks {sorted(by_rank)}, expected 0..{tp - 1}")
         d = partition_dim(name)
         full[name] = by_rank[0] if d is None else torch.cat([by_rank[r] for r in range(tp)], dim=d)
-    return args, full, meta
+    return full, fmt
 
 
 # ---- --load of a Megatron-LM checkpoint ----------------------------------------------------
@@ -425,14 +435,17 @@ def _fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-def load_into_trainer(trainer, root: str) -> bool:
+def load_into_trainer(trainer, root: str, training_state=None) -> bool:
     """Fill every stage of this rank from a Megatron-LM checkpoint at this run's layout.
-    Resumes the iteration, consumed samples and LR schedule unless --finetune; the optimizer
-    starts fresh (Megatron's optimizer state is ordered by its own parameter groups)."""
+    Resumes the iteration, consumed samples and LR schedule unless --finetune, the optimizer's
+    state unless --no-load-optim and the RNG unless --no-load-rng, where `training_state` (the
+    module `megatron_optim`, passed in by the dispatcher) is given."""
     import sys
     from megatron.checkpointing.dist_format import _dim, _params
     cfg, ps = trainer.cfg, trainer.ps
-    args, full, meta = read_full(root)
+    collect = training_state.Collector(read_optim=not (cfg.checkpoint.no_load_optim or cfg.checkpoint.finetune)) \
+        if training_state is not None else None
+    args, full, meta = read_full(root, on_state=collect)
     problems = []
     theirs = model_fields(args)
     ours = cfg.model
@@ -476,16 +489,22 @@ def load_into_trainer(trainer, root: str) -> bool:
                 raise MegatronCheckpointError(f"{key}: Megatron-LM checkpoint {root} gives shape {tuple(t.shape)} on "
                                               f"{ps.describe()}, the model has {tuple(p.shape)}")
             p.copy_(t.to(p.dtype))
+    optim, rng = "the optimizer starts fresh", "the RNG from this run's seed"
     if not cfg.checkpoint.finetune and not meta["release"]:
         trainer.iteration = meta["iteration"]
         trainer.consumed_samples = meta["consumed_samples"]
         sched = meta.get("opt_param_scheduler") or {}
-        trainer.lr_scheduler.num_steps = int(sched.get("num_steps", trainer.iteration)) \
+        # Megatron counts scheduler steps in samples (--train-iters x --global-batch-size); ours in iterations.
+        gbs = int(getattr(args, "global_batch_size", 1) or 1)
+        trainer.lr_scheduler.num_steps = int(sched.get("num_steps", trainer.iteration * gbs)) // gbs \
             if not cfg.checkpoint.no_load_optim else trainer.iteration
+        if training_state is not None:
+            optim, rng = training_state.resume(trainer, collect, args, meta, (optim, rng),
+                                               lambda key, t: _fit_rows(t, padded) if _VOCAB.search(key) else t)
     if ps.rank == 0:
         print(f"loaded Megatron-LM checkpoint ({meta['format']} model, TP {meta['tp']} x PP {meta['pp']}) {root} "
-              f"at iteration {meta['iteration']}{' (release)' if meta['release'] else ''}; the optimizer starts "
-              f"fresh and the RNG from this run's seed", file=sys.stderr, flush=True)
+              f"at iteration {meta['iteration']}{' (release)' if meta['release'] else ''}; {optim}; {rng}",
+              file=sys.stderr, flush=True)
         if not ours.swiglu and theirs["activation_func"] != ours.activation_func:
             print(f"note: the Megatron-LM run computed its MLP with --activation-func {theirs['activation_func']} "
                   f"(its --bias-gelu-fusion / --openai-gelu settings) and this run uses {ours.activation_func}; pass "

@@ -108,15 +108,17 @@ def megatron_rng_state() -> list:
              "rng_tracker_states": get_rng_tracker().get_states()}]
 
 
-def megatron_scheduler(ours: Optional[dict], weight_decay: float = 0.01) -> Optional[dict]:
-    """This project's LR schedule state with Megatron's OptimizerParamScheduler keys."""
+def megatron_scheduler(ours: Optional[dict], weight_decay: float = 0.01, gbs: int = 1) -> Optional[dict]:
+    """This project's LR schedule state with Megatron's OptimizerParamScheduler keys (Megatron
+    counts its steps in samples: iterations x `gbs`)."""
     if not ours:
         return None
+    decay = ours.get("decay_iters", ours.get("decay_steps"))
     return {"max_lr": ours.get("max_lr"), "min_lr": ours.get("min_lr"),
-            "lr_warmup_steps": ours.get("warmup_iters", ours.get("warmup_steps", 0)),
-            "lr_decay_steps": ours.get("decay_iters", ours.get("decay_steps")),
-            "lr_decay_style": ours.get("decay_style", "linear"), "num_steps": ours.get("num_steps", 0),
-            "start_wd": weight_decay, "end_wd": weight_decay, "wd_incr_steps": ours.get("decay_iters") or 1,
+            "lr_warmup_steps": ours.get("warmup_iters", ours.get("warmup_steps", 0)) * gbs,
+            "lr_decay_steps": decay * gbs if decay is not None else None,
+            "lr_decay_style": ours.get("decay_style", "linear"), "num_steps": ours.get("num_steps", 0) * gbs,
+            "start_wd": weight_decay, "end_wd": weight_decay, "wd_incr_steps": (ours.get("decay_iters") or 1) * gbs,
             "wd_incr_style": "constant"}
 
 
@@ -198,10 +200,11 @@ def save_from_trainer(trainer, root: str, ops) -> str:
     """`--ckpt-format megatron-legacy` (GPT): every rank's stages as Megatron-LM's legacy code
     writes them (`iter_NNNNNNN/mp_rank_XX[_YYY]/model_optim_rng.pt`, virtual stages `model0`,
     `model1`, ...), then (rank 0) the manifest with every file's sha256 and the tracker.
-    What it keeps is what Megatron-LM can use: weights, counters in `args`, scheduler, RNG. A
-    --load of it resumes those; the optimizer starts fresh (Megatron orders its state by its
-    own parameter groups, which this project does not reproduce). `ops`: the checkpoint
-    writer's atomic_write, barrier, move_tracker, write_error, claim_and_clean, mark_saving and unmark."""
+    What it keeps is what Megatron-LM can use: weights, counters in `args`, scheduler, RNG and
+    the optimizer in Megatron's non-distributed form (`megatron_optim.megatron_optimizer_state`),
+    or with --use-distributed-optimizer in Megatron-Core's `distrib_optim.pt` beside the model
+    file. `ops`: the checkpoint writer's atomic_write, barrier, move_tracker, write_error,
+    claim_and_clean, mark_saving and unmark."""
     _atomic_write_bytes, _barrier, _move_tracker = ops.atomic_write, ops.barrier, ops.move_tracker
     _write_error = ops.write_error
     from megatron.checkpointing.dist_format import sha256_digest
@@ -218,30 +221,45 @@ def save_from_trainer(trainer, root: str, ops) -> str:
         if ps.rank == 0:
             ops.mark_saving(it_dir)
         _barrier()
+        # The optimizer's per-parameter state (a collective over DP with the distributed optimizer).
+        moments = None if getattr(cfg.checkpoint, "no_save_optim", False) else trainer.optimizer.param_states()
         if ps.dp_rank == 0:
+            from megatron.checkpointing.megatron_optim import legacy_order, optimizer_for_file
+            gbs = cfg.training.global_batch_size
             args = megatron_args(model, ps.tp_size, ps.pp_size, trainer.iteration, trainer.consumed_samples,
-                                 cfg.model.vocab_size, padded)
+                                 cfg.model.vocab_size, padded, extra=dict(global_batch_size=gbs,
+                                                                          micro_batch_size=cfg.training.micro_batch_size))
             args.virtual_pipeline_model_parallel_size = len(trainer.stages) if len(trainer.stages) > 1 else None
             state = {"args": args, "checkpoint_version": 3.0, "iteration": trainer.iteration,
                      "rng_state": megatron_rng_state(),
-                     "opt_param_scheduler": megatron_scheduler(trainer.lr_scheduler.state_dict())}
+                     "opt_param_scheduler": megatron_scheduler(trainer.lr_scheduler.state_dict(),
+                                                               cfg.training.weight_decay, gbs)}
             chunks = [trainer.stages[sid] for sid in sorted(trainer.stages)]
-            nested = [to_legacy_model({k: v.detach().clone() for k, v in s.state_dict().items()},
-                                      s.pre_process, s.post_process, tied, ps.pp_size) for s in chunks]
+            nested = [legacy_order(to_legacy_model({k: v.detach().clone() for k, v in s.state_dict().items()},
+                                                   s.pre_process, s.post_process, tied, ps.pp_size)) for s in chunks]
+            optim, distrib = optimizer_for_file(trainer, chunks, moments, lambda s, sd: to_legacy_model(
+                sd, s.pre_process, s.post_process, tied, ps.pp_size))
+            if optim is not None:
+                state["optimizer"] = optim
+            args.use_distributed_optimizer = distrib is not None
+            args.data_parallel_size = ps.dp_size
             if len(nested) == 1:
                 state["model"] = nested[0]
             else:
                 state.update({f"model{i}": m for i, m in enumerate(nested)})
             sub = f"mp_rank_{ps.tp_rank:02d}" if ps.pp_size == 1 else f"mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}"
             _atomic_write_bytes(os.path.join(it_dir, sub, "model_optim_rng.pt"), lambda f: torch.save(state, f))
+            if distrib is not None:  # Megatron-Core's distributed optimizer: its state beside the model file
+                _atomic_write_bytes(os.path.join(it_dir, sub, "distrib_optim.pt"), lambda f: torch.save(distrib, f))
         _barrier()
         if ps.rank == 0:
             files = {}
             for sub in sorted(os.listdir(it_dir)):
-                path = os.path.join(it_dir, sub, "model_optim_rng.pt")
-                if os.path.exists(path):
-                    files[os.path.join(sub, "model_optim_rng.pt")] = {"sha256": sha256_digest(path).hex(),
-                                                                      "bytes": os.path.getsize(path)}
+                for name in ("model_optim_rng.pt", "distrib_optim.pt"):
+                    path = os.path.join(it_dir, sub, name)
+                    if os.path.exists(path):
+                        files[os.path.join(sub, name)] = {"sha256": sha256_digest(path).hex(),
+                                                          "bytes": os.path.getsize(path)}
             body = json.dumps({"iteration": trainer.iteration, "checkpoint_version": 3.0,
                                "format": "megatron-legacy", "files": files}, indent=1, sort_keys=True).encode()
             _atomic_write_bytes(os.path.join(it_dir, "manifest.json"), lambda f: f.write(body))

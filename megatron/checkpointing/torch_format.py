@@ -508,7 +508,8 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
         return False
     if checkpoint_megatron_legacy.detect(root):  # written by Megatron-LM itself
         try:
-            return checkpoint_megatron_legacy.load_into_trainer(trainer, root)
+            from megatron.checkpointing import megatron_optim
+            return checkpoint_megatron_legacy.load_into_trainer(trainer, root, training_state=megatron_optim)
         except (checkpoint_megatron_legacy.MegatronCheckpointError, UnsafeCheckpointError, OSError) as e:
             raise CheckpointError(f"{ps.describe()}: {e}") from None
     if checkpointing_dist.is_dist_checkpoint(os.path.join(root, f"iter_{tracked:07d}")):

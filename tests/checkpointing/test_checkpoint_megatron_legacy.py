@@ -243,7 +243,7 @@ def test_ckpt_format_megatron_legacy_writes_megatrons_files(tmp_path):
     a = first["args"]
     assert (a.iteration, a.consumed_train_samples, a.pipeline_model_parallel_size, a.padded_vocab_size) == (2, 4, 2, 104)
     assert isinstance(first["rng_state"], list) and "np_rng_state" in first["rng_state"][0]
-    assert first["opt_param_scheduler"]["num_steps"] == 2
+    assert first["opt_param_scheduler"]["num_steps"] == 2 * 2  # Megatron counts samples: iterations x batch
     # Read back at another layout (PP2 -> PP1) through --load: the same weights and counters.
     (got, iteration, consumed), = run_distributed(_load_tp1, 1, root, timeout_s=600)
     got = assemble([got])
