@@ -443,8 +443,11 @@ def load_into_trainer(trainer, root: str, training_state=None) -> bool:
     import sys
     from megatron.checkpointing.dist_format import _dim, _params
     cfg, ps = trainer.cfg, trainer.ps
-    collect = training_state.Collector(read_optim=not (cfg.checkpoint.no_load_optim or cfg.checkpoint.finetune)) \
-        if training_state is not None else None
+    # Like Megatron: a `release` checkpoint (a converter's output) carries weights only, whatever
+    # optimizer-looking keys a converter left in it.
+    release = read_tracker(root)[0] == "release"
+    collect = training_state.Collector(read_optim=not (cfg.checkpoint.no_load_optim or cfg.checkpoint.finetune
+                                                       or release)) if training_state is not None else None
     args, full, meta = read_full(root, on_state=collect)
     problems = []
     theirs = model_fields(args)
