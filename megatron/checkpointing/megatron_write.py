@@ -120,13 +120,14 @@ def megatron_scheduler(ours: Optional[dict], weight_decay: float = 0.01) -> Opti
 
 
 def write_full(out: str, model: dict, full: Dict[str, torch.Tensor], meta: dict, tp: int, pp: int,
-               release: bool = True, norm_names: str = "layernorm", atomic_write=None,
+               release: bool = True, norm_names: Optional[str] = None, atomic_write=None,
                split: Optional[int] = None) -> str:
     """Write a GPT `full` model ({our global name: tensor}, vocabulary rows unpadded) as
     Megatron-LM writes it: `release/` (tracker `release`) for a converted checkpoint, else
     `iter_NNNNNNN`; `atomic_write(path, write_fn) -> sha256 hex` is the checkpoint writer's
     (`megatron.checkpointing.torch_format._atomic_write_bytes`, passed in: that module
-    dispatches to this one); `norm_names` picks the release's spelling (NORM_NAMES). Integrity
+    dispatches to this one); `norm_names` picks the release's spelling (NORM_NAMES; default
+    `layernorm` for GPT, `norm` for T5). Integrity
     data (sha256 of every file) goes to `<folder>/manifest.json`, never beside a model file.
     T5 (`megatron_t5`): encoder on pipeline ranks [0, split), decoder on [split, pp) (split
     default pp // 2). Returns the iteration folder."""
@@ -134,6 +135,7 @@ def write_full(out: str, model: dict, full: Dict[str, torch.Tensor], meta: dict,
     t5 = model.get("model_type", "gpt") == "t5"
     cfg = ModelConfig(**model)
     L = cfg.num_layers
+    norm_names = norm_names or ("norm" if t5 else "layernorm")  # core_v0.9.0's legacy T5 / GPT for converters
     if t5:
         from megatron.checkpointing import megatron_t5
         megatron_t5.check_writable(model)
