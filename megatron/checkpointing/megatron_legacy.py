@@ -21,6 +21,7 @@ load every array's dtype is checked again (no object arrays).
 Here each file's model is translated to this project's names (`convert_*`), the tensor-parallel
 shards are joined and layer indices made global (`read_full`): one {global name: full tensor}
 dict, which any of this project's layouts cuts its own shards from (`load_into_trainer`).
+T5's names (Megatron-Core and legacy) and its encoder/decoder pipeline split: `megatron_t5`.
 """
 from __future__ import annotations
 
@@ -33,14 +34,12 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
+from megatron.checkpointing.megatron_base import MegatronCheckpointError
+from megatron.checkpointing.megatron_base import flatten as _flatten
 from megatron.checkpointing.safety import _arrays
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
-
-
-class MegatronCheckpointError(ValueError):
-    pass
 
 
 # ---- loading without code ------------------------------------------------------------------
@@ -147,16 +146,6 @@ def convert_core(model: dict, gated: bool) -> Dict[str, torch.Tensor]:
         else:
             raise MegatronCheckpointError(f"unknown Megatron-Core parameter {k!r}")
     return _split_gate(out) if gated else out
-
-
-def _flatten(d: dict, prefix: str = "") -> Dict[str, torch.Tensor]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        elif v is not None:
-            out[prefix + k] = v
-    return out
 
 
 def convert_legacy(model: dict, gated: bool) -> Dict[str, torch.Tensor]:

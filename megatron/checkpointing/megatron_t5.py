@@ -30,7 +30,8 @@ from typing import Dict, Tuple
 
 import torch
 
-from megatron.checkpointing.megatron_legacy import MegatronCheckpointError, _flatten
+from megatron.checkpointing.megatron_base import MegatronCheckpointError
+from megatron.checkpointing.megatron_base import flatten as _flatten
 
 _LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(.*)$")
 
@@ -163,8 +164,9 @@ def stage_ranges(enc_layers: int, dec_layers: int, pp: int, r: int) -> list:
 
 def layer_offset(args, pp: int, p: int, block: str) -> int:
     """Global index of pipeline rank p's first layer of `block` (encoder / decoder)."""
-    (e0, _), (d0, _) = stage_ranges(args.encoder_num_layers, args.decoder_num_layers or args.num_layers, pp,
-                                    split_rank(args, pp))[p]
+    enc = getattr(args, "encoder_num_layers", None) or args.num_layers
+    dec = getattr(args, "decoder_num_layers", None) or args.num_layers
+    (e0, _), (d0, _) = stage_ranges(enc, dec, pp, split_rank(args, pp))[p]
     return e0 if block == "encoder" else d0
 
 
