@@ -309,3 +309,16 @@ def test_megatrons_own_load_checkpoint_reads_our_t5(tmp_path):
     m = re.search(r"megatron_load_max_abs_logit_diff=(\S+)", out.stdout)
     assert m, out.stdout[-2000:] + out.stderr[-2000:]
     assert float(m.group(1)) < 1e-5
+
+
+def test_megatron_legacy_t5_run_is_checked_before_training():
+    """A T5 run that Megatron's T5 cannot hold is refused at configuration, not at its first save."""
+    from megatron.config.core import ConfigError
+    with pytest.raises(ConfigError, match="--position-embedding-type learned_absolute"):
+        from tests.training.test_t5_parity import tiny_t5_config
+        cfg = tiny_t5_config(world=1)  # relative positions, this project's T5 default
+        cfg.checkpoint = dataclasses.replace(cfg.checkpoint, ckpt_format="megatron-legacy")
+        type(cfg)(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+    ok = _cfg(1, None, fmt="megatron-legacy")  # learned positions: accepted
+    assert type(ok)(**{f.name: getattr(ok, f.name) for f in dataclasses.fields(ok)}).checkpoint.ckpt_format \
+        == "megatron-legacy"
