@@ -355,6 +355,7 @@ def read_full(root: str) -> Tuple[argparse.Namespace, Dict[str, torch.Tensor], d
             if t5:  # T5's names and pipeline layout: megatron_t5
                 from megatron.checkpointing import megatron_t5
                 local = (megatron_t5.convert_core_t5 if _is_core(model) else megatron_t5.convert_legacy_t5)(model, path)
+                local = megatron_t5.drop_encoder_head(local, args, pp, p)
             else:
                 local = convert_core(model, gated) if _is_core(model) else convert_legacy(model, gated)
             stage = v * pp + p

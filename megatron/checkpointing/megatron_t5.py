@@ -170,6 +170,14 @@ def layer_offset(args, pp: int, p: int, block: str) -> int:
     return e0 if block == "encoder" else d0
 
 
+def drop_encoder_head(local: Dict[str, torch.Tensor], args, pp: int, p: int) -> Dict[str, torch.Tensor]:
+    """Megatron-Core builds an LM head on the encoder's last pipeline rank too (post_process
+    holds there); it never trains. Only the decoder's last rank's head is the model's."""
+    if pp > 1 and p < split_rank(args, pp):
+        return {k: v for k, v in local.items() if k not in ("lm_head_bias", "output_layer.weight")}
+    return local
+
+
 # ---- writing -------------------------------------------------------------------------------
 def _legacy_layer(block: str, rest: str, norm_names: str) -> str:
     new = "norm" if norm_names == "norm" else "layernorm"

@@ -17,7 +17,8 @@ from megatron.checkpointing.torch_format import _atomic_write_bytes
 
 FIX = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "megatron")
 VOCAB = 101  # NullTokenizer: Megatron's --vocab-size 100 plus its end-of-document id
-CASES = [("mcore_t5_tp1", "core", 1), ("mcore_t5_tp2", "core", 2), ("legacy_t5_tp1", "legacy", 1)]
+CASES = [("mcore_t5_tp1", "core", 1, 1), ("mcore_t5_tp2", "core", 2, 1), ("mcore_t5_pp2", "core", 1, 2),
+         ("legacy_t5_tp1", "legacy", 1, 1)]
 
 
 def write_full(*a, **k):
@@ -61,16 +62,28 @@ def _single_stage(fields, full):
     return stage
 
 
-@pytest.mark.parametrize("name,fmt,tp", CASES)
-def test_megatron_t5_fixture_gives_the_source_logits(name, fmt, tp):
+@pytest.mark.parametrize("name,fmt,tp,pp", CASES)
+def test_megatron_t5_fixture_gives_the_source_logits(name, fmt, tp, pp):
     root = os.path.join(FIX, name)
     args, full, meta = L.read_full(root)
-    assert L.is_t5(args) and meta["format"] == fmt and meta["tp"] == tp
+    assert L.is_t5(args) and meta["format"] == fmt and (meta["tp"], meta["pp"]) == (tp, pp)
     assert meta["iteration"] == 3 and meta["consumed_samples"] == 3 and meta["opt_param_scheduler"]["num_steps"] == 3
     fields = _fields(args)
     assert (fields["model_type"], fields["encoder_num_layers"], fields["decoder_num_layers"]) == ("t5", 2, 2)
     ref = torch.load(os.path.join(root, "logits.pt"), weights_only=True)
     assert _diff(_logits(_single_stage(fields, full), ref), ref) < 1e-5
+
+
+def test_pp2_source_takes_the_decoders_lm_head():
+    """Megatron-Core at PP 2 (encoder on rank 0) also builds an LM head on the encoder's rank,
+    which never trains; the model's bias is the decoder rank's."""
+    it = os.path.join(FIX, "mcore_t5_pp2", "iter_0000003")
+    enc, dec = (L.safe_load_megatron(os.path.join(it, d, "model_optim_rng.pt"))["model"]["lm_head.output_layer.bias"]
+                for d in ("mp_rank_00_000", "mp_rank_00_001"))
+    assert not torch.equal(enc, dec)
+    _, full, _ = L.read_full(os.path.join(FIX, "mcore_t5_pp2"))
+    assert torch.equal(full["lm_head_bias"], dec)
+    assert full.keys() == L.read_full(os.path.join(FIX, "mcore_t5_tp1"))[1].keys()
 
 
 def test_core_and_legacy_names_meet():
@@ -197,7 +210,7 @@ def _load_and_train(rank, world, name, tp, pp, split):
     return out
 
 
-@pytest.mark.parametrize("name,world,tp,pp,split", [("mcore_t5_tp2", 1, 1, 1, None),
+@pytest.mark.parametrize("name,world,tp,pp,split", [("mcore_t5_tp2", 1, 1, 1, None), ("mcore_t5_pp2", 1, 1, 1, None),
                                                      ("legacy_t5_tp1", 2, 2, 1, None),
                                                      ("mcore_t5_tp1", 2, 1, 2, 1)])
 def test_load_megatron_t5_checkpoint_and_train(name, world, tp, pp, split):
