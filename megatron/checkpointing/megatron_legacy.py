@@ -22,6 +22,7 @@ is checked again (no object arrays).
 Here each file's model is translated to this project's names (`convert_*`), the tensor-parallel
 shards are joined and layer indices made global (`read_full`): one {global name: full tensor}
 dict, which any of this project's layouts cuts its own shards from (`load_into_trainer`).
+T5's names (Megatron-Core and legacy) and its encoder/decoder pipeline split: `megatron_t5`.
 """
 from __future__ import annotations
 
@@ -35,14 +36,12 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
+from megatron.checkpointing.megatron_base import MegatronCheckpointError
+from megatron.checkpointing.megatron_base import flatten as _flatten
 from megatron.checkpointing.safety import _arrays
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
-
-
-class MegatronCheckpointError(ValueError):
-    pass
 
 
 # ---- loading without code ------------------------------------------------------------------
@@ -152,16 +151,6 @@ def convert_core(model: dict, gated: bool) -> Dict[str, torch.Tensor]:
         else:
             raise MegatronCheckpointError(f"unknown Megatron-Core parameter {k!r}")
     return _split_gate(out) if gated else out
-
-
-def _flatten(d: dict, prefix: str = "") -> Dict[str, torch.Tensor]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        elif v is not None:
-            out[prefix + k] = v
-    return out
 
 
 def convert_legacy(model: dict, gated: bool) -> Dict[str, torch.Tensor]:
@@ -306,9 +295,7 @@ def _activation(a: dict) -> str:
 def model_fields(args) -> dict:
     """This project's model settings from Megatron's args (what the run must match)."""
     a = vars(args)
-    t5 = a.get("encoder_num_layers") is not None and a.get("decoder_num_layers") is not None \
-        and "t5" in str(a.get("model_type", "")).lower() \
-        or str(a.get("model_type")) == str(ModelType.encoder_and_decoder)
+    t5 = is_t5(args)
     heads = a["num_attention_heads"]
     out = dict(model_type="t5" if t5 else "gpt", num_layers=a["num_layers"], hidden_size=a["hidden_size"],
                num_attention_heads=heads, ffn_hidden_size=a.get("ffn_hidden_size") or 4 * a["hidden_size"],
@@ -324,7 +311,21 @@ def model_fields(args) -> dict:
                activation_func=_activation(a))
     if a.get("kv_channels"):
         out["kv_channels"] = a["kv_channels"]
+    if t5:  # Megatron's num_layers is the encoder's; ours counts both stacks
+        enc, dec = a["encoder_num_layers"] or a["num_layers"], a.get("decoder_num_layers") or a["num_layers"]
+        out.update(num_layers=enc + dec, encoder_num_layers=enc, decoder_num_layers=dec,
+                   encoder_seq_length=a.get("encoder_seq_length") or a.get("seq_length"),
+                   decoder_seq_length=a.get("decoder_seq_length"))
+        out["seq_length"] = out["encoder_seq_length"]
     return out
+
+
+def is_t5(args) -> bool:
+    """Megatron's args of a T5 run: its ModelType, or (files this project wrote, which cannot
+    pickle Megatron's enum) both layer counts and a decoder sequence length."""
+    a = vars(args)
+    return str(a.get("model_type")) == str(ModelType.encoder_and_decoder) or \
+        all(a.get(k) is not None for k in ("encoder_num_layers", "decoder_num_layers", "decoder_seq_length"))
 
 
 def tokenizer_vocab_size(args) -> int:
@@ -381,15 +382,23 @@ def join_shards(args, models: Dict[Tuple[int, int], list], tp: int, pp: int) -> 
     for (t, p), chunks in sorted(models.items()):
         gated = bool(getattr(args, "swiglu", False))
         n_stages = pp * len(chunks)
+        t5 = is_t5(args)
         for v, model in enumerate(chunks):
             fmt = fmt or ("core" if _is_core(model) else "legacy")
-            local = convert_core(model, gated) if _is_core(model) else convert_legacy(model, gated)
+            if t5:  # T5's names and pipeline layout: megatron_t5
+                from megatron.checkpointing import megatron_t5
+                local = (megatron_t5.convert_core_t5 if _is_core(model) else megatron_t5.convert_legacy_t5)(
+                    model, f"the TP {t} / PP {p} rank file")
+                local = megatron_t5.drop_encoder_head(local, args, pp, p)
+            else:
+                local = convert_core(model, gated) if _is_core(model) else convert_legacy(model, gated)
             stage = v * pp + p
             for name, tensor in local.items():
                 m = re.match(r"^(encoder|decoder)\.layers\.(\d+)\.(.*)$", name)
                 if m:
                     total = getattr(args, f"{m.group(1)}_num_layers", None) or args.num_layers
-                    off = _layer_offsets(args, n_stages, total)[stage]
+                    off = megatron_t5.layer_offset(args, pp, p, m.group(1)) if t5 else \
+                        _layer_offsets(args, n_stages, total)[stage]
                     name = f"{m.group(1)}.layers.{off + int(m.group(2))}.{m.group(3)}"
                 if name == "output_layer.weight" and not getattr(args, "untie_embeddings_and_output_weights", False):
                     continue  # the last stage's copy of the tied word embeddings
@@ -457,7 +466,10 @@ def load_into_trainer(trainer, root: str, training_state=None) -> bool:
                       ("swiglu", "--swiglu"), ("normalization", "--normalization"),
                       ("add_bias_linear", "--disable-bias-linear"), ("position_embedding_type",
                                                                       "--position-embedding-type"),
-                      ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights")):
+                      ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+                      ("encoder_num_layers", "--encoder-num-layers"), ("decoder_num_layers", "--decoder-num-layers")):
+        if key not in theirs:
+            continue
         if getattr(ours, key, None) != theirs[key]:
             problems.append(f"{flag}: checkpoint has {theirs[key]}, this run has {getattr(ours, key, None)}")
     if theirs["model_type"] != ours.model_type:

@@ -1,4 +1,4 @@
-"""Writing checkpoints as Megatron-LM's legacy code writes them (GPT), for Megatron-LM's own
+"""Writing checkpoints as Megatron-LM's legacy code writes them (GPT; T5 via `megatron_t5`), for Megatron-LM's own
 `--load`, its `tools/checkpoint` loaders and transformers' Megatron converters. The reading side
 and the name mapping are in `checkpoint_megatron_legacy`."""
 from __future__ import annotations
@@ -40,7 +40,8 @@ def megatron_args(model: dict, tp: int, pp: int, iteration: int, consumed_sample
              group_query_attention=gqa, num_query_groups=model.get("num_query_groups") if gqa else None,
              layernorm_epsilon=model.get("layernorm_epsilon", 1e-5), norm_epsilon=model.get("layernorm_epsilon", 1e-5),
              params_dtype=torch.float32, fp16=False, bf16=False, openai_gelu=False, onnx_safe=None,
-             bias_gelu_fusion=True, apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True,
+             bias_gelu_fusion=model.get("activation_func", "gelu") != "gelu-erf",
+             apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True,
              apply_residual_connection_post_layernorm=False, hidden_dropout=model.get("hidden_dropout", 0.1),
              attention_dropout=model.get("attention_dropout", 0.1), use_distributed_optimizer=False,
              num_experts=None, rotary_percent=model.get("rotary_percent", 1.0),
@@ -131,35 +132,48 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def write_full(out: str, model: dict, full: Dict[str, torch.Tensor], meta: dict, tp: int, pp: int,
-               release: bool = True, norm_names: str = "layernorm", atomic_write=None) -> str:
+               release: bool = True, norm_names: Optional[str] = None, atomic_write=None,
+               split: Optional[int] = None) -> str:
     """Write a GPT `full` model ({our global name: tensor}, vocabulary rows unpadded) as
     Megatron-LM writes it: `release/` (tracker `release`) for a converted checkpoint, else
     `iter_NNNNNNN`; `atomic_write(path, write_fn) -> sha256 hex` is the checkpoint writer's
     (`megatron.checkpointing.torch_format._atomic_write_bytes`, passed in: that module
-    dispatches to this one); `norm_names` picks the release's spelling (NORM_NAMES). Integrity
+    dispatches to this one); `norm_names` picks the release's spelling (NORM_NAMES; default
+    `layernorm` for GPT, `norm` for T5). Integrity
     data (sha256 of every file) goes to `<folder>/manifest.json`, never beside a model file.
-    Returns the iteration folder."""
+    T5 (`megatron_t5`): encoder on pipeline ranks [0, split), decoder on [split, pp) (split
+    default pp // 2). Returns the iteration folder."""
     from megatron.config.core import ModelConfig
-    if model.get("model_type", "gpt") != "gpt":
-        raise MegatronCheckpointError("writing Megatron-LM's legacy format is implemented for GPT only")
+    t5 = model.get("model_type", "gpt") == "t5"
     cfg = ModelConfig(**model)
     L = cfg.num_layers
-    if L % pp or cfg.num_attention_heads % tp or cfg.ffn_hidden_size % tp:
+    norm_names = norm_names or ("norm" if t5 else "layernorm")  # core_v0.9.0's legacy T5 / GPT for converters
+    if t5:
+        from megatron.checkpointing import megatron_t5
+        megatron_t5.check_writable(model)
+        split = (split or pp // 2) if pp > 1 else 0
+        ranges = megatron_t5.stage_ranges(cfg.encoder_num_layers, cfg.decoder_num_layers, pp, split)
+    if (L % pp and not t5) or cfg.num_attention_heads % tp or cfg.ffn_hidden_size % tp:
         raise MegatronCheckpointError(f"TP {tp} x PP {pp} does not divide the layers, heads or FFN size")
     padded = cfg.padded_vocab_size(tp)
     tied = not cfg.untie_embeddings_and_output_weights
     iteration = meta.get("iteration", 0)
     folder = "release" if release else f"iter_{iteration:07d}"
     it_dir = os.path.join(out, folder)
-    args = megatron_args(model, tp, pp, iteration, meta.get("consumed_samples", 0), cfg.vocab_size, padded)
+    args = megatron_args(model, tp, pp, iteration, meta.get("consumed_samples", 0), cfg.vocab_size, padded,
+                         megatron_t5.t5_args_fields(model, pp, split) if t5 else None)
     per = L // pp
     files = {}
     for p in range(pp):
         for r in range(tp):
             local = {}
             for name, t in full.items():
-                m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
-                if m:
+                m = None if t5 else re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
+                if t5:
+                    here, name = megatron_t5.stage_of(name, ranges, p, split, pp)
+                    if not here:
+                        continue
+                elif m:
                     i = int(m.group(1))
                     if not p * per <= i < (p + 1) * per:
                         continue
@@ -175,11 +189,13 @@ def write_full(out: str, model: dict, full: Dict[str, torch.Tensor], meta: dict,
                     n = t.shape[d] // tp
                     t = t.narrow(d, r * n, n)
                 local[name] = t.contiguous().clone()
-            if tied and p == pp - 1 and pp > 1:
+            first = p in (0, split) if t5 else p == 0
+            if tied and p == pp - 1 and pp > 1 and not first:
                 w = _pad_rows(full["embedding.word_embeddings.weight"], padded)
                 local["output_layer.weight"] = w.narrow(0, r * (padded // tp), padded // tp).clone()
-            state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
-                     "model": to_legacy_model(local, p == 0, p == pp - 1, tied, pp, norm_names),
+            nested = megatron_t5.to_legacy_t5(local, first, p == pp - 1, norm_names) if t5 else \
+                to_legacy_model(local, p == 0, p == pp - 1, tied, pp, norm_names)
+            state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": nested,
                      "rng_state": megatron_rng_state()}
             sched = megatron_scheduler(meta.get("opt_param_scheduler"))
             if sched is not None:
@@ -197,7 +213,7 @@ def write_full(out: str, model: dict, full: Dict[str, torch.Tensor], meta: dict,
 
 
 def save_from_trainer(trainer, root: str, ops) -> str:
-    """`--ckpt-format megatron-legacy` (GPT): every rank's stages as Megatron-LM's legacy code
+    """`--ckpt-format megatron-legacy` (GPT and T5): every rank's stages as Megatron-LM's legacy code
     writes them (`iter_NNNNNNN/mp_rank_XX[_YYY]/model_optim_rng.pt`, virtual stages `model0`,
     `model1`, ...), then (rank 0) the manifest with every file's sha256 and the tracker.
     What it keeps is what Megatron-LM can use: weights, counters in `args`, scheduler, RNG and
@@ -210,8 +226,8 @@ def save_from_trainer(trainer, root: str, ops) -> str:
     from megatron.checkpointing.dist_format import sha256_digest
     cfg, ps = trainer.cfg, trainer.ps
     model = cfg.to_dict()["model"]
-    if model.get("model_type", "gpt") != "gpt":
-        raise MegatronCheckpointError("--ckpt-format megatron-legacy writes GPT models only (T5: use torch)")
+    t5 = model.get("model_type", "gpt") == "t5"
+    t5_fields = _t5_trainer_fields(cfg, ps, model) if t5 else None
     it_dir = os.path.join(root, f"iter_{trainer.iteration:07d}")
     tied = not cfg.model.untie_embeddings_and_output_weights
     padded = cfg.model.padded_vocab_size(ps.tp_size)
@@ -227,18 +243,28 @@ def save_from_trainer(trainer, root: str, ops) -> str:
             from megatron.checkpointing.megatron_optim import legacy_order, optimizer_for_file
             gbs = cfg.training.global_batch_size
             args = megatron_args(model, ps.tp_size, ps.pp_size, trainer.iteration, trainer.consumed_samples,
-                                 cfg.model.vocab_size, padded, extra=dict(global_batch_size=gbs,
-                                                                          micro_batch_size=cfg.training.micro_batch_size))
+                                 cfg.model.vocab_size, padded, dict(t5_fields or {}, global_batch_size=gbs,
+                                                                    micro_batch_size=cfg.training.micro_batch_size))
             args.virtual_pipeline_model_parallel_size = len(trainer.stages) if len(trainer.stages) > 1 else None
             state = {"args": args, "checkpoint_version": 3.0, "iteration": trainer.iteration,
                      "rng_state": megatron_rng_state(),
                      "opt_param_scheduler": megatron_scheduler(trainer.lr_scheduler.state_dict(),
                                                                cfg.training.weight_decay, gbs)}
             chunks = [trainer.stages[sid] for sid in sorted(trainer.stages)]
-            nested = [legacy_order(to_legacy_model({k: v.detach().clone() for k, v in s.state_dict().items()},
-                                                   s.pre_process, s.post_process, tied, ps.pp_size)) for s in chunks]
-            optim, distrib = optimizer_for_file(trainer, chunks, moments, lambda s, sd: to_legacy_model(
-                sd, s.pre_process, s.post_process, tied, ps.pp_size))
+            if t5:  # Megatron's legacy T5 of core_v0.5 and later (`*_norm` names)
+                from megatron.checkpointing.megatron_t5 import to_legacy_t5
+
+                def to_nested(s, sd):
+                    return to_legacy_t5(sd, s.pre_process or s.pre_process_decoder, s.post_process, "norm")
+            else:
+                def to_nested(s, sd):
+                    return to_legacy_model(sd, s.pre_process, s.post_process, tied, ps.pp_size)
+            nested = [to_nested(s, {k: v.detach().clone() for k, v in s.state_dict().items()}) for s in chunks]
+            # Megatron's optimizer order is rebuilt from the legacy GPT's parameter order; T5's is not
+            # reproduced, so a T5 file carries no optimizer (Megatron then needs --no-load-optim).
+            optim, distrib = (None, None) if t5 else optimizer_for_file(trainer, chunks, moments, to_nested)
+            if not t5:
+                nested = [legacy_order(n) for n in nested]
             if optim is not None:
                 state["optimizer"] = optim
             args.use_distributed_optimizer = distrib is not None
@@ -269,3 +295,21 @@ def save_from_trainer(trainer, root: str, ops) -> str:
     except OSError as e:
         raise _write_error(ps, root, e) from e
     return it_dir
+
+
+def _t5_trainer_fields(cfg, ps, model: dict) -> dict:
+    """Megatron's T5 args fields for this run; refuses what Megatron's T5 cannot hold (uneven
+    --pipeline-stage-layers included: Megatron splits each stack evenly)."""
+    from megatron.checkpointing import megatron_t5
+    from megatron.models.t5 import t5_split_rank, t5_stage_layers
+    try:
+        megatron_t5.check_writable(model)
+        split = t5_split_rank(cfg)
+        even = megatron_t5.stage_ranges(model["encoder_num_layers"], model["decoder_num_layers"], ps.pp_size, split)
+    except MegatronCheckpointError as e:
+        raise MegatronCheckpointError(f"--ckpt-format megatron-legacy (rank {ps.rank}): {e}; save with "
+                                      f"--ckpt-format torch instead") from None
+    if [tuple(map(tuple, x)) for x in t5_stage_layers(cfg)] != [tuple(map(tuple, x)) for x in even]:
+        raise MegatronCheckpointError(f"--ckpt-format megatron-legacy (rank {ps.rank}): --pipeline-stage-layers "
+                                      f"splits T5 unevenly, which Megatron-LM cannot load; use --ckpt-format torch")
+    return megatron_t5.t5_args_fields(model, ps.pp_size, split)

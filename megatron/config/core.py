@@ -522,6 +522,11 @@ class MegatronConfig:
                          "--dynapipe with T5 puts the encoder on the first half of the pipeline: set "
                          f"--pipeline-model-parallel-split-rank {p.pipeline_model_parallel_size // 2}")
 
+        _require(self.checkpoint.ckpt_format != "megatron-legacy" or m.model_type != "t5" or (
+            m.position_embedding_type == "learned_absolute" and not m.untie_embeddings_and_output_weights and
+            m.normalization == "LayerNorm" and m.add_bias_linear and not m.gated_mlp and m.activation_func == "gelu"),
+            "--ckpt-format megatron-legacy writes Megatron-LM's T5 (learned positions, tied head, LayerNorm, biases, "
+            "GeLU): add --position-embedding-type learned_absolute (no untied/RMSNorm/gated) or --ckpt-format torch")
         check_schedule_config(self)
         if self.terapipe.enabled:
             try:

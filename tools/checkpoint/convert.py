@@ -48,16 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read a Hugging Face folder (config.json + model.safetensors): gpt2, llama or t5")
     p.add_argument("--to-megatron", action="store_true",
                    help="write Megatron-LM's legacy format (args Namespace, nested language_model, release/) at the "
-                        "target TP/PP, for Megatron-LM's own --load and converters (GPT)")
+                        "target TP/PP, for Megatron-LM's own --load and converters (GPT and T5)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="--from-megatron: the tokenizer's vocabulary size, when Megatron's args do not record it "
                         "(GPT2BPETokenizer runs store only padded_vocab_size; e.g. 50257 for GPT-2)")
-    p.add_argument("--megatron-norm-names", choices=("layernorm", "norm"), default="layernorm",
-                   help="--to-megatron: `input_layernorm` (Megatron-LM <= 23.x, v2.x, transformers' converters) or "
-                        "`input_norm` (the legacy model of Megatron-Core 0.5 and later)")
+    p.add_argument("--megatron-norm-names", choices=("layernorm", "norm"), default=None,
+                   help="--to-megatron: `input_layernorm` (Megatron-LM <= 23.x, v2.x, transformers' converters; the "
+                        "GPT default) or `input_norm` (the legacy model of Megatron-Core 0.5 and later; T5's default)")
     p.add_argument("--from-megatron", action="store_true",
                    help="read a checkpoint Megatron-LM wrote (legacy or Megatron-Core torch format, any TP/PP) and "
-                        "write this project's format at the target TP/PP (GPT)")
+                        "write this project's format at the target TP/PP (GPT and T5)")
     p.add_argument("--verify", action="store_true", help="compare logits of both models on random tokens")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="--from-hf: the vocabulary padding the training run will use (must match its flag)")
@@ -114,15 +114,18 @@ def _megatron(args) -> int:
     try:
         if args.to_megatron:
             config, full, meta = read_full_model(args.load, args.iteration)
+            t5 = config["model"].get("model_type") == "t5"
+            norm = args.megatron_norm_names or ("norm" if t5 else "layernorm")
             out = mwrite.write_full(args.save, config["model"], full, meta, args.target_tensor_parallel_size,
-                                     args.target_pipeline_parallel_size, release=True,
-                                     norm_names=args.megatron_norm_names, atomic_write=_atomic_write_bytes)
+                                     args.target_pipeline_parallel_size, release=True, norm_names=norm,
+                                     atomic_write=_atomic_write_bytes,
+                                     split=args.target_pipeline_model_parallel_split_rank)
             print(f"wrote Megatron-LM legacy checkpoint (release, {len(full)} tensors) to {out}")
             return 0
         margs, full, meta = mlegacy.read_full(args.load)
         fields = mlegacy.model_fields(margs)
         fields["vocab_size"] = args.vocab_size or mlegacy.tokenizer_vocab_size(margs)
-        for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        for k in ("embedding.word_embeddings.weight", "output_layer.weight", "lm_head_bias"):
             if k in full:
                 full[k] = full[k][:fields["vocab_size"]]
         fields = {k: v for k, v in fields.items() if v is not None}
