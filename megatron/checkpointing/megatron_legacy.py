@@ -403,14 +403,15 @@ def _fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-def load_into_trainer(trainer, root: str) -> bool:
+def load_into_trainer(trainer, root: str, read=None) -> bool:
     """Fill every stage of this rank from a Megatron-LM checkpoint at this run's layout.
     Resumes the iteration, consumed samples and LR schedule unless --finetune; the optimizer
-    starts fresh (Megatron's optimizer state is ordered by its own parameter groups)."""
+    starts fresh (Megatron's optimizer state is ordered by its own parameter groups). `read`
+    is another format's `read_full` (mcore_dist.py: Megatron-Core's torch_dist)."""
     import sys
     from megatron.checkpointing.dist_format import _dim, _params
     cfg, ps = trainer.cfg, trainer.ps
-    args, full, meta = read_full(root)
+    args, full, meta = (read or read_full)(root)
     problems = []
     theirs = model_fields(args)
     ours = cfg.model

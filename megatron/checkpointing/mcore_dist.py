@@ -1,0 +1,194 @@
+"""Checkpoints Megatron-Core wrote with `--ckpt-format torch_dist` (Megatron-LM's default today).
+
+    <dir>/latest_checkpointed_iteration.txt   an iteration number (or `release`)
+    <dir>/iter_0000100/metadata.json          {"sharded_backend": "torch_dist", "common_backend": "torch", ...}
+    <dir>/iter_0000100/common.pt              args (argparse.Namespace), iteration, opt_param_scheduler, ...
+    <dir>/iter_0000100/.metadata              torch.distributed.checkpoint's index
+    <dir>/iter_0000100/__R_I.distcp           the chunks, written by rank R (file I of it)
+
+Names are Megatron-Core's sharded-state-dict keys: one global tensor per parameter of the whole
+model, whatever the layout that wrote it. A transformer block's layers are stacked along a
+leading axis of the global tensor (`decoder.layers.self_attention.linear_qkv.weight` is
+[num_layers, 3 * hidden, hidden]); tensor-parallel shards and pipeline stages are separate
+chunks of it at their global offsets. A gated MLP's `linear_fc1` is stored as [gate of all TP
+ranks; up of all TP ranks]. Non-tensor state (`rng_state`, each layer's `_extra_state`) is
+stored as pickled byte entries: this reader never opens them.
+
+Reading never runs code and never leaves the folder. DCP's own loader is not used (it unpickles
+byte entries and trusts the index's file names); `dist_reader` reads the index with an
+unpickler that builds only DCP's metadata classes, checks it whole (tensor entries, chunks
+inside their shapes, storage in a plain `__R_I.distcp` file of the folder, inside that file),
+and reads each chunk with `torch.load(weights_only=True)`, which must give a tensor of the
+declared dtype and shape. Here chunks must also tile each tensor exactly (no overlap, no
+hole). `common.pt` goes through the Megatron-LM allowlist (`megatron_legacy.safe_load_megatron`).
+
+The global tensors are then split per layer into Megatron-Core's flat names
+(`decoder.layers.N.<...>`), translated by `megatron_legacy.convert_core`, and handed to the same
+`load_into_trainer` as Megatron's `torch` format: any TP/PP layout of this project cuts its own
+shards from them. Optimizer state (`optimizer.*` entries, when Megatron saved it) is not read:
+the optimizer starts fresh, as for Megatron's other formats.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from megatron.checkpointing import dist_reader as reader
+from megatron.checkpointing import megatron_legacy as legacy
+
+BACKEND_FILE = "metadata.json"
+COMMON = "common.pt"
+_SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+# Byte (pickled object) entries Megatron-Core writes beside the tensors; named here, never opened.
+_KNOWN_BYTES = re.compile(r"(^|\.)_extra_state(/shard_[0-9_.]+)?$|^rng_state(/shard_[0-9_.]+)?$|^optimizer\.")
+_STACKED = re.compile(r"^(encoder|decoder)\.layers\.(.+)$")
+SOURCE = "Megatron-Core's torch_dist save (as this reader knows it)"
+
+
+class McoreDistError(legacy.MegatronCheckpointError):
+    """A Megatron-Core torch_dist folder this reader refuses; one line naming the file."""
+
+
+def _iteration_dir(root: str) -> Tuple[str, str, int]:
+    folder, iteration = legacy.read_tracker(root)
+    return os.path.join(root, folder), folder, iteration
+
+
+def detect(root: str) -> bool:
+    """True when --load names a folder whose tracked iteration carries Megatron-Core's
+    `metadata.json` (this project's own torch_dist writes `common.json` instead)."""
+    try:
+        it_dir, _, _ = _iteration_dir(root)
+    except (OSError, ValueError):
+        return False
+    return os.path.isfile(os.path.join(it_dir, BACKEND_FILE)) and \
+        not os.path.exists(os.path.join(it_dir, "common.json"))
+
+
+def _check_backend(it_dir: str) -> None:
+    path = os.path.join(it_dir, BACKEND_FILE)
+    try:
+        with open(path) as f:
+            md = json.load(f)
+    except (OSError, ValueError) as e:
+        raise McoreDistError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:120]})") from None
+    backend = md.get("sharded_backend") if isinstance(md, dict) else None
+    common = md.get("common_backend", "torch") if isinstance(md, dict) else None
+    if backend != "torch_dist" or common != "torch":
+        raise McoreDistError(f"{path}: sharded_backend {backend!r}, common_backend {common!r}; only Megatron-Core's "
+                             f"'torch_dist' with 'torch' is read (re-save it with --ckpt-format torch_dist, or "
+                             f"convert it with Megatron-LM's tools/checkpoint/convert.py)")
+
+
+def _shard_files(it_dir: str) -> Dict[str, dict]:
+    """The folder's `__R_I.distcp` files with their sizes (DCP writes no checksums: the index's
+    offsets and lengths are checked against these sizes, and each chunk against its entry)."""
+    out = {}
+    for name in sorted(os.listdir(it_dir)):
+        path = os.path.join(it_dir, name)
+        if _SHARD_FILE.match(name) and os.path.isfile(path) and not os.path.islink(path):
+            out[name] = {"sha256": "", "bytes": os.path.getsize(path)}
+    return out
+
+
+def _check_tiling(md, it_dir: str, names) -> None:
+    """Each tensor's chunks must not overlap (the reader already checks that they lie inside the
+    shape and cover as many elements as it has: together, every element is written once)."""
+    where = os.path.join(it_dir, reader.INDEX)
+    for name in names:
+        boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.state_dict_metadata[name].chunks)
+        for i, (oa, sa) in enumerate(boxes):
+            for ob, sb in boxes[i + 1:]:
+                if ob[0] >= oa[0] + sa[0]:
+                    break  # sorted by the first offset: no later chunk can overlap this one
+                if all(b < a + s and a < b + t for a, s, b, t in zip(oa, sa, ob, sb)):
+                    raise McoreDistError(f"{where}: chunks {oa} and {ob} of {name[:120]!r} overlap; refused")
+
+
+def read_index(it_dir: str):
+    """DCP's index of a Megatron-Core torch_dist folder, checked whole (see the module docstring)."""
+    try:
+        md = reader.read_metadata(it_dir)
+        if not hasattr(md, "state_dict_metadata") or type(md.state_dict_metadata) is not dict:
+            raise reader.DistCheckpointError(f"{os.path.join(it_dir, reader.INDEX)}: not a DCP Metadata; refused")
+        allowed = [k for k in md.state_dict_metadata if isinstance(k, str) and _KNOWN_BYTES.search(k)]
+        reader.check_index(md, it_dir, _shard_files(it_dir), allowed_bytes=allowed, source=SOURCE)
+    except reader.DistCheckpointError as e:
+        raise McoreDistError(str(e)) from None
+    mcore = getattr(md, "mcore_data", None) or {}
+    for name in reader.tensor_index(md):
+        extra = mcore.get(name) if isinstance(mcore, dict) else None
+        if extra and not name.startswith("optimizer."):
+            raise McoreDistError(f"{os.path.join(it_dir, reader.INDEX)}: model tensor {name[:120]!r} is stored "
+                                 f"reformulated ({sorted(extra)[:3]}); not read")
+    return md
+
+
+def read_common(it_dir: str) -> dict:
+    """`common.pt`: Megatron's args, iteration, scheduler (through the Megatron-LM allowlist)."""
+    path = os.path.join(it_dir, COMMON)
+    if not os.path.isfile(path) or os.path.islink(path):
+        raise McoreDistError(f"{path}: missing (a Megatron-Core torch_dist checkpoint keeps its args there)")
+    state = legacy.safe_load_megatron(path)
+    if not isinstance(state.get("args"), argparse.Namespace):
+        raise McoreDistError(f"{path}: no Megatron `args` in the file")
+    return state
+
+
+def _num_layers(args, block: str) -> int:
+    return getattr(args, f"{block}_num_layers", None) or args.num_layers
+
+
+def read_full(root: str) -> Tuple[argparse.Namespace, Dict[str, torch.Tensor], dict]:
+    """Same contract as `megatron_legacy.read_full`: (Megatron's args, {our global name: full
+    tensor, vocabulary rows as saved (padded)}, iteration / consumed samples / scheduler /
+    source layout / format)."""
+    it_dir, folder, iteration = _iteration_dir(root)
+    if not os.path.isdir(it_dir):
+        raise McoreDistError(f"{it_dir}: missing (named by {os.path.join(root, legacy.TRACKER)})")
+    _check_backend(it_dir)
+    common = read_common(it_dir)
+    args = common["args"]
+    md = read_index(it_dir)
+    index = reader.tensor_index(md)
+    names = [k for k in index if not k.startswith("optimizer.")]
+    _check_tiling(md, it_dir, names)
+    targets = {k: torch.empty(index[k][0], dtype=index[k][1]) for k in names}
+    try:
+        reader.read_tensors(md, it_dir, targets)
+    except reader.DistCheckpointError as e:
+        raise McoreDistError(str(e)) from None
+    flat = {}
+    for name, t in targets.items():
+        m = _STACKED.match(name)
+        if m is None:
+            flat[name] = t
+            continue
+        n = _num_layers(args, m.group(1))
+        if t.dim() < 1 or t.shape[0] != n:
+            raise McoreDistError(f"{os.path.join(it_dir, reader.INDEX)}: {name[:120]!r} stacks {tuple(t.shape)[:1]} "
+                                 f"layers, args.num_layers is {n}")
+        for i in range(n):
+            flat[f"{m.group(1)}.layers.{i}.{m.group(2)}"] = t[i]
+    full = legacy.convert_core(flat, bool(getattr(args, "swiglu", False)))
+    if not getattr(args, "untie_embeddings_and_output_weights", False):
+        full.pop("output_layer.weight", None)  # the tied head is the word embeddings
+    meta = {"iteration": int(common.get("iteration", iteration)), "release": folder == "release",
+            "consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
+            "opt_param_scheduler": common.get("opt_param_scheduler"),
+            "checkpoint_version": common.get("checkpoint_version"),
+            "tp": int(getattr(args, "tensor_model_parallel_size", 1) or 1),
+            "pp": int(getattr(args, "pipeline_model_parallel_size", 1) or 1), "format": "core torch_dist",
+            "optimizer_tensors": len(index) - len(names)}
+    return args, full, meta
+
+
+def load_into_trainer(trainer, root: str, read: Optional[object] = None) -> bool:
+    """--load of a Megatron-Core torch_dist folder at this run's layout (see
+    `megatron_legacy.load_into_trainer`: the same checks, counters and scheduler)."""
+    return legacy.load_into_trainer(trainer, root, read=read or read_full)
