@@ -47,7 +47,7 @@ _SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 # Byte (pickled object) entries Megatron-Core writes beside the tensors; named here, never opened.
 _KNOWN_BYTES = re.compile(r"(^|\.)_extra_state(/shard_[0-9_.]+)?$|^rng_state(/shard_[0-9_.]+)?$|^optimizer\.")
 _STACKED = re.compile(r"^(encoder|decoder)\.layers\.(.+)$")
-SOURCE = "Megatron-Core's torch_dist save (as this reader knows it)"
+SOURCE = "Megatron-Core's torch_dist save as this reader knows it"
 
 
 class McoreDistError(legacy.MegatronCheckpointError):
@@ -91,8 +91,8 @@ def _shard_files(it_dir: str) -> Dict[str, dict]:
     out = {}
     for name in sorted(os.listdir(it_dir)):
         path = os.path.join(it_dir, name)
-        if _SHARD_FILE.match(name) and os.path.isfile(path) and not os.path.islink(path):
-            out[name] = {"sha256": "", "bytes": os.path.getsize(path)}
+        if _SHARD_FILE.match(name):  # a link is listed so that the reader names it a link and refuses it
+            out[name] = {"sha256": "", "bytes": os.lstat(path).st_size}
     return out
 
 

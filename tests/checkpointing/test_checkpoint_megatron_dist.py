@@ -1,0 +1,212 @@
+"""Checkpoints Megatron-Core wrote with `--ckpt-format torch_dist` (tests/fixtures/megatron/
+mcore_gpt_dist_*, made by make_fixtures.py from NVIDIA/Megatron-LM core_v0.9.0) load here with the
+source's logits at another TP, train on, convert; forged folders are refused in one line."""
+import dataclasses
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from megatron.checkpointing import dist_reader
+from megatron.checkpointing import mcore_dist as D
+from megatron.checkpointing import megatron_legacy as L
+from megatron.checkpointing.safety import UnsafeCheckpointError
+from tests.checkpointing.test_checkpoint_megatron_legacy import _load_and_train, _run_cfg
+
+FIX = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "megatron")
+IT = "iter_0000003"
+
+
+def _fields(args):
+    mf = L.model_fields(args)
+    mf.pop("num_query_groups")
+    mf.update(vocab_size=args.padded_vocab_size, make_vocab_size_divisible_by=1)
+    return mf
+
+
+@pytest.mark.parametrize("name,tp", [("mcore_gpt_dist_tp1", 1), ("mcore_gpt_dist_tp2", 2)])
+def test_torch_dist_fixture_gives_the_source_logits(name, tp):
+    from tools.checkpoint.hf_gpt2 import our_logits
+    root = os.path.join(FIX, name)
+    assert D.detect(root) and not L.detect(root)
+    args, full, meta = D.read_full(root)
+    assert (meta["format"], meta["tp"], meta["pp"], meta["iteration"], meta["consumed_samples"]) == \
+        ("core torch_dist", tp, 1, 3, 3)
+    assert meta["opt_param_scheduler"]["num_steps"] == 3 and meta["checkpoint_version"] == 3.0
+    ref = torch.load(os.path.join(root, "logits.pt"), weights_only=True)
+    out = our_logits(_fields(args), full, ref["tokens"])[..., :ref["logits"].shape[-1]]
+    assert (out - ref["logits"]).abs().max().item() < 1e-5
+    # Megatron wrote the same seed's model in its torch format too: the two readers agree bit for bit.
+    _, flat, _ = L.read_full(os.path.join(FIX, name.replace("_dist", "")))
+    assert flat.keys() == full.keys() and all(torch.equal(flat[k], full[k]) for k in full)
+
+
+@pytest.mark.parametrize("name,world,tp", [("mcore_gpt_dist_tp2", 1, 1), ("mcore_gpt_dist_tp1", 2, 2)])
+def test_load_torch_dist_checkpoint_and_train(name, world, tp):
+    from tests.dist_harness import run_distributed
+    res = run_distributed(_load_and_train, world, name, tp, timeout_s=600)
+    for r in res:
+        assert (r["iteration"], r["consumed"], r["steps"], r["after"]) == (3, 3, 3, 5)
+    if world == 1:
+        assert res[0]["diff"] < 1e-5
+
+
+def test_convert_from_megatron_torch_dist(tmp_path):
+    from tools.checkpoint import convert
+    from tools.checkpoint.reshard import read_full_model
+    ours = str(tmp_path / "ours")
+    assert convert.main(["--from-megatron", "--load", os.path.join(FIX, "mcore_gpt_dist_tp2"), "--save", ours,
+                         "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "2"]) == 0
+    config, got, meta = read_full_model(ours, None)
+    assert meta["iteration"] == 3 and meta["consumed_samples"] == 3
+    _, want, _ = D.read_full(os.path.join(FIX, "mcore_gpt_dist_tp2"))
+    vocab = 101  # NullTokenizer: Megatron's --vocab-size 100 plus its end-of-document id
+    head = got.pop("output_layer.weight")  # our PP2 keeps the tied head's copy on the last stage
+    assert torch.equal(head[:vocab], want["embedding.word_embeddings.weight"][:vocab])
+    assert got.keys() == want.keys()
+    for k in want:
+        n = vocab if "word_embeddings" in k else None
+        assert torch.equal(got[k][:n], want[k][:n]), k
+
+
+# ---- forged folders -------------------------------------------------------------------------
+def _copy(tmp_path, name="mcore_gpt_dist_tp2"):
+    root = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(FIX, name), root)
+    return str(root), str(root / IT)
+
+
+def _index(it_dir):
+    return dist_reader.read_metadata(it_dir)
+
+
+def _write_index(it_dir, md):
+    with open(os.path.join(it_dir, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+
+
+def _refused(root, exc=L.MegatronCheckpointError, match=None):
+    with pytest.raises(exc, match=match) as e:
+        D.read_full(root)
+    assert "\n" not in str(e.value), str(e.value)
+    return str(e.value)
+
+
+class _Boom:
+    def __init__(self, flag):
+        self.flag = flag
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.flag}",))
+
+
+def test_a_pickled_object_in_the_index_is_refused(tmp_path):
+    root, it_dir = _copy(tmp_path)
+    md = _index(it_dir)
+    md.planner_data = _Boom(tmp_path / "ran")
+    _write_index(it_dir, md)
+    msg = _refused(root, match="refused to load")
+    assert ".metadata" in msg and "system" in msg
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_pickled_object_in_common_pt_is_refused(tmp_path):
+    root, it_dir = _copy(tmp_path)
+    common = L.safe_load_megatron(os.path.join(it_dir, "common.pt"))
+    common["args"].model_type = None  # (re-saved, the stand-in enum would be named first)
+    common["evil"] = _Boom(tmp_path / "ran")
+    torch.save(common, os.path.join(it_dir, "common.pt"))
+    msg = _refused(root, UnsafeCheckpointError, match="common.pt")
+    assert "system" in msg and not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("path", ["../outside.distcp", "/etc/passwd", "__0_0.distcp/../../x"])
+def test_a_chunk_outside_the_folder_is_refused(tmp_path, path):
+    root, it_dir = _copy(tmp_path)
+    shutil.copy(os.path.join(it_dir, "__0_0.distcp"), tmp_path / "outside.distcp")
+    md = _index(it_dir)
+    idx = next(i for i in md.storage_data if i.fqn == "embedding.word_embeddings.weight")
+    md.storage_data[idx] = dataclasses.replace(md.storage_data[idx], relative_path=path)
+    _write_index(it_dir, md)
+    _refused(root, match="not a plain file of the checkpoint folder")
+
+
+def test_a_linked_shard_is_refused(tmp_path):
+    root, it_dir = _copy(tmp_path)
+    shard = os.path.join(it_dir, "__1_1.distcp")
+    os.replace(shard, tmp_path / "elsewhere.distcp")
+    os.symlink(tmp_path / "elsewhere.distcp", shard)
+    _refused(root, match="__1_1.distcp: a link or a file outside the checkpoint folder; refused")
+
+
+def test_a_chunk_of_the_wrong_size_is_refused(tmp_path):
+    root, it_dir = _copy(tmp_path)
+    md = _index(it_dir)
+    name = "decoder.layers.self_attention.linear_qkv.weight"
+    idx = next(i for i in md.storage_data if i.fqn == name)
+    # A shard file of the folder whose record holds a [1, 10, 32] tensor where the index declares [1, 48, 32].
+    with open(os.path.join(it_dir, "__7_0.distcp"), "wb") as f:
+        torch.save(torch.zeros(1, 10, 32), f)
+    size = os.path.getsize(os.path.join(it_dir, "__7_0.distcp"))
+    md.storage_data[idx] = dataclasses.replace(md.storage_data[idx], relative_path="__7_0.distcp", offset=0,
+                                               length=size)
+    _write_index(it_dir, md)
+    msg = _refused(root, match=r"holds torch.float32 \(1, 10, 32\), the index declares")
+    assert "__7_0.distcp" in msg and name in msg
+
+
+def test_a_truncated_shard_is_refused(tmp_path):
+    root, it_dir = _copy(tmp_path)
+    shard = os.path.join(it_dir, "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    _refused(root, match="truncated")
+
+
+def test_overlapping_chunks_are_refused(tmp_path):
+    root, it_dir = _copy(tmp_path)
+    md = _index(it_dir)
+    entry = md.state_dict_metadata["decoder.layers.self_attention.linear_proj.weight"]  # [2, 32, 32], TP on dim 2
+    i = next(i for i, c in enumerate(entry.chunks) if tuple(c.offsets) == (0, 0, 16))
+    # Same element count, inside the shape, but over half of its neighbour: columns 24..31 never written.
+    entry.chunks[i] = dataclasses.replace(entry.chunks[i], offsets=torch.Size([0, 0, 8]))
+    _write_index(it_dir, md)
+    _refused(root, match="overlap")
+
+
+def test_unknown_byte_entries_and_other_backends_are_refused(tmp_path):
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    root, it_dir = _copy(tmp_path)
+    md = _index(it_dir)
+    md.state_dict_metadata["decoder.layers.self_attention.linear_proj.weight"] = BytesStorageMetadata()
+    _write_index(it_dir, md)
+    _refused(root, match="byte .pickled object. entry where only tensors are expected")
+    root, it_dir = _copy(tmp_path / "b")
+    with open(os.path.join(it_dir, "metadata.json"), "w") as f:
+        f.write('{"sharded_backend": "zarr", "sharded_backend_version": 1, "common_backend": "torch"}')
+    _refused(root, match="zarr")
+
+
+def _load_hostile(rank, world, root):
+    from megatron.checkpointing.torch_format import CheckpointError, load_checkpoint
+    from tests.parity_utils import make_trainer
+    t = make_trainer(_run_cfg(world, root))
+    try:
+        load_checkpoint(t)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_load_refuses_a_forged_folder_in_one_line(tmp_path):
+    from tests.dist_harness import run_distributed
+    root, it_dir = _copy(tmp_path)
+    common = L.safe_load_megatron(os.path.join(it_dir, "common.pt"))
+    common["args"].model_type = None  # (re-saved, the stand-in enum would be named first)
+    common["evil"] = _Boom(tmp_path / "ran")
+    torch.save(common, os.path.join(it_dir, "common.pt"))
+    msg, = run_distributed(_load_hostile, 1, root, timeout_s=600)
+    assert msg is not None and "\n" not in msg and "common.pt" in msg and "refused" in msg
+    assert not (tmp_path / "ran").exists()
