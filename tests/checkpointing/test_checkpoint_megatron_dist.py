@@ -13,7 +13,7 @@ from megatron.checkpointing import dist_reader
 from megatron.checkpointing import mcore_dist as D
 from megatron.checkpointing import megatron_legacy as L
 from megatron.checkpointing.safety import UnsafeCheckpointError
-from tests.checkpointing.test_checkpoint_megatron_legacy import _load_and_train, _run_cfg
+from tests.checkpointing.test_checkpoint_megatron_legacy import _run_cfg
 
 FIX = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "megatron")
 IT = "iter_0000003"
@@ -26,31 +26,78 @@ def _fields(args):
     return mf
 
 
-@pytest.mark.parametrize("name,tp", [("mcore_gpt_dist_tp1", 1), ("mcore_gpt_dist_tp2", 2)])
-def test_torch_dist_fixture_gives_the_source_logits(name, tp):
+# (folder, Megatron's TP, PP, virtual stages): the interleaved one has 4 layers, 1 per virtual stage.
+SOURCES = [("mcore_gpt_dist_tp1", 1, 1, None), ("mcore_gpt_dist_tp2", 2, 1, None), ("mcore_gpt_dist_pp2", 1, 2, None),
+           ("mcore_gpt_dist_tp2_pp2_vpp", 2, 2, 2)]
+
+
+@pytest.mark.parametrize("name,tp,pp,vpp", SOURCES)
+def test_torch_dist_fixture_gives_the_source_logits(name, tp, pp, vpp):
     from tools.checkpoint.hf_gpt2 import our_logits
     root = os.path.join(FIX, name)
     assert D.detect(root) and not L.detect(root)
     args, full, meta = D.read_full(root)
     assert (meta["format"], meta["tp"], meta["pp"], meta["iteration"], meta["consumed_samples"]) == \
-        ("core torch_dist", tp, 1, 3, 3)
+        ("core torch_dist", tp, pp, 3, 3)
+    assert args.virtual_pipeline_model_parallel_size == vpp and meta["optimizer_tensors"] == 0
     assert meta["opt_param_scheduler"]["num_steps"] == 3 and meta["checkpoint_version"] == 3.0
     ref = torch.load(os.path.join(root, "logits.pt"), weights_only=True)
     out = our_logits(_fields(args), full, ref["tokens"])[..., :ref["logits"].shape[-1]]
     assert (out - ref["logits"]).abs().max().item() < 1e-5
-    # Megatron wrote the same seed's model in its torch format too: the two readers agree bit for bit.
-    _, flat, _ = L.read_full(os.path.join(FIX, name.replace("_dist", "")))
-    assert flat.keys() == full.keys() and all(torch.equal(flat[k], full[k]) for k in full)
+    if pp == 1:  # Megatron wrote the same seed's model in its torch format too: the readers agree bit for bit
+        _, flat, _ = L.read_full(os.path.join(FIX, name.replace("_dist", "")))
+        assert flat.keys() == full.keys() and all(torch.equal(flat[k], full[k]) for k in full)
+    if vpp:  # layer order matters: Megatron's interleaved stages hold layers 0, 2 (rank 0) and 1, 3 (rank 1)
+        swap = {k: full[k.replace("layers.1.", "layers.2.")] if "layers.1." in k else
+                full[k.replace("layers.2.", "layers.1.")] if "layers.2." in k else v for k, v in full.items()}
+        assert (our_logits(_fields(args), swap, ref["tokens"])[..., :100] - ref["logits"]).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize("name,world,tp", [("mcore_gpt_dist_tp2", 1, 1), ("mcore_gpt_dist_tp1", 2, 2)])
-def test_load_torch_dist_checkpoint_and_train(name, world, tp):
+def _load_and_train(rank, world, name, tp, pp, layers):
+    import torch.nn.functional as F
+    from megatron.checkpointing.torch_format import load_checkpoint
+    from tests.parity_utils import make_trainer, shards, tiny_config
+    root = os.path.join(FIX, name)
+    cfg = tiny_config(world=world, tp=tp, pp=pp, layers=layers, hidden=32, heads=4, seq=8, mbs=1, gbs=1, iters=5,
+                      load=root, arch=dict(ffn_hidden_size=64, max_position_embeddings=8))
+    cfg.model = dataclasses.replace(cfg.model, make_vocab_size_divisible_by=16)
+    t = make_trainer(cfg)
+    assert load_checkpoint(t)
+    out = {"iteration": t.iteration, "consumed": t.consumed_samples, "steps": t.lr_scheduler.num_steps,
+           "shards": shards(t)}
+    if world == 1:  # the loaded model's logits against the ones Megatron computed
+        ref = torch.load(os.path.join(root, "logits.pt"), weights_only=True)
+        stage = t.stages[0]
+        stage.eval()
+        with torch.no_grad():
+            tok = ref["tokens"]
+            pos = torch.arange(tok.shape[1]).unsqueeze(0).expand_as(tok)
+            x = stage.final_layernorm(stage.decoder(stage.embedding(tok, pos), None))
+            logits = F.linear(x, stage.output_weight()).transpose(0, 1)[..., :ref["logits"].shape[-1]]
+        out["diff"] = (logits - ref["logits"]).abs().max().item()
+        stage.train()
+    t.train()
+    out["after"] = t.iteration
+    return out
+
+
+# (folder, our world, TP, PP): each Megatron layout loaded at another layout of ours.
+@pytest.mark.parametrize("name,world,tp,pp", [("mcore_gpt_dist_tp2", 1, 1, 1), ("mcore_gpt_dist_tp2_pp2_vpp", 1, 1, 1),
+                                              ("mcore_gpt_dist_pp2", 2, 2, 1), ("mcore_gpt_dist_tp1", 2, 1, 2)])
+def test_load_torch_dist_checkpoint_and_train(name, world, tp, pp):
     from tests.dist_harness import run_distributed
-    res = run_distributed(_load_and_train, world, name, tp, timeout_s=600)
+    from tests.parity_utils import VOCAB, assemble
+    _, full, _ = D.read_full(os.path.join(FIX, name))
+    layers = 1 + max(int(k.split(".")[2]) for k in full if k.startswith("decoder.layers."))
+    res = run_distributed(_load_and_train, world, name, tp, pp, layers, timeout_s=600)
     for r in res:
         assert (r["iteration"], r["consumed"], r["steps"], r["after"]) == (3, 3, 3, 5)
     if world == 1:
         assert res[0]["diff"] < 1e-5
+    got = assemble([r["shards"] for r in res])  # what every rank loaded, joined again
+    assert got.keys() == full.keys()
+    for k, v in full.items():
+        assert torch.equal(got[k], v[:VOCAB] if "word_embeddings" in k else v), k
 
 
 def test_convert_from_megatron_torch_dist(tmp_path):
