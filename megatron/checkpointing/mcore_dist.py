@@ -175,7 +175,10 @@ def read_full(root: str) -> Tuple[argparse.Namespace, Dict[str, torch.Tensor], d
                                  f"layers, args.num_layers is {n}")
         for i in range(n):
             flat[f"{m.group(1)}.layers.{i}.{m.group(2)}"] = t[i]
-    full = legacy.convert_core(flat, bool(getattr(args, "swiglu", False)))
+    try:
+        full = legacy.convert_core(flat, bool(getattr(args, "swiglu", False)))
+    except legacy.MegatronCheckpointError as e:  # e.g. MoE experts, whose names this project has no layer for
+        raise McoreDistError(f"{os.path.join(it_dir, reader.INDEX)}: {e}; not read") from None
     if not getattr(args, "untie_embeddings_and_output_weights", False):
         full.pop("output_layer.weight", None)  # the tied head is the word embeddings
     meta = {"iteration": int(common.get("iteration", iteration)), "release": folder == "release",

@@ -236,6 +236,16 @@ def test_unknown_byte_entries_and_other_backends_are_refused(tmp_path):
     _refused(root, match="zarr")
 
 
+def test_a_parameter_without_a_counterpart_here_is_refused(tmp_path):
+    root, it_dir = _copy(tmp_path)
+    md = _index(it_dir)
+    old, new = "decoder.layers.mlp.linear_fc2.bias", "decoder.layers.mlp.experts.linear_fc2.bias"
+    md.state_dict_metadata[new] = md.state_dict_metadata.pop(old)
+    md.storage_data = {(dataclasses.replace(i, fqn=new) if i.fqn == old else i): v for i, v in md.storage_data.items()}
+    _write_index(it_dir, md)
+    _refused(root, match="unknown Megatron-Core layer parameter 'mlp.experts.linear_fc2.bias'")
+
+
 def _load_hostile(rank, world, root):
     from megatron.checkpointing.torch_format import CheckpointError, load_checkpoint
     from tests.parity_utils import make_trainer
