@@ -144,6 +144,26 @@ def _num_layers(args, block: str) -> int:
     return getattr(args, f"{block}_num_layers", None) or args.num_layers
 
 
+def _ours(targets: Dict[str, torch.Tensor], args, it_dir: str) -> Dict[str, torch.Tensor]:
+    """Megatron-Core's global tensors (layer stacks split per layer) under this project's names."""
+    flat = {}
+    for name, t in targets.items():
+        m = _STACKED.match(name)
+        if m is None:
+            flat[name] = t
+            continue
+        n = _num_layers(args, m.group(1))
+        if t.dim() < 1 or t.shape[0] != n:
+            raise McoreDistError(f"{os.path.join(it_dir, reader.INDEX)}: {name[:120]!r} stacks {tuple(t.shape)[:1]} "
+                                 f"layers, args.num_layers is {n}")
+        for i in range(n):
+            flat[f"{m.group(1)}.layers.{i}.{m.group(2)}"] = t[i]
+    try:
+        return legacy.convert_core(flat, bool(getattr(args, "swiglu", False)))
+    except legacy.MegatronCheckpointError as e:  # e.g. MoE experts, whose names this project has no layer for
+        raise McoreDistError(f"{os.path.join(it_dir, reader.INDEX)}: {e}; not read") from None
+
+
 def read_full(root: str) -> Tuple[argparse.Namespace, Dict[str, torch.Tensor], dict]:
     """Same contract as `megatron_legacy.read_full`: (Megatron's args, {our global name: full
     tensor, vocabulary rows as saved (padded)}, iteration / consumed samples / scheduler /
@@ -163,22 +183,7 @@ def read_full(root: str) -> Tuple[argparse.Namespace, Dict[str, torch.Tensor], d
         reader.read_tensors(md, it_dir, targets)
     except reader.DistCheckpointError as e:
         raise McoreDistError(str(e)) from None
-    flat = {}
-    for name, t in targets.items():
-        m = _STACKED.match(name)
-        if m is None:
-            flat[name] = t
-            continue
-        n = _num_layers(args, m.group(1))
-        if t.dim() < 1 or t.shape[0] != n:
-            raise McoreDistError(f"{os.path.join(it_dir, reader.INDEX)}: {name[:120]!r} stacks {tuple(t.shape)[:1]} "
-                                 f"layers, args.num_layers is {n}")
-        for i in range(n):
-            flat[f"{m.group(1)}.layers.{i}.{m.group(2)}"] = t[i]
-    try:
-        full = legacy.convert_core(flat, bool(getattr(args, "swiglu", False)))
-    except legacy.MegatronCheckpointError as e:  # e.g. MoE experts, whose names this project has no layer for
-        raise McoreDistError(f"{os.path.join(it_dir, reader.INDEX)}: {e}; not read") from None
+    full = _ours(targets, args, it_dir)
     if not getattr(args, "untie_embeddings_and_output_weights", False):
         full.pop("output_layer.weight", None)  # the tied head is the word embeddings
     meta = {"iteration": int(common.get("iteration", iteration)), "release": folder == "release",
@@ -191,7 +196,89 @@ def read_full(root: str) -> Tuple[argparse.Namespace, Dict[str, torch.Tensor], d
     return args, full, meta
 
 
-def load_into_trainer(trainer, root: str, read: Optional[object] = None) -> bool:
-    """--load of a Megatron-Core torch_dist folder at this run's layout (see
-    `megatron_legacy.load_into_trainer`: the same checks, counters and scheduler)."""
-    return legacy.load_into_trainer(trainer, root, read=read or read_full)
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def read_moments(root: str) -> Tuple[Optional[Dict[str, Dict[str, torch.Tensor]]], str]:
+    """Adam's moments as Megatron-Core's (non-distributed) optimizer saves them in torch_dist,
+    `optimizer.state.exp_avg.<parameter key>` at the parameter's global shape, and the step
+    (`common.pt`'s optimizer.state.common_step): ({"exp_avg"|"exp_avg_sq": {our name: full
+    tensor}, "step": tensor}, "") or (None, why they are not read)."""
+    it_dir, _, _ = _iteration_dir(root)
+    md = read_index(it_dir)
+    index = reader.tensor_index(md)
+    common = read_common(it_dir)
+    names = {k: [n for n in index if n.startswith(f"optimizer.state.{k}.")] for k in _MOMENTS}
+    if not names["exp_avg"]:
+        other = sorted(n for n in md.state_dict_metadata if n.startswith("optimizer."))[:1]
+        return None, (f"its optimizer entries ({other[0][:80]}, ...) are not Megatron-Core's per-parameter Adam "
+                      f"state (the distributed optimizer's layouts are not read)" if other else
+                      "it holds no optimizer state")
+    mcore = getattr(md, "mcore_data", None) or {}
+    if any((mcore.get(n) if isinstance(mcore, dict) else None) for k in _MOMENTS for n in names[k]):
+        return None, "its optimizer state is the distributed optimizer's flattened layout (not read)"
+    step = ((common.get("optimizer") or {}).get("state") or {}).get("common_step")
+    if not isinstance(step, torch.Tensor) or step.numel() != 1:
+        return None, f"{os.path.join(it_dir, COMMON)} holds no optimizer.state.common_step"
+    every = names["exp_avg"] + names["exp_avg_sq"]
+    _check_tiling(md, it_dir, every)
+    targets = {n: torch.empty(index[n][0], dtype=index[n][1]) for n in every}
+    try:
+        reader.read_tensors(md, it_dir, targets)
+    except reader.DistCheckpointError as e:
+        raise McoreDistError(str(e)) from None
+    args = common["args"]
+    out = {k: _ours({n[len(f"optimizer.state.{k}."):]: targets[n] for n in names[k]}, args, it_dir) for k in _MOMENTS}
+    return {**out, "step": step.reshape(()).float()}, ""
+
+
+def _load_moments(trainer, root: str, moments: dict) -> None:
+    """Each parameter of this rank takes its TP shard of Megatron's moments (vocabulary rows fit
+    to this run's padding, like the weights); the distributed optimizer cuts its DP shard."""
+    from megatron.checkpointing.dist_format import _dim, _params
+    ps = trainer.ps
+    padded = trainer.cfg.model.padded_vocab_size(ps.tp_size)
+    states = {}
+    for key, p, _ in _params(trainer):
+        if any(key not in moments[k] for k in _MOMENTS):
+            raise McoreDistError(f"Megatron-Core checkpoint {root} holds Adam state for some parameters but not "
+                                 f"{key}; load it with --no-load-optim")
+        st = {"step": moments["step"].clone()}
+        for k in _MOMENTS:
+            t = moments[k][key]
+            if legacy._VOCAB.search(key):
+                t = legacy._fit_rows(t, padded)
+            d = _dim(p)
+            if d is not None:
+                per = t.shape[d] // ps.tp_size
+                t = t.narrow(d, ps.tp_rank * per, per)
+            if tuple(t.shape) != tuple(p.shape):
+                raise McoreDistError(f"{key}: Megatron-Core checkpoint {root} gives Adam state of shape "
+                                     f"{tuple(t.shape)} on {ps.describe()}, the model has {tuple(p.shape)}")
+            st[k] = t.to(p.device, torch.float32).clone()
+        states[id(p)] = st
+    trainer.optimizer.load_param_states(states)
+
+
+def load_into_trainer(trainer, root: str) -> bool:
+    """--load of a Megatron-Core torch_dist folder at this run's layout: the weights, counters
+    and scheduler as `megatron_legacy.load_into_trainer` does, then Adam's moments and step when
+    Megatron saved them per parameter (not with --no-load-optim or --finetune)."""
+    import sys
+    ck = trainer.cfg.checkpoint
+    want = not (ck.no_load_optim or ck.finetune)
+    moments, why = read_moments(root) if want else (None, "--no-load-optim / --finetune")
+    note = {}
+
+    def read(r):
+        args, full, meta = read_full(r)
+        if moments is not None:
+            meta["optimizer_note"] = f"Adam's moments and step ({int(moments['step'])}) come from Megatron's optimizer"
+        note.update(meta)
+        return args, full, meta
+    legacy.load_into_trainer(trainer, root, read=read)
+    if moments is not None:
+        _load_moments(trainer, root, moments)
+    elif want and trainer.ps.rank == 0 and note.get("optimizer_tensors"):
+        print(f"note: {root}: the optimizer starts fresh: {why}", file=sys.stderr, flush=True)
+    return True

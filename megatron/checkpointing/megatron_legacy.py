@@ -463,7 +463,8 @@ def load_into_trainer(trainer, root: str, read=None) -> bool:
             if not cfg.checkpoint.no_load_optim else trainer.iteration
     if ps.rank == 0:
         print(f"loaded Megatron-LM checkpoint ({meta['format']} model, TP {meta['tp']} x PP {meta['pp']}) {root} "
-              f"at iteration {meta['iteration']}{' (release)' if meta['release'] else ''}; the optimizer starts "
-              f"fresh and the RNG from this run's seed", file=sys.stderr, flush=True)
+              f"at iteration {meta['iteration']}{' (release)' if meta['release'] else ''}; "
+              f"{meta.get('optimizer_note', 'the optimizer starts fresh')} and the RNG from this run's seed",
+              file=sys.stderr, flush=True)
     return True
 

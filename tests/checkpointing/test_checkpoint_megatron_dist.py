@@ -28,7 +28,7 @@ def _fields(args):
 
 # (folder, Megatron's TP, PP, virtual stages): the interleaved one has 4 layers, 1 per virtual stage.
 SOURCES = [("mcore_gpt_dist_tp1", 1, 1, None), ("mcore_gpt_dist_tp2", 2, 1, None), ("mcore_gpt_dist_pp2", 1, 2, None),
-           ("mcore_gpt_dist_tp2_pp2_vpp", 2, 2, 2)]
+           ("mcore_gpt_dist_tp2_pp2_vpp", 2, 2, 2), ("mcore_gpt_dist_tp2_optim", 2, 1, None)]
 
 
 @pytest.mark.parametrize("name,tp,pp,vpp", SOURCES)
@@ -39,12 +39,13 @@ def test_torch_dist_fixture_gives_the_source_logits(name, tp, pp, vpp):
     args, full, meta = D.read_full(root)
     assert (meta["format"], meta["tp"], meta["pp"], meta["iteration"], meta["consumed_samples"]) == \
         ("core torch_dist", tp, pp, 3, 3)
-    assert args.virtual_pipeline_model_parallel_size == vpp and meta["optimizer_tensors"] == 0
+    assert args.virtual_pipeline_model_parallel_size == vpp
+    assert meta["optimizer_tensors"] == (32 if name.endswith("_optim") else 0)  # exp_avg + exp_avg_sq of 16
     assert meta["opt_param_scheduler"]["num_steps"] == 3 and meta["checkpoint_version"] == 3.0
     ref = torch.load(os.path.join(root, "logits.pt"), weights_only=True)
     out = our_logits(_fields(args), full, ref["tokens"])[..., :ref["logits"].shape[-1]]
     assert (out - ref["logits"]).abs().max().item() < 1e-5
-    if pp == 1:  # Megatron wrote the same seed's model in its torch format too: the readers agree bit for bit
+    if pp == 1 and not name.endswith("_optim"):  # the same seed's model in Megatron's torch format: equal
         _, flat, _ = L.read_full(os.path.join(FIX, name.replace("_dist", "")))
         assert flat.keys() == full.keys() and all(torch.equal(flat[k], full[k]) for k in full)
     if vpp:  # layer order matters: Megatron's interleaved stages hold layers 0, 2 (rank 0) and 1, 3 (rank 1)
@@ -267,3 +268,68 @@ def test_load_refuses_a_forged_folder_in_one_line(tmp_path):
     msg, = run_distributed(_load_hostile, 1, root, timeout_s=600)
     assert msg is not None and "\n" not in msg and "common.pt" in msg and "refused" in msg
     assert not (tmp_path / "ran").exists()
+
+
+# ---- Adam's moments (mcore_gpt_dist_tp2_optim: Megatron-Core's optimizer after one step) ----
+OPTIM = "mcore_gpt_dist_tp2_optim"
+
+
+def _load_optim(rank, world, tp, distributed, no_load_optim):
+    from megatron.checkpointing.dist_format import _dim, _params
+    from megatron.checkpointing.torch_format import load_checkpoint
+    from tests.parity_utils import make_trainer, tiny_config
+    cfg = tiny_config(world=world, tp=tp, layers=2, hidden=32, heads=4, seq=8, mbs=1, gbs=world // tp, iters=5,
+                      load=os.path.join(FIX, OPTIM), arch=dict(ffn_hidden_size=64, max_position_embeddings=8))
+    cfg.model = dataclasses.replace(cfg.model, make_vocab_size_divisible_by=16)
+    cfg.training = dataclasses.replace(cfg.training, use_distributed_optimizer=distributed)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, no_load_optim=no_load_optim)
+    t = make_trainer(cfg)
+    assert load_checkpoint(t)
+    states = t.optimizer.param_states()  # whole over DP (collective for the distributed optimizer)
+    out = {k: {} for k in ("exp_avg", "exp_avg_sq")}
+    steps = set()
+    if t.ps.dp_rank == 0:
+        for key, p, here in _params(t):
+            if here and id(p) in states:
+                steps.add(float(states[id(p)]["step"]))
+                for k in out:
+                    out[k][key] = (states[id(p)][k].detach().clone(), _dim(p), t.ps.tp_rank)
+    t.train()
+    return {"moments": out, "steps": steps, "after": t.iteration, "n_states": len(states)}
+
+
+def _megatron_moments():
+    """The oracle: torch's own DCP loader on the (trusted, committed) fixture, Megatron's names."""
+    import torch.distributed.checkpoint as dcp
+    it_dir = os.path.join(FIX, OPTIM, IT)
+    index = dist_reader.tensor_index(dist_reader.read_metadata(it_dir))
+    sd = {k: torch.empty(s, dtype=d) for k, (s, d) in index.items() if k.startswith("optimizer.state.")}
+    dcp.load(sd, checkpoint_id=it_dir, no_dist=True)
+    return sd
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the oracle's single-process DCP load
+@pytest.mark.parametrize("world,tp,distributed", [(1, 1, False), (2, 1, True)])
+def test_adam_moments_from_megatron_load_at_another_layout(world, tp, distributed):
+    from tests.dist_harness import run_distributed
+    from tests.parity_utils import VOCAB, assemble
+    res = run_distributed(_load_optim, world, tp, distributed, False, timeout_s=600)
+    assert all(r["after"] == 5 for r in res) and res[0]["steps"] == {1.0}
+    theirs = _megatron_moments()
+    for k in ("exp_avg", "exp_avg_sq"):
+        ours = assemble([r["moments"][k] for r in res])
+        m = f"optimizer.state.{k}."
+        assert torch.equal(ours["decoder.layers.1.self_attention.query_key_value.weight"],
+                           theirs[m + "decoder.layers.self_attention.linear_qkv.weight"][1])
+        assert torch.equal(ours["decoder.layers.0.mlp.dense_4h_to_h.weight"],
+                           theirs[m + "decoder.layers.mlp.linear_fc2.weight"][0])
+        assert torch.equal(ours["embedding.word_embeddings.weight"],
+                           theirs[m + "embedding.word_embeddings.weight"][:VOCAB])
+        assert torch.equal(ours["final_layernorm.weight"], theirs[m + "decoder.final_layernorm.weight"])
+        assert len(ours) == 28 and all(v.abs().sum() > 0 for v in ours.values())
+
+
+def test_no_load_optim_leaves_the_optimizer_fresh():
+    from tests.dist_harness import run_distributed
+    res, = run_distributed(_load_optim, 1, 1, False, True, timeout_s=600)
+    assert res["n_states"] == 0 and res["after"] == 5
