@@ -25,8 +25,12 @@ hole). `common.pt` goes through the Megatron-LM allowlist (`megatron_legacy.safe
 The global tensors are then split per layer into Megatron-Core's flat names
 (`decoder.layers.N.<...>`), translated by `megatron_legacy.convert_core`, and handed to the same
 `load_into_trainer` as Megatron's `torch` format: any TP/PP layout of this project cuts its own
-shards from them. Optimizer state (`optimizer.*` entries, when Megatron saved it) is not read:
-the optimizer starts fresh, as for Megatron's other formats.
+shards from them. Adam's state, when Megatron-Core's (non-distributed) optimizer saved it, is
+stored the same way under `optimizer.state.exp_avg.<parameter key>` / `exp_avg_sq`, with the step
+in `common.pt` (`optimizer.state.common_step`): it goes through the same renaming and is cut
+per parameter of this run (`load_param_states`: plain or distributed optimizer). The layouts of
+Megatron's distributed optimizer (flattened, or per-bucket) are not read: the optimizer then
+starts fresh and the log says so.
 """
 from __future__ import annotations
 
