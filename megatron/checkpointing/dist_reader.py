@@ -152,7 +152,7 @@ def check_index(md, it_dir: str, manifest: Dict[str, dict], allowed_bytes: Itera
             bad(f"storage of {idx.fqn[:120]!r} asks for stream transforms {list(info.transform_descriptors)[:4]!r}")
         name = _plain_name(info.relative_path, where)
         if name not in manifest or name in (INDEX, MANIFEST):
-            bad(f"storage of {idx.fqn[:120]!r} is in {name[:80]!r}, which is not a listed shard file of the folder")
+            bad(f"storage of {idx.fqn[:120]!r} is in {name[:80]!r}, which the manifest does not list as a shard")
         if name not in sizes:
             sizes[name] = _shard_size(it_dir, name, manifest)
         if info.offset + info.length > sizes[name]:
