@@ -333,3 +333,22 @@ def test_no_load_optim_leaves_the_optimizer_fresh():
     from tests.dist_harness import run_distributed
     res, = run_distributed(_load_optim, 1, 1, False, True, timeout_s=600)
     assert res["n_states"] == 0 and res["after"] == 5
+
+
+def test_pretrain_gpt_loads_megatrons_torch_dist_folder(tmp_path):
+    """What a user types: Megatron's folder as --load of pretrain_gpt.py, matching model flags."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=root, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    argv = [sys.executable, "pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--ffn-hidden-size", "64", "--seq-length", "8", "--max-position-embeddings", "8", "--vocab-size", "101",
+            "--make-vocab-size-divisible-by", "16", "--micro-batch-size", "1", "--global-batch-size", "1",
+            "--train-iters", "5", "--lr", "1e-3", "--mock-data", "--load", os.path.join(FIX, OPTIM),
+            "--save", str(tmp_path / "ours"), "--log-interval", "1"]
+    r = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"loaded Megatron-LM checkpoint (core torch_dist model, TP 2 x PP 1) {os.path.join(FIX, OPTIM)} at " \
+           f"iteration 3; Adam's moments and step (1) come from Megatron's optimizer" in r.stderr
+    assert "iteration        4/       5" in r.stdout and "saved checkpoint at iteration 5" in r.stdout
