@@ -128,8 +128,9 @@ def read_index(it_dir: str):
     for name in reader.tensor_index(md):
         extra = mcore.get(name) if isinstance(mcore, dict) else None
         if extra and not name.startswith("optimizer."):
+            what = sorted(map(str, extra))[:3] if isinstance(extra, dict) else type(extra).__name__
             raise McoreDistError(f"{os.path.join(it_dir, reader.INDEX)}: model tensor {name[:120]!r} is stored "
-                                 f"reformulated ({sorted(extra)[:3]}); not read")
+                                 f"reformulated ({what}); not read")
     return md
 
 
@@ -144,8 +145,17 @@ def read_common(it_dir: str) -> dict:
     return state
 
 
-def _num_layers(args, block: str) -> int:
-    return getattr(args, f"{block}_num_layers", None) or args.num_layers
+def _num_layers(args, block: str, it_dir: str) -> int:
+    n = getattr(args, f"{block}_num_layers", None) or getattr(args, "num_layers", None)
+    if type(n) is not int or n < 1:
+        raise McoreDistError(f"{os.path.join(it_dir, COMMON)}: args.num_layers is {str(n)[:40]!r}, not a layer count")
+    return n
+
+
+def _counter(it_dir: str, value, what: str) -> int:
+    if type(value) is not int or value < 0:
+        raise McoreDistError(f"{os.path.join(it_dir, COMMON)}: {what} is {str(value)[:40]!r}, not a count")
+    return value
 
 
 def _ours(targets: Dict[str, torch.Tensor], args, it_dir: str) -> Dict[str, torch.Tensor]:
@@ -156,7 +166,7 @@ def _ours(targets: Dict[str, torch.Tensor], args, it_dir: str) -> Dict[str, torc
         if m is None:
             flat[name] = t
             continue
-        n = _num_layers(args, m.group(1))
+        n = _num_layers(args, m.group(1), it_dir)
         if t.dim() < 1 or t.shape[0] != n:
             raise McoreDistError(f"{os.path.join(it_dir, reader.INDEX)}: {name[:120]!r} stacks {tuple(t.shape)[:1]} "
                                  f"layers, args.num_layers is {n}")
@@ -190,8 +200,10 @@ def read_full(root: str) -> Tuple[argparse.Namespace, Dict[str, torch.Tensor], d
     full = _ours(targets, args, it_dir)
     if not getattr(args, "untie_embeddings_and_output_weights", False):
         full.pop("output_layer.weight", None)  # the tied head is the word embeddings
-    meta = {"iteration": int(common.get("iteration", iteration)), "release": folder == "release",
-            "consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
+    meta = {"iteration": _counter(it_dir, common.get("iteration", iteration), "iteration"),
+            "release": folder == "release",
+            "consumed_samples": _counter(it_dir, getattr(args, "consumed_train_samples", 0) or 0,
+                                         "args.consumed_train_samples"),
             "opt_param_scheduler": common.get("opt_param_scheduler"),
             "checkpoint_version": common.get("checkpoint_version"),
             "tp": int(getattr(args, "tensor_model_parallel_size", 1) or 1),
@@ -221,7 +233,9 @@ def read_moments(root: str) -> Tuple[Optional[Dict[str, Dict[str, torch.Tensor]]
     mcore = getattr(md, "mcore_data", None) or {}
     if any((mcore.get(n) if isinstance(mcore, dict) else None) for k in _MOMENTS for n in names[k]):
         return None, "its optimizer state is the distributed optimizer's flattened layout (not read)"
-    step = ((common.get("optimizer") or {}).get("state") or {}).get("common_step")
+    opt = common.get("optimizer")
+    state = opt.get("state") if isinstance(opt, dict) else None
+    step = state.get("common_step") if isinstance(state, dict) else None
     if not isinstance(step, torch.Tensor) or step.numel() != 1:
         return None, f"{os.path.join(it_dir, COMMON)} holds no optimizer.state.common_step"
     every = names["exp_avg"] + names["exp_avg_sq"]

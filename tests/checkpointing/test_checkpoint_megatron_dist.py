@@ -352,3 +352,16 @@ def test_pretrain_gpt_loads_megatrons_torch_dist_folder(tmp_path):
     assert f"loaded Megatron-LM checkpoint (core torch_dist model, TP 2 x PP 1) {os.path.join(FIX, OPTIM)} at " \
            f"iteration 3; Adam's moments and step (1) come from Megatron's optimizer" in r.stderr
     assert "iteration        4/       5" in r.stdout and "saved checkpoint at iteration 5" in r.stdout
+
+
+def test_common_pt_with_wrong_counters_is_refused(tmp_path):
+    root, it_dir = _copy(tmp_path)
+    path = os.path.join(it_dir, "common.pt")
+    common = L.safe_load_megatron(path)
+    common["args"].model_type = None
+    common["iteration"] = "3"
+    torch.save(common, path)
+    _refused(root, match="common.pt: iteration is '3', not a count")
+    common["iteration"], common["args"].num_layers = 3, -2
+    torch.save(common, path)
+    _refused(root, match="common.pt: args.num_layers is '-2', not a layer count")
