@@ -104,9 +104,11 @@ def _is_size(v, ndim: Optional[int] = None) -> bool:
     return type(v) is torch.Size and all(type(x) is int and x >= 0 for x in v) and (ndim is None or len(v) == ndim)
 
 
-def check_index(md, it_dir: str, manifest: Dict[str, dict], allowed_bytes: Iterable[str] = ()) -> None:
+def check_index(md, it_dir: str, manifest: Dict[str, dict], allowed_bytes: Iterable[str] = (),
+                source: str = "this project's torch_dist save") -> None:
     """Refuse (one line naming `.metadata` and the entry) anything in DCP's index that this
-    project did not write: see the module docstring for the rules."""
+    project did not write: see the module docstring for the rules. `source` names the writer
+    the index was expected from (Megatron-Core's reader passes its own)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                        MetadataIndex, TensorProperties, TensorStorageMetadata)
@@ -114,8 +116,7 @@ def check_index(md, it_dir: str, manifest: Dict[str, dict], allowed_bytes: Itera
     allowed_bytes = set(allowed_bytes)
 
     def bad(what):
-        raise DistCheckpointError(f"{where}: {what}; refused (this index was not written by this project's "
-                                  f"torch_dist save)")
+        raise DistCheckpointError(f"{where}: {what}; refused (this index was not written by {source})")
 
     if type(md) is not Metadata or type(md.state_dict_metadata) is not dict or type(md.storage_data) is not dict:
         bad("not a DCP Metadata with a state-dict index and storage table")
@@ -124,7 +125,7 @@ def check_index(md, it_dir: str, manifest: Dict[str, dict], allowed_bytes: Itera
             bad(f"entry name {str(key)[:80]!r} is not a string")
         if type(entry) is BytesStorageMetadata:
             if key not in allowed_bytes or vars(entry):
-                bad(f"entry {key[:120]!r} is a byte (pickled object) entry; this project writes only tensors there")
+                bad(f"entry {key[:120]!r} is a byte (pickled object) entry where only tensors are expected")
             continue
         if type(entry) is not TensorStorageMetadata:
             bad(f"entry {key[:120]!r} is a {type(entry).__name__}, not a tensor entry")

@@ -444,11 +444,12 @@ def _fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-def load_into_trainer(trainer, root: str, training_state=None) -> bool:
+def load_into_trainer(trainer, root: str, training_state=None, read=None) -> bool:
     """Fill every stage of this rank from a Megatron-LM checkpoint at this run's layout.
     Resumes the iteration, consumed samples and LR schedule unless --finetune, the optimizer's
     state unless --no-load-optim and the RNG unless --no-load-rng, where `training_state` (the
-    module `megatron_optim`, passed in by the dispatcher) is given."""
+    module `megatron_optim`, passed in by the dispatcher) is given. `read` is another format's
+    `read_full` (mcore_dist.py: Megatron-Core's torch_dist, which resumes its optimizer itself)."""
     import sys
     from megatron.checkpointing.dist_format import _dim, _params
     cfg, ps = trainer.cfg, trainer.ps
@@ -457,7 +458,7 @@ def load_into_trainer(trainer, root: str, training_state=None) -> bool:
     release = read_tracker(root)[0] == "release"
     collect = training_state.Collector(read_optim=not (cfg.checkpoint.no_load_optim or cfg.checkpoint.finetune
                                                        or release)) if training_state is not None else None
-    args, full, meta = read_full(root, on_state=collect)
+    args, full, meta = read(root) if read is not None else read_full(root, on_state=collect)
     problems = []
     theirs = model_fields(args)
     ours = cfg.model
@@ -504,7 +505,7 @@ def load_into_trainer(trainer, root: str, training_state=None) -> bool:
                 raise MegatronCheckpointError(f"{key}: Megatron-LM checkpoint {root} gives shape {tuple(t.shape)} on "
                                               f"{ps.describe()}, the model has {tuple(p.shape)}")
             p.copy_(t.to(p.dtype))
-    optim, rng = "the optimizer starts fresh", "the RNG from this run's seed"
+    optim, rng = meta.get("optimizer_note", "the optimizer starts fresh"), "the RNG from this run's seed"
     if not cfg.checkpoint.finetune and not meta["release"]:
         trainer.iteration = meta["iteration"]
         trainer.consumed_samples = meta["consumed_samples"]

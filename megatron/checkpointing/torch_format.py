@@ -44,6 +44,7 @@ from megatron.checkpointing import contents as checkpoint_contents
 from megatron.checkpointing import ownership as checkpoint_ownership
 
 from megatron.checkpointing import megatron_legacy as checkpoint_megatron_legacy
+from megatron.checkpointing import mcore_dist as checkpoint_mcore_dist
 
 from megatron.checkpointing import megatron_write as checkpoint_megatron_write
 
@@ -506,10 +507,15 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
         if ps.rank == 0:
             print(f"warning: no {TRACKER} under --load {root}; starting from scratch", flush=True)
         return False
-    if checkpoint_megatron_legacy.detect(root):  # written by Megatron-LM itself
+    # Written by Megatron-LM itself: its torch formats, or Megatron-Core's torch_dist.
+    megatron_reader = checkpoint_megatron_legacy if checkpoint_megatron_legacy.detect(root) else \
+        checkpoint_mcore_dist if checkpoint_mcore_dist.detect(root) else None
+    if megatron_reader is not None:
         try:
             from megatron.checkpointing import megatron_optim
-            return checkpoint_megatron_legacy.load_into_trainer(trainer, root, training_state=megatron_optim)
+            if megatron_reader is checkpoint_megatron_legacy:
+                return checkpoint_megatron_legacy.load_into_trainer(trainer, root, training_state=megatron_optim)
+            return megatron_reader.load_into_trainer(trainer, root)
         except (checkpoint_megatron_legacy.MegatronCheckpointError, UnsafeCheckpointError, OSError) as e:
             raise CheckpointError(f"{ps.describe()}: {e}") from None
     if checkpointing_dist.is_dist_checkpoint(os.path.join(root, f"iter_{tracked:07d}")):

@@ -56,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--to-megatron: `input_layernorm` (Megatron-LM <= 23.x, v2.x, transformers' converters; the "
                         "GPT default) or `input_norm` (the legacy model of Megatron-Core 0.5 and later; T5's default)")
     p.add_argument("--from-megatron", action="store_true",
-                   help="read a checkpoint Megatron-LM wrote (legacy or Megatron-Core torch format, any TP/PP) and "
-                        "write this project's format at the target TP/PP (GPT and T5)")
+                   help="read a checkpoint Megatron-LM wrote (legacy, or Megatron-Core torch or torch_dist "
+                        "format, any TP/PP) and write this project's format at the target TP/PP (GPT and T5)")
     p.add_argument("--verify", action="store_true", help="compare logits of both models on random tokens")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="--from-hf: the vocabulary padding the training run will use (must match its flag)")
@@ -122,7 +122,8 @@ def _megatron(args) -> int:
                                      split=args.target_pipeline_model_parallel_split_rank)
             print(f"wrote Megatron-LM legacy checkpoint (release, {len(full)} tensors) to {out}")
             return 0
-        margs, full, meta = mlegacy.read_full(args.load)
+        from megatron.checkpointing import mcore_dist  # Megatron-Core's --ckpt-format torch_dist
+        margs, full, meta = (mcore_dist.read_full if mcore_dist.detect(args.load) else mlegacy.read_full)(args.load)
         fields = mlegacy.model_fields(margs)
         fields["vocab_size"] = args.vocab_size or mlegacy.tokenizer_vocab_size(margs)
         for k in ("embedding.word_embeddings.weight", "output_layer.weight", "lm_head_bias"):
