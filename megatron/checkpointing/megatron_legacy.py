@@ -324,8 +324,11 @@ def is_t5(args) -> bool:
     """Megatron's args of a T5 run: its ModelType, or (files this project wrote, which cannot
     pickle Megatron's enum) both layer counts and a decoder sequence length."""
     a = vars(args)
-    return str(a.get("model_type")) == str(ModelType.encoder_and_decoder) or \
-        all(a.get(k) is not None for k in ("encoder_num_layers", "decoder_num_layers", "decoder_seq_length"))
+    kind = str(a.get("model_type"))
+    if kind in (str(ModelType.encoder_and_decoder), str(ModelType.encoder_or_decoder)):
+        return kind == str(ModelType.encoder_and_decoder)
+    # GPT args of Megatron v2.x (the DynaPipe fork) carry decoder_num_layers 0: a count, not a T5
+    return all(a.get(k) for k in ("encoder_num_layers", "decoder_num_layers", "decoder_seq_length"))
 
 
 def tokenizer_vocab_size(args) -> int:
