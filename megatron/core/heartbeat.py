@@ -129,18 +129,25 @@ class Heartbeat:
         A rank is named only if its counter does not move during the whole sampling window: on
         a loaded host a live rank's heartbeat thread can miss several beats, so one short window
         (or a watcher's report from a moment ago) is not proof. The window is 3 beats when a
-        watcher has already reported someone (we only confirm it), else the stall limit."""
+        watcher has already reported someone (we only confirm it), else the stall limit, and it
+        stretches while this process's own heartbeat is late."""
         try:
             known = self._reports()
             window = 3 * self.interval_s if known else max(3 * self.interval_s, self.stall_s)
             before = self._counts()
             others = [r for r in range(self.world_size) if r != self.rank]
             moved, deadline = set(), time.monotonic() + window
+            # Our own heartbeat thread is the yardstick: on a loaded host it is starved like the
+            # others' (on this host at least), so silence counts only once ours has beaten 3 times
+            # in the window; a hard limit keeps a starved process from waiting for ever.
+            hard = deadline + max(10 * self.interval_s, window)
             while True:
                 time.sleep(self.interval_s)
                 now = self._counts()
                 moved |= {r for r in others if now[r] != before[r]}
-                if len(moved) == len(others) or time.monotonic() >= deadline:
+                t = time.monotonic()
+                if len(moved) == len(others) or t >= hard or \
+                        (t >= deadline and now[self.rank] - before[self.rank] >= 3):
                     break
             stuck = [r for r in others if r not in moved]
             if not stuck:
