@@ -8,10 +8,22 @@ from tests.dist_harness import run_distributed
 from tests.parity_utils import make_trainer, tiny_config
 
 
+def _built_together(world):
+    """Start the step together: under load, building the trainers can skew the ranks by more than
+    the seconds-long limits here, and a rank still building would then be blamed (or left inside
+    a start-up collective its peer has already passed)."""
+    store = dist.distributed_c10d._get_default_store()
+    store.add("test/built", 1)
+    while store.add("test/built", 0) < world:
+        time.sleep(0.02)
+    return store
+
+
 def _peer_fails(rank, world, mode):
     cfg = tiny_config(world=world, pp=2, iters=1)
     cfg.parallel.distributed_timeout_minutes = 0.03  # 1.8 s
     t = make_trainer(cfg)
+    _built_together(world)
     if rank == 1:
         if mode == "stall":
             time.sleep(6)
@@ -51,12 +63,7 @@ def _stopped_last_rank(rank, world):
     cfg = tiny_config(world=world, pp=4, iters=1)
     cfg.parallel.distributed_timeout_minutes = 0.05  # 3 s
     t = make_trainer(cfg)
-    # Start the step together: under load, building the trainers can skew the ranks by more than
-    # the 3 s limit, and a survivor would then time out on a slow (not stopped) neighbour.
-    store = dist.distributed_c10d._get_default_store()
-    store.add("test/built", 1)
-    while store.add("test/built", 0) < world:
-        time.sleep(0.02)
+    store = _built_together(world)
     if rank == world - 1:
         # Stop this whole process (heartbeat thread included), as SIGSTOP or a hung host would;
         # a child wakes it long after the others have timed out and reported.
