@@ -34,18 +34,21 @@ def effective_rank(rows, cols, rank):
     return max(0, min(rank, rows, cols))
 
 
-def worth_compressing(rows, cols, rank):
-    """Only compress when the two factors are smaller than the matrix itself (counted in
-    values: this is the rule the plan's wire shapes, the executor and the simulator share)."""
+def worth_compressing(rows, cols, rank, raw_per_factor=1.0):
+    """Only compress when the two factors are smaller than the matrix itself, in bytes: this is
+    the rule the plan's wire shapes, the executor and the simulator share. `raw_per_factor`: bytes
+    of one raw value over bytes of one factor value (1 for float32 messages and float32 factors;
+    0.5 for fp16/bf16 messages, whose factors still travel in float32)."""
     r = effective_rank(rows, cols, rank)
-    return (r >= 1) & ((rows + cols) * r < rows * cols)
+    return (r >= 1) & ((rows + cols) * r < rows * cols * raw_per_factor)
 
 
-def wire_bytes(rows, cols, rank, raw_bytes):
+def wire_bytes(rows, cols, rank, raw_bytes, raw_itemsize=4):
     """Bytes one (rows, cols) gradient matrix puts on the wire at compression rank `rank`: its
-    float32 factors when compressing is worth it, else `raw_bytes` (numbers or numpy arrays)."""
+    float32 factors when compressing is worth it, else `raw_bytes` (numbers or numpy arrays);
+    `raw_itemsize`: bytes per raw value (2 for fp16/bf16 activations)."""
     r = effective_rank(rows, cols, rank)
-    return np.where(worth_compressing(rows, cols, rank), (rows + cols) * r * 4.0, raw_bytes)
+    return np.where(worth_compressing(rows, cols, rank, raw_itemsize / 4.0), (rows + cols) * r * 4.0, raw_bytes)
 
 
 def as_matrix(t: torch.Tensor) -> torch.Tensor:

@@ -32,9 +32,20 @@ from megatron.compression.stats import Timer
 Shape = Tuple[int, ...]
 
 
-def tensor_wire_shapes(shape: Sequence[int], rank: int) -> List[Shape]:
-    """What one gradient tensor of `shape` becomes on the wire at compression rank `rank`:
-    [P (tokens, r), Q (hidden, r)], or [shape] itself when compressing would not save bytes."""
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _raw_per_factor(dtype: str) -> float:
+    """A raw value's bytes over a factor value's (`wire_dtypes`: float32 factors, float64 in a
+    float64 run)."""
+    size = _ITEMSIZE.get(str(dtype).replace("torch.", ""), 4)
+    return size / (8 if size == 8 else 4)
+
+
+def tensor_wire_shapes(shape: Sequence[int], rank: int, dtype: str = "float32") -> List[Shape]:
+    """What one gradient tensor of `shape` and plan dtype `dtype` becomes on the wire at
+    compression rank `rank`: [P (tokens, r), Q (hidden, r)], or [shape] itself when compressing
+    would not save bytes (fp16/bf16 messages against float32 factors: half as many values)."""
     shape = tuple(shape)
     if rank <= 0 or len(shape) < 2:
         return [shape]
@@ -42,22 +53,22 @@ def tensor_wire_shapes(shape: Sequence[int], rank: int) -> List[Shape]:
     rows = 1
     for d in shape[:-1]:
         rows *= d
-    if not lowrank.worth_compressing(rows, cols, rank):
+    if not lowrank.worth_compressing(rows, cols, rank, _raw_per_factor(dtype)):
         return [shape]
     r = lowrank.effective_rank(rows, cols, rank)
     return [(rows, r), (cols, r)]
 
 
-def wire_shapes(shapes: Sequence[Sequence[int]], rank: int) -> List[Shape]:
+def wire_shapes(shapes: Sequence[Sequence[int]], rank: int, dtype: str = "float32") -> List[Shape]:
     out: List[Shape] = []
     for s in shapes:
-        out.extend(tensor_wire_shapes(s, rank))
+        out.extend(tensor_wire_shapes(s, rank, dtype))
     return out
 
 
-def wire_numel(shapes: Sequence[Sequence[int]], rank: int) -> int:
+def wire_numel(shapes: Sequence[Sequence[int]], rank: int, dtype: str = "float32") -> int:
     total = 0
-    for s in wire_shapes(shapes, rank):
+    for s in wire_shapes(shapes, rank, dtype):
         n = 1
         for d in s:
             n *= d
@@ -117,7 +128,7 @@ class PipelineGradCompressor:
         per piece, so a piece's residual rides on the same rows of the next micro-batch."""
         out: List[torch.Tensor] = []
         for idx, t in enumerate(tensors):
-            layout = tensor_wire_shapes(t.shape, rank)
+            layout = tensor_wire_shapes(t.shape, rank, str(t.dtype))
             if len(layout) == 1:
                 out.append(t)
                 continue
@@ -163,7 +174,7 @@ class PipelineGradCompressor:
         out: List[torch.Tensor] = []
         i = 0
         for s in shapes:
-            layout = tensor_wire_shapes(s, rank)
+            layout = tensor_wire_shapes(s, rank, str(dtype))
             if len(layout) == 1:
                 out.append(wire[i])
                 i += 1
@@ -185,6 +196,6 @@ def wire_dtypes(shapes: Sequence[Sequence[int]], rank: int, plan_dtype: str) -> 
     factor = "float64" if plan_dtype == "float64" else "float32"
     out: List[str] = []
     for s in shapes:
-        layout = tensor_wire_shapes(s, rank)
+        layout = tensor_wire_shapes(s, rank, plan_dtype)
         out.extend([plan_dtype] if len(layout) == 1 else [factor, factor])
     return out

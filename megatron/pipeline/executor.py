@@ -494,13 +494,13 @@ class PipelineExecutor:
             shapes = self._piece_shapes(ins)
             if ins.compress_rank:
                 from megatron.compression.pipeline import wire_dtypes, wire_shapes
-                handle = self.comm.irecv(wire_shapes(shapes, ins.compress_rank),
+                handle = self.comm.irecv(wire_shapes(shapes, ins.compress_rank, self.plan.dtype),
                                          wire_dtypes(shapes, ins.compress_rank, self.plan.dtype), ins.peer, what)
             else:
                 handle = self.comm.irecv(shapes, self.plan.dtype, ins.peer, what)
         elif ins.compress_rank:
             from megatron.compression.pipeline import wire_dtypes, wire_shapes
-            handle = self.comm.irecv(wire_shapes(ins.buffer_shapes, ins.compress_rank),
+            handle = self.comm.irecv(wire_shapes(ins.buffer_shapes, ins.compress_rank, self.plan.dtype),
                                      wire_dtypes(ins.buffer_shapes, ins.compress_rank, self.plan.dtype), ins.peer, what)
         else:
             handle = self.comm.irecv(ins.buffer_shapes, self.plan.dtype, ins.peer, what)

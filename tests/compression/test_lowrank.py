@@ -125,3 +125,18 @@ def test_a_full_rank_warm_start_is_used_unchanged():
     q = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
     state.q["k"] = q
     assert torch.equal(state.q_for("k", 16, 4, "cpu"), q)
+
+
+def test_half_precision_messages_compress_only_when_float32_factors_are_fewer_bytes():
+    """A [64, 1, 32] fp16/bf16 gradient is 4 KiB; its rank-16 float32 factors are 6 KiB, so it goes
+    raw; in float32 (8 KiB) the same factors save bytes. Sender, receiver and planner agree."""
+    from megatron.compression.pipeline import tensor_wire_shapes, wire_dtypes
+    shape = (64, 1, 32)
+    assert tensor_wire_shapes(shape, 16, "float32") == [(64, 16), (32, 16)]
+    for half in ("float16", "bfloat16", "torch.float16"):
+        assert tensor_wire_shapes(shape, 16, half) == [shape]
+    assert wire_dtypes([shape], 16, "bfloat16") == ["bfloat16"]
+    assert tensor_wire_shapes(shape, 4, "float16") == [(64, 4), (32, 4)]  # 1.5 KiB of factors
+    raw16 = 64 * 32 * 2
+    assert lowrank.wire_bytes(64, 32, 16, raw16, raw_itemsize=2) == raw16
+    assert lowrank.wire_bytes(64, 32, 16, raw16 * 2) == (64 + 32) * 16 * 4

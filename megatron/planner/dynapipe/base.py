@@ -208,10 +208,11 @@ class DynaPipeBase:
             raw = tokens * h / tp * self.cfg.activation_bytes
             if dec is None:
                 rows = tokens / tp if sp else tokens  # a stage's message is [s(/tp), b, h]
-                low = lowrank.wire_bytes(rows, h, r, raw)
+                low = lowrank.wire_bytes(rows, h, r, raw, self.cfg.activation_bytes)
             else:  # T5 decoder stages send two gradients (encoder output, decoder hidden)
-                low = lowrank.wire_bytes(mbs * enc, h, r, mbs * enc * h / tp * self.cfg.activation_bytes) \
-                    + lowrank.wire_bytes(mbs * dec, h, r, mbs * dec * h / tp * self.cfg.activation_bytes)
+                ab = self.cfg.activation_bytes
+                low = lowrank.wire_bytes(mbs * enc, h, r, mbs * enc * h / tp * ab, ab) \
+                    + lowrank.wire_bytes(mbs * dec, h, r, mbs * dec * h / tp * ab, ab)
             grad = low * 8 / (self.cfg.bandwidth_gbps * 1e6)
             out["grad_comm"] = np.broadcast_to(grad + self.cfg.link_latency_ms, out["fwd"].shape)
         return out
