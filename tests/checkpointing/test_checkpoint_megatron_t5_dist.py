@@ -106,3 +106,20 @@ def test_load_t5_torch_dist_checkpoint_and_train(name, world, tp, pp, split):
     assert len(losses) == 2 and all(0 < x < 10 for x in losses)
     if world == 1:
         assert res[0]["diff"] < 1e-5
+
+
+def test_convert_t5_torch_dist_from_megatron(tmp_path):
+    """`convert.py --from-megatron` of the torch_dist folder at TP1 x PP2 (split 1) gives the
+    same model as from the same Megatron model's `torch` folder."""
+    from tools.checkpoint import convert
+    from tools.checkpoint.reshard import read_full_model
+    outs = {}
+    for name in ("mcore_t5_dist_tp2", "mcore_t5_tp2"):
+        out = str(tmp_path / name)
+        assert convert.main(["--from-megatron", "--load", os.path.join(FIX, name), "--save", out,
+                             "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "2",
+                             "--target-pipeline-model-parallel-split-rank", "1"]) == 0
+        outs[name] = read_full_model(out, None)
+    (c1, a, _), (c2, b, _) = outs["mcore_t5_dist_tp2"], outs["mcore_t5_tp2"]
+    assert c1["model"]["model_type"] == "t5" and c1["model"] == c2["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
