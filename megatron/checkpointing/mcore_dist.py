@@ -23,7 +23,9 @@ declared dtype and shape. Here chunks must also tile each tensor exactly (no ove
 hole). `common.pt` goes through the Megatron-LM allowlist (`megatron_legacy.safe_load_megatron`).
 
 The global tensors are then split per layer into Megatron-Core's flat names
-(`decoder.layers.N.<...>`), translated by `megatron_legacy.convert_core`, and handed to the same
+(`decoder.layers.N.<...>`; T5's `encoder.layers` and `decoder.layers` with args.encoder_num_layers /
+decoder_num_layers each), translated by `megatron_legacy.convert_core` (T5:
+`megatron_t5.convert_core_t5`, which also knows the fused-norm names of the sharded keys), and handed to the same
 `load_into_trainer` as Megatron's `torch` format: any TP/PP layout of this project cuts its own
 shards from them. Adam's state, when Megatron-Core's (non-distributed) optimizer saved it, is
 stored the same way under `optimizer.state.exp_avg.<parameter key>` / `exp_avg_sq`, with the step
@@ -169,10 +171,13 @@ def _ours(targets: Dict[str, torch.Tensor], args, it_dir: str) -> Dict[str, torc
         n = _num_layers(args, m.group(1), it_dir)
         if t.dim() < 1 or t.shape[0] != n:
             raise McoreDistError(f"{os.path.join(it_dir, reader.INDEX)}: {name[:120]!r} stacks {tuple(t.shape)[:1]} "
-                                 f"layers, args.num_layers is {n}")
+                                 f"layers, args.{m.group(1)}_num_layers / num_layers is {n}")
         for i in range(n):
             flat[f"{m.group(1)}.layers.{i}.{m.group(2)}"] = t[i]
     try:
+        if legacy.is_t5(args):  # T5's own names (megatron_t5); the stacks are whole, no pipeline offset
+            from megatron.checkpointing import megatron_t5
+            return megatron_t5.convert_core_t5(flat, os.path.join(it_dir, reader.INDEX))
         return legacy.convert_core(flat, bool(getattr(args, "swiglu", False)))
     except legacy.MegatronCheckpointError as e:  # e.g. MoE experts, whose names this project has no layer for
         raise McoreDistError(f"{os.path.join(it_dir, reader.INDEX)}: {e}; not read") from None
