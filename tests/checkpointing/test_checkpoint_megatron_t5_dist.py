@@ -13,7 +13,7 @@ import torch
 from megatron.checkpointing import dist_reader
 from megatron.checkpointing import mcore_dist as D
 from megatron.checkpointing import megatron_legacy as L
-from tests.checkpointing.test_checkpoint_megatron_t5 import _cfg, _diff, _fields, _logits, _single_stage
+from tests.checkpointing.test_checkpoint_megatron_t5 import _diff, _fields, _load_and_train, _logits, _single_stage
 
 FIX = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "megatron")
 IT = "iter_0000003"
@@ -77,21 +77,6 @@ def test_an_unknown_t5_layer_entry_is_named(tmp_path):
     with pytest.raises(L.MegatronCheckpointError, match="unknown Megatron-Core T5 layer parameter") as e:
         D.read_full(root)
     assert "\n" not in str(e.value) and ".metadata" in str(e.value)
-
-
-def _load_and_train(rank, world, name, tp, pp, split):
-    from megatron.checkpointing.torch_format import load_checkpoint
-    from tests.resume_harness import make_trainer
-    root = os.path.join(FIX, name)
-    t = make_trainer(_cfg(world, root, tp=tp, pp=pp, split=split))
-    assert load_checkpoint(t)
-    out = {"iteration": t.iteration, "consumed": t.consumed_samples, "steps": t.lr_scheduler.num_steps}
-    if world == 1:
-        ref = torch.load(os.path.join(root, "logits.pt"), weights_only=True)
-        out["diff"] = _diff(_logits(t.stages[0], ref), ref)
-    losses = [h["loss"] for h in t.train()]
-    out.update(after=t.iteration, losses=losses)
-    return out
 
 
 @pytest.mark.parametrize("name,world,tp,pp,split", [("mcore_t5_dist_tp2", 1, 1, 1, None),
