@@ -55,7 +55,6 @@ def test_torch_dist_fixture_gives_the_source_logits(name, tp, pp, vpp):
 
 
 def _load_and_train(rank, world, name, tp, pp, layers):
-    import torch.nn.functional as F
     from megatron.checkpointing.torch_format import load_checkpoint
     from tests.parity_utils import make_trainer, shards, tiny_config
     root = os.path.join(FIX, name)
@@ -67,16 +66,8 @@ def _load_and_train(rank, world, name, tp, pp, layers):
     out = {"iteration": t.iteration, "consumed": t.consumed_samples, "steps": t.lr_scheduler.num_steps,
            "shards": shards(t)}
     if world == 1:  # the loaded model's logits against the ones Megatron computed
-        ref = torch.load(os.path.join(root, "logits.pt"), weights_only=True)
-        stage = t.stages[0]
-        stage.eval()
-        with torch.no_grad():
-            tok = ref["tokens"]
-            pos = torch.arange(tok.shape[1]).unsqueeze(0).expand_as(tok)
-            x = stage.final_layernorm(stage.decoder(stage.embedding(tok, pos), None))
-            logits = F.linear(x, stage.output_weight()).transpose(0, 1)[..., :ref["logits"].shape[-1]]
-        out["diff"] = (logits - ref["logits"]).abs().max().item()
-        stage.train()
+        from tests.checkpointing.megatron_logits import fixture_logit_diff
+        out["diff"] = fixture_logit_diff(t, root)
     t.train()
     out["after"] = t.iteration
     return out

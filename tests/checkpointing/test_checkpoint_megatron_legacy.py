@@ -10,14 +10,13 @@ import torch
 
 from megatron.checkpointing import megatron_legacy as L
 from megatron.checkpointing.megatron_write import write_full as _write_full
+from megatron.checkpointing.safety import UnsafeCheckpointError
 from megatron.checkpointing.torch_format import _atomic_write_bytes
+from tests.checkpointing.megatron_logits import FIX
 
 
 def write_full(*a, **k):
     return _write_full(*a, atomic_write=_atomic_write_bytes, **k)
-from megatron.checkpointing.safety import UnsafeCheckpointError
-
-FIX = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "megatron")
 
 
 def _fields(args):
@@ -145,7 +144,6 @@ def _run_cfg(world, load, tp=1, iters=5, **ckpt):
 
 
 def _load_and_train(rank, world, name, tp):
-    import torch.nn.functional as F
     from megatron.checkpointing.torch_format import load_checkpoint
     from tests.parity_utils import make_trainer
     root = os.path.join(FIX, name)
@@ -153,16 +151,8 @@ def _load_and_train(rank, world, name, tp):
     assert load_checkpoint(t)
     out = {"iteration": t.iteration, "consumed": t.consumed_samples, "steps": t.lr_scheduler.num_steps}
     if world == 1:  # the loaded model's logits against the ones Megatron computed
-        ref = torch.load(os.path.join(root, "logits.pt"), weights_only=True)
-        stage = t.stages[0]
-        stage.eval()
-        with torch.no_grad():
-            tok = ref["tokens"]
-            pos = torch.arange(tok.shape[1]).unsqueeze(0).expand_as(tok)
-            x = stage.final_layernorm(stage.decoder(stage.embedding(tok, pos), None))
-            logits = F.linear(x, stage.output_weight()).transpose(0, 1)[..., :ref["logits"].shape[-1]]
-        out["diff"] = (logits - ref["logits"]).abs().max().item()
-        stage.train()
+        from tests.checkpointing.megatron_logits import fixture_logit_diff
+        out["diff"] = fixture_logit_diff(t, root)
     t.train()
     out["after"] = t.iteration
     return out
@@ -241,7 +231,8 @@ def test_ckpt_format_megatron_legacy_writes_megatrons_files(tmp_path):
     assert "word_embeddings_for_head" in last["model"] and set(last["model"]["language_model"]) == {"encoder"}
     assert "final_layernorm.weight" in last["model"]["language_model"]["encoder"]
     a = first["args"]
-    assert (a.iteration, a.consumed_train_samples, a.pipeline_model_parallel_size, a.padded_vocab_size) == (2, 4, 2, 104)
+    assert (a.iteration, a.consumed_train_samples, a.pipeline_model_parallel_size, a.padded_vocab_size) \
+        == (2, 4, 2, 104)
     assert isinstance(first["rng_state"], list) and "np_rng_state" in first["rng_state"][0]
     assert first["opt_param_scheduler"]["num_steps"] == 2 * 2  # Megatron counts samples: iterations x batch
     # Read back at another layout (PP2 -> PP1) through --load: the same weights and counters.

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron.checkpointing import megatron_legacy as L
+from tests.checkpointing.megatron_logits import gpt_logits
 
 FIX = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "megatron")
 
@@ -40,28 +41,6 @@ def _run_cfg(world, root, tp=1, pp=1, iters=5):
     return cfg
 
 
-def _logits(t, tokens):
-    """This trainer's logits on `tokens` (PP 1, any TP: the vocabulary shards gathered)."""
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    stage = t.stages[0]
-    stage.eval()
-    with torch.no_grad():
-        pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-        rotary = None
-        if t.cfg.model.position_embedding_type == "rope":
-            from megatron.models.rotary import rotary_cos_sin
-            rotary = rotary_cos_sin(t.cfg.model, pos, torch.float32)
-        x = stage.final_layernorm(stage.decoder(stage.embedding(tokens, pos), None, rotary=rotary))
-        part = F.linear(x, stage.output_weight())
-        if t.ps.tp_size > 1:
-            parts = [torch.empty_like(part) for _ in range(t.ps.tp_size)]
-            dist.all_gather(parts, part.contiguous(), group=t.ps.tp_group)
-            part = torch.cat(parts, dim=-1)
-    stage.train()
-    return part.transpose(0, 1)
-
-
 def _load_and_train(rank, world, name, tp, pp):
     from megatron.checkpointing.torch_format import load_checkpoint
     from tests.parity_utils import make_trainer
@@ -71,7 +50,7 @@ def _load_and_train(rank, world, name, tp, pp):
     out = {"iteration": t.iteration, "consumed": t.consumed_samples, "steps": t.lr_scheduler.num_steps}
     if pp == 1:  # the loaded model's logits against the ones Megatron's own forward computed
         ref = torch.load(os.path.join(root, "logits.pt"), weights_only=True)
-        out["diff"] = (_logits(t, ref["tokens"])[..., :ref["logits"].shape[-1]] - ref["logits"]).abs().max().item()
+        out["diff"] = (gpt_logits(t, ref["tokens"])[..., :ref["logits"].shape[-1]] - ref["logits"]).abs().max().item()
     t.train()
     out["after"] = t.iteration
     out["finite"] = all(torch.isfinite(p).all().item() for s in t.stages.values() for p in s.parameters())
