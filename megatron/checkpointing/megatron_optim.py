@@ -211,12 +211,18 @@ class Collector:
         self.models: Dict[str, Dict[Tuple[int, int], list]] = {k: {} for k in KINDS}
         self.steps, self.rng, self.missing = set(), None, []
         self.split = False  # Megatron v2.x's distributed optimizer: model_rng.pt + mp_rank_XX_DDD/optim.pt
+        self.t5 = False  # T5's parameter order is not rebuilt: its optimizer state is left unread
 
     def __call__(self, rank: Tuple[int, int], path: str, state: dict) -> None:
         from megatron.checkpointing.megatron_legacy import _stage_models
         if self.rng is None:
             self.rng = state.get("rng_state")
         if not self.read_optim:
+            return
+        from megatron.checkpointing.megatron_legacy import is_t5
+        if is_t5(state["args"]):
+            self.t5 = True
+            self.missing.append(path)
             return
         opt = state.get("optimizer")
         if not opt:
@@ -298,6 +304,9 @@ def resume(trainer, collect: Collector, args, meta: dict, messages: Tuple[str, s
         if states:
             load_optimizer(trainer, states, step, fit)
             optim = f"the optimizer's state resumed (step {int(step)})"
+        elif collect.t5:
+            optim = ("Megatron's T5 optimizer state is not read (its parameter order is rebuilt for GPT only): "
+                     "the optimizer starts fresh")
         elif collect.split:
             optim = ("Megatron v2.x's distributed-optimizer files (mp_rank_XX_DDD/optim.pt) are not read: the "
                      "optimizer starts fresh")
