@@ -27,10 +27,24 @@ class _Hostile:
         return (os.system, (f"touch {self.marker}",))
 
 
+_SAVED = {}
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
+    # A spawned rank, not a forked one: after the full suite, a rank forked from the test
+    # process hung in this save (cause not found; alone or with its neighbours it passes), and
+    # a spawned one inherits nothing from it. A failure is kept, not retried by every test.
+    from megatron.core.launch import run_ranks
+    from tests.dist_harness import RankFailed
+    if "error" in _SAVED:
+        pytest.fail(_SAVED["error"])
     root = tmp_path_factory.mktemp("dist_src")
-    run_distributed(_first_half, 1, str(root), {})
+    try:
+        run_ranks(_first_half, 1, str(root), {}, timeout_s=120.0, slack_s=10.0, start="spawn", error=RankFailed)
+    except RankFailed as e:
+        _SAVED["error"] = f"the genuine torch_dist save these tests edit failed: {e}"
+        raise
     return root
 
 
