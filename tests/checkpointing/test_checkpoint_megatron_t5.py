@@ -14,6 +14,7 @@ from megatron.checkpointing import megatron_t5 as T
 from megatron.checkpointing.megatron_write import write_full as _write_full
 from megatron.checkpointing.safety import UnsafeCheckpointError
 from megatron.checkpointing.torch_format import _atomic_write_bytes
+from tests.checkpointing.test_checkpoint_megatron_legacy import _tree
 
 FIX = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "megatron")
 VOCAB = 101  # NullTokenizer: Megatron's --vocab-size 100 plus its end-of-document id
@@ -94,16 +95,6 @@ def test_core_and_legacy_names_meet():
     assert {"lm_head_bias", "embedding.position_embeddings", "encoder_final_layernorm.weight",
             "decoder.layers.1.pre_cross_attn_layernorm.bias", "decoder.layers.0.inter_attention.key_value.weight",
             "decoder_final_layernorm.bias"} <= core.keys()
-
-
-def _tree(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_tree(v, f"{prefix}{k}/"))
-        elif isinstance(v, torch.Tensor):
-            out[prefix + k] = tuple(v.shape)
-    return out
 
 
 def test_our_t5_writer_produces_megatrons_legacy_structure(tmp_path):
