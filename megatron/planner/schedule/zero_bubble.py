@@ -195,31 +195,41 @@ def greedy_zb_orders(num_microbatches: int, stage_to_rank: Sequence[int], limits
 PORTFOLIO = (("alternate", False), ("input-first", False), ("defer-input", False), ("input-first", True))
 
 
-def _unit_time(orders, stage_to_rank, m):
-    """(makespan, peak kept graphs) of `orders` on unit costs (F = I = W = 1, B = 2)."""
+def _replay(orders, stage_to_rank, m, costs=None):
+    """(makespan, peak kept memory) of `orders` under `costs` (None: unit costs, F = I = W = 1,
+    B = 2, one unit kept per forward)."""
     import numpy as np
 
     from megatron.planner.schedule.simulator import PipelineCosts, simulate
-    z = np.zeros((len(stage_to_rank), m))
-    res = simulate(PipelineCosts(z + 1, z + 2, z + 1, z, z, wgrad=z + 1), orders, stage_to_rank)
+    if costs is None:
+        z = np.zeros((len(stage_to_rank), m))
+        costs = PipelineCosts(z + 1, z + 2, z + 1, z, z, wgrad=z + 1)
+    res = simulate(costs, orders, stage_to_rank)
     return res.makespan, max(res.peak_memory)
 
 
-@functools.lru_cache(maxsize=256)
-def _best_orders(schedule: str, m: int, pp: int):
+def _search(schedule: str, m: int, pp: int, costs=None):
     from megatron.pipeline.lowering import ComputeOp
     s2r = stage_to_rank_of(schedule, pp)
     limits = kept_limits(schedule, pp, m)
-    # No order beats the last rank's work plus the fill before its first forward (unit costs).
-    bound = 3 * m * (len(s2r) // pp) + pp - 1
+    variants, cost, bound = PORTFOLIO, None, float("-inf")
+    if costs is None:
+        # No order beats the last rank's work plus the fill before its first forward (unit costs).
+        bound = 3 * m * (len(s2r) // pp) + pp - 1
+    else:  # the greedy clocks ops by the table, and every variant is tried
+        f, b, w = costs.fwd, costs.bwd, costs.wgrad
+        variants = [(prefer, reserve) for prefer in PREFERENCES for reserve in (False, True)]
+
+        def cost(kind, mb, s):
+            return float({"F": f[s, mb], "B": b[s, mb], "I": b[s, mb] - w[s, mb], "W": w[s, mb]}[kind])
     best, why = None, None
-    for prefer, reserve in PORTFOLIO:
+    for prefer, reserve in variants:
         try:
-            orders = greedy_zb_orders(m, s2r, limits, op_cls=ComputeOp, prefer=prefer, reserve=reserve)
+            orders = greedy_zb_orders(m, s2r, limits, op_cls=ComputeOp, prefer=prefer, reserve=reserve, cost=cost)
         except ValueError as e:  # these limits leave this variant stuck; another may pass
             why = e
             continue
-        key = _unit_time(orders, s2r, m)
+        key = _replay(orders, s2r, m, costs)
         if best is None or key < best[0]:
             best = (key, tuple(tuple(o) for o in orders))
         if key[0] <= bound:
@@ -229,12 +239,20 @@ def _best_orders(schedule: str, m: int, pp: int):
     return best[1], tuple(s2r)
 
 
-def zb_orders(schedule: str, num_microbatches: int, pp: int):
+_best_orders = functools.lru_cache(maxsize=256)(_search)
+
+
+def zb_orders(schedule: str, num_microbatches: int, pp: int, costs=None):
     """(per-rank compute orders, stage -> rank) of a zero-bubble schedule: of the `PORTFOLIO`
     greedy variants under the schedule's kept-graph limits, the one with the shortest unit-cost
-    replay (then the lowest peak)."""
+    replay (then the lowest peak). With `costs` (a `PipelineCosts` with `wgrad`, per stage of
+    the schedule's placement) every variant runs on those costs and the shortest simulation wins:
+    what a planner with a profiled table would run."""
     if num_microbatches < 1 or pp < 1:
         raise ValueError(f"need micro-batches >= 1 and --pipeline-model-parallel-size >= 1, got "
                          f"{num_microbatches}, {pp}")
-    orders, s2r = _best_orders(schedule, num_microbatches, pp)
+    if costs is None:
+        orders, s2r = _best_orders(schedule, num_microbatches, pp)
+    else:
+        orders, s2r = _search(schedule, num_microbatches, pp, costs)
     return [list(o) for o in orders], list(s2r)
