@@ -106,7 +106,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--markdown", action="store_true", help="print the docs table instead of JSON lines")
-    ap.add_argument("--every-m", action="store_true", help="every m in PP..4 PP (default: PP, 1.5 PP, 2 PP, 3 PP, 4 PP)")
+    ap.add_argument("--every-m", action="store_true", help="every m in PP..4 PP (default: PP, 1.5, 2, 3 and 4 PP)")
     args = ap.parse_args(argv)
     rows = []
     for p in args.pp:
