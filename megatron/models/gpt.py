@@ -192,7 +192,7 @@ def num_model_chunks(cfg) -> int:
 def build_gpt_stages(cfg, ps: ParallelState) -> dict:
     """The GPT stages this pipeline rank owns: {stage id: GPTStage}. Stage k*PP + r lives on
     pipeline rank r (Megatron's interleaved placement; k = 0 without virtual stages); with
-    --pipeline-schedule zb-v rank r owns stages r and 2PP-1-r (a V)."""
+    --pipeline-schedule zb-v or dualpipev rank r owns stages r and 2PP-1-r (a V)."""
     from megatron.models.stage_split import stage_layer_split
     pp = ps.pp_size
     chunks = num_model_chunks(cfg)

@@ -12,11 +12,12 @@ Schedules (names accepted by `build_static_plans`):
   rank r is stage ``k * PP + r``. Any micro-batch count: when PP does not divide it, the
   remainder joins the last group of PP (`interleaved_order`).
 
-* ``"zb-h1"``, ``"zb-h2"``, ``"zb-v"``: zero-bubble schedules with the backward split into
-  input- and weight-gradient passes (`megatron.planner.schedule.zero_bubble`); zb-v places two stages
-  per rank in a V.
+* ``"zb-h1"``, ``"zb-h2"``, ``"zb-v"``, ``"dualpipev"``: zero-bubble schedules with the backward
+  split into input- and weight-gradient passes (`megatron.planner.schedule.zero_bubble`); zb-v
+  and dualpipev place two stages per rank in a V.
 
-Stage ids are global virtual stages; `stage_to_rank(s) = s % PP` (zb-v: a V, see zero_bubble).
+Stage ids are global virtual stages; `stage_to_rank(s) = s % PP` (zb-v, dualpipev: a V, see
+zero_bubble).
 """
 from __future__ import annotations
 
