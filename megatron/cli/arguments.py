@@ -16,6 +16,7 @@ from megatron.cli.arguments_systems import (_add_aceso_args, _add_compression_ar
                                         _apply_fused_kernel_args, _terapipe_config)
 from megatron.config.core import (CheckpointConfig, CompressionConfig, ConfigError, DataConfig, LoggingConfig,
                              MegatronConfig, ModelConfig, ParallelConfig, TrainingConfig)
+from megatron.config.schedules import PIPELINE_SCHEDULES
 
 
 def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
@@ -168,9 +169,10 @@ def _add_distributed_args(p) -> None:
                    help="layers per model chunk: interleaved 1F1B with several chunks per rank")
     g.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None,
                    help="T5: the first decoder pipeline rank")
-    g.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "zb-h1", "zb-h2", "zb-v"],
-                   help="pipeline schedule; zb-h1 (1F1B memory), zb-h2 (more memory) and zb-v (two stages per rank "
-                        "in a V) split each backward into input- and weight-gradient passes (zero bubble)")
+    g.add_argument("--pipeline-schedule", default="1f1b", choices=list(PIPELINE_SCHEDULES),
+                   help="pipeline schedule; zb-h1 (1F1B's peak memory), zb-h2 (more memory), zb-v and dualpipev (two "
+                        "stages per rank in a V; dualpipev keeps one more) split each backward into input- and "
+                        "weight-gradient passes (zero bubble; docs/zero_bubble.md)")
     g.add_argument("--pipeline-stage-layers", type=int_list, default=None,
                    help="explicit per-stage layer counts, e.g. 3,5 (uneven pipeline stages; T5: counts of the "
                         "encoder layers followed by the decoder layers, the split rank follows from them)")

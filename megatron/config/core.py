@@ -13,7 +13,7 @@ from typing import List, Optional
 from megatron.config.errors import ConfigError, _require  # noqa: F401 (re-exported)
 from megatron.config.systems import CompressionConfig, TeraPipeConfig  # noqa: F401 (re-exported)
 from megatron.config.context_parallel import check_cp_parallel
-from megatron.config.schedules import check_parallel_schedule, check_schedule_config
+from megatron.config.schedules import V_SCHEDULES, check_parallel_schedule, check_schedule_config
 from megatron.config.terapipe import check_terapipe_config
 
 
@@ -574,9 +574,9 @@ class MegatronConfig:
                      "--emb-comm-opt syncs tied embeddings: drop --untie-embeddings-and-output-weights or the flag")
         _require(not c.emb_grad_comp or pp > 1, "--emb-grad-comp compresses the first/last-stage embedding sync: it "
                  "needs --pipeline-model-parallel-size > 1")
-        _require(p.pipeline_schedule != "zb-v" or not (c.emb_comm_opt or c.emb_grad_comp),
-                 "--pipeline-schedule zb-v puts the first and the last stage on pipeline rank 0 (one tied embedding "
-                 "weight, nothing to sync): drop --emb-comm-opt/--emb-grad-comp")
+        _require(p.pipeline_schedule not in V_SCHEDULES or not (c.emb_comm_opt or c.emb_grad_comp),
+                 f"--pipeline-schedule {p.pipeline_schedule} puts the first and the last stage on pipeline rank 0 "
+                 "(one tied embedding weight, nothing to sync): drop --emb-comm-opt/--emb-grad-comp")
         if c.mp_grad_comp or c.mp_acti_comp:
             _require(p.tensor_model_parallel_size > 1 and not self.model.sequence_parallel, "--mp-grad-comp/--mp-acti-"
                      "comp compress tensor-parallel all-reduces: they need --tensor-model-parallel-size > 1 and no "

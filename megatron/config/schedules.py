@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from megatron.config.errors import _require
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zb-h2", "zb-v")
+# Split-backward schedules; the V ones place two stages per rank (rank r: stages r, 2 PP - 1 - r).
+SPLIT_SCHEDULES = ("zb-h1", "zb-h2", "zb-v", "dualpipev")
+V_SCHEDULES = ("zb-v", "dualpipev")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe") + SPLIT_SCHEDULES
 
 
 def check_parallel_schedule(p) -> None:
     """What a schedule needs from the parallel layout alone (`ParallelConfig`)."""
     _require(p.pipeline_schedule in PIPELINE_SCHEDULES,
              f"--pipeline-schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {p.pipeline_schedule!r}")
-    if p.pipeline_schedule.startswith("zb-"):
+    if p.pipeline_schedule in SPLIT_SCHEDULES:
         _require(p.num_layers_per_virtual_pipeline_stage is None,
-                 f"--pipeline-schedule {p.pipeline_schedule} places its own stages (zb-v: two per rank in a V): "
-                 "drop --num-layers-per-virtual-pipeline-stage")
+                 f"--pipeline-schedule {p.pipeline_schedule} places its own stages (zb-v, dualpipev: two per rank "
+                 "in a V): drop --num-layers-per-virtual-pipeline-stage")
         _require(p.stage_parallel is None,
                  f"--pipeline-schedule {p.pipeline_schedule} runs stages with one TP/DP size: drop the "
                  "per-stage TP x DP sizes or use --pipeline-schedule 1f1b")
@@ -23,17 +26,19 @@ def check_parallel_schedule(p) -> None:
 def check_schedule_config(cfg) -> None:
     """What a schedule needs from the rest of the configuration (`MegatronConfig`)."""
     m, p = cfg.model, cfg.parallel
-    if p.pipeline_schedule.startswith("zb-"):
+    sched = p.pipeline_schedule
+    if sched in SPLIT_SCHEDULES:
         _require(not cfg.terapipe.enabled,
-                 f"--pipeline-schedule {p.pipeline_schedule} splits the backward, which token slices cannot (their "
+                 f"--pipeline-schedule {sched} splits the backward, which token slices cannot (their "
                  "key/value gradients flow between the slices' backwards): drop --terapipe or use 1f1b")
-    if p.pipeline_schedule == "zb-v":
-        _require(not cfg.data.dynapipe, "--dynapipe plans one stage per pipeline rank: with it use "
-                 "--pipeline-schedule zb-h1 (DynaPipe then places split backwards' weight passes itself)")
-        _require(m.model_type == "gpt", "--pipeline-schedule zb-v runs GPT: T5 splits its pipeline at "
+    if sched in V_SCHEDULES:
+        _require(not cfg.data.dynapipe, f"--pipeline-schedule {sched}: --dynapipe plans one stage per pipeline "
+                 "rank: with it use --pipeline-schedule zb-h1 (DynaPipe then places split backwards' weight passes "
+                 "itself)")
+        _require(m.model_type == "gpt", f"--pipeline-schedule {sched} runs GPT: T5 splits its pipeline at "
                  "--pipeline-model-parallel-split-rank, which a V placement cannot keep; use zb-h1 or zb-h2")
         _require(m.num_layers % (2 * p.pipeline_model_parallel_size) == 0 or p.pipeline_stage_layers is not None,
-                 f"--pipeline-schedule zb-v cuts --num-layers ({m.num_layers}) into 2 x "
+                 f"--pipeline-schedule {sched} cuts --num-layers ({m.num_layers}) into 2 x "
                  f"--pipeline-model-parallel-size ({p.pipeline_model_parallel_size}) stages: make it divisible")
-        _require(p.pipeline_stage_layers is None, "--pipeline-schedule zb-v splits the layers evenly over its "
+        _require(p.pipeline_stage_layers is None, f"--pipeline-schedule {sched} splits the layers evenly over its "
                  "2 x PP stages: drop --pipeline-stage-layers")

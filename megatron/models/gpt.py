@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config.core import ModelConfig
+from megatron.config.schedules import V_SCHEDULES
 from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel import (VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
                                            gather_from_sequence_parallel_region, get_rng_tracker,
@@ -181,7 +182,7 @@ def gpt_activation_shapes(cfg: ModelConfig, microbatch_shapes, tp_size: int = 1)
 
 def num_model_chunks(cfg) -> int:
     p = cfg.parallel
-    if p.pipeline_schedule == "zb-v":
+    if p.pipeline_schedule in V_SCHEDULES:
         return 2
     if p.num_layers_per_virtual_pipeline_stage is None:
         return 1
@@ -191,7 +192,7 @@ def num_model_chunks(cfg) -> int:
 def build_gpt_stages(cfg, ps: ParallelState) -> dict:
     """The GPT stages this pipeline rank owns: {stage id: GPTStage}. Stage k*PP + r lives on
     pipeline rank r (Megatron's interleaved placement; k = 0 without virtual stages); with
-    --pipeline-schedule zb-v rank r owns stages r and 2PP-1-r (a V)."""
+    --pipeline-schedule zb-v or dualpipev rank r owns stages r and 2PP-1-r (a V)."""
     from megatron.models.stage_split import stage_layer_split
     pp = ps.pp_size
     chunks = num_model_chunks(cfg)
@@ -199,7 +200,7 @@ def build_gpt_stages(cfg, ps: ParallelState) -> dict:
     split = stage_layer_split(cfg.model.num_layers, num_stages, cfg.parallel.pipeline_stage_layers)
     starts = [sum(split[:i]) for i in range(num_stages)]
     stages = {}
-    v_shape = cfg.parallel.pipeline_schedule == "zb-v"
+    v_shape = cfg.parallel.pipeline_schedule in V_SCHEDULES
     for k in range(chunks):
         sid = (num_stages - 1 - ps.pp_rank if k else ps.pp_rank) if v_shape else k * pp + ps.pp_rank
         stages[sid] = GPTStage(cfg.model, ps, layer_start=starts[sid], layer_end=starts[sid] + split[sid],

@@ -25,6 +25,7 @@ import torch
 
 from megatron.training.batching import pad_rows, rows_of
 from megatron.config.core import MegatronConfig
+from megatron.config.schedules import SPLIT_SCHEDULES
 from megatron.data.packing import (collate_supervised_gpt, collate_supervised_t5, concat_pair, next_fit_rows,
                                    pack_samples, pack_t5_rows)
 from megatron.data.samplers import TokenBudgetSampler
@@ -400,7 +401,7 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   # --pipeline-schedule zb-h1/zb-h2: DynaPipe may split backwards and place the
                   # weight-gradient passes into its bubbles (megatron/planner/schedule/zb_search.py)
                   schedules=("1f1b", "adaptive")
-                  + (("zb",) if cfg.parallel.pipeline_schedule.startswith("zb-") else ()))
+                  + (("zb",) if cfg.parallel.pipeline_schedule in SPLIT_SCHEDULES else ()))
     if d.dynapipe_packed_rows:  # rows as long as the fixed batches' sequences (T5: both sides)
         common.update(packed_max_len=m.seq_length if m.model_type == "gpt" else m.encoder_seq_length,
                       packed_dec_len=None if m.model_type == "gpt" else m.decoder_seq_length)

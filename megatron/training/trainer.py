@@ -17,6 +17,7 @@ from torch import nn
 
 from megatron.atomic import write_json
 from megatron.config.core import MegatronConfig
+from megatron.config.schedules import V_SCHEDULES
 from megatron.core.optimizer import LRScheduler, MegatronOptimizer
 from megatron.core.parallel_state import ParallelState
 from megatron.data.samplers import MegatronPretrainingSampler
@@ -386,7 +387,7 @@ class Trainer:
         ps = self.ps
         # over DP x CP: context-parallel ranks hold other tokens of the same samples
         out = _all_reduce_sum(totals, ps.grad_group, ps.grad_size, self._collective_device())
-        if self.cfg.parallel.pipeline_schedule == "zb-v" and ps.pp_size > 1:
+        if self.cfg.parallel.pipeline_schedule in V_SCHEDULES and ps.pp_size > 1:
             out = _all_reduce_sum(out, ps.pp_group, ps.pp_size, self._collective_device())
         return out
 

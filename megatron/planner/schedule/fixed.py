@@ -10,6 +10,7 @@ import collections
 import dataclasses
 from typing import Callable, Optional, Sequence
 
+from megatron.config.schedules import V_SCHEDULES
 from megatron.pipeline.validator import validate_plans
 from megatron.planner.schedule.static import build_static_plans
 
@@ -25,7 +26,7 @@ class FixedBatchPlanner:
 
     def __init__(self, schedule: str, pp_size: int, num_model_chunks: int, activation_shapes_fn: Callable,
                  recompute: str, dtype: str, plan_pass: Optional[Callable[[list], list]] = None):
-        self.schedule = "interleaved" if num_model_chunks > 1 and schedule != "zb-v" else schedule
+        self.schedule = "interleaved" if num_model_chunks > 1 and schedule not in V_SCHEDULES else schedule
         self.pp_size, self.num_model_chunks = pp_size, num_model_chunks
         self.activation_shapes_fn, self.recompute, self.dtype = activation_shapes_fn, recompute, dtype
         self._cache: "collections.OrderedDict[tuple, list]" = collections.OrderedDict()

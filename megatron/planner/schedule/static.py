@@ -12,11 +12,12 @@ Schedules (names accepted by `build_static_plans`):
   rank r is stage ``k * PP + r``. Any micro-batch count: when PP does not divide it, the
   remainder joins the last group of PP (`interleaved_order`).
 
-* ``"zb-h1"``, ``"zb-h2"``, ``"zb-v"``: zero-bubble schedules with the backward split into
-  input- and weight-gradient passes (`megatron.planner.schedule.zero_bubble`); zb-v places two stages
-  per rank in a V.
+* ``"zb-h1"``, ``"zb-h2"``, ``"zb-v"``, ``"dualpipev"``: zero-bubble schedules with the backward
+  split into input- and weight-gradient passes (`megatron.planner.schedule.zero_bubble`); zb-v
+  and dualpipev place two stages per rank in a V.
 
-Stage ids are global virtual stages; `stage_to_rank(s) = s % PP` (zb-v: a V, see zero_bubble).
+Stage ids are global virtual stages; `stage_to_rank(s) = s % PP` (zb-v, dualpipev: a V, see
+zero_bubble).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from megatron.pipeline.lowering import ComputeOp, lower_to_plans
 from megatron.models.stage_split import stage_layer_split  # noqa: F401 (re-exported)
 from megatron.planner.schedule.interleaved_order import interleaved_op_orders
 from megatron.planner.schedule.orders import one_f_one_b
-from megatron.planner.schedule.zero_bubble import ZB_SCHEDULES, zb_orders
+from megatron.planner.schedule.zero_bubble import V_SCHEDULES, ZB_SCHEDULES, zb_orders
 
 SCHEDULES = ("gpipe", "gpipe-fifo", "1f1b", "interleaved") + ZB_SCHEDULES
 
@@ -68,7 +69,7 @@ def static_orders(schedule: str, num_microbatches: int, pp: int, num_model_chunk
         raise ValueError(f"need micro-batches >= 1, --pipeline-model-parallel-size >= 1 and "
                          f"model chunks >= 1, got {num_microbatches}, {pp}, {num_model_chunks}")
     if schedule in ZB_SCHEDULES:
-        want = 2 if schedule == "zb-v" else 1
+        want = 2 if schedule in V_SCHEDULES else 1
         if num_model_chunks != want:
             raise ValueError(f"schedule {schedule!r} runs {want} model chunk(s) per rank, not {num_model_chunks}")
         return zb_orders(schedule, num_microbatches, pp)

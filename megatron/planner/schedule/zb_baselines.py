@@ -19,7 +19,7 @@ from megatron.planner.dynapipe.baselines import SIZES, group_costs, microbatch_s
 from megatron.pipeline.lowering import ComputeOp
 from megatron.planner.schedule.simulator import PipelineCosts, simulate
 from megatron.planner.schedule.zb_search import derive_wgrad, with_split
-from megatron.planner.schedule.zero_bubble import greedy_zb_orders, kept_limits, stage_to_rank_of
+from megatron.planner.schedule.zero_bubble import V_SCHEDULES, greedy_zb_orders, kept_limits, stage_to_rank_of
 
 
 def _split_costs(planner, kind, shapes, rc):
@@ -42,7 +42,7 @@ def _v_chunks(c: PipelineCosts) -> PipelineCosts:
 def zb_group_time(costs: PipelineCosts, schedule: str, available) -> float:
     """Simulated makespan of one group's micro-batches under `schedule`, inf if over memory."""
     S0, m = costs.num_stages, costs.num_microbatches
-    if schedule == "zb-v":
+    if schedule in V_SCHEDULES:
         costs = _v_chunks(costs)
         limit = [float(np.min(available))] * S0
     else:

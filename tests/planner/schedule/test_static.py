@@ -16,14 +16,14 @@ def _configs():
         for pp in (1, 2, 4):
             for m in (1, 3, 4, 8):
                 # interleaved: micro-batch counts PP does not divide too (remainder in the last group)
-                yield schedule, pp, m, 2 if schedule in ("interleaved", "zb-v") else 1
+                yield schedule, pp, m, 2 if schedule in ("interleaved", "zb-v", "dualpipev") else 1
 
 
 @pytest.mark.parametrize("schedule,pp,m,v", list(_configs()))
 def test_every_static_schedule_lowers_to_valid_plans(schedule, pp, m, v):
     plans = build_static_plans(schedule, m, pp, v, [((2, 4),)] * m, ACT)
     validate_plans(plans)
-    if schedule == "zb-v":  # rank r runs stages r and 2PP-1-r
+    if schedule in ("zb-v", "dualpipev"):  # rank r runs stages r and 2PP-1-r
         assert [p.assigned_stages for p in plans] == [tuple(sorted({r, 2 * pp - 1 - r})) for r in range(pp)]
     else:
         assert [p.assigned_stages for p in plans] == [tuple(range(r, pp * v, pp)) for r in range(pp)]

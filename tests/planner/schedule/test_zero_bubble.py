@@ -10,7 +10,7 @@ from megatron.planner.schedule.schedules import one_f_one_b, search
 from megatron.pipeline.lowering import ComputeOp
 from megatron.planner.schedule.simulator import PipelineCosts, SimulationError, check_dependencies, simulate
 from megatron.planner.schedule.zb_search import derive_wgrad, gemm_share, zb_candidate
-from megatron.planner.schedule.zero_bubble import greedy_zb_orders, kept_limits, stage_to_rank_of
+from megatron.planner.schedule.zero_bubble import greedy_zb_orders, kept_limits, stage_to_rank_of, zb_orders
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -25,19 +25,29 @@ def test_zero_bubble_schedules_close_the_bubble_in_simulation(p, m):
     base = simulate(_unit(p, m), one_f_one_b(p, list(range(m)))).makespan
     assert base == 3 * m + 3 * (p - 1)  # 1F1B: (p - 1)(F + B + W) of bubble
     got = {}
-    for sch in ("zb-h1", "zb-h2", "zb-v"):
-        s2r = stage_to_rank_of(sch, p)
-        scale = 0.5 if sch == "zb-v" else 1.0  # a V chunk is half a stage
+    for sch in ("zb-h1", "zb-h2", "zb-v", "dualpipev"):
+        orders, s2r = zb_orders(sch, m, p)
+        assert s2r == stage_to_rank_of(sch, p)
+        scale = 0.5 if len(s2r) == 2 * p else 1.0  # a V chunk is half a stage
         costs = _unit(len(s2r), m, scale)
-        orders = greedy_zb_orders(m, s2r, kept_limits(sch, p, m), op_cls=ComputeOp,
-                                  cost=lambda k, mb, s: scale * (2.0 if k == "B" else 1.0))
         res = simulate(costs, orders, s2r)
         check_dependencies(res, costs, s2r)
         assert max(res.peak_memory) <= max(kept_limits(sch, p, m)) * scale + 1e-9
         got[sch] = res.makespan
-    assert got["zb-h1"] < base and got["zb-h2"] < got["zb-h1"]
-    assert got["zb-h2"] == 3 * m + (p - 1)  # only the fill of the first forwards is left
-    assert got["zb-v"] < got["zb-h1"]
+    # only the fill before the last rank's first forward is left (a V's forwards take half)
+    assert got["zb-h1"] == got["zb-h2"] == 3 * m + (p - 1)
+    assert got["zb-v"] == got["dualpipev"] == 3 * m + (p - 1) / 2
+
+
+def test_input_first_greedy_keeps_its_limits_under_a_cost_table():
+    # DynaPipe's searches run the greedy's default policy on their own costs: limits still hold
+    p, m = 4, 8
+    cost = lambda k, mb, s: {"F": 1.0, "I": 1.5, "W": 0.5, "B": 2.0}[k]  # noqa: E731
+    for sch in ("zb-h1", "zb-h2", "zb-v"):
+        s2r = stage_to_rank_of(sch, p)
+        orders = greedy_zb_orders(m, s2r, kept_limits(sch, p, m), op_cls=ComputeOp, cost=cost)
+        res = simulate(_unit(len(s2r), m), orders, s2r)
+        assert max(res.peak_memory) <= max(kept_limits(sch, p, m))
 
 
 def test_simulator_refuses_a_weight_pass_without_its_input_pass_on_the_rank():
