@@ -30,9 +30,12 @@ def _nexts(node):
 class WeightPlan:
     """Boundary nodes, their captured gradients and the parameters behind each."""
 
-    def __init__(self, boundaries, params_of):
+    def __init__(self, boundaries, params_of, weight_side=()):
         self.boundaries = boundaries          # [node]
         self.params_of = params_of            # node -> [param]
+        # Every node the weight pass runs: the boundaries and the weight-side nodes behind them
+        # (what `weight_store.SavedBoxes.release` keeps the saved tensors of).
+        self.nodes = list(boundaries) + list(weight_side)
         self.captured: dict = {}
         self._hooks = [n.register_prehook(self._capture(n)) for n in boundaries]
 
@@ -107,12 +110,19 @@ class WeightPlan:
         covered = {id(p) for ps in params_of.values() for p in ps}
         if not boundaries or reachable != covered:
             return None  # a parameter the boundaries do not reach: keep the whole walk
-        return cls(boundaries, params_of)
+        return cls(boundaries, params_of, owner.keys())
+
+    def complete(self) -> bool:
+        """Every boundary received its gradient in the input pass (`run` will not fall back)."""
+        return all(n in self.captured for n in self.boundaries)
+
+    def captured_tensors(self) -> list:
+        return [g for grads in self.captured.values() for g in grads if g is not None]
 
     def run(self) -> bool:
         """The weight pass; False if some boundary never received a gradient (then the caller
         walks the whole graph instead)."""
-        if any(n not in self.captured for n in self.boundaries):
+        if not self.complete():
             return False
         for n in self.boundaries:
             grads = self.captured[n]

@@ -118,6 +118,9 @@ def test_executor_split_backward_equals_whole_backward_bitwise(limit):
         plans = lower_to_plans(orders, [0, 0], SHAPES, lambda mb, s: ACT)
         stats = PipelineExecutor(stages).run(plans[0], mbs, loss_multiplier=0.5)
         assert stats.backward_passes == 6
+        # stage 1's input passes free what their weight passes do not read (weight_store.py)
+        assert stats.slim_weight_passes == (3 if split else 0)
+        assert (stats.weight_pass_freed_bytes > 0) == split
         results.append({f"{s}.{n}": p.grad.clone() for s, st in stages.items() for n, p in st.named_parameters()})
     assert results[0].keys() == results[1].keys()
     for name in results[0]:

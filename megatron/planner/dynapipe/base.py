@@ -36,8 +36,9 @@ from megatron.planner.schedule.schedules import ScheduleChoice, lower_bound, sea
 from megatron.planner.schedule.simulator import PipelineCosts
 from megatron.planner.cost.stage_loads import t5_candidates
 from megatron.planner.schedule.zb_search import planned_split
-from megatron.planner.cost.stage_memory import (compose, encoder_end_memory, postprocess_memory, preprocess_memory,
-                                            tied_head_grad_mb, with_tied_head)
+from megatron.planner.cost.wpass_memory import stage_wstore_mb
+from megatron.planner.cost.stage_memory import (_shape, compose, encoder_end_memory, postprocess_memory,
+                                                preprocess_memory, tied_head_grad_mb, with_tied_head)
 
 
 class PlanningError(RuntimeError):
@@ -128,12 +129,23 @@ class DynaPipeBase:
         """Rows a micro-batch of b samples runs as: a multiple of every stage's DP size."""
         return (np.asarray(b) + self.row_multiple - 1) // self.row_multiple * self.row_multiple
 
+    def _wstored(self, s, comps, rc, stored, tokens, tp, sp, t5):
+        """MB a deferred weight pass keeps on stage `s` (planner/cost/wpass_memory.py)."""
+        shape = _shape(self.cm, tp)
+        m = self.cm.model
+        heads, kv = m.get("num_attention_heads"), m.get("kv_channels")
+        return stage_wstore_mb(stored, first=s == 0, last=s == self.S - 1, layers=sum(n for _, n in comps),
+                               tokens=tokens, h=float(self.cfg.hidden_size), a=float(self.cfg.activation_bytes),
+                               vocab_per_tp=shape[1] if shape else 0.0, ffn=m.get("ffn_hidden_size"),
+                               proj=heads * kv if heads and kv else None, tp=tp, sp=sp,
+                               whole_graph=rc != "none" or t5 or self.cfg.model_kind == "t5")
+
     def stage_costs(self, rc: str, mbs, enc, dec=None, packed=None) -> dict:
         """Per-stage arrays (S, *shape): fwd, bwd, stored, transient, peak; and 'comm'.
         `packed`: micro-batches of packed rows run with per-document attention, given as
         (sum of squared encoder/GPT document lengths, of decoder lengths, of their products)
         per micro-batch (`megatron.planner.cost.attention_cost`); None: dense rows."""
-        out = {k: [] for k in ("fwd", "bwd", "stored", "peak")}
+        out = {k: [] for k in ("fwd", "bwd", "stored", "peak", "wstored")}
         whole, enc = np.asarray(mbs, float), np.asarray(enc, float)
         if dec is not None:
             whole, enc, dec = np.broadcast_arrays(whole, enc, np.asarray(dec, float))
@@ -191,8 +203,9 @@ class DynaPipeBase:
                 if pre_index:  # the embedding and the head share their weight on this stage
                     parts = with_tied_head(parts, pre_index, tied_head_grad_mb(self.cm, tp, self.cfg.activation_bytes))
             st, pk = compose(parts)
+            wst = self._wstored(s, comps, rc, st, mbs * enc, tp, sp, dec is not None)
             f, b = self.calibration.op_ms(f), self.calibration.op_ms(b)
-            for k, v in zip(("fwd", "bwd", "stored", "peak"), (f, b, st, pk)):
+            for k, v in zip(("fwd", "bwd", "stored", "peak", "wstored"), (f, b, st, pk, wst)):
                 out[k].append(np.broadcast_to(v, mbs.shape))
         out = {k: np.stack(v) for k, v in out.items()}
         with np.errstate(invalid="ignore"):  # inf - inf where the shape is infeasible
@@ -456,7 +469,7 @@ class DynaPipeBase:
         dec = None if dec_all is None else np.maximum.reduceat(dec_all[order], starts).astype(float)
         sc = self.stage_costs(rc, mbs, enc, dec)
         costs = PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]),
-                              grad_comm=np.array(sc["grad_comm"]) if "grad_comm" in sc else None,
+                              grad_comm=np.array(sc["grad_comm"]) if "grad_comm" in sc else None, wstored=sc["wstored"],
                               grad_comm_epilogue_only=self.cfg.grad_compress_epilogue_only)
         # split backward ("zb"): the derived W share (megatron/planner/schedule/zb_search.py)
         return planned_split(self, costs, enc, dec), samples

@@ -7,7 +7,7 @@ micro-batch can move into any later bubble of its stage. The "zb" candidate runs
 rules of `megatron.planner.schedule.zero_bubble` (I first, then F while it fits, then the oldest W) on
 the micro-batches' own costs, in the order being searched, with DynaPipe's memory limit as the
 admission test: a forward starts only if the stage's kept activations (each kept until its W:
-the executor keeps the whole graph, `PipelineCosts.wstored`) plus its working set stay under
+the weight store, `PipelineCosts.wstored`, planner/cost/wpass_memory.py) plus its working set stay under
 the limit. The simulator then times the orders (links and all), and `search` keeps it only if
 it beats the 1F1B / adaptive candidates of the same search: a plan with a split backward is
 never slower than the best one without.

@@ -1,0 +1,62 @@
+"""Memory a deferred weight pass (W of a zero-bubble schedule) keeps, per micro-batch, in MB.
+
+Between a micro-batch's input pass and its weight pass the executor keeps only what W reads
+(`megatron/pipeline/weight_store.py`): each weight GEMM's input and output gradient, and each
+norm's input, output gradient and fp32 statistics (mean, inverse deviation: 8 bytes per
+token). Per token of a GPT transformer layer, with activation element size ``a``, hidden
+``h``, attention projection width ``P`` (heads x kv channels, ``h`` by default), FFN width
+``f``, TP size ``t`` (column-parallel outputs and row-parallel inputs are split):
+
+* input norm: input ``h a`` + gradient ``h a`` + 8;  QKV: input ``h a`` + gradient ``3P/t a``;
+* output projection: input ``P/t a`` + gradient ``h a``;  MLP norm: as the input norm;
+* FFN in: input ``h a`` + gradient ``f/t a``;  FFN out: input ``f/t a`` + gradient ``h a``.
+
+That is ``20 h a + 16`` bytes per token at ``P = h, f = 4h, t = 1``. Sequence parallelism
+splits the norms' terms by ``t``; the QKV and FFN-in inputs are then the gathered sequence
+(full ``h``). The last stage adds the final norm and the output head (input ``h a``, logits
+gradient ``v/t a``). Attention scores, dropout masks and the FFN activation's input are freed
+at the input pass: that is the difference from a kept whole graph, growing with the sequence
+(score-keeping attention) and with dropout. The kept state does not depend on the sequence
+length otherwise, so it is a formula, not a table column.
+
+The first stage (no input gradient: its W is the whole backward), recompute (the weight pass
+walks the kept graph again) and T5 stages keep the whole graph: there ``stored`` is W's kept
+state. `tests/planner/cost/test_wpass_memory.py` checks the formula against the bytes the
+weight store holds, per row, within 5 %; `benchmarks/bench_zb_wpass.py` prints both.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+MB = 1e6
+STATS = 8.0  # fp32 mean + inverse deviation per token of a norm
+
+
+def layer_wstore_bytes(tokens, h: float, a: float, *, ffn: float = None, proj: float = None, tp: int = 1,
+                       sp: bool = False):
+    """Bytes W keeps for one GPT transformer layer on `tokens` tokens (per TP rank)."""
+    ffn = 4.0 * h if ffn is None else float(ffn)
+    proj = float(h) if proj is None else float(proj)
+    t = float(tp)
+    norm = (2.0 * h * a + STATS) / (t if sp else 1.0)
+    gemms = (h * a + 3.0 * proj / t * a) + (proj / t * a + h * a) + (h * a + ffn / t * a) + (ffn / t * a + h * a)
+    return np.asarray(tokens, float) * (2.0 * norm + gemms)
+
+
+def post_wstore_bytes(tokens, h: float, vocab_per_tp: float, a: float, *, tp: int = 1, sp: bool = False):
+    """Bytes W keeps for the final norm and the output head on the last stage."""
+    norm = (2.0 * h * a + STATS) / (float(tp) if sp else 1.0)
+    return np.asarray(tokens, float) * (norm + h * a + vocab_per_tp * a)
+
+
+def stage_wstore_mb(stored_mb, *, first: bool, last: bool, layers: int, tokens, h: float, a: float,
+                    vocab_per_tp: float = 0.0, ffn: float = None, proj: float = None, tp: int = 1,
+                    sp: bool = False, whole_graph: bool = False):
+    """MB W keeps for one micro-batch on a GPT stage; `stored_mb` where the whole graph is kept
+    (first stage, recompute, or `whole_graph`: a model this formula does not describe)."""
+    if first or whole_graph:
+        return np.asarray(stored_mb, float)
+    kept = layers * layer_wstore_bytes(tokens, h, a, ffn=ffn, proj=proj, tp=tp, sp=sp)
+    if last:
+        kept = kept + post_wstore_bytes(tokens, h, vocab_per_tp, a, tp=tp, sp=sp)
+    return kept / MB
