@@ -14,7 +14,8 @@ and reports, counting each storage once and leaving parameters out:
   weight GEMMs' inputs, a norm's input and statistics) plus the gradients the boundaries
   captured (the GEMMs' output gradients);
 * ``b_ms`` / ``w_ms``: wall time of the input pass and of the weight pass (CUDA synchronised),
-  and ``bwd_ms``, one whole backward of the same forward, for the ratio (B + W) / whole.
+  and ``fwd_ms`` / ``bwd_ms``, one forward and whole backward, for the ratio (B + W) / whole
+  and the derived rule W = fwd x 6h/(6h+s) (planner/schedule/zb_search.py) beside the measured W.
 """
 from __future__ import annotations
 
@@ -77,13 +78,18 @@ def _split_once(module, make_args, params, device):
 
 
 def _whole_once(module, make_args, device):
-    inputs, outs = _forward(module, make_args, None)
-    grads = [torch.randn_like(o) for o in outs]
+    """(forward s, whole backward s)."""
     _sync(device)
     t0 = time.perf_counter()
+    inputs, outs = _forward(module, make_args, None)
+    _sync(device)
+    t1 = time.perf_counter()
+    grads = [torch.randn_like(o) for o in outs]
+    _sync(device)
+    t2 = time.perf_counter()
     torch.autograd.backward(outs, grads)
     _sync(device)
-    return time.perf_counter() - t0
+    return t1 - t0, time.perf_counter() - t2
 
 
 def measure_split(module: torch.nn.Module, make_args: Callable[[], tuple], device: torch.device,
@@ -91,16 +97,51 @@ def measure_split(module: torch.nn.Module, make_args: Callable[[], tuple], devic
     """`make_args()` -> (batch, [input activations]) for `module(batch, inputs)` -> [outputs].
     Times are the minimum over `iters` runs after `warmup`; bytes are the same every run."""
     params: List[torch.Tensor] = [p for p in module.parameters() if p.requires_grad]
-    bs, ws, whole = [], [], []
+    bs, ws, whole, fwd = [], [], [], []
     graph = before = kept = 0
     for i in range(warmup + iters):
         module.zero_grad(set_to_none=False)
         graph, before, kept, b, w = _split_once(module, make_args, params, device)
-        t = _whole_once(module, make_args, device)
+        f, t = _whole_once(module, make_args, device)
         if i >= warmup:
             bs.append(b)
             ws.append(w)
             whole.append(t)
+            fwd.append(f)
     return dict(graph_bytes=graph, kept_graph_bytes=before, wstore_bytes=kept,
                 wstore_share=round(kept / graph, 4), wstore_vs_kept_graph=round(kept / before, 4),
-                b_ms=round(min(bs) * 1e3, 4), w_ms=round(min(ws) * 1e3, 4), bwd_ms=round(min(whole) * 1e3, 4))
+                b_ms=round(min(bs) * 1e3, 4), w_ms=round(min(ws) * 1e3, 4), bwd_ms=round(min(whole) * 1e3, 4),
+                fwd_ms=round(min(fwd) * 1e3, 4))
+
+
+def time_split(w, device: torch.device, warmup: int, iters: int, statistic: str = "median",
+               agree: Callable[[bool], bool] = lambda x: x) -> tuple:
+    """(input pass ms, weight pass ms) of a profiler `Workload` (`measure.Workload`: its
+    `run(*make_inputs())` returns one tensor), split as the executor splits a zero-bubble
+    backward; a statistic over `iters` timed iterations after `warmup`."""
+    from megatron.profiling import noise
+    params = [p for p in w.module.parameters() if p.requires_grad]
+
+    def sample(i):
+        inputs = w.make_inputs()
+        diff = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+        out = w.run(*inputs)
+        plan = WeightPlan.build([out], diff, params)
+        if plan is None:
+            raise ValueError("the workload has no split weight pass (see split_backward.WeightPlan.build)")
+        grads = [torch.ones_like(out)]
+        _sync(device)
+        t0 = noise.clock()
+        try:
+            _input_grads([out], grads, diff)
+        finally:
+            plan.remove_hooks()
+        _sync(device)
+        t1 = noise.clock()
+        plan.run()
+        _sync(device)
+        t2 = noise.clock()
+        del out, inputs, plan
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+    return noise.repeat(sample, warmup, iters, statistic=statistic, agree=agree).values
