@@ -60,3 +60,16 @@ def stage_wstore_mb(stored_mb, *, first: bool, last: bool, layers: int, tokens, 
     if last:
         kept = kept + post_wstore_bytes(tokens, h, vocab_per_tp, a, tp=tp, sp=sp)
     return kept / MB
+
+
+def planner_wstored(planner, s, comps, rc, stored, tokens, tp, sp, t5):
+    """MB a deferred weight pass keeps on stage `s` of a DynaPipe planner's layout."""
+    from megatron.planner.cost.stage_memory import _shape
+    shape = _shape(planner.cm, tp)
+    m = planner.cm.model
+    heads, kv = m.get("num_attention_heads"), m.get("kv_channels")
+    return stage_wstore_mb(stored, first=s == 0, last=s == planner.S - 1, layers=sum(n for _, n in comps),
+                           tokens=tokens, h=float(planner.cfg.hidden_size), a=float(planner.cfg.activation_bytes),
+                           vocab_per_tp=shape[1] if shape else 0.0, ffn=m.get("ffn_hidden_size"),
+                           proj=heads * kv if heads and kv else None, tp=tp, sp=sp,
+                           whole_graph=rc != "none" or t5 or planner.cfg.model_kind == "t5")

@@ -36,8 +36,9 @@ from megatron.planner.schedule.schedules import ScheduleChoice, lower_bound, sea
 from megatron.planner.schedule.simulator import PipelineCosts
 from megatron.planner.cost.stage_loads import t5_candidates
 from megatron.planner.schedule.zb_search import planned_split
-from megatron.planner.cost.wpass_memory import stage_wstore_mb
-from megatron.planner.cost.stage_memory import (_shape, compose, encoder_end_memory, postprocess_memory,
+from megatron.planner.cost.wpass_memory import planner_wstored
+from megatron.planner.cost.wpass_time import stage_wgrad
+from megatron.planner.cost.stage_memory import (compose, encoder_end_memory, postprocess_memory,
                                                 preprocess_memory, tied_head_grad_mb, with_tied_head)
 
 
@@ -129,23 +130,12 @@ class DynaPipeBase:
         """Rows a micro-batch of b samples runs as: a multiple of every stage's DP size."""
         return (np.asarray(b) + self.row_multiple - 1) // self.row_multiple * self.row_multiple
 
-    def _wstored(self, s, comps, rc, stored, tokens, tp, sp, t5):
-        """MB a deferred weight pass keeps on stage `s` (planner/cost/wpass_memory.py)."""
-        shape = _shape(self.cm, tp)
-        m = self.cm.model
-        heads, kv = m.get("num_attention_heads"), m.get("kv_channels")
-        return stage_wstore_mb(stored, first=s == 0, last=s == self.S - 1, layers=sum(n for _, n in comps),
-                               tokens=tokens, h=float(self.cfg.hidden_size), a=float(self.cfg.activation_bytes),
-                               vocab_per_tp=shape[1] if shape else 0.0, ffn=m.get("ffn_hidden_size"),
-                               proj=heads * kv if heads and kv else None, tp=tp, sp=sp,
-                               whole_graph=rc != "none" or t5 or self.cfg.model_kind == "t5")
-
     def stage_costs(self, rc: str, mbs, enc, dec=None, packed=None) -> dict:
         """Per-stage arrays (S, *shape): fwd, bwd, stored, transient, peak; and 'comm'.
         `packed`: micro-batches of packed rows run with per-document attention, given as
         (sum of squared encoder/GPT document lengths, of decoder lengths, of their products)
         per micro-batch (`megatron.planner.cost.attention_cost`); None: dense rows."""
-        out = {k: [] for k in ("fwd", "bwd", "stored", "peak", "wstored")}
+        out = {k: [] for k in ("fwd", "bwd", "stored", "peak", "wstored", "wgrad")}
         whole, enc = np.asarray(mbs, float), np.asarray(enc, float)
         if dec is not None:
             whole, enc, dec = np.broadcast_arrays(whole, enc, np.asarray(dec, float))
@@ -166,7 +156,7 @@ class DynaPipeBase:
             f = b = 0.0
             # Pieces in forward order, (stored, peak) each; `compose` stacks them. The first
             # stage also embeds, the last runs the head and the loss (stage_memory.py).
-            parts = []
+            parts, pieces = [], []  # pieces: (count, costs) for the measured W share (wpass_time.py)
             if dec is not None and (s > self.split or s == self.split > self.enc_end):  # received it
                 parts.append((enc_out, enc_out))
             pre_index = []  # positions of the embeddings in `parts`
@@ -182,6 +172,7 @@ class DynaPipeBase:
                 elif key not in layer:
                     layer[key] = self.cm.layer(comp, tp, rc, mbs, enc, dec)
                 c = layer[key]
+                pieces.append((n, c))
                 f, b = f + n * c["forward_ms"], b + n * c["backward_ms"]
                 if comp == "decoder" and s == self.split:
                     pre_index.append(len(parts))
@@ -198,15 +189,19 @@ class DynaPipeBase:
                     parts.append(encoder_end_memory(self.cm, mbs, enc, self.cfg.activation_bytes))
             if s == self.S - 1:
                 p = self.cm.postprocess(tp, rc, mbs, head_len)
+                pieces.append((1, p))
                 f, b = f + p["forward_ms"], b + p["backward_ms"]
                 parts.append(self._pre_post("post", rc, mbs, head_len, tp))
                 if pre_index:  # the embedding and the head share their weight on this stage
                     parts = with_tied_head(parts, pre_index, tied_head_grad_mb(self.cm, tp, self.cfg.activation_bytes))
             st, pk = compose(parts)
-            wst = self._wstored(s, comps, rc, st, mbs * enc, tp, sp, dec is not None)
+            wst = planner_wstored(self, s, comps, rc, st, mbs * enc, tp, sp, dec is not None)
             f, b = self.calibration.op_ms(f), self.calibration.op_ms(b)
-            for k, v in zip(("fwd", "bwd", "stored", "peak", "wstored"), (f, b, st, pk, wst)):
-                out[k].append(np.broadcast_to(v, mbs.shape))
+            wg = stage_wgrad(pieces, b, first=s == 0) if rc == "none" and packed is None else None
+            for k, v in zip(("fwd", "bwd", "stored", "peak", "wstored", "wgrad"), (f, b, st, pk, wst, wg)):
+                out[k].append(None if v is None else np.broadcast_to(v, mbs.shape))
+        if any(v is None for v in out["wgrad"]):
+            del out["wgrad"]  # not measured for every stage: zb_search derives W
         out = {k: np.stack(v) for k, v in out.items()}
         with np.errstate(invalid="ignore"):  # inf - inf where the shape is infeasible
             out["transient"] = np.nan_to_num(out["peak"] - out["stored"], nan=np.inf)
@@ -470,6 +465,7 @@ class DynaPipeBase:
         sc = self.stage_costs(rc, mbs, enc, dec)
         costs = PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]),
                               grad_comm=np.array(sc["grad_comm"]) if "grad_comm" in sc else None, wstored=sc["wstored"],
+                              wgrad=sc.get("wgrad"),
                               grad_comm_epilogue_only=self.cfg.grad_compress_epilogue_only)
         # split backward ("zb"): the derived W share (megatron/planner/schedule/zb_search.py)
         return planned_split(self, costs, enc, dec), samples
