@@ -25,11 +25,50 @@ def test_weight_store_model_within_5_percent_per_row(shape):
         assert r["measured_bytes"] < r["kept_graph_bytes"], r
 
 
-def test_layer_formula_scales_with_tensor_parallel_sides():
-    # 20 h a + 16 bytes per token at P = h, f = 4h on one TP rank (measured exactly above); TP
-    # splits the QKV/FFN-in output gradients and the projection/FFN-out inputs (3P + P + 2f = 12h
-    # of the 20h), sequence parallelism the norms' terms
-    one = layer_wstore_bytes(1, 64, 4)
-    assert one == 20 * 64 * 4 + 16
-    assert layer_wstore_bytes(1, 64, 4, tp=2) == one - 6 * 64 * 4
-    assert layer_wstore_bytes(1, 64, 4, tp=2, sp=True) == one - 6 * 64 * 4 - (4 * 64 * 4 + 16) / 2
+def _measured_layer(ps, sp=False, seq=32, mbs=2, h=64, **arch):
+    import torch
+
+    from megatron.config.core import ModelConfig
+    from megatron.models.gpt import GPTStage
+    from megatron.profiling.profiler import _seeded
+    from megatron.profiling.weight_pass import measure_split
+    cfg = ModelConfig(model_type="gpt", num_layers=1, hidden_size=h, num_attention_heads=4, ffn_hidden_size=4 * h,
+                      vocab_size=256, max_position_embeddings=seq, seq_length=seq, hidden_dropout=0.1,
+                      attention_dropout=0.1, sequence_parallel=sp, **arch)
+    with _seeded(1, ps.tp_rank, "cpu"):
+        st = GPTStage(cfg, ps, layer_start=0, layer_end=1, pre_process=False, post_process=False, seed=1)
+        local = seq // ps.tp_size if sp else seq
+        return measure_split(st, lambda: ({}, [torch.randn(local, mbs, h)]), torch.device("cpu"), iters=1,
+                             warmup=0)["wstore_bytes"]
+
+
+ARCH = {  # model flags -> the formula's terms (kv channels 16, 4 heads)
+    "swiglu": (dict(swiglu=True), dict(gated=True)),
+    "rmsnorm": (dict(normalization="RMSNorm"), dict(stats=0.0)),
+    "gqa": (dict(num_query_groups=1), dict(qkv=64 + 2 * 16)),
+    "no_bias": (dict(add_bias_linear=False), dict(bias=False)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ARCH))
+def test_layer_formula_per_architecture(name):
+    from megatron.core.parallel_state import ParallelState
+    flags, terms = ARCH[name]
+    got = _measured_layer(ParallelState(), **flags)
+    pred = float(layer_wstore_bytes(64, 64, 4, **terms))
+    assert abs(pred / got - 1) <= 0.05, (got, pred)
+
+
+def _tp_rank(rank, world, sp):
+    from megatron.core.parallel_state import initialize_model_parallel
+    ps = initialize_model_parallel(tp_size=2)
+    return _measured_layer(ps, sp=sp)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_layer_formula_with_tensor_and_sequence_parallelism(sp):
+    from tests.dist_harness import run_distributed
+    got = run_distributed(_tp_rank, 2, sp, timeout_s=120)
+    pred = float(layer_wstore_bytes(64, 64, 4, tp=2, sp=sp))
+    for g in got:
+        assert abs(pred / g - 1) <= 0.05, (g, pred)
