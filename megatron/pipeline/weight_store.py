@@ -41,7 +41,10 @@ class SavedBoxes:
         self.released = False
 
     def _pack(self, t):
-        box = _Box(t)
+        # A detached alias, as autograd itself saves an output: the pack hook is handed the
+        # output tensor object itself, which the executor empties after sending it
+        # (`_free_data`); the alias keeps the storage the node saved.
+        box = _Box(t.detach())
         self.boxes.append(box)
         return box
 

@@ -157,3 +157,40 @@ def test_weight_pass_keeps_the_whole_walk_for_foreign_leaves_and_inputless_stage
     x = torch.randn(2, 4, requires_grad=True)
     assert WeightPlan.build([(lin(x) @ foreign).sum()], [x], list(lin.parameters())) is None
     assert WeightPlan.build([lin(x.detach()).sum()], [x.detach()], list(lin.parameters())) is None
+
+
+def _freed_output_rank(rank, world):
+    """Stages 0, 1 on rank 0 and 2 on rank 1, split backward: stage 1's output (a tanh result,
+    which autograd saves for tanh's backward) is sent, then emptied (free_sent_activations)."""
+    import torch.distributed as dist
+
+    from megatron.pipeline.lowering import lower_to_plans
+    from megatron.pipeline.p2p import P2PCommunicator
+    from megatron.planner.schedule.zero_bubble import greedy_zb_orders
+    torch.manual_seed(0)
+    mbs = [{"tokens": torch.randint(0, 11, (2, 4)), "loss_mask": torch.ones(2, 4)} for _ in range(3)]
+    where = [0, 0, 1]
+    plans = lower_to_plans(greedy_zb_orders(3, where, [4, 4]), where, SHAPES, lambda mb, s: ACT)
+    stages = {s: _Stage(s == 0, s == 2) for s in range(3) if where[s] == rank}
+    ex = PipelineExecutor(stages, P2PCommunicator([0, 1], rank, group=dist.group.WORLD))
+    stats = ex.run(plans[rank], mbs, loss_multiplier=0.5)
+    return stats.slim_weight_passes, {f"{s}.{n}": p.grad.clone() for s, st in stages.items()
+                                      for n, p in st.named_parameters()}
+
+
+def test_weight_store_survives_emptying_a_sent_output_that_autograd_saved():
+    from tests.dist_harness import run_distributed
+    got = run_distributed(_freed_output_rank, 2, timeout_s=60)
+    assert got[0][0] == 3  # stage 1's input passes ran the weight store
+    grads = {**got[0][1], **got[1][1]}
+    torch.manual_seed(0)
+    mbs = [{"tokens": torch.randint(0, 11, (2, 4)), "loss_mask": torch.ones(2, 4)} for _ in range(3)]
+    stages = {s: _Stage(s == 0, s == 2) for s in range(3)}
+    for mb in mbs:  # the reference: one whole backward per micro-batch, one process
+        x = stages[0](mb, [])[0]
+        x = stages[1](mb, [x])[0]
+        loss = (stages[2](mb, [x])[0] * mb["loss_mask"]).sum() * 0.5
+        loss.backward()
+    for s, st in stages.items():
+        for n, p in st.named_parameters():
+            assert torch.allclose(grads[f"{s}.{n}"], p.grad, rtol=1e-6, atol=1e-7), f"{s}.{n}"
