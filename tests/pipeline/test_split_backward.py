@@ -194,3 +194,52 @@ def test_weight_store_survives_emptying_a_sent_output_that_autograd_saved():
     for s, st in stages.items():
         for n, p in st.named_parameters():
             assert torch.allclose(grads[f"{s}.{n}"], p.grad, rtol=1e-6, atol=1e-7), f"{s}.{n}"
+
+
+class _BiasTanh(torch.autograd.Function):
+    """A fused-kernel-like Function: computes the bias gradient whether or not it is needed."""
+
+    @staticmethod
+    def forward(ctx, bias, x):
+        ctx.save_for_backward(bias, x)
+        return torch.tanh(x + bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        bias, x = ctx.saved_tensors
+        gx = g * (1 - torch.tanh(x + bias) ** 2)
+        return gx.reshape(-1, gx.shape[-1]).sum(0), gx
+
+
+def test_custom_function_bias_gradient_comes_from_the_input_pass_and_its_state_is_freed():
+    from megatron.pipeline.split_backward import WeightPlan
+    from megatron.pipeline.weight_store import SavedBoxes
+    torch.manual_seed(5)
+    lin1, lin2 = nn.Linear(8, 16, bias=False), nn.Linear(16, 8)
+    bias = nn.Parameter(torch.randn(16))
+    params = [lin1.weight, bias, lin2.weight, lin2.bias]
+    x = torch.randn(6, 8)
+
+    def run(split):
+        for p in params:
+            p.grad = None
+        inp = x.clone().requires_grad_(True)
+        boxes = SavedBoxes()
+        with boxes.hooks():
+            pre = lin1(inp)
+            loss = (lin2(_BiasTanh.apply(bias, pre)) ** 2).sum()
+        if not split:
+            loss.backward()
+            return inp.grad, [p.grad.clone() for p in params], None
+        plan = WeightPlan.build([loss], [inp], params)
+        assert plan is not None and len(plan.eager) == 1
+        (gx,) = torch.autograd.grad(loss, inp, retain_graph=True)
+        plan.remove_hooks()
+        assert plan.complete() and all(p.grad is None for p in params)
+        boxes.release(plan.nodes)
+        kept = {t.untyped_storage().data_ptr() for t in boxes.tensors()}
+        assert pre.untyped_storage().data_ptr() not in kept  # the Function's input: freed
+        assert plan.run()
+        return gx, [p.grad.clone() for p in params], kept
+    (gx0, g0, _), (gx1, g1, _) = run(False), run(True)
+    assert torch.equal(gx0, gx1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
