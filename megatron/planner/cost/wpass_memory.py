@@ -13,8 +13,9 @@ token). Per token of a GPT transformer layer, with activation element size ``a``
 
 That is ``20 h a + 16`` bytes per token at ``P = h, f = 4h, t = 1``. Sequence parallelism
 splits the norms' terms by ``t``; the QKV and FFN-in inputs are then the gathered sequence
-(full ``h``), and the two row-parallel biases, added after the reduce-scatter, capture their own
-sequence-local gradient (``2 h/t a``; without SP it is the GEMM's output gradient itself).
+(full ``h``); without the fused bias-dropout-add, the two row-parallel biases, added after the
+reduce-scatter, capture their own sequence-local gradient (``2 h/t a``; without SP it is the
+GEMM's output gradient itself; fused, the input pass hands W the bias gradient itself).
 Grouped-query attention narrows the QKV gradient (``P + 2 groups kv``), a gated MLP (SwiGLU)
 doubles the FFN-in gradient (``2f``), this project's RMSNorm keeps no statistics. The last
 stage adds the final norm and the output head (input ``h a``, logits gradient ``v/t a``).
@@ -38,7 +39,7 @@ STATS = 8.0  # fp32 mean + inverse deviation per token of a norm
 
 def layer_wstore_bytes(tokens, h: float, a: float, *, ffn: float = None, proj: float = None, tp: int = 1,
                        sp: bool = False, bias: bool = True, qkv: float = None, gated: bool = False,
-                       stats: float = STATS):
+                       stats: float = STATS, fused_bias_dropout: bool = True):
     """Bytes W keeps for one GPT transformer layer on `tokens` tokens (per TP rank). `qkv`: the
     QKV GEMM's output width (``3P``; grouped-query attention: ``P + 2 groups kv``); `gated`: a
     gated MLP (SwiGLU / GLU: the FFN-in output is ``2f``); `stats`: bytes per token a norm keeps
@@ -50,7 +51,7 @@ def layer_wstore_bytes(tokens, h: float, a: float, *, ffn: float = None, proj: f
     norm = (2.0 * h * a + stats) / (t if sp else 1.0)
     ffn_out = (2.0 if gated else 1.0) * ffn
     gemms = (h * a + qkv / t * a) + (proj / t * a + h * a) + (h * a + ffn_out / t * a) + (ffn / t * a + h * a)
-    row_bias = 2.0 * h / t * a if sp and tp > 1 and bias else 0.0
+    row_bias = 2.0 * h / t * a if sp and tp > 1 and bias and not fused_bias_dropout else 0.0
     return np.asarray(tokens, float) * (2.0 * norm + gemms + row_bias)
 
 
@@ -90,4 +91,5 @@ def planner_wstored(planner, s, comps, rc, stored, tokens, tp, sp, t5):
                            proj=proj, qkv=qkv, tp=tp, sp=sp, bias=m.get("add_bias_linear", True) is not False,
                            gated=bool(m.get("swiglu") or m.get("gated_linear_unit")),
                            stats=0.0 if m.get("normalization") == "RMSNorm" else STATS,
+                           fused_bias_dropout=m.get("bias_dropout_fusion", True) is not False,
                            whole_graph=rc != "none" or t5 or planner.cfg.model_kind == "t5")

@@ -59,16 +59,21 @@ def test_layer_formula_per_architecture(name):
     assert abs(pred / got - 1) <= 0.05, (got, pred)
 
 
-def _tp_rank(rank, world, sp):
+def _tp_rank(rank, world, sp, fusion):
     from megatron.core.parallel_state import initialize_model_parallel
     ps = initialize_model_parallel(tp_size=2)
-    return _measured_layer(ps, sp=sp)
+    return _measured_layer(ps, sp=sp, bias_dropout_fusion=fusion)
 
 
 @pytest.mark.parametrize("sp", [False, True])
-def test_layer_formula_with_tensor_and_sequence_parallelism(sp):
+@pytest.mark.parametrize("fusion", [False, True])
+def test_layer_formula_with_tensor_and_sequence_parallelism(sp, fusion):
+    import torch
+
+    from megatron.fused_kernels import ops
     from tests.dist_harness import run_distributed
-    got = run_distributed(_tp_rank, 2, sp, timeout_s=120)
-    pred = float(layer_wstore_bytes(64, 64, 4, tp=2, sp=sp))
+    got = run_distributed(_tp_rank, 2, sp, fusion, timeout_s=120)
+    fused = fusion and ops.use_fused(torch.zeros(1))  # the kernels may be unbuilt or switched off
+    pred = float(layer_wstore_bytes(64, 64, 4, tp=2, sp=sp, fused_bias_dropout=fused))
     for g in got:
         assert abs(pred / g - 1) <= 0.05, (g, pred)
