@@ -31,6 +31,17 @@ class _Box:
         self.tensor = tensor
 
 
+_NAMES: dict = {}
+
+
+def _saved_names(node_type) -> tuple:
+    """The `_saved_*` attributes of an autograd node type (dir() is slow: once per type)."""
+    names = _NAMES.get(node_type)
+    if names is None:
+        names = _NAMES[node_type] = tuple(n for n in dir(node_type) if n.startswith("_saved_"))
+    return names
+
+
 class SavedBoxes:
     """Saved tensors of one micro-batch's forward on one stage, in boxes that can be emptied."""
 
@@ -65,9 +76,8 @@ class SavedBoxes:
         self._marking = marked = set()
         try:
             for node in nodes:
-                for name in dir(node):
-                    if name.startswith("_saved_"):
-                        getattr(node, name)
+                for name in _saved_names(type(node)):
+                    getattr(node, name)
                 if hasattr(node, "saved_tensors"):  # a custom autograd.Function's node
                     node.saved_tensors
         finally:
