@@ -50,4 +50,4 @@ def note_derived(name: str) -> None:
         _noted.add(name)
         warnings.warn(f"cost model {name!r} has no measured input_grad_ms / weight_grad_ms for every piece of the "
                       f"pipeline: the zero-bubble W time is derived (fwd x 6h/(6h+s)); "
-                      f"`python -m megatron.profiling.weight_pass --add-to FILE` measures them", stacklevel=3)
+                      f"`python -m megatron.profiling.split_columns --add-to FILE` measures them", stacklevel=3)

@@ -64,3 +64,23 @@ def test_tables_without_halves_load_and_derive_w_with_a_note():
         assert out.wgrad is not None and np.all(out.wgrad <= 0.5 * sc["bwd"] + 1e-12)
         from megatron.planner.cost import wpass_time
         assert cm.name in wpass_time._noted  # the note was given
+
+
+def test_split_columns_add_the_halves_to_a_table_without_them():
+    from megatron.config.core import ModelConfig
+    from megatron.profiling.profiler import ProfileSpec, run_profile
+    from megatron.profiling.split_columns import add_split_columns
+    model = ModelConfig(hidden_size=32, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256, num_layers=2,
+                        seq_length=32)
+    cm = run_profile(ProfileSpec(model=model, tps=[1], micro_batch_sizes=[1], seq_lengths=[16, 32], layers=2,
+                                 warmup=0, iters=1, recompute=["none"]))
+    doc = cm.to_dict()  # a table as the A100 ones: no halves
+    for prof in doc["profiles"]:
+        for g in prof["components"].values():
+            g.pop("input_grad_ms", None), g.pop("weight_grad_ms", None)
+    bare = CostModel.from_dict(doc)
+    assert "weight_grad_ms" not in bare.layer("encoder", 1, "none", 1, 16)
+    got = add_split_columns(bare, iters=1, warmup=0, log=lambda s: None)
+    for comp in ("encoder", "postprocess"):
+        q = CostModel.from_dict(got.to_dict())._grid(1, "none", comp)(1, 32)
+        assert float(q["input_grad_ms"]) > 0 and float(q["weight_grad_ms"]) > 0
