@@ -16,6 +16,9 @@ Shapes off the profiled grid (sequence 96, 192, 384 on a 16..512 grid) test the 
 about a minute each). Aceso rows come from `megatron.aceso.memory_check.aceso_rows` when that
 module exists: kept bytes (`error`) and the stage peak over forward + backward (`peak_error`) of
 one GPT layer per recompute set the search can emit (`--models ""` prints only them).
+Zero-bubble rows (`kind: zb-weight-store`, `memory_rows.zb_rows`): the bytes a deferred weight
+pass keeps in the executor's weight store for a GPT middle and last stage, against
+`stage_costs(...)["wstored"]` (planner/cost/wpass_memory.py), beside the whole graph.
 
     python benchmarks/bench_memory_model.py                       # shipped CPU tables, GPT + T5
     python benchmarks/bench_memory_model.py --hidden 64,128 --quick
@@ -33,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron.planner.cost.cost_model import CostModel  # noqa: E402
-from megatron.profiling.memory_rows import dynapipe_rows, model_config  # noqa: E402
+from megatron.profiling.memory_rows import dynapipe_rows, model_config, zb_rows  # noqa: E402
 
 GPT_SHAPES = [(1, 96), (2, 128), (4, 192), (1, 384), (2, 512), (8, 64), (1, 768)]  # 768: past the grid
 T5_SHAPES = [(1, 96, 48), (2, 64, 32), (4, 128, 64), (2, 48, 24)]
@@ -66,6 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=2, help="layers per stage")
     p.add_argument("--time-iters", type=int, default=3, help="timed iterations per stage (0: no timing)")
     p.add_argument("--quick", action="store_true", help="two shapes per model")
+    p.add_argument("--no-zb", action="store_true", help="skip the zero-bubble weight-store rows")
     p.add_argument("--no-aceso", action="store_true", help="skip Aceso rows even if the module exists")
     a = p.parse_args(argv)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
@@ -85,6 +89,10 @@ def main(argv=None) -> int:
             for row in dynapipe_rows(cm, settings, shapes, a.layers, time_iters=a.time_iters):
                 row["cost_model"] = cm.name
                 print(json.dumps(row), flush=True)
+            if kind == "gpt" and "none" in settings and not a.no_zb:
+                for row in zb_rows(cm, shapes, a.layers, time_iters=max(a.time_iters, 1)):
+                    row["cost_model"] = cm.name
+                    print(json.dumps(row), flush=True)
             log(f"{kind} hidden {h}: {time.perf_counter() - t0:.0f} s")
     if not a.no_aceso:
         try:

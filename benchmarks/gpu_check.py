@@ -22,7 +22,10 @@ itself; the JSON file is rewritten after every part, so a run cut short keeps wh
   profile        megatron.profiling.profile_model on a small GPT (hidden 1024, 2 layers, sequence
                  up to 2048) with SDPA restricted to the flash backend (any attention that cannot
                  take it fails the part instead of silently timing another kernel); CPU: a tiny
-                 GPT on the default backend
+                 GPT on the default backend. Its table carries the split backward's timed halves
+                 (input_grad_ms / weight_grad_ms) at recompute none
+  zb_wpass       benchmarks/bench_zb_wpass.py: bytes a deferred zero-bubble W keeps (weight store)
+                 against the whole graph, the memory model's error, B / W times
 
 Outputs (``--out-dir``; default ``docs`` on CUDA, ``build/gpu_check`` for the CPU form):
 ``gpu_check.json`` (device, torch, per part: status, seconds, command, parsed rows, the log's
@@ -181,11 +184,20 @@ def _parse_profile(out: str, ctx: Ctx) -> dict:
         measured = [v for v in cells if v is not None]
         i, j = len(enc["mbs"]) - 1, len(enc["seq"]) - 1
         f, b = enc["forward_ms"][i][j], enc["backward_ms"][i][j]
+        largest = {"mbs": enc["mbs"][i], "seq": enc["seq"][j], "forward_ms": f, "backward_ms": b}
+        for q in ("input_grad_ms", "weight_grad_ms"):  # the zero-bubble halves, timed (recompute none)
+            if q in enc:
+                largest[q] = enc[q][i][j]
         res["encoder"].append({"tp": prof.get("tp"), "recompute": prof.get("recompute"),
-                               "cells_measured": len(measured), "cells": len(cells),
-                               "largest": {"mbs": enc["mbs"][i], "seq": enc["seq"][j],
-                                           "forward_ms": f, "backward_ms": b}})
+                               "cells_measured": len(measured), "cells": len(cells), "largest": largest})
     return res
+
+
+def _zb_wpass_argv(ctx: Ctx):
+    if ctx.cuda:
+        return [ctx.py, "benchmarks/bench_zb_wpass.py", "--device", "cuda", "--dtype", "bfloat16",
+                "--sizes", "1024:2048:1,2048:2048:1", "--vocab", "50257", "--iters", "5"]
+    return [ctx.py, "benchmarks/bench_zb_wpass.py", "--sizes", "64:64:1", "--iters", "2"]
 
 
 def _fused_argv(ctx: Ctx):
@@ -210,6 +222,8 @@ PARTS = [
     Part("profile", "GPT cost table (profile_model)", _profile_argv, lambda ctx: ctx.pick(150, 180),
          floor_s=45, parse=_parse_profile,
          cpu_note="flash attention needs CUDA: a tiny GPT on the default SDPA backend"),
+    Part("zb_wpass", "zero-bubble weight store bytes and B / W times", _zb_wpass_argv, lambda ctx: ctx.pick(90, 120),
+         floor_s=20, parse=_parse_rows, cpu_note="a hidden-64 layer in fp32"),
 ]
 
 
@@ -407,12 +421,24 @@ def markdown(r: dict) -> str:
     if prof.get("encoder"):
         lines += ["", f"**Cost table** (`megatron.profiling.profile_model`, attention: {prof['sdpa_backend']}; "
                       f"{prof['dtype']}, {prof['profile_seconds']} s; file `{prof['cost_model']}`)", "",
-                  "| tp | recompute | cells measured | largest shape | layer fwd ms | layer bwd ms |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "| tp | recompute | cells measured | largest shape | layer fwd ms | layer bwd ms | "
+                  "B ms (split) | W ms (split) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for e in prof["encoder"]:
             lg = e["largest"]
             lines.append(f"| {e['tp']} | {e['recompute']} | {e['cells_measured']} / {e['cells']} | "
-                         f"{lg['mbs']} x {lg['seq']} | {_fmt(lg['forward_ms'])} | {_fmt(lg['backward_ms'])} |")
+                         f"{lg['mbs']} x {lg['seq']} | {_fmt(lg['forward_ms'])} | {_fmt(lg['backward_ms'])} | "
+                         f"{_fmt(lg.get('input_grad_ms'))} | {_fmt(lg.get('weight_grad_ms'))} |")
+    zb = r["parts"].get("zb_wpass", {}).get("rows", [])
+    if zb:
+        lines += ["", "**Zero-bubble weight pass** (`bench_zb_wpass.py`: bytes a deferred W keeps, B / W ms)", "",
+                  "| stage | hidden x seq x mbs | dtype | whole graph MB | kept before MB | weight store MB | "
+                  "model error | B ms | W ms | whole bwd ms |", "|" + " --- |" * 10]
+        for z in zb:
+            lines.append(f"| {z['role']} | {z['hidden']} x {z['seq']} x {z['mbs']} | {z['dtype']} | "
+                         f"{_fmt(z['graph_bytes'] / 1e6, 2)} | {_fmt(z['kept_graph_bytes'] / 1e6, 2)} | "
+                         f"{_fmt(z['wstore_bytes'] / 1e6, 2)} | {_fmt(z['model_error'], 4)} | {_fmt(z['b_ms'])} | "
+                         f"{_fmt(z['w_ms'])} | {_fmt(z['bwd_ms'])} |")
     bad = [n for n, p in r["parts"].items() if p["status"] not in ("ok",) and not p["status"].startswith("skipped")]
     if bad:
         lines += ["", "Parts that did not finish (their log tails are in the JSON): " + ", ".join(bad) + "."]

@@ -49,6 +49,7 @@ from megatron.core import heartbeat
 from megatron.pipeline import instructions as I
 from megatron.pipeline.p2p import DTYPES, P2PCommunicator
 from megatron.pipeline.split_backward import WeightPlan
+from megatron.pipeline.weight_store import SavedBoxes, unique_bytes
 from megatron.models.sliced_attention import SequenceKVCache
 
 SLICED_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -91,6 +92,10 @@ class ExecutionStats:
     act_bytes: int = 0
     grad_bytes: int = 0
     grad_bytes_raw: int = 0
+    # Deferred weight passes that kept only what they read (weight_store.py), and the bytes
+    # the input passes freed from their graphs (saved storages W does not read).
+    slim_weight_passes: int = 0
+    weight_pass_freed_bytes: int = 0
 
     @property
     def loss_sum(self) -> float:  # reading it waits for the device
@@ -178,6 +183,13 @@ class PipelineExecutor:
         # the same gradient and error feedback counts it once.
         self.encoded: Dict[tuple, list] = {}
         self.plan = plan
+        # Forwards whose BackwardInput runs the weight plan save into boxes, so that the input
+        # pass can free everything the deferred weight pass does not read (weight_store.py).
+        self.boxes: Dict[tuple, SavedBoxes] = {}
+        self.box_keys = set()
+        if self.split_weight_pass and plan.recompute == "none" and not forward_only:
+            self.box_keys = {(x.microbatch, x.stage) for x in plan.instructions
+                             if isinstance(x, I.BackwardInput) and x.output_buffer_ids}
         self.microbatches = microbatches
         self.loss_multiplier = loss_multiplier
         self.forward_only = forward_only
@@ -290,8 +302,13 @@ class PipelineExecutor:
                     salt = (self.dropout_seed * 1_000_003 + self.plan.iteration * 10_007 + seq) % (1 << 31)
                 cache = self.kv_caches[(seq, ins.stage)] = SequenceKVCache(seq, ins.stage, salt)
             cache.begin(offset, length)
-        with grad_ctx, self._autocast():
+        key = (ins.microbatch, ins.stage)
+        boxes = SavedBoxes(f"{self.rank_desc}, micro-batch {ins.microbatch}, stage {ins.stage}") \
+            if key in self.box_keys and cache is None else None
+        with grad_ctx, self._autocast(), (boxes.hooks() if boxes is not None else contextlib.nullcontext()):
             outputs = stage(batch, inputs, kv_cache=cache) if cache is not None else stage(batch, inputs)
+        if boxes is not None:
+            self.boxes[key] = boxes
         if cache is not None:
             record = cache.end()
             if not self.forward_only:
@@ -377,6 +394,14 @@ class PipelineExecutor:
             in_grads = [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, in_grads)]
             in_grads = [g if g.dtype == self.comm_dtype else g.to(self.comm_dtype) for g in in_grads]
             self._write_slots(ins.output_buffer_ids, in_grads)
+        boxes = self.boxes.pop(key, None)
+        if weights is not None and boxes is not None and weights.complete():
+            # W reads only its nodes' saved tensors and the captured gradients: free the rest.
+            before = unique_bytes(boxes.tensors())
+            boxes.release(weights.nodes)
+            grads = None
+            self.stats.slim_weight_passes += 1
+            self.stats.weight_pass_freed_bytes += before - unique_bytes(boxes.tensors())
         # The received gradient tensors stay referenced here, not through their slot, which
         # the plan may free and reuse before the weight pass.
         self.deferred[key] = (outputs, grads, weights)

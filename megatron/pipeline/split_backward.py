@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 
@@ -30,15 +31,34 @@ def _nexts(node):
 class WeightPlan:
     """Boundary nodes, their captured gradients and the parameters behind each."""
 
-    def __init__(self, boundaries, params_of):
+    def __init__(self, boundaries, params_of, owner=None, eager=None):
         self.boundaries = boundaries          # [node]
         self.params_of = params_of            # node -> [param]
+        # A custom autograd.Function computes every gradient it returns, needed or not (the fused
+        # bias-GeLU and bias-dropout-add): the input pass already computes its parameters'
+        # gradients. `eager`: node -> [(index in next_functions, leaf node, input_nr)] of such
+        # boundaries whose weight side is the parameters' accumulators alone; a post hook keeps
+        # those gradients and the weight pass hands them to the accumulators (same values, same
+        # accumulation point), so the node itself, its saved tensors and its incoming gradient
+        # are not kept for W.
+        self.eager = eager or {}
+        # Every node the weight pass runs: the other boundaries and the weight-side nodes behind
+        # them (what `weight_store.SavedBoxes.release` keeps the saved tensors of).
+        owner = owner or {}
+        self.nodes = [n for n in boundaries if n not in self.eager] + [k for k, b in owner.items()
+                                                                      if b not in self.eager]
         self.captured: dict = {}
-        self._hooks = [n.register_prehook(self._capture(n)) for n in boundaries]
+        self._hooks = [n.register_hook(self._keep_eager(n)) if n in self.eager else
+                       n.register_prehook(self._capture(n)) for n in boundaries]
 
     def _capture(self, node):
         def hook(grad_outputs):
             self.captured[node] = grad_outputs
+        return hook
+
+    def _keep_eager(self, node):
+        def hook(grad_inputs, grad_outputs):
+            self.captured[node] = tuple(grad_inputs[i] for i, _, _ in self.eager[node])
         return hook
 
     def remove_hooks(self) -> None:
@@ -83,13 +103,15 @@ class WeightPlan:
                     stack.extend((k, False) for k in _nexts(x) if k not in done)
         for r in roots:
             visit(r)
-        boundaries, params_of, owner = [], {}, {}
+        boundaries, params_of, owner, eager = [], {}, {}, {}
         for n in order:
             if not reach_in[n]:
                 continue
             side = [k for k in _nexts(n) if not reach_in[k] and reach_p[k]]
             if not side:
                 continue
+            if isinstance(n, BackwardCFunction) and all(k in param_of for k in side):
+                eager[n] = [(i, k, nr) for i, (k, nr) in enumerate(n.next_functions) if k in side]
             behind, stack = [], list(side)
             while stack:  # the weight-side subgraph behind this boundary
                 k = stack.pop()
@@ -107,16 +129,28 @@ class WeightPlan:
         covered = {id(p) for ps in params_of.values() for p in ps}
         if not boundaries or reachable != covered:
             return None  # a parameter the boundaries do not reach: keep the whole walk
-        return cls(boundaries, params_of)
+        return cls(boundaries, params_of, owner, eager)
+
+    def complete(self) -> bool:
+        """Every boundary received its gradient in the input pass (`run` will not fall back)."""
+        return all(n in self.captured for n in self.boundaries)
+
+    def captured_tensors(self) -> list:
+        return [g for grads in self.captured.values() for g in grads if g is not None]
+
+    def _edges(self, n):
+        grads = self.captured[n]
+        if n in self.eager:  # the parameters' gradients, computed by the input pass
+            return [(GradientEdge(k, nr), g) for (_, k, nr), g in zip(self.eager[n], grads) if g is not None]
+        return [(GradientEdge(n, i), g) for i, g in enumerate(grads) if g is not None]
 
     def run(self) -> bool:
         """The weight pass; False if some boundary never received a gradient (then the caller
         walks the whole graph instead)."""
-        if any(n not in self.captured for n in self.boundaries):
+        if not self.complete():
             return False
         for n in self.boundaries:
-            grads = self.captured[n]
-            edges = [(GradientEdge(n, i), g) for i, g in enumerate(grads) if g is not None]
+            edges = self._edges(n)
             if edges and self.params_of[n]:
                 torch.autograd.backward([e for e, _ in edges], [g for _, g in edges], retain_graph=True,
                                         inputs=self.params_of[n])

@@ -49,6 +49,9 @@ class Result:
     stored_bytes: int  # saved for backward, all measured layers together
     peak_bytes: int  # highest live activation memory during forward+backward, inputs included
     timing: Optional[noise.Timing] = None  # spread and rounds of the time (profiling/noise.py)
+    # The split backward's halves (profiling/weight_pass.py), where the profiler timed them.
+    input_grad_ms: float = float("nan")
+    weight_grad_ms: float = float("nan")
 
 
 def _sync(device: torch.device) -> None:

@@ -156,3 +156,38 @@ def dynapipe_rows(cm: CostModel, settings=("none", "selective", "full"), shapes=
                                    time_ratio=round((f + bwd) / pred_ms, 3) if ok else None)
                     yield row
 
+
+
+def zb_rows(cm: CostModel, shapes=((2, 64),), layers: int = 2, device: str = "cpu", seed: int = 1234,
+            time_iters: int = 1):
+    """Yield one dict per (shape, GPT stage role) for the zero-bubble weight pass: the bytes the
+    executor's weight store keeps between a micro-batch's input pass and its weight pass
+    (`megatron.profiling.weight_pass`), against the planner's `stage_costs(...)["wstored"]`
+    (planner/cost/wpass_memory.py), beside the whole graph it kept before; and B / W times.
+    The first stage has no input pass (its W is the whole backward, priced as `stored`)."""
+    from megatron.profiling.weight_pass import measure_split
+    if cm.kind != "gpt":
+        raise ValueError(f"{cm.name}: the weight-pass rows cover GPT stages (T5 prices the whole graph)")
+    dev = torch.device(device)
+    dtype = torch.float32 if cm.meta.get("dtype", "float32") == "float32" else torch.bfloat16
+    nbytes = torch.finfo(dtype).bits // 8
+    cfg, ps = model_config(cm, layers), ParallelState()
+    planner = _planner(cm, cfg, 3, layers, nbytes)
+    with _seeded(seed, 0, dev.type):
+        stages = {r: v for r, v in _gpt_stages(cfg, ps, layers, seed).items() if r in ("middle", "last")}
+        for mod, _, _ in stages.values():
+            mod.to(dev, dtype)
+        for mbs, seq in shapes:
+            sc = planner.stage_costs("none", float(mbs), float(seq))
+            for role, (mod, _, s) in stages.items():
+                batch, acts = _inputs(cfg, "gpt", role, mbs, seq, None, dev, dtype)
+                m = measure_split(mod, lambda b=batch, a=acts: (b, a), dev, iters=time_iters, warmup=0)
+                pred = float(sc["wstored"][s]) * MB
+                yield dict(planner="dynapipe", model="gpt", setting="none", role=role, mbs=mbs, seq=seq,
+                           hidden=cfg.hidden_size, layers=layers, device=dev.type, kind="zb-weight-store",
+                           measured_bytes=m["wstore_bytes"], predicted_bytes=round(pred),
+                           error=round(pred / m["wstore_bytes"] - 1, 4),
+                           graph_bytes=m["graph_bytes"], kept_graph_bytes=m["kept_graph_bytes"],
+                           predicted_stored_bytes=round(float(sc["stored"][s]) * MB),
+                           b_ms=m["b_ms"], w_ms=m["w_ms"], bwd_ms=m["bwd_ms"],
+                           memory_method="unique saved storages of the weight store (saved_tensors_hooks boxes)")

@@ -24,6 +24,7 @@ from megatron.planner.cost.attention_cost import fit_grid
 from megatron.planner.cost.cost_model import COMPONENT_AXES, RECOMPUTE_LEVELS, CostModel, Grid, Profile
 from megatron.profiling import components as C
 from megatron.profiling import noise
+from megatron.profiling.weight_pass import time_split
 from megatron.profiling.measure import STATISTICS, ShapeInfeasible, measure
 
 MB = 1e6  # the cost-model files use decimal megabytes (the DynaPipe tables do too)
@@ -129,7 +130,8 @@ def _seeded(seed: int, tp_rank: int, device_type: str):
 
 def _sweep(spec, axes, run_shape, log, label, noise_log) -> Dict[str, np.ndarray]:
     shape = tuple(len(a) for a in axes)
-    out = {q: np.full(shape, np.nan) for q in ("forward_ms", "backward_ms", "stored_mb", "peak_mb")}
+    out = {q: np.full(shape, np.nan) for q in ("forward_ms", "backward_ms", "stored_mb", "peak_mb",
+                                                "input_grad_ms", "weight_grad_ms")}
     failed = []  # index tuples that did not fit: everything dominating them is skipped
     progress = noise.Progress(int(np.prod(shape)))
     for idx in itertools.product(*[range(n) for n in shape]):
@@ -152,7 +154,8 @@ def _sweep(spec, axes, run_shape, log, label, noise_log) -> Dict[str, np.ndarray
             failed.append(idx)
             log(f"{label_k} {vals}: unmeasured ({why})")
             continue
-        for q, v in zip(out, (r.forward_ms, r.backward_ms, r.stored_bytes / MB, r.peak_bytes / MB)):
+        for q, v in zip(out, (r.forward_ms, r.backward_ms, r.stored_bytes / MB, r.peak_bytes / MB,
+                              r.input_grad_ms, r.weight_grad_ms)):
             out[q][idx] = v
         t = r.timing
         note = ""
@@ -206,6 +209,9 @@ def profile_rank(spec: ProfileSpec, ps: ParallelState, agree: Callable[[bool], b
                     w = C.layer_workload(block, cfg, rc, mbs, seq, device, dtype, dec)
                     r = fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree, spec.statistic, **timing))
                     r.forward_ms, r.backward_ms = r.forward_ms / n, r.backward_ms / n
+                    if rc == "none" and cfg.model_type == "gpt":  # the zero-bubble split, timed
+                        b, wg = fits(lambda: time_split(w, device, spec.warmup, spec.iters, spec.statistic, agree))
+                        r.input_grad_ms, r.weight_grad_ms = b / n, wg / n
                     r.stored_bytes //= n
                     # The stack peaks at (n - 1) layers' stored memory plus one layer's peak; the
                     # planner adds them back the same way for a stage of any depth.
@@ -215,8 +221,12 @@ def profile_rank(spec: ProfileSpec, ps: ParallelState, agree: Callable[[bool], b
             if post is None:  # the head is never recomputed: one sweep serves every level
                 def run_post(mbs, seq):
                     w = C.postprocess_workload(head, cfg, mbs, seq, device, dtype)
-                    return fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree, spec.statistic,
-                                                **timing))
+                    r = fits(lambda: measure(w, device, spec.warmup, spec.iters, cap, agree, spec.statistic,
+                                             **timing))
+                    if cfg.model_type == "gpt":
+                        r.input_grad_ms, r.weight_grad_ms = fits(
+                            lambda: time_split(w, device, spec.warmup, spec.iters, spec.statistic, agree))
+                    return r
                 post = _sweep(spec, spec.axes("postprocess"), run_post, log, f"tp{tp} postprocess", noise_log)
             if pre is None:  # nor is the embedding
                 def run_pre(mbs, seq):
@@ -269,7 +279,9 @@ def to_cost_model(spec: ProfileSpec, results: List[dict], meta: dict) -> CostMod
         state = {c: cnt * 2 / MB for c, (cnt, _) in res["params"].items()}
         params[str(res["tp"])] = {c: {"count": cnt, "bytes": b} for c, (cnt, b) in res["params"].items()}
         for rc, comps in res["grids"].items():
-            grids = {c: Grid(spec.axes(c), comps[c]) for c in COMPONENT_AXES if c in comps}
+            # a quantity measured nowhere (the split at recompute levels) is left out of the file
+            grids = {c: Grid(spec.axes(c), {q: v for q, v in comps[c].items() if not np.isnan(v).all()})
+                     for c in COMPONENT_AXES if c in comps}
             profiles.append(Profile(res["tp"], rc, state, grids))
             for q, value in res.get("doc_quad", {}).get(rc, {}).items():
                 sp = fit_grid(grids["encoder"], "encoder", q)

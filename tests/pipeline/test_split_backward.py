@@ -120,6 +120,9 @@ def test_executor_split_backward_equals_whole_backward_bitwise(limit):
         plans = lower_to_plans(orders, [0, 0], SHAPES, lambda mb, s: ACT)
         stats = PipelineExecutor(stages).run(plans[0], mbs, loss_multiplier=0.5)
         assert stats.backward_passes == 6
+        # stage 1's input passes free what their weight passes do not read (weight_store.py)
+        assert stats.slim_weight_passes == (3 if split else 0)
+        assert (stats.weight_pass_freed_bytes > 0) == split
         results.append({f"{s}.{n}": p.grad.clone() for s, st in stages.items() for n, p in st.named_parameters()})
     assert results[0].keys() == results[1].keys()
     for name in results[0]:
@@ -156,3 +159,89 @@ def test_weight_pass_keeps_the_whole_walk_for_foreign_leaves_and_inputless_stage
     x = torch.randn(2, 4, requires_grad=True)
     assert WeightPlan.build([(lin(x) @ foreign).sum()], [x], list(lin.parameters())) is None
     assert WeightPlan.build([lin(x.detach()).sum()], [x.detach()], list(lin.parameters())) is None
+
+
+def _freed_output_rank(rank, world):
+    """Stages 0, 1 on rank 0 and 2 on rank 1, split backward: stage 1's output (a tanh result,
+    which autograd saves for tanh's backward) is sent, then emptied (free_sent_activations)."""
+    import torch.distributed as dist
+
+    from megatron.pipeline.lowering import lower_to_plans
+    from megatron.pipeline.p2p import P2PCommunicator
+    from megatron.planner.schedule.zero_bubble import greedy_zb_orders
+    torch.manual_seed(0)
+    mbs = [{"tokens": torch.randint(0, 11, (2, 4)), "loss_mask": torch.ones(2, 4)} for _ in range(3)]
+    where = [0, 0, 1]
+    plans = lower_to_plans(greedy_zb_orders(3, where, [4, 4]), where, SHAPES, lambda mb, s: ACT)
+    stages = {s: _Stage(s == 0, s == 2) for s in range(3) if where[s] == rank}
+    ex = PipelineExecutor(stages, P2PCommunicator([0, 1], rank, group=dist.group.WORLD))
+    stats = ex.run(plans[rank], mbs, loss_multiplier=0.5)
+    return stats.slim_weight_passes, {f"{s}.{n}": p.grad.clone() for s, st in stages.items()
+                                      for n, p in st.named_parameters()}
+
+
+def test_weight_store_survives_emptying_a_sent_output_that_autograd_saved():
+    from tests.dist_harness import run_distributed
+    got = run_distributed(_freed_output_rank, 2, timeout_s=60)
+    assert got[0][0] == 3  # stage 1's input passes ran the weight store
+    grads = {**got[0][1], **got[1][1]}
+    torch.manual_seed(0)
+    mbs = [{"tokens": torch.randint(0, 11, (2, 4)), "loss_mask": torch.ones(2, 4)} for _ in range(3)]
+    stages = {s: _Stage(s == 0, s == 2) for s in range(3)}
+    for mb in mbs:  # the reference: one whole backward per micro-batch, one process
+        x = stages[0](mb, [])[0]
+        x = stages[1](mb, [x])[0]
+        loss = (stages[2](mb, [x])[0] * mb["loss_mask"]).sum() * 0.5
+        loss.backward()
+    for s, st in stages.items():
+        for n, p in st.named_parameters():
+            assert torch.allclose(grads[f"{s}.{n}"], p.grad, rtol=1e-6, atol=1e-7), f"{s}.{n}"
+
+
+class _BiasTanh(torch.autograd.Function):
+    """A fused-kernel-like Function: computes the bias gradient whether or not it is needed."""
+
+    @staticmethod
+    def forward(ctx, bias, x):
+        ctx.save_for_backward(bias, x)
+        return torch.tanh(x + bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        bias, x = ctx.saved_tensors
+        gx = g * (1 - torch.tanh(x + bias) ** 2)
+        return gx.reshape(-1, gx.shape[-1]).sum(0), gx
+
+
+def test_custom_function_bias_gradient_comes_from_the_input_pass_and_its_state_is_freed():
+    from megatron.pipeline.split_backward import WeightPlan
+    from megatron.pipeline.weight_store import SavedBoxes
+    torch.manual_seed(5)
+    lin1, lin2 = nn.Linear(8, 16, bias=False), nn.Linear(16, 8)
+    bias = nn.Parameter(torch.randn(16))
+    params = [lin1.weight, bias, lin2.weight, lin2.bias]
+    x = torch.randn(6, 8)
+
+    def run(split):
+        for p in params:
+            p.grad = None
+        inp = x.clone().requires_grad_(True)
+        boxes = SavedBoxes()
+        with boxes.hooks():
+            pre = lin1(inp)
+            loss = (lin2(_BiasTanh.apply(bias, pre)) ** 2).sum()
+        if not split:
+            loss.backward()
+            return inp.grad, [p.grad.clone() for p in params], None
+        plan = WeightPlan.build([loss], [inp], params)
+        assert plan is not None and len(plan.eager) == 1
+        (gx,) = torch.autograd.grad(loss, inp, retain_graph=True)
+        plan.remove_hooks()
+        assert plan.complete() and all(p.grad is None for p in params)
+        boxes.release(plan.nodes)
+        kept = {t.untyped_storage().data_ptr() for t in boxes.tensors()}
+        assert pre.untyped_storage().data_ptr() not in kept  # the Function's input: freed
+        assert plan.run()
+        return gx, [p.grad.clone() for p in params], kept
+    (gx0, g0, _), (gx1, g1, _) = run(False), run(True)
+    assert torch.equal(gx0, gx1) and all(torch.equal(a, b) for a, b in zip(g0, g1))

@@ -44,6 +44,25 @@ def test_file_round_trips_through_cost_model(gpt):
                 assert all(v is not None and v > 0 for row in g[q] for v in row), (rc, comp, q)
 
 
+def test_split_backward_halves_are_timed_at_recompute_none(gpt):
+    """input_grad_ms / weight_grad_ms (the zero-bubble B and W) are measured per shape where
+    the split runs (layers without recompute; the head, never recomputed, at every level),
+    and are absent elsewhere rather than made up."""
+    cm, doc = gpt
+    for prof in doc["profiles"]:
+        for comp in ("encoder", "postprocess"):
+            g = prof["components"][comp]
+            has = "input_grad_ms" in g and "weight_grad_ms" in g
+            assert has == (prof["recompute"] == "none" or comp == "postprocess"), (prof["recompute"], comp)
+    for comp in ("encoder", "postprocess"):
+        q = cm.layer(comp, 1, "none", MBS[-1], SEQ[-1])
+        b, w, whole = float(q["input_grad_ms"]), float(q["weight_grad_ms"]), float(q["backward_ms"])
+        assert b > 0 and w > 0
+        # the two halves run the whole backward's kernels once each (the boundaries' weight
+        # side again): far from 2x the whole, far from nothing, on a busy machine too
+        assert 0.3 * whole < b + w < 3.0 * whole, (comp, b, w, whole)
+
+
 def test_time_grows_from_smallest_to_largest_shape(gpt):
     cm, _ = gpt
     for comp in ("encoder", "postprocess"):

@@ -33,7 +33,10 @@ FORMAT_NAME = "megatron-planner-cost-model"
 FORMAT_VERSION = 2  # 2 adds the optional per-component "attention_split" (see attention_cost.py)
 READ_VERSIONS = (1, 2)
 RECOMPUTE_LEVELS = ("none", "selective", "full")
-QUANTITIES = ("forward_ms", "backward_ms", "stored_mb", "peak_mb")
+# input_grad_ms / weight_grad_ms (optional, layers and head at recompute "none"): the two halves
+# of the split backward, timed (megatron/profiling/weight_pass.py); without them the zero-bubble
+# planner derives W from the forward (planner/schedule/zb_search.py).
+QUANTITIES = ("forward_ms", "backward_ms", "stored_mb", "peak_mb", "input_grad_ms", "weight_grad_ms")
 # Axes per component: micro-batch size first, then sequence lengths.
 COMPONENT_AXES = {
     "encoder": ("mbs", "seq"),

@@ -36,8 +36,10 @@ from megatron.planner.schedule.schedules import ScheduleChoice, lower_bound, sea
 from megatron.planner.schedule.simulator import PipelineCosts
 from megatron.planner.cost.stage_loads import t5_candidates
 from megatron.planner.schedule.zb_search import planned_split
-from megatron.planner.cost.stage_memory import (compose, encoder_end_memory, postprocess_memory, preprocess_memory,
-                                            tied_head_grad_mb, with_tied_head)
+from megatron.planner.cost.wpass_memory import planner_wstored
+from megatron.planner.cost.wpass_time import stage_wgrad
+from megatron.planner.cost.stage_memory import (compose, encoder_end_memory, postprocess_memory,
+                                                preprocess_memory, tied_head_grad_mb, with_tied_head)
 
 
 class PlanningError(RuntimeError):
@@ -133,7 +135,7 @@ class DynaPipeBase:
         `packed`: micro-batches of packed rows run with per-document attention, given as
         (sum of squared encoder/GPT document lengths, of decoder lengths, of their products)
         per micro-batch (`megatron.planner.cost.attention_cost`); None: dense rows."""
-        out = {k: [] for k in ("fwd", "bwd", "stored", "peak")}
+        out = {k: [] for k in ("fwd", "bwd", "stored", "peak", "wstored", "wgrad")}
         whole, enc = np.asarray(mbs, float), np.asarray(enc, float)
         if dec is not None:
             whole, enc, dec = np.broadcast_arrays(whole, enc, np.asarray(dec, float))
@@ -154,7 +156,7 @@ class DynaPipeBase:
             f = b = 0.0
             # Pieces in forward order, (stored, peak) each; `compose` stacks them. The first
             # stage also embeds, the last runs the head and the loss (stage_memory.py).
-            parts = []
+            parts, pieces = [], []  # pieces: (count, costs) for the measured W share (wpass_time.py)
             if dec is not None and (s > self.split or s == self.split > self.enc_end):  # received it
                 parts.append((enc_out, enc_out))
             pre_index = []  # positions of the embeddings in `parts`
@@ -170,6 +172,7 @@ class DynaPipeBase:
                 elif key not in layer:
                     layer[key] = self.cm.layer(comp, tp, rc, mbs, enc, dec)
                 c = layer[key]
+                pieces.append((n, c))
                 f, b = f + n * c["forward_ms"], b + n * c["backward_ms"]
                 if comp == "decoder" and s == self.split:
                     pre_index.append(len(parts))
@@ -186,14 +189,19 @@ class DynaPipeBase:
                     parts.append(encoder_end_memory(self.cm, mbs, enc, self.cfg.activation_bytes))
             if s == self.S - 1:
                 p = self.cm.postprocess(tp, rc, mbs, head_len)
+                pieces.append((1, p))
                 f, b = f + p["forward_ms"], b + p["backward_ms"]
                 parts.append(self._pre_post("post", rc, mbs, head_len, tp))
                 if pre_index:  # the embedding and the head share their weight on this stage
                     parts = with_tied_head(parts, pre_index, tied_head_grad_mb(self.cm, tp, self.cfg.activation_bytes))
             st, pk = compose(parts)
+            wst = planner_wstored(self, s, comps, rc, st, mbs * enc, tp, sp, dec is not None)
             f, b = self.calibration.op_ms(f), self.calibration.op_ms(b)
-            for k, v in zip(("fwd", "bwd", "stored", "peak"), (f, b, st, pk)):
-                out[k].append(np.broadcast_to(v, mbs.shape))
+            wg = stage_wgrad(pieces, b, first=s == 0) if rc == "none" and packed is None else None
+            for k, v in zip(("fwd", "bwd", "stored", "peak", "wstored", "wgrad"), (f, b, st, pk, wst, wg)):
+                out[k].append(None if v is None else np.broadcast_to(v, mbs.shape))
+        if any(v is None for v in out["wgrad"]):
+            del out["wgrad"]  # not measured for every stage: zb_search derives W
         out = {k: np.stack(v) for k, v in out.items()}
         with np.errstate(invalid="ignore"):  # inf - inf where the shape is infeasible
             out["transient"] = np.nan_to_num(out["peak"] - out["stored"], nan=np.inf)
@@ -456,7 +464,8 @@ class DynaPipeBase:
         dec = None if dec_all is None else np.maximum.reduceat(dec_all[order], starts).astype(float)
         sc = self.stage_costs(rc, mbs, enc, dec)
         costs = PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"], np.array(sc["comm"]),
-                              grad_comm=np.array(sc["grad_comm"]) if "grad_comm" in sc else None,
+                              grad_comm=np.array(sc["grad_comm"]) if "grad_comm" in sc else None, wstored=sc["wstored"],
+                              wgrad=sc.get("wgrad"),
                               grad_comm_epilogue_only=self.cfg.grad_compress_epilogue_only)
         # split backward ("zb"): the derived W share (megatron/planner/schedule/zb_search.py)
         return planned_split(self, costs, enc, dec), samples

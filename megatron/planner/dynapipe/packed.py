@@ -231,6 +231,7 @@ def pipeline_costs(planner, rc: str, sh: PackedShapes, idx=None) -> Optional[Pip
     return planned_split(planner, PipelineCosts(sc["fwd"], sc["bwd"], sc["stored"], sc["transient"],
                                                 np.array(sc["comm"]),
                                                 grad_comm=np.array(sc["grad_comm"]) if "grad_comm" in sc else None,
+                                                wstored=sc["wstored"],
                                                 grad_comm_epilogue_only=planner.cfg.grad_compress_epilogue_only),
                          sh.enc[idx], dec)
 
@@ -253,7 +254,8 @@ def pipeline_costs_many(planner, rc: str, shapes: List[PackedShapes]) -> List[Op
             continue
         out.append(planned_split(planner, PipelineCosts(
             part_sc["fwd"], part_sc["bwd"], part_sc["stored"], part_sc["transient"], part_sc["comm"],
-            grad_comm=part_sc.get("grad_comm"), grad_comm_epilogue_only=planner.cfg.grad_compress_epilogue_only),
+            grad_comm=part_sc.get("grad_comm"), wstored=part_sc["wstored"],
+            grad_comm_epilogue_only=planner.cfg.grad_compress_epilogue_only),
             sh.enc, sh.dec))
     return out
 

@@ -7,13 +7,15 @@ micro-batch can move into any later bubble of its stage. The "zb" candidate runs
 rules of `megatron.planner.schedule.zero_bubble` (I first, then F while it fits, then the oldest W) on
 the micro-batches' own costs, in the order being searched, with DynaPipe's memory limit as the
 admission test: a forward starts only if the stage's kept activations (each kept until its W:
-the executor keeps the whole graph, `PipelineCosts.wstored`) plus its working set stay under
+the weight store, `PipelineCosts.wstored`, planner/cost/wpass_memory.py) plus its working set stay under
 the limit. The simulator then times the orders (links and all), and `search` keeps it only if
 it beats the 1F1B / adaptive candidates of the same search: a plan with a split backward is
 never slower than the best one without.
 
-The W time: profiles (and the published A100 tables) time whole backward passes, so the
-split is derived: the weight-gradient GEMMs repeat the forward GEMMs' FLOPs, so
+The W time: where the cost model has the profiler's measured halves (``input_grad_ms`` /
+``weight_grad_ms``, planner/cost/wpass_time.py) the stage costs carry W already. The published
+A100 tables time whole backward passes only, so there the split is derived (with a note):
+the weight-gradient GEMMs repeat the forward GEMMs' FLOPs, so
 ``W = fwd * gemm_share`` with ``gemm_share = 6h / (6h + s)`` per transformer layer (forward
 FLOPs per token: ``24 h^2`` in the QKV / projection / MLP GEMMs, ``4 s h`` in attention scores
 and values, which have no weights), capped at half of the backward. `w_share` prints itself.
@@ -51,6 +53,10 @@ def planned_split(planner, costs: PipelineCosts, enc, dec=None) -> PipelineCosts
     stage's sequence: the decoder's on T5 decoder stages), else `costs` unchanged."""
     if costs is None or "zb" not in planner.cfg.schedules:
         return costs
+    if costs.wgrad is not None:  # measured halves (planner/cost/wpass_time.py): nothing to derive
+        return costs
+    from megatron.planner.cost.wpass_time import note_derived
+    note_derived(planner.cm.name)
     enc = np.asarray(enc, float)
     seq = np.stack([np.asarray(dec, float) if dec is not None and any(c == "decoder" for c, _ in comps) else enc
                     for comps in planner.layout])
