@@ -363,6 +363,9 @@ def _check_enough_processes(args, model_type: str, world_size: int) -> None:
 def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
                      world_size: Optional[int] = None) -> MegatronConfig:
     _apply_legacy_args(args)
+    from megatron.cli.flag_checks import check_flags
+    defaults = build_parser(model_type)  # a flag left at its default asks for nothing
+    check_flags(args, model_type, {k: defaults.get_default(k) for k in ("eval_interval", "eval_iters")})
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if getattr(args, "aceso_config", None):
