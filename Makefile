@@ -6,20 +6,25 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 4
 
-.PHONY: venv demo test test-variants lint gpu-check gpu-check-cpu bench clean
+.PHONY: venv demo test test-variants lint docs gpu-check gpu-check-cpu bench clean
 
 $(VENV)/.installed: setup.py pyproject.toml megatron/data/helpers.cpp megatron/planner/dynapipe/partition.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q pybind11 pytest pytest-timeout tensorboard ruff
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,tensorboard,convert,experiments]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,tensorboard,convert,experiments,docs]"
 	touch $@
 
 venv: $(VENV)/.installed
 
 demo: venv
 	bash examples/demo_cpu.sh $(NPROC)
+
+# The docs/ site (mkdocs.yml: every docs/*.md page, no nav to keep up) into site/; --strict turns a
+# broken link or a missing page into a failure. tests/test_docs_commands.py runs the pages' commands.
+docs: venv
+	$(PY) -m mkdocs build --strict --quiet --site-dir site
 
 # The package's lint rules (pyproject.toml [tool.ruff]).
 lint: venv
@@ -59,4 +64,4 @@ gpu-check-cpu:
 	$(GPU_PYTHON) benchmarks/gpu_check.py --cpu
 
 clean:
-	rm -rf $(VENV) build *.egg-info megatron/data/*.so megatron/fused_kernels/build
+	rm -rf $(VENV) site build *.egg-info megatron/data/*.so megatron/fused_kernels/build
