@@ -27,4 +27,4 @@ echo "demo: run directory $RUN_DIR"
     --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model data/tokenizers/kjv_sp4k.model \
     --log-interval 10 --eval-interval 30 --eval-iters 2 \
     --save "$RUN_DIR/checkpoints" --save-interval 60 --tensorboard-dir "$RUN_DIR/tensorboard" "${@:2}" 2>&1 \
-    | grep -v -e "^W.*torch/distributed/run.py" -e "OMP_NUM_THREADS" -e "^\*\*\*\*"
+    | grep --line-buffered -v -e "^W.*torch/distributed/run.py" -e "OMP_NUM_THREADS" -e "^\*\*\*\*"

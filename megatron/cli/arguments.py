@@ -483,7 +483,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
     logging_cfg = LoggingConfig(log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
                                 profile=args.profile, profile_step_start=args.profile_step_start,
                                 profile_step_end=args.profile_step_end, profile_ranks=tuple(args.profile_ranks),
-                                profile_dir=args.profile_dir)
+                                profile_dir=args.profile_dir, pipeline_timeline=args.pipeline_timeline)
     compression = CompressionConfig(
         inter_grad_comp=args.inter_grad_comp, inter_grad_comp_rank=args.inter_grad_comp_rank,
         inter_grad_comp_epilogue_only=args.inter_grad_comp_epilogue_only,
