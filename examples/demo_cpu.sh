@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC=${1:-4}
 PY=${PYTHON:-.venv/bin/python}
+echo "demo: tokenizing the shipped text into data/cache/ (once, ~10 s)"
 bash data/build_sample_data.sh
 export OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
 # A fresh run directory each time, so a second `make demo` neither overwrites the first run's
