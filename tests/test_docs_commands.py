@@ -182,6 +182,7 @@ def test_run_blocks(page, tmp_path):
     env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"),
                PYTHON=sys.executable, PYTHONUNBUFFERED="1")
     runs = str(tmp_path / "runs") + "/"
+    timeline = False  # an earlier training command of the page recorded a pipeline timeline
     for p, i, kind, flags, cmds in BLOCKS:
         if p != page or kind != "run":
             continue
@@ -191,6 +192,7 @@ def test_run_blocks(page, tmp_path):
             words = shlex.split(cmd.replace("runs/", runs))
             if TRAIN.search(cmd):
                 words = _shrink(words, flags)
+                timeline = timeline or "--pipeline-timeline" in words
             if words[0] == "torchrun":
                 words = [sys.executable, "-m", "torch.distributed.run"] + words[1:]
             elif words[0] == "python":
@@ -199,3 +201,8 @@ def test_run_blocks(page, tmp_path):
             assert r.returncode == 0, f"{page} block {i + 1}: {cmd}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
             if TRAIN.search(cmd):
                 assert "lm loss:" in r.stdout, f"{page} block {i + 1}: no loss printed\n{r.stdout[-2000:]}"
+            if words[1:3] == ["-m", "megatron.report"]:  # the plots it promises, a timeline's too if recorded
+                made = os.listdir(os.path.join(words[3], "report"))
+                assert "summary.md" in made and "loss.png" in made, made
+                if timeline:
+                    assert any(f.startswith("timeline_") for f in made), made
