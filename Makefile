@@ -6,20 +6,33 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 4
 
-.PHONY: venv demo test test-variants lint gpu-check gpu-check-cpu bench clean
+.PHONY: venv demo test test-variants lint docs gpu-check gpu-check-cpu bench clean
 
+# Each step says what it does before it starts (the first install takes minutes: PyTorch's CPU
+# wheel is ~200 MB); pip's own progress bars stay on for the downloads.
 $(VENV)/.installed: setup.py pyproject.toml megatron/data/helpers.cpp megatron/planner/dynapipe/partition.cpp
+	@echo "== [venv 1/4] creating $(VENV) (once)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q pybind11 pytest pytest-timeout tensorboard ruff
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,tensorboard,convert,experiments]"
+	@echo "== [venv 2/4] installing $(TORCH_SPEC) (CPU wheel, ~200 MB download)"
+	$(PY) -m pip install --progress-bar on "$(TORCH_SPEC)"
+	@echo "== [venv 3/4] installing the test, TensorBoard, conversion, plotting and docs tools"
+	$(PY) -m pip install --progress-bar on pybind11 pytest pytest-timeout tensorboard ruff
+	@echo "== [venv 4/4] building the C++ helpers (data index, planner partitioner), installing this package and its extras (transformers, matplotlib, mkdocs)"
+	$(PY) -m pip install --progress-bar on --no-build-isolation -e ".[test,tensorboard,convert,experiments,docs]"
 	touch $@
 
 venv: $(VENV)/.installed
 
 demo: venv
+	@echo "== fused CPU kernels: built once per machine (about 2 minutes on 2 cores), then cached"
+	$(PY) -m megatron.fused_kernels --allow-fallback
 	bash examples/demo_cpu.sh $(NPROC)
+
+# The docs/ site (mkdocs.yml: every docs/*.md page, no nav to keep up) into site/; --strict turns a
+# broken link or a missing page into a failure. tests/test_docs_commands.py runs the pages' commands.
+docs: venv
+	$(PY) -m mkdocs build --strict --quiet --site-dir site
 
 # The package's lint rules (pyproject.toml [tool.ruff]).
 lint: venv
@@ -59,4 +72,4 @@ gpu-check-cpu:
 	$(GPU_PYTHON) benchmarks/gpu_check.py --cpu
 
 clean:
-	rm -rf $(VENV) build *.egg-info megatron/data/*.so megatron/fused_kernels/build
+	rm -rf $(VENV) site build *.egg-info megatron/data/*.so megatron/fused_kernels/build

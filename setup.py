@@ -47,6 +47,8 @@ setup(
         "convert": ["transformers", "safetensors"],
         # experiment_scripts/generate_figure_*.sh and optimus_cc_report.py figures (JSON/CSV without it)
         "experiments": ["matplotlib"],
+        # `make docs`: the docs/ site, built with --strict so a broken link fails
+        "docs": ["mkdocs>=1.5"],
     },
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},

@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC=${1:-4}
 PY=${PYTHON:-.venv/bin/python}
+echo "demo: tokenizing the shipped text into data/cache/ (once, ~10 s)"
 bash data/build_sample_data.sh
 export OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
 # A fresh run directory each time, so a second `make demo` neither overwrites the first run's
@@ -27,4 +28,4 @@ echo "demo: run directory $RUN_DIR"
     --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model data/tokenizers/kjv_sp4k.model \
     --log-interval 10 --eval-interval 30 --eval-iters 2 \
     --save "$RUN_DIR/checkpoints" --save-interval 60 --tensorboard-dir "$RUN_DIR/tensorboard" "${@:2}" 2>&1 \
-    | grep -v -e "^W.*torch/distributed/run.py" -e "OMP_NUM_THREADS" -e "^\*\*\*\*"
+    | grep --line-buffered -v -e "^W.*torch/distributed/run.py" -e "OMP_NUM_THREADS" -e "^\*\*\*\*"

@@ -19,7 +19,7 @@ LAYERS = {
     # entry points: command lines and the tools that read them
     "megatron.cli": 7, "megatron.training.pretrain": 7, "megatron.training.t5_builder": 7,
     "megatron.experiments": 7, "megatron.aceso.__main__": 7, "megatron.fused_kernels.__main__": 7,
-    "megatron.profiling.profile_model": 7, "megatron.profiling.calibrate": 7,
+    "megatron.profiling.profile_model": 7, "megatron.profiling.calibrate": 7, "megatron.report": 7,
     # training: the loop, its checkpoints, logging and process setup
     "megatron.training": 6, "megatron.checkpointing": 6,
     # planners, and what measures the models they price (profilers, Aceso's search)

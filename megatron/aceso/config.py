@@ -23,6 +23,7 @@ import json
 from typing import Any, Dict, List
 
 from megatron.aceso.model import ModelSpec, Plan, Stage
+from megatron.config.json_keys import refuse_unknown_keys
 
 
 def plan_to_dict(plan: Plan, spec: ModelSpec) -> Dict[str, Any]:
@@ -52,6 +53,16 @@ _PLAN_FIELDS = {"model_name": str, "num_stages": int, "micro_batch_size": int, "
                 "data_parallel_size_of_each_op": list, "recompute_ops": list}
 
 
+# Every key a config may hold: what plan_to_dict writes, and the model description fields of
+# Aceso's own files (read by Aceso's runtime, not needed here). Anything else is a typo.
+_KNOWN_FIELDS = ("model_name", "model_size", "num_layers", "hidden_size", "seq_length", "global_batch_size",
+                 "micro_batch_size", "num_stages", "num_gpus", "checkpoint_activations", "resharding_stages",
+                 "num_ops_in_each_stage", "model_parallel_size_of_each_op", "data_parallel_size_of_each_op",
+                 "recompute_ops", "algo_of_each_op", "num_attention_heads", "max_position_embeddings",
+                 "vocab_size", "ffn_hidden_size", "kv_channels", "encoder_seq_length", "decoder_seq_length",
+                 "flex_recompute_activations")
+
+
 _LAYOUT_FIELDS = ("num_stages", "num_ops_in_each_stage", "model_parallel_size_of_each_op",
                   "data_parallel_size_of_each_op")
 
@@ -60,6 +71,7 @@ def check_plan_fields(d, required=tuple(_PLAN_FIELDS)) -> None:
     """Field presence and types first, so a hostile or hand-edited file gets one line, not a traceback."""
     if not isinstance(d, dict):
         raise ValueError(f"aceso config: the top level must be a JSON object, got {type(d).__name__}")
+    refuse_unknown_keys(d, _KNOWN_FIELDS, "aceso config")
     for k, t in _PLAN_FIELDS.items():
         if k not in d and k not in required:
             continue

@@ -365,6 +365,9 @@ def _check_enough_processes(args, model_type: str, world_size: int) -> None:
 def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
                      world_size: Optional[int] = None) -> MegatronConfig:
     _apply_legacy_args(args)
+    from megatron.cli.flag_checks import check_flags
+    defaults = build_parser(model_type)  # a flag left at its default asks for nothing
+    check_flags(args, model_type, {k: defaults.get_default(k) for k in ("eval_interval", "eval_iters")})
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if getattr(args, "aceso_config", None):
@@ -482,7 +485,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
     logging_cfg = LoggingConfig(log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
                                 profile=args.profile, profile_step_start=args.profile_step_start,
                                 profile_step_end=args.profile_step_end, profile_ranks=tuple(args.profile_ranks),
-                                profile_dir=args.profile_dir)
+                                profile_dir=args.profile_dir, pipeline_timeline=args.pipeline_timeline)
     compression = CompressionConfig(
         inter_grad_comp=args.inter_grad_comp, inter_grad_comp_rank=args.inter_grad_comp_rank,
         inter_grad_comp_epilogue_only=args.inter_grad_comp_epilogue_only,

@@ -150,3 +150,6 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
                    help="global ranks that write a trace")
     g.add_argument("--profile-dir", default=None,
                    help="folder for the traces (default: --tensorboard-dir)")
+    g.add_argument("--pipeline-timeline", type=int, default=0, metavar="ITER",
+                   help="write iteration ITER's pipeline timeline (Chrome/Perfetto JSON, one track per rank, "
+                        "sends -> receives as arrows) and its unit-cost replay into RUN/timeline/")

@@ -131,6 +131,10 @@ def check_inputs(cfg: MegatronConfig) -> None:
                              ("--terapipe-cost-model", cfg.terapipe.cost_model, cfg.terapipe.enabled)):
         if used and path and not os.path.isfile(path):
             raise ConfigError(f"{flag} {path}: file not found (cost_models/ holds the shipped ones)")
+    from megatron.cli.flag_checks import load_folder_hint
+    hint = load_folder_hint(cfg.checkpoint.load)
+    if hint:
+        raise ConfigError(hint)
     if d.mock_data:
         return
     flags = _tokenizer_flags(cfg)

@@ -430,8 +430,8 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = 100
     tensorboard_dir: Optional[str] = None
-    # --profile: torch.profiler Chrome trace of iterations [start, end) on these ranks
-    profile: bool = False
+    pipeline_timeline: int = 0  # --pipeline-timeline ITER: measured and planned timelines of that iteration
+    profile: bool = False  # --profile: torch.profiler Chrome trace of iterations [start, end) on profile_ranks
     profile_step_start: int = 10
     profile_step_end: int = 12
     profile_ranks: tuple = (0,)

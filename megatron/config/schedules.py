@@ -42,3 +42,23 @@ def check_schedule_config(cfg) -> None:
                  f"--pipeline-model-parallel-size ({p.pipeline_model_parallel_size}) stages: make it divisible")
         _require(p.pipeline_stage_layers is None, f"--pipeline-schedule {sched} splits the layers evenly over its "
                  "2 x PP stages: drop --pipeline-stage-layers")
+
+
+_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe (all forwards, then all backwards)",
+          "zb-h1": "zero bubble ZB-H1 (split backward)", "zb-h2": "zero bubble ZB-H2 (split backward)",
+          "zb-v": "zero bubble ZB-V (two stages per rank in a V, split backward)"}
+
+
+def schedule_description(cfg, pp_size: int) -> str:
+    """The pipeline schedule this configuration runs, in words, for the run's first log lines."""
+    p = cfg.parallel
+    if pp_size <= 1:
+        return "no pipeline (PP=1): micro-batches run one after another with gradient accumulation"
+    name = _NAMES.get(p.pipeline_schedule, p.pipeline_schedule)
+    if p.num_layers_per_virtual_pipeline_stage is not None:
+        name = f"interleaved {name} ({p.num_layers_per_virtual_pipeline_stage} layers per virtual stage)"
+    if cfg.data.dynapipe:
+        name = f"DynaPipe: planned per iteration (micro-batches, order and recompute), {name} as the base"
+    if cfg.terapipe.enabled:
+        name += f", TeraPipe token slices ({cfg.terapipe.slices})"
+    return f"{name} over {pp_size} stages"

@@ -54,6 +54,11 @@ def parse_slices(spec: str, seq_len: int) -> Optional[List[int]]:
 
 
 # ---------------------------------------------------------------------------- flags
+T5_REFUSAL = ("--terapipe slices the tokens of a causal decoder (GPT): each slice attends only to earlier tokens. "
+              "T5's encoder attends in both directions and its decoder cross-attends to the whole encoder output, "
+              "so a T5 slice would need tokens that run later; use pretrain_gpt.py or drop --terapipe")
+
+
 def check_terapipe_config(cfg) -> None:
     """Flag combinations --terapipe cannot run (ValueError, which config.py reports as a
     ConfigError); each error names the flag and the way out."""
@@ -63,10 +68,7 @@ def check_terapipe_config(cfg) -> None:
         if not ok:
             raise ValueError(msg)
 
-    need(m.model_type == "gpt",
-         "--terapipe slices the tokens of a causal decoder (GPT): each slice attends only to earlier tokens. "
-         "T5's encoder attends in both directions and its decoder cross-attends to the whole encoder output, "
-         "so a T5 slice would need tokens that run later; use pretrain_gpt.py or drop --terapipe")
+    need(m.model_type == "gpt", T5_REFUSAL)
     if d.dynapipe:  # DynaPipe's micro-batches cut into token slices (megatron/planner/dynapipe/slicing.py)
         return check_dynapipe_slicing(cfg)
     need(all(mode in ("none", "selective", "full") for mode in cfg.training.recompute_layers or ()),

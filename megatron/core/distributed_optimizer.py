@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.core.optimizer import MegatronOptimizer, counts_for_norm
+from megatron.core.tensor_parallel.mappings import all_gather_flat, reduce_scatter_flat
 
 
 class _Bucket:
@@ -172,7 +173,7 @@ class DistributedOptimizer(MegatronOptimizer):
         if self.ps.grad_size == 1 or self.ps.grad_group is None:
             return None, flat[b.lo:b.lo + b.chunk].clone()
         out = flat.new_empty(b.chunk)
-        return dist.reduce_scatter_tensor(out, flat, group=self.ps.grad_group, async_op=True), out
+        return reduce_scatter_flat(out, flat, group=self.ps.grad_group, async_op=True), out
 
     def complete_reduce(self, i: int, handle) -> None:
         work, out = handle
@@ -214,7 +215,7 @@ class DistributedOptimizer(MegatronOptimizer):
         if self.ps.grad_size == 1 or self.ps.grad_group is None:
             return None, shard
         out = shard.new_empty(b.padded)
-        return dist.all_gather_into_tensor(out, shard.contiguous(), group=self.ps.grad_group, async_op=async_op), out
+        return all_gather_flat(out, shard.contiguous(), group=self.ps.grad_group, async_op=async_op), out
 
     def _write_params(self, i: int, flat: torch.Tensor) -> None:
         offset = 0

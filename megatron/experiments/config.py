@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from megatron.atomic import write_json
+from megatron.config.json_keys import refuse_unknown_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 # packing: the DynaPipe paper's (attention over whole rows); packing_varlen / packing_balanced:
@@ -101,6 +102,11 @@ def _need(doc, key, typ, where, default=...):
     return v
 
 
+def _known(doc, keys, where):
+    """A misspelt field is refused with the nearest valid one, not silently given its default."""
+    refuse_unknown_keys(doc, keys, where, ExperimentConfigError)
+
+
 def _int_list(doc, key, where, allowed=None, default=...):
     v = _need(doc, key, list, where, default)
     if not v or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v):
@@ -122,6 +128,8 @@ def load_grid(path) -> Grid:
         raise ExperimentConfigError(f"{where}: not valid JSON ({e})") from None
     if not isinstance(doc, dict):
         raise ExperimentConfigError(f"{where}: the top level must be a JSON object")
+    _known(doc, ("name", "models", "grid", "cluster_sizes", "tokens_per_gpu", "memory_limit_mb", "gpus_per_node",
+                 "search_batches", "benchmark_batches", "seed", "lengths_file", "live"), where)
     models_doc = _need(doc, "models", dict, where)
     if not models_doc:
         raise ExperimentConfigError(f"{where}: field 'models' is empty")
@@ -130,6 +138,8 @@ def load_grid(path) -> Grid:
         w = f"{where}: models.{name}"
         if not isinstance(m, dict):
             raise ExperimentConfigError(f"{w}: must be an object")
+        _known(m, ("kind", "cost_model", "hidden_size", "num_layers", "encoder_layers", "decoder_layers", "max_lens",
+                   "script", "flags", "systems"), w)
         kind = _need(m, "kind", str, w)
         if kind not in ("gpt", "t5"):
             raise ExperimentConfigError(f"{w}: field 'kind' must be 'gpt' or 't5', got {kind!r}")
@@ -152,6 +162,8 @@ def load_grid(path) -> Grid:
         models[name] = spec
     grid = _need(doc, "grid", dict, where)
     gw = f"{where}: grid"
+    _known(grid, ("tp", "pp", "micro_batch_sizes", "recompute"), gw)
+    _known(doc.get("live") or {}, ("warmup_iters", "extra_flags", "timeout_s"), f"{where}: live")
     g = Grid(
         path=where, name=_need(doc, "name", str, where), models=models,
         cluster_sizes=_int_list(doc, "cluster_sizes", where),
@@ -200,6 +212,9 @@ def load_setting_config(path, grid: Grid) -> dict:
         doc = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
         raise ExperimentConfigError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ExperimentConfigError(f"{where}: the top level must be a JSON object")
+    _known(doc, ("grid", "model", "max_len", "gpus", "tokens", "backend", "systems", "variants"), where)
     for k, typ in (("model", str), ("max_len", int), ("gpus", int), ("tokens", int)):
         _need(doc, k, typ, where)
     if doc["model"] not in grid.models:

@@ -254,7 +254,8 @@ class PipelineExecutor:
                  I.BackwardWeight: "W"}.get(type(ins), type(ins).__name__)
         self.trace_events.append({"name": f"{short}{ins.microbatch}", "cat": kind, "ph": "X",
                                   "tid": 0 if compute else 1, "ts": start_s * 1e6, "dur": (end_s - start_s) * 1e6,
-                                  "args": {"stage": ins.stage, "microbatch": ins.microbatch}})
+                                  "args": {"stage": ins.stage, "microbatch": ins.microbatch, "type": type(ins).__name__,
+                                           "peer": getattr(ins, "peer", -1)}})
 
     # -- instruction handlers ------------------------------------------------------------
     def _load_input(self, ins: I.LoadInput):

@@ -14,6 +14,7 @@ from megatron.training import interrupt
 from megatron.training.batching import gpt_microbatch
 from megatron.checkpointing.torch_format import CheckpointError, load_checkpoint, save_checkpoint
 from megatron.config.core import MegatronConfig
+from megatron.config.schedules import schedule_description
 from megatron.training.initialize import initialize_megatron
 from megatron.training.logging import gpt_flops_per_sample, print_rank_0
 from megatron.planner.passes import plan_passes
@@ -219,6 +220,7 @@ def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int
         print_rank_0(f"> {cfg.model.model_type.upper()}: {cfg.model.num_layers} layers, "
                      f"hidden {cfg.model.hidden_size}, "
                      f"{layout}, {batch}")
+        print_rank_0(f"> pipeline schedule: {schedule_description(cfg, ps.pp_size)}")
         trainer = build_trainer(cfg, ps, device)
         if cfg.checkpoint.load:
             load_checkpoint(trainer)

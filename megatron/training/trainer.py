@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
@@ -26,6 +27,17 @@ from megatron.training.logging import MetricsLogger, print_rank_last
 from megatron.pipeline.executor import PipelineExecutor
 from megatron.pipeline.p2p import DTYPES, P2PCommunicator
 from megatron.planner.schedule.fixed import FixedBatchPlanner
+
+
+def timeline_dir(cfg) -> str:
+    """Where --pipeline-timeline writes: RUN/timeline beside --tensorboard-dir (or --save), or
+    --profile-dir/timeline."""
+    lg, base = cfg.logging, "."
+    for d in (lg.tensorboard_dir, cfg.checkpoint.save):
+        if d:
+            base = os.path.dirname(os.path.normpath(d)) or "."
+            break
+    return os.path.join(lg.profile_dir or base, "timeline")
 
 
 @dataclasses.dataclass
@@ -309,6 +321,8 @@ class Trainer:
         """--dynapipe-trace-dir: the first --dynapipe-trace-iters iterations of this run get a
         measured timeline beside the planner's simulated one (same decision on every rank)."""
         d = self.cfg.data
+        if self.cfg.logging.pipeline_timeline == self.iteration + 1:  # --pipeline-timeline ITER
+            return True
         if not d.dynapipe_trace_dir:
             return False
         if self._trace_first is None:
@@ -330,7 +344,6 @@ class Trainer:
             gathered = [mine]
         if ps.rank != 0:
             return
-        import os
         from megatron.planner.service.worker import trace_path
         out = [ev for rank_events in gathered for ev in rank_events]
         for d in range(ps.dp_size):
@@ -339,10 +352,20 @@ class Trainer:
                             "args": {"name": f"DP group {d} / pipeline rank {p} (measured)"}})
         meta = {"iteration": iteration, "device": self.device.type,
                 "simulated_ms": work.info.get("simulated_ms") if work.info else None}
-        trace_dir = self.cfg.data.dynapipe_trace_dir
+        from megatron.pipeline.timeline import add_flows, unit_replay
+        trace_dir = self.cfg.data.dynapipe_trace_dir or timeline_dir(self.cfg)
         os.makedirs(trace_dir, exist_ok=True)
         write_json(trace_path(trace_dir, iteration, "measured"),
-                   {"traceEvents": out, "displayTimeUnit": "ms", "otherData": meta})
+                   {"traceEvents": add_flows(out, ps.pp_size), "displayTimeUnit": "ms", "otherData": meta})
+        if self.cfg.logging.pipeline_timeline == iteration:  # the schedule as planned, in unit costs
+            meta = dict(meta, units="F 1, B 2, W 1 (1 unit = 1 ms in the viewer); messages take no time")
+            names = [dict(e, args={"name": e["args"]["name"].replace("measured", "planned")})
+                     for e in out if e.get("ph") == "M"]
+            planned = unit_replay(out, ps.pp_size) + names
+            write_json(trace_path(trace_dir, iteration, "unit"), {"traceEvents": add_flows(planned, ps.pp_size),
+                                                                  "displayTimeUnit": "ms", "otherData": meta})
+            print(f" pipeline timeline of iteration {iteration}: {trace_path(trace_dir, iteration, 'measured')} "
+                  "(and .unit.json, the schedule as planned); open in https://ui.perfetto.dev", flush=True)
 
     def _check_consecutive_skips(self) -> None:
         t, n = self.cfg.training, self.consecutive_skipped

@@ -1,6 +1,6 @@
-"""The README's composition table is true and stays true.
+"""The composition table (docs/composition.md) is true and stays true.
 
-- the table in the README is what `python -m megatron.cli.composition --markdown` prints;
+- the table in docs/composition.md is what `python -m megatron.cli.composition --markdown` prints;
 - every pair the argument parser accepts names a test that exists (PROOFS, or the smoke run
   below), and every refusal states an impossibility, not a missing feature;
 - the pair smoke run: the accepted pairs without a dedicated test are covered by a few feature
@@ -32,10 +32,12 @@ def results():
 
 
 def test_readme_table_is_generated(results):
-    section = C.readme_section(open(os.path.join(ROOT, "README.md")).read())
-    assert section is not None, f"README.md has no composition table between '{C.BEGIN}' and '{C.END}'"
+    section = C.readme_section(open(os.path.join(ROOT, "docs", "composition.md")).read())
+    assert section is not None, \
+        f"docs/composition.md has no composition table between '{C.BEGIN}' and '{C.END}'"
     assert section == C.markdown(results), \
-        "README.md's composition table is stale: run `python -m megatron.cli.composition --update-readme README.md`"
+        "docs/composition.md's composition table is stale: run " \
+        "`python -m megatron.cli.composition --update-readme docs/composition.md`"
 
 
 def test_every_working_pair_names_an_existing_test(results):

@@ -1,5 +1,5 @@
 """pretrain_t5.py's composition table is true and stays true (as tests/cli/test_composition.py does
-for GPT): the README's T5 table is generated, every pair pretrain_t5.py accepts names a test,
+for GPT): docs/composition.md's T5 table is generated, every pair pretrain_t5.py accepts names a test,
 the smoke sets train with every feature at work, and the compression pairs are exact at full
 rank and compress where they should."""
 import math
@@ -17,10 +17,12 @@ SMOKE_IDS = [C.smoke_id(g) for g in SMOKE_GROUPS]
 
 
 def test_readme_t5_table_is_generated():
-    section = C.readme_section(open(os.path.join(ROOT, "README.md")).read(), "t5")
-    assert section is not None, f"README.md has no T5 composition table between the markers {C.MARKERS['t5']}"
+    section = C.readme_section(open(os.path.join(ROOT, "docs", "composition.md")).read(), "t5")
+    assert section is not None, f"docs/composition.md has no T5 composition table between the markers " \
+                                f"{C.MARKERS['t5']}"
     assert section == C.markdown(RESULTS, "t5"), \
-        "README.md's T5 composition table is stale: run `python -m megatron.cli.composition --update-readme README.md`"
+        "docs/composition.md's T5 composition table is stale: run " \
+        "`python -m megatron.cli.composition --update-readme docs/composition.md`"
 
 
 def test_every_accepted_t5_pair_names_an_existing_test():

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-megatron", action="store_true",
                    help="read a checkpoint Megatron-LM wrote (legacy, or Megatron-Core torch or torch_dist "
                         "format, any TP/PP) and write this project's format at the target TP/PP (GPT and T5)")
+    for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
+        p.add_argument(flag, default=None, help=f"--to-hf: the run's {flag} when it moved since training (default: "
+                                                "the path the checkpoint records); its tokenizer files go in --save")
     p.add_argument("--verify", action="store_true", help="compare logits of both models on random tokens")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="--from-hf: the vocabulary padding the training run will use (must match its flag)")
@@ -162,6 +165,7 @@ def _hf(args) -> int:
             hf_gpt2.save_hf(args.save, hf_config, sd)
             model_fields, hf_dir = config["model"], args.save
             print(f"wrote Hugging Face {hf_config['architectures'][0]} ({len(sd)} tensors) to {args.save}")
+            _write_tokenizer(args, config)
         else:
             from megatron.config.core import MegatronConfig, ModelConfig
             hf_config, sd = hf_gpt2.load_hf(args.load)
@@ -189,6 +193,20 @@ def _hf(args) -> int:
         diff = (hf_gpt2.our_logits(model_fields, full, tokens) - arch.hf_logits(hf_dir, tokens)).abs().max()
         print(f"max_abs_logit_diff={float(diff):.3e}")
     return 0
+
+
+def _write_tokenizer(args, config) -> None:
+    """The run's tokenizer files beside the model, so AutoTokenizer loads the folder too."""
+    from tools.checkpoint.hf_tokenizer import tokenizer_files, write_tokenizer
+    d = tokenizer_files(config.get("data") or {}, {"vocab_file": args.vocab_file, "merge_file": args.merge_file,
+                                                   "tokenizer_model": args.tokenizer_model})
+    model = config["model"]
+    length = model.get("seq_length") or model.get("encoder_seq_length") or model.get("max_position_embeddings")
+    try:
+        print(write_tokenizer(args.save, d, int(length or 1024)))
+    except (OSError, ValueError) as e:  # the model is written and sound; say how to add the tokenizer
+        print(f"convert: note: no tokenizer files written ({str(e).splitlines()[0]}); give the run's "
+              "--vocab-file/--merge-file or --tokenizer-model to write them", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the flat collectives and warns (a FutureWarning per call site and rank, which
+# says nothing to a user) on the old names; the same op under whichever name this torch has.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -132,7 +137,7 @@ def _gather_first(x: torch.Tensor, group) -> torch.Tensor:
     n = group_size(group)
     x = x.contiguous()
     out = torch.empty((x.shape[0] * n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    all_gather_flat(out, x, group=group)
     return out
 
 
@@ -142,7 +147,7 @@ def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
         raise ValueError(f"sequence parallelism: {x.shape[0]} tokens do not split over {n} tensor-parallel ranks")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
+    reduce_scatter_flat(out, x, group=group)
     return out
 
 
