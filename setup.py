@@ -47,6 +47,8 @@ setup(
         "convert": ["transformers", "safetensors"],
         # experiment_scripts/generate_figure_*.sh and optimus_cc_report.py figures (JSON/CSV without it)
         "experiments": ["matplotlib"],
+        # --wandb-project (off, with one line, when absent)
+        "wandb": ["wandb"],
     },
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},

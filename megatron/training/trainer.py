@@ -179,6 +179,9 @@ class Trainer:
         self.skipped_iters = 0
         self.consecutive_skipped = 0
         self.logger = MetricsLogger(cfg, ps, flops_per_sample)
+        from megatron.config.extras import extras_of
+        from megatron.training.extras import RunExtras
+        self.extras = RunExtras(extras_of(cfg), ps, self._collective_device())
 
     def _setup_compression(self, cfg: MegatronConfig, ps: ParallelState) -> None:
         """Optimus-CC hooks (megatron/compression); all None when its flags are off."""
@@ -276,6 +279,10 @@ class Trainer:
                 _all_reduce_sum([stats.act_bytes, stats.grad_bytes, stats.grad_bytes_raw, reduced["dp"],
                                  reduced["dp_raw"], reduced["emb"]], dist.group.WORLD if ps.world_size > 1 else None,
                                 ps.world_size, self._collective_device())))
+        zeros = None
+        if self.extras.cfg.log_num_zeros_in_grad:  # before clipping, as Megatron counts
+            from megatron.training.extras import num_zeros_in_grad
+            zeros = num_zeros_in_grad(self.optimizer.params, ps)
         applied, grad_norm = self.optimizer.step()
         if applied:
             self.lr_scheduler.step()
@@ -296,7 +303,8 @@ class Trainer:
         return {"consumed_tokens": self.consumed_tokens,
                 "loss": loss_sum / loss_tokens if loss_tokens else float("nan"), "grad_norm": grad_norm,
                 "applied": applied, "tokens": total_tokens, "real_tokens": total_real, "num_microbatches": len(mbs),
-                "num_samples": work.num_samples, "planner": work.info, "comm_bytes": comm_bytes}
+                "num_samples": work.num_samples, "planner": work.info, "comm_bytes": comm_bytes,
+                "num_zeros": zeros}
 
     def _collective_device(self) -> torch.device:
         """Where small reductions run: the device under NCCL, the host otherwise."""
@@ -406,9 +414,11 @@ class Trainer:
             m.train()
         from megatron.profiling.step_trace import StepProfiler
         profiler = StepProfiler(cfg.logging, self.ps.rank, self.device)
+        self.extras.begin()
         try:
             return self._train_loop(save_fn, history, profiler)
         finally:
+            self.extras.finish()
             profiler.close()
             self._params_up_to_date()
 
@@ -427,6 +437,9 @@ class Trainer:
             out = self.train_step()
             out["time_s"] = time.perf_counter() - t0
             profiler.after_step(self.iteration)
+            if self.extras.cfg.log_params_norm:  # every iteration, as Megatron (a model-parallel all-reduce)
+                from megatron.training.extras import params_norm
+                out["params_norm"] = params_norm(self.optimizer.params, self.ps)
             history.append(out)
             self.logger.record(self.iteration, self.consumed_samples, out, self.lr_scheduler.lr(),
                                self.optimizer.loss_scale, self.skipped_iters)
@@ -435,11 +448,19 @@ class Trainer:
                                               self.logger.active, self.logger.writer)
             if self.valid_source is not None and self.iteration % cfg.training.eval_interval == 0:
                 self._params_up_to_date()
+                self.extras.around_eval()
                 self.logger.log_validation(self.iteration, self.evaluate(self.valid_source, cfg.training.eval_iters))
+                self.extras.around_eval()
+            self.extras.after_step(self.iteration)
             if save_fn and cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0:
                 self._params_up_to_date()
                 save_fn(self)
             if cfg.training.exit_interval and self.iteration % cfg.training.exit_interval == 0:
                 print_rank_last(self.ps, f"exiting at iteration {self.iteration} (--exit-interval)")
+                break
+            if self.iteration < cfg.training.train_iters and self.extras.out_of_time():
+                print_rank_last(self.ps, f"exiting at iteration {self.iteration} after "
+                                f"{self.extras.cfg.exit_duration_in_mins} minutes of training (--exit-duration-in-mins)"
+                                + ("; the checkpoint is saved" if save_fn else ""))
                 break
         return history

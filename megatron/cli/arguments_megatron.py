@@ -1,0 +1,194 @@
+"""Megatron-LM flags its users pass every day (the example scripts' flag lists under
+tests/fixtures/megatron_scripts/ are the test of this file), sorted three ways:
+
+- honoured: the flag does here what it does in Megatron-LM (sample-based training length,
+  wall-clock exit, parameter-norm and zero-count logging, manual GC, W&B, ...);
+- accepted with one log line: an engine choice (Transformer Engine, attention backend, fusions,
+  communication overlap of TE) or a behaviour that is already how this project works;
+- refused, with the nearest supported way named.
+
+`apply_megatron_args` runs before the configuration is built: it turns sample counts into
+iterations and returns the log lines, which rank 0 prints once at start-up.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import List
+
+from megatron.config.errors import ConfigError
+from megatron.config.extras import ExtrasConfig
+
+# flag -> (argparse kwargs, the line printed when it is given). Engine choices: no effect here.
+_ENGINE = {
+    "--transformer-impl": (dict(choices=["local", "transformer_engine", "inference_optimized"]),
+                           "this project has one transformer implementation in plain PyTorch (no Transformer Engine)"),
+    "--attention-backend": (dict(choices=["auto", "flash", "fused", "unfused", "local"]),
+                            "attention runs through torch's SDPA, which picks its own kernel (flash where it applies)"),
+    "--use-flash-attn": (dict(action="store_true"),
+                         "attention runs through torch's SDPA, which uses its flash kernel on CUDA where it applies"),
+    "--use-mcore-models": (dict(action="store_true"), "there is one model implementation (Megatron-Core's layout)"),
+    "--use-legacy-models": (dict(action="store_true"), "there is one model implementation; checkpoints still read "
+                            "and write the legacy layout (--ckpt-format megatron-legacy)"),
+    "--tp-comm-overlap": (dict(action="store_true"), "Transformer Engine's userbuffer overlap does not exist here; "
+                          "TP all-reduces run when their layer needs them"),
+    "--no-gradient-accumulation-fusion": (dict(action="store_true"), "weight gradients are accumulated by autograd "
+                                          "(no apex fused wgrad kernel to turn off)"),
+    "--gradient-accumulation-fusion": (dict(action="store_true"), "weight gradients are accumulated by autograd "
+                                       "(no apex fused wgrad kernel)"),
+    "--cross-entropy-loss-fusion": (dict(action="store_true"), "the vocab-parallel cross entropy is one PyTorch "
+                                    "implementation"),
+    "--no-async-tensor-model-parallel-allreduce": (dict(action="store_true"), "TP all-reduces are synchronous here"),
+    "--overlap-p2p-comm": (dict(action="store_true"), "pipeline sends and receives are batched per step by the "
+                           "executor's plan"),
+    "--no-rope-fusion": (dict(action="store_true"), "RoPE is applied in plain PyTorch"),
+    "--no-persist-layer-norm": (dict(action="store_true"), "norms are torch's"),
+    "--use-cpu-initialization": (dict(action="store_true"), "weights are initialised from the seed the same way on "
+                                 "any device"),
+    "--empty-unused-memory-level": (dict(type=int), "the CUDA caching allocator keeps its blocks (no empty_cache "
+                                    "calls between steps)"),
+    "--no-create-attention-mask-in-dataloader": (dict(action="store_true"), "the causal mask is never materialised "
+                                                 "by the dataloader here"),
+    "--no-mmap-bin-files": (dict(action="store_true"), ".bin files are always memory-mapped here"),
+    "--grad-reduce-in-bf16": (dict(action="store_true"), "gradients are float32 (fp32 parameters under autocast) "
+                              "and are reduced in float32"),
+    "--async-save": (dict(action="store_true"), "saving is synchronous here (training waits for the files, then "
+                     "the manifest and tracker are written as for every save)"),
+    "--timing-log-level": (dict(type=int, choices=[0, 1, 2]), "the log line has the iteration time; per-operation "
+                           "timings come from --profile (torch.profiler trace)"),
+    "--timing-log-option": (dict(choices=["max", "minmax", "all"]), "the log line has the iteration time of the "
+                            "reporting rank; see --profile"),
+    "--log-timers-to-tensorboard": (dict(action="store_true"), "the iteration time is always written to "
+                                    "TensorBoard (iteration-time)"),
+    "--log-throughput": (dict(action="store_true"), "the log line always has tokens/s and TFLOP/s/device"),
+    "--calculate-per-token-loss": (dict(action="store_true"), "the loss is always the mean over the global batch's "
+                                   "loss tokens here (every micro-batch weighted by its tokens)"),
+    "--accumulate-allreduce-grads-in-fp32": (dict(action="store_true"), "gradients are always accumulated and "
+                                             "reduced in float32 here (fp32 parameters under --fp16/--bf16 "
+                                             "autocast)"),
+    "--tiktoken-pattern": (dict(), "only read by Megatron's TikTokenizer, which this project does not have"),
+}
+
+# flag -> (argparse kwargs, what to use instead)
+_REFUSED = {
+    "--fp8-format": (dict(), "FP8 training (Transformer Engine) is not available here; use --bf16"),
+    "--fp8-amax-history-len": (dict(type=int), "FP8 is not available here; use --bf16"),
+    "--fp8-amax-compute-algo": (dict(), "FP8 is not available here; use --bf16"),
+    "--fp8-param-gather": (dict(action="store_true"), "FP8 is not available here; use --bf16"),
+    "--use-torch-fsdp2": (dict(action="store_true"), "FSDP2 is not used here; --use-distributed-optimizer shards "
+                          "the optimizer state over data parallelism (ZeRO-1)"),
+    "--decoupled-lr": (dict(type=float), "one learning rate for all parameters here; use --lr"),
+    "--decoupled-min-lr": (dict(type=float), "one learning rate for all parameters here; use --min-lr"),
+    "--apply-layernorm-1p": (dict(action="store_true"), "norm weights are stored as the scale itself here; drop the "
+                             "flag (training is the same: norms take no weight decay) and convert Megatron "
+                             "checkpoints that used it with tools/checkpoint/convert.py --from-megatron"),
+    "--step-batch-size-schedule": (dict(), "batch size schedules are not implemented here; use a constant "
+                                   "--global-batch-size"),
+    "--rampup-batch-size": (dict(nargs=3), "batch-size ramp-up is not implemented here; use a constant "
+                            "--global-batch-size"),
+}
+
+
+def add_megatron_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Megatron-LM run options (training length in samples, exit, logging extras)")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="train for this many samples (instead of --train-iters): ceil(samples / global batch) "
+                        "iterations")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="with --train-samples: decay the learning rate over this many samples")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples: linear warm-up samples")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="after this many minutes of training, save (with --save) and exit; all ranks agree on "
+                        "the iteration")
+    g.add_argument("--log-params-norm", action="store_true", help="the global parameter norm on each log line")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="the number of gradient entries that are exactly zero (before clipping) on each log line")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="write the per-iteration TensorBoard scalars every N iterations")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="turn Python's garbage collector off during training (collect at --manual-gc-interval)")
+    g.add_argument("--manual-gc-interval", type=int, default=0, help="with --manual-gc: collect every N iterations "
+                   "(0: never during training)")
+    g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+                   help="with --manual-gc: do not collect around evaluations")
+    g.add_argument("--wandb-project", default=None,
+                   help="log the scalars to Weights & Biases (needs `pip install .[wandb]`; off, with one line, "
+                        "when wandb is not installed)")
+    g.add_argument("--wandb-exp-name", default=None, help="W&B run name")
+    g.add_argument("--wandb-save-dir", default=None, help="W&B local folder (default: --save/wandb)")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model's shape flags from the --load checkpoint (this project's, or Megatron's "
+                        "args) instead of the command line")
+    g = p.add_argument_group("Megatron-LM engine choices (accepted; one log line says what happens here)")
+    for flag, (kw, note) in _ENGINE.items():
+        g.add_argument(flag, default=None, **kw, help=f"accepted: {note}")
+    g = p.add_argument_group("Megatron-LM flags not supported here (refused, naming what to use)")
+    for flag, (kw, note) in _REFUSED.items():
+        g.add_argument(flag, default=None, **kw, help=f"refused: {note}")
+
+
+def _given(args, flag: str) -> bool:
+    v = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+    return v not in (None, False)
+
+
+def _data_parallel(args, world_size: int) -> int:
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    return max(world_size // max(args.tensor_model_parallel_size * args.pipeline_model_parallel_size * cp, 1), 1)
+
+
+def apply_megatron_args(args: argparse.Namespace, world_size: int) -> List[str]:
+    """Refuse what cannot run, convert samples to iterations, and return the log lines."""
+    for flag, (_, instead) in _REFUSED.items():
+        if _given(args, flag):
+            raise ConfigError(f"{flag}: {instead}")
+    notes = []
+    for flag, (_, note) in _ENGINE.items():
+        if _given(args, flag):
+            value = getattr(args, flag.lstrip("-").replace("-", "_"))
+            notes.append(f"note: {flag}{'' if value is True else f' {value}'}: {note}")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        notes.append("note: --sequence-parallel has no effect at --tensor-model-parallel-size 1 (off, as in "
+                     "Megatron-LM, which turns it off silently)")
+    if args.train_samples is not None:
+        if args.train_samples <= 0:
+            raise ConfigError(f"--train-samples must be positive, got {args.train_samples}")
+        if args.train_iters is not None:
+            raise ConfigError("--train-samples and --train-iters are exclusive (as in Megatron-LM); pick one")
+        if args.lr_decay_iters is not None or args.lr_warmup_iters:
+            raise ConfigError("--train-samples counts the schedule in samples: use --lr-decay-samples / "
+                              "--lr-warmup-samples instead of --lr-decay-iters / --lr-warmup-iters")
+        gbs = args.global_batch_size or args.micro_batch_size * _data_parallel(args, world_size)
+        args.train_iters = math.ceil(args.train_samples / gbs)
+        # Megatron's schedule in samples, with a constant batch, is the same curve in iterations:
+        # sample n*gbs is reached at iteration n. Fractional iteration bounds keep it exact.
+        if args.lr_decay_samples is not None:
+            args.lr_decay_iters = args.lr_decay_samples / gbs
+        if args.lr_warmup_samples:
+            args.lr_warmup_iters = args.lr_warmup_samples / gbs
+        notes.append(f"note: --train-samples {args.train_samples}: {args.train_iters} iterations of {gbs} samples"
+                     + (f" (the last one ends at sample {args.train_iters * gbs})"
+                        if args.train_iters * gbs != args.train_samples else ""))
+    elif args.lr_decay_samples is not None or args.lr_warmup_samples:
+        raise ConfigError("--lr-decay-samples / --lr-warmup-samples need --train-samples (else use "
+                          "--lr-decay-iters / --lr-warmup-iters)")
+    if args.train_iters is None:
+        args.train_iters = 10
+    return notes
+
+
+def extras_from_args(args: argparse.Namespace) -> ExtrasConfig:
+    save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
+    return ExtrasConfig(exit_duration_in_mins=args.exit_duration_in_mins, log_params_norm=args.log_params_norm,
+                        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+                        tensorboard_log_interval=args.tensorboard_log_interval, manual_gc=args.manual_gc,
+                        manual_gc_interval=args.manual_gc_interval, manual_gc_eval=args.manual_gc_eval,
+                        wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
+                        wandb_save_dir=save_dir)
+
+
+def print_notes(notes: List[str]) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        for line in notes:
+            print(line, flush=True)
