@@ -13,7 +13,6 @@ iterations and returns the log lines, which rank 0 prints once at start-up.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from typing import List
 
@@ -83,10 +82,6 @@ _REFUSED = {
     "--apply-layernorm-1p": (dict(action="store_true"), "norm weights are stored as the scale itself here; drop the "
                              "flag (training is the same: norms take no weight decay) and convert Megatron "
                              "checkpoints that used it with tools/checkpoint/convert.py --from-megatron"),
-    "--step-batch-size-schedule": (dict(), "batch size schedules are not implemented here; use a constant "
-                                   "--global-batch-size"),
-    "--rampup-batch-size": (dict(nargs=3), "batch-size ramp-up is not implemented here; use a constant "
-                            "--global-batch-size"),
 }
 
 
@@ -98,6 +93,12 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-samples", type=int, default=None,
                    help="with --train-samples: decay the learning rate over this many samples")
     g.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples: linear warm-up samples")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCR", "SAMPLES"),
+                   help="grow the global batch from START by INCR over SAMPLES samples up to --global-batch-size "
+                        "(Megatron-LM core_v0.9.0's semantics; the learning rate advances by samples)")
+    g.add_argument("--step-batch-size-schedule", default=None,
+                   help="'TOKENS:BATCH ...' global batch sizes from token thresholds (K/M/B/T suffixes; Megatron-LM "
+                        "core_v0.19.0's semantics), e.g. '0:16 2.4B:320'")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="after this many minutes of training, save (with --save) and exit; all ranks agree on "
                         "the iteration")
@@ -151,6 +152,9 @@ def apply_megatron_args(args: argparse.Namespace, world_size: int) -> List[str]:
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         notes.append("note: --sequence-parallel has no effect at --tensor-model-parallel-size 1 (off, as in "
                      "Megatron-LM, which turns it off silently)")
+    dp = _data_parallel(args, world_size)
+    schedule = _batch_schedule(args, dp, notes)
+    gbs = args.global_batch_size or args.micro_batch_size * dp
     if args.train_samples is not None:
         if args.train_samples <= 0:
             raise ConfigError(f"--train-samples must be positive, got {args.train_samples}")
@@ -159,23 +163,62 @@ def apply_megatron_args(args: argparse.Namespace, world_size: int) -> List[str]:
         if args.lr_decay_iters is not None or args.lr_warmup_iters:
             raise ConfigError("--train-samples counts the schedule in samples: use --lr-decay-samples / "
                               "--lr-warmup-samples instead of --lr-decay-iters / --lr-warmup-iters")
-        gbs = args.global_batch_size or args.micro_batch_size * _data_parallel(args, world_size)
-        args.train_iters = math.ceil(args.train_samples / gbs)
-        # Megatron's schedule in samples, with a constant batch, is the same curve in iterations:
-        # sample n*gbs is reached at iteration n. Fractional iteration bounds keep it exact.
+        # Megatron's update_train_iters: whole global batches, a partial last one dropped
+        args.train_iters = schedule.iterations_for(args.train_samples) if schedule else args.train_samples // gbs
+        if args.train_iters < 1:
+            raise ConfigError(f"--train-samples {args.train_samples} is less than one global batch ({gbs})")
+        # Megatron's schedule in samples is the same curve in iterations of --global-batch-size
+        # samples (sample n*gbs is reached at n); fractional bounds keep it exact. Under a batch
+        # schedule the scheduler advances by samples / gbs per iteration, as Megatron's by samples.
         if args.lr_decay_samples is not None:
             args.lr_decay_iters = args.lr_decay_samples / gbs
         if args.lr_warmup_samples:
             args.lr_warmup_iters = args.lr_warmup_samples / gbs
-        notes.append(f"note: --train-samples {args.train_samples}: {args.train_iters} iterations of {gbs} samples"
-                     + (f" (the last one ends at sample {args.train_iters * gbs})"
-                        if args.train_iters * gbs != args.train_samples else ""))
+        notes.append(f"note: --train-samples {args.train_samples}: {args.train_iters} iterations"
+                     + ("" if schedule else f" of {gbs} samples"))
     elif args.lr_decay_samples is not None or args.lr_warmup_samples:
         raise ConfigError("--lr-decay-samples / --lr-warmup-samples need --train-samples (else use "
                           "--lr-decay-iters / --lr-warmup-iters)")
+    elif schedule is not None and args.rampup_batch_size:
+        notes.append("note: --rampup-batch-size with --train-iters: Megatron-LM core_v0.9.0 refuses this pair "
+                     "('expected no batch-size rampup for iteration-based training'); here --train-iters iterations "
+                     "run with the ramped batches, the learning rate advancing by samples")
+    args.batch_schedule = schedule
     if args.train_iters is None:
         args.train_iters = 10
     return notes
+
+
+def _batch_schedule(args, dp: int, notes: List[str]):
+    """--rampup-batch-size / --step-batch-size-schedule -> BatchSchedule (None without them)."""
+    from megatron.config.batch_schedule import BatchSchedule, check_divisible, parse_step_schedule
+    if args.rampup_batch_size and args.step_batch_size_schedule:
+        raise ConfigError("--rampup-batch-size and --step-batch-size-schedule are two ways to grow the batch; pick one")
+    if not (args.rampup_batch_size or args.step_batch_size_schedule):
+        return None
+    flag = "--rampup-batch-size" if args.rampup_batch_size else "--step-batch-size-schedule"
+    others = [f for f, on in (("--dynapipe", args.dynapipe), ("--targets-data-path", args.targets_data_path),
+                              ("--terapipe", args.terapipe), ("--aceso-config", args.aceso_config)) if on]
+    if others:
+        raise ConfigError(f"{flag} grows Megatron's fixed global batches; {others[0]} makes its own batches")
+    if args.rampup_batch_size:
+        schedule = BatchSchedule(args.global_batch_size or args.micro_batch_size * dp, tuple(args.rampup_batch_size))
+    else:
+        seq = args.seq_length or getattr(args, "encoder_seq_length", None) or 1
+        steps = parse_step_schedule(args.step_batch_size_schedule, seq)
+        final = max(b for _, b in steps)
+        if args.global_batch_size is not None and args.global_batch_size != final:
+            raise ConfigError(f"--global-batch-size {args.global_batch_size} differs from the largest batch of "
+                              f"--step-batch-size-schedule ({final}); drop --global-batch-size")
+        if args.global_batch_size is not None:
+            notes.append("note: --global-batch-size with --step-batch-size-schedule: Megatron-LM core_v0.19.0 refuses "
+                         "the pair; here it is the schedule's largest batch, and the schedule decides")
+        args.global_batch_size = final
+        schedule = BatchSchedule(final, steps=steps)
+    check_divisible(schedule, args.micro_batch_size * dp, flag)
+    notes.append(f"note: {flag}: global batch sizes {schedule.sizes()[:6]}{' ...' if len(schedule.sizes()) > 6 else ''}"
+                 f" by consumed samples")
+    return schedule
 
 
 def extras_from_args(args: argparse.Namespace) -> ExtrasConfig:
@@ -185,7 +228,7 @@ def extras_from_args(args: argparse.Namespace) -> ExtrasConfig:
                         tensorboard_log_interval=args.tensorboard_log_interval, manual_gc=args.manual_gc,
                         manual_gc_interval=args.manual_gc_interval, manual_gc_eval=args.manual_gc_eval,
                         wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
-                        wandb_save_dir=save_dir)
+                        wandb_save_dir=save_dir, batch_schedule=getattr(args, "batch_schedule", None))
 
 
 def print_notes(notes: List[str]) -> None:

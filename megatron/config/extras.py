@@ -23,6 +23,7 @@ class ExtrasConfig:
     wandb_project: Optional[str] = None
     wandb_exp_name: Optional[str] = None
     wandb_save_dir: Optional[str] = None
+    batch_schedule: Optional[object] = None  # megatron.config.batch_schedule.BatchSchedule (growing global batch)
 
     def __post_init__(self):
         _require(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,

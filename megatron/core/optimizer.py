@@ -167,8 +167,8 @@ class LRScheduler:
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
-    def step(self):
-        self.num_steps += 1
+    def step(self, increment=1):
+        self.num_steps += increment
 
     def state_dict(self):
         return {"num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr,

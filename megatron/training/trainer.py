@@ -46,24 +46,27 @@ class FixedBatchSource:
                  planner: FixedBatchPlanner, shapes_fn: Callable):
         self.cfg, self.ps, self.dataset = cfg, ps, dataset
         self.collate_fn, self.planner, self.shapes_fn = collate_fn, planner, shapes_fn
+        self.schedule = None  # a growing global batch (megatron.config.batch_schedule), set for training
 
     def next(self, iteration: int, consumed_samples: int) -> IterationWork:
         t = self.cfg.training
         n = len(self.dataset)
-        if consumed_samples + t.global_batch_size > n:
+        # --rampup-batch-size / --step-batch-size-schedule: this iteration's global batch (training only)
+        batch = self.schedule.at(consumed_samples) if self.schedule is not None else t.global_batch_size
+        if consumed_samples + batch > n:
             raise RuntimeError(f"the dataset has {n} samples but iteration {iteration} needs sample "
-                               f"{consumed_samples + t.global_batch_size - 1}; build it for --train-iters x "
+                               f"{consumed_samples + batch - 1}; build it for --train-iters x "
                                "--global-batch-size samples")
         # With per-stage DP sizes --micro-batch-size is the pipeline micro-batch: this rank takes
         # its stage's share of each one, and plans are made for the whole micro-batches.
         split = self.ps.dp_size if self.ps.stage_layouts else 1
         sampler = MegatronPretrainingSampler(n, consumed_samples, t.micro_batch_size // split, self.ps.dp_rank,
                                              self.ps.dp_size)
-        idx = list(itertools.islice(sampler, self.cfg.num_microbatches))
+        idx = list(itertools.islice(sampler, self.cfg.num_microbatches * batch // t.global_batch_size))
         mbs = [self.collate_fn([self.dataset[i] for i in ids]) for ids in idx]
         shapes = [tuple((s[0] * split,) + tuple(s[1:]) for s in self.shapes_fn(mb)) for mb in mbs]
         plan = self.planner.plans(iteration, shapes)[self.ps.plan_rank]
-        return IterationWork(mbs, plan, t.global_batch_size)
+        return IterationWork(mbs, plan, batch)
 
 
 def gpt_microbatch_shapes(mb: dict) -> tuple:
@@ -134,6 +137,10 @@ class Trainer:
         self.extra_tied_groups = list(extra_tied_groups)
         shapes_fn = shapes_fn or gpt_microbatch_shapes
         self.batch_source = batch_source or FixedBatchSource(cfg, ps, train_ds, collate_fn, planner, shapes_fn)
+        from megatron.config.extras import extras_of
+        self.batch_schedule = extras_of(cfg).batch_schedule
+        if self.batch_schedule is not None:
+            self.batch_source.schedule = self.batch_schedule
         if valid_source is None and valid_ds is not None and planner is not None:
             valid_source = FixedBatchSource(cfg, ps, valid_ds, collate_fn, planner, shapes_fn)
         self.valid_source = valid_source
@@ -179,7 +186,6 @@ class Trainer:
         self.skipped_iters = 0
         self.consecutive_skipped = 0
         self.logger = MetricsLogger(cfg, ps, flops_per_sample)
-        from megatron.config.extras import extras_of
         from megatron.training.extras import RunExtras
         self.extras = RunExtras(extras_of(cfg), ps, self._collective_device())
 
@@ -285,7 +291,9 @@ class Trainer:
             zeros = num_zeros_in_grad(self.optimizer.params, ps)
         applied, grad_norm = self.optimizer.step()
         if applied:
-            self.lr_scheduler.step()
+            # a growing batch advances the schedule by samples (in --global-batch-size units), as Megatron's
+            gbs = self.cfg.training.global_batch_size
+            self.lr_scheduler.step(1 if self.batch_schedule is None else work.num_samples / gbs)
             if self.consecutive_skipped and ps.rank == ps.world_size - 1:
                 print(f" loss scale settled at {self.optimizer.loss_scale:.1f} after {self.consecutive_skipped} "
                       f"skipped iteration(s) (fp16 overflow)", flush=True)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron.checkpointing import megatron_legacy as L
-from tests.checkpointing.gpt2_files import write_gpt2_files
+from tests.checkpointing.gpt2_files import VOCAB, write_gpt2_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIX = os.path.join(ROOT, "tests", "fixtures", "megatron")
@@ -63,8 +63,8 @@ def _expected_logits(root, path):
     fields = L.model_fields(args)
     fields.pop("num_query_groups", None)
     fields["vocab_size"] = L.tokenizer_vocab_size(args)
-    tokens = torch.randint(0, 257, (2, 8), generator=torch.Generator().manual_seed(0))
-    torch.save({"tokens": tokens, "logits": our_logits(fields, full, tokens)[..., :257].contiguous()}, path)
+    tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.save({"tokens": tokens, "logits": our_logits(fields, full, tokens)[..., :VOCAB].contiguous()}, path)
     return path
 
 
@@ -86,7 +86,7 @@ def test_megatron_args_name_the_tokenizer_and_its_files(written, which):
     assert (args.tokenizer_type, args.vocab_file, args.merge_file) == \
         ("GPT2BPETokenizer", written["vocab"], written["merges"])
     # Megatron's check_checkpoint_args compares these with its own run when --vocab-file is given
-    assert (args.padded_vocab_size, args.make_vocab_size_divisible_by, args.max_position_embeddings) == (384, 128, 8)
+    assert (args.padded_vocab_size, args.make_vocab_size_divisible_by, args.max_position_embeddings) == (50304, 128, 8)
 
 
 def test_a_run_without_a_tokenizer_is_megatrons_null_tokenizer(tmp_path):
@@ -131,14 +131,14 @@ def test_megatrons_load_checkpoint_with_gpt2_flags(written, which):
 
 
 def _hf_cache_with(folder, vocab, merges):
-    """transformers' converter asks the Hub for openai-community/gpt2's tokenizer; offline, the
-    run's own GPT-2-format files stand in the cache under that name."""
+    """transformers' converter asks the Hub for openai-community/gpt2's tokenizer; offline, GPT-2's
+    vocab.json and merges.txt (data/gpt2) stand in the cache under that name."""
     snap = os.path.join(folder, "hub", "models--openai-community--gpt2", "snapshots", "0" * 40)
     os.makedirs(snap, exist_ok=True)
     os.makedirs(os.path.join(folder, "hub", "models--openai-community--gpt2", "refs"), exist_ok=True)
     open(os.path.join(folder, "hub", "models--openai-community--gpt2", "refs", "main"), "w").write("0" * 40)
-    shutil.copy(vocab, snap)
-    shutil.copy(merges, snap)
+    shutil.copy(vocab, os.path.join(snap, "vocab.json"))
+    shutil.copy(merges, os.path.join(snap, "merges.txt"))
     open(os.path.join(snap, "config.json"), "w").write('{"model_type": "gpt2"}')
     open(os.path.join(snap, "tokenizer_config.json"), "w").write(
         '{"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>", '
@@ -166,5 +166,5 @@ def test_transformers_converter_script_reads_our_file(written, which):
     ref = torch.load(_expected_logits(written[which], str(tmp / f"hf_{which}_logits.pt")), weights_only=True)
     hf = GPT2LMHeadModel.from_pretrained(str(work)).eval()
     with torch.no_grad():
-        diff = (hf(ref["tokens"]).logits[..., :257] - ref["logits"]).abs().max().item()
+        diff = (hf(ref["tokens"]).logits[..., :VOCAB] - ref["logits"]).abs().max().item()
     assert diff < 1e-5
