@@ -67,6 +67,9 @@ _ENGINE = {
                                              "reduced in float32 here (fp32 parameters under --fp16/--bf16 "
                                              "autocast)"),
     "--tiktoken-pattern": (dict(), "only read by Megatron's TikTokenizer, which this project does not have"),
+    "--apply-layernorm-1p": (dict(action="store_true"), "norms compute x*w with w starting at 1, which trains exactly "
+                             "as Megatron's x*(1+w) with w starting at 0 (same gradients; norms take no weight "
+                             "decay); checkpoints store the scale w itself"),
 }
 
 # flag -> (argparse kwargs, what to use instead)
@@ -77,11 +80,6 @@ _REFUSED = {
     "--fp8-param-gather": (dict(action="store_true"), "FP8 is not available here; use --bf16"),
     "--use-torch-fsdp2": (dict(action="store_true"), "FSDP2 is not used here; --use-distributed-optimizer shards "
                           "the optimizer state over data parallelism (ZeRO-1)"),
-    "--decoupled-lr": (dict(type=float), "one learning rate for all parameters here; use --lr"),
-    "--decoupled-min-lr": (dict(type=float), "one learning rate for all parameters here; use --min-lr"),
-    "--apply-layernorm-1p": (dict(action="store_true"), "norm weights are stored as the scale itself here; drop the "
-                             "flag (training is the same: norms take no weight decay) and convert Megatron "
-                             "checkpoints that used it with tools/checkpoint/convert.py --from-megatron"),
 }
 
 
@@ -99,6 +97,11 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--step-batch-size-schedule", default=None,
                    help="'TOKENS:BATCH ...' global batch sizes from token thresholds (K/M/B/T suffixes; Megatron-LM "
                         "core_v0.19.0's semantics), e.g. '0:16 2.4B:320'")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="peak learning rate of the word embedding and output layer (their own curve of the same "
+                        "shape); not with --use-distributed-optimizer")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="with --decoupled-lr: their minimum learning rate (default: --min-lr)")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="after this many minutes of training, save (with --save) and exit; all ranks agree on "
                         "the iteration")
@@ -152,6 +155,21 @@ def apply_megatron_args(args: argparse.Namespace, world_size: int) -> List[str]:
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         notes.append("note: --sequence-parallel has no effect at --tensor-model-parallel-size 1 (off, as in "
                      "Megatron-LM, which turns it off silently)")
+    if args.tokenizer_type is None and args.vocab_file and args.merge_file:
+        # Megatron's own GPT-3 example passes the files without --tokenizer-type (and Megatron then
+        # stops: 'None tokenizer is not implemented'); a vocabulary and merges are GPT-2's BPE.
+        args.tokenizer_type = "GPT2BPETokenizer"
+        notes.append("note: --vocab-file and --merge-file without --tokenizer-type: GPT2BPETokenizer (the tokenizer "
+                     "that reads both; Megatron-LM stops with 'None tokenizer is not implemented')")
+    if args.apply_layernorm_1p and args.ckpt_format == "megatron-legacy":
+        raise ConfigError("--apply-layernorm-1p with --ckpt-format megatron-legacy: Megatron would read the stored "
+                          "scale w as w-1; save with --ckpt-format torch (or drop --apply-layernorm-1p for Megatron)")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ConfigError("--decoupled-min-lr needs --decoupled-lr")
+    if args.decoupled_lr is not None and args.use_distributed_optimizer:
+        raise ConfigError("--decoupled-lr: the distributed optimizer here keeps one learning rate per weight-decay "
+                          "group; drop --use-distributed-optimizer (the Adam state is then replicated) or "
+                          "--decoupled-lr")
     dp = _data_parallel(args, world_size)
     schedule = _batch_schedule(args, dp, notes)
     gbs = args.global_batch_size or args.micro_batch_size * dp
@@ -228,7 +246,9 @@ def extras_from_args(args: argparse.Namespace) -> ExtrasConfig:
                         tensorboard_log_interval=args.tensorboard_log_interval, manual_gc=args.manual_gc,
                         manual_gc_interval=args.manual_gc_interval, manual_gc_eval=args.manual_gc_eval,
                         wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
-                        wandb_save_dir=save_dir, batch_schedule=getattr(args, "batch_schedule", None))
+                        wandb_save_dir=save_dir, batch_schedule=getattr(args, "batch_schedule", None),
+                        decoupled_lr=args.decoupled_lr,
+                        decoupled_min_lr=args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr)
 
 
 def print_notes(notes: List[str]) -> None:

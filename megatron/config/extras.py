@@ -1,5 +1,6 @@
 """Run settings that Megatron-LM users pass every day and that change nothing the model, the
-parallel layout or the checkpoint depend on: wall-clock exit, logging extras, manual GC.
+parallel layout or the checkpoint's layout depend on: wall-clock exit, logging extras, manual GC,
+a growing global batch, a decoupled learning rate for the embedding and output layer.
 
 They ride beside `MegatronConfig` (as `cfg.extras`, set by the CLI) rather than inside it, so a
 checkpoint's stored configuration, and the resume checks that compare it, do not change."""
@@ -23,6 +24,8 @@ class ExtrasConfig:
     wandb_project: Optional[str] = None
     wandb_exp_name: Optional[str] = None
     wandb_save_dir: Optional[str] = None
+    decoupled_lr: Optional[float] = None  # the word embedding's and output layer's peak learning rate
+    decoupled_min_lr: Optional[float] = None
     batch_schedule: Optional[object] = None  # megatron.config.batch_schedule.BatchSchedule (growing global batch)
 
     def __post_init__(self):

@@ -165,7 +165,9 @@ class Trainer:
                                                   bucket_numel=self.bucket_numel if overlap else None, late_params=late,
                                                   reduced_params=fused)
         else:
-            self.optimizer = MegatronOptimizer(self.modules, t, ps, self.lr_scheduler, device)
+            ex = extras_of(cfg)
+            decoupled = None if ex.decoupled_lr is None else (ex.decoupled_lr, ex.decoupled_min_lr)
+            self.optimizer = MegatronOptimizer(self.modules, t, ps, self.lr_scheduler, device, decoupled)
         comm = None
         if ps.pp_size > 1:
             comm = P2PCommunicator(ps.pp_global_ranks, ps.rank, ps.pp_group, ps.timeout, device)
