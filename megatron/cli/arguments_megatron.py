@@ -148,6 +148,9 @@ def apply_megatron_args(args: argparse.Namespace, world_size: int) -> List[str]:
         if _given(args, flag):
             raise ConfigError(f"{flag}: {instead}")
     notes = []
+    if args.use_checkpoint_args:
+        from megatron.checkpointing.saved_args import apply_checkpoint_args
+        notes += apply_checkpoint_args(args)
     for flag, (_, note) in _ENGINE.items():
         if _given(args, flag):
             value = getattr(args, flag.lstrip("-").replace("-", "_"))

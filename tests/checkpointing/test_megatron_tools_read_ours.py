@@ -168,3 +168,25 @@ def test_transformers_converter_script_reads_our_file(written, which):
     with torch.no_grad():
         diff = (hf(ref["tokens"]).logits[..., :VOCAB] - ref["logits"]).abs().max().item()
     assert diff < 1e-5
+
+
+def test_use_checkpoint_args_takes_the_model_from_megatrons_args(capsys):
+    """--use-checkpoint-args with a Megatron-LM checkpoint: its args give the model (sizes, GeLU
+    form, NullTokenizer vocabulary), as Megatron's load_args_from_checkpoint gives them."""
+    from megatron.cli.arguments import parse_args
+    cfg = parse_args(["--use-checkpoint-args", "--load", os.path.join(FIX, "mcore_gpt_tp1"), "--mock-data"],
+                     world_size=1)
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size, m.seq_length) == (2, 32, 4, 64, 8)
+    assert (m.activation_func, cfg.data.tokenizer_type, m.vocab_size) == ("gelu-erf", "NullTokenizer", 100)
+    assert "note: --use-checkpoint-args: hidden_size = 32 from" in capsys.readouterr().out
+
+
+def test_use_checkpoint_args_with_our_checkpoint_keeps_typed_sizes(written, capsys):
+    """Typed sizes win (Megatron fills only unset ones); architecture choices follow the checkpoint."""
+    from megatron.cli.arguments import parse_args
+    cfg = parse_args(["--use-checkpoint-args", "--load", written["ours"], "--mock-data", "--vocab-file",
+                      written["vocab"], "--merge-file", written["merges"], "--seq-length", "4",
+                      "--activation-func", "gelu"], world_size=1)
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length) == (2, 32, 4)
+    assert (cfg.model.activation_func, cfg.data.tokenizer_type) == ("gelu-erf", "GPT2BPETokenizer")
