@@ -155,7 +155,8 @@ def apply_megatron_args(args: argparse.Namespace, world_size: int) -> List[str]:
         if _given(args, flag):
             value = getattr(args, flag.lstrip("-").replace("-", "_"))
             notes.append(f"note: {flag}{'' if value is True else f' {value}'}: {note}")
-    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1 and not args.aceso_config:
+        args.sequence_parallel = False  # as Megatron's validate_args (per-stage TP sizes keep it: Aceso)
         notes.append("note: --sequence-parallel has no effect at --tensor-model-parallel-size 1 (off, as in "
                      "Megatron-LM, which turns it off silently)")
     if args.tokenizer_type is None and args.vocab_file and args.merge_file:
