@@ -168,6 +168,9 @@ def apply_megatron_args(args: argparse.Namespace, world_size: int) -> List[str]:
     if args.apply_layernorm_1p and args.ckpt_format == "megatron-legacy":
         raise ConfigError("--apply-layernorm-1p with --ckpt-format megatron-legacy: Megatron would read the stored "
                           "scale w as w-1; save with --ckpt-format torch (or drop --apply-layernorm-1p for Megatron)")
+    if args.log_num_zeros_in_grad and args.use_distributed_optimizer:
+        raise ConfigError("--log-num-zeros-in-grad counts the gradients the plain optimizer steps on; with "
+                          "--use-distributed-optimizer they are reduce-scattered shards: drop one of the two")
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         raise ConfigError("--decoupled-min-lr needs --decoupled-lr")
     if args.decoupled_lr is not None and args.use_distributed_optimizer:

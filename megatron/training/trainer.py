@@ -449,6 +449,7 @@ class Trainer:
             profiler.after_step(self.iteration)
             if self.extras.cfg.log_params_norm:  # every iteration, as Megatron (a model-parallel all-reduce)
                 from megatron.training.extras import params_norm
+                self._params_up_to_date()  # --overlap-param-gather: this step's parameters, not the last
                 out["params_norm"] = params_norm(self.optimizer.params, self.ps)
             history.append(out)
             self.logger.record(self.iteration, self.consumed_samples, out, self.lr_scheduler.lr(),
