@@ -195,8 +195,8 @@ def apply_megatron_args(args: argparse.Namespace, world_size: int) -> List[str]:
         # Megatron's schedule in samples is the same curve in iterations of --global-batch-size
         # samples (sample n*gbs is reached at n); fractional bounds keep it exact. Under a batch
         # schedule the scheduler advances by samples / gbs per iteration, as Megatron's by samples.
-        if args.lr_decay_samples is not None:
-            args.lr_decay_iters = args.lr_decay_samples / gbs
+        # (Megatron decays over --train-samples when --lr-decay-samples is not given)
+        args.lr_decay_iters = (args.train_samples if args.lr_decay_samples is None else args.lr_decay_samples) / gbs
         if args.lr_warmup_samples:
             args.lr_warmup_iters = args.lr_warmup_samples / gbs
         notes.append(f"note: --train-samples {args.train_samples}: {args.train_iters} iterations"
