@@ -49,6 +49,8 @@ setup(
         "experiments": ["matplotlib"],
         # `make docs`: the docs/ site, built with --strict so a broken link fails
         "docs": ["mkdocs>=1.5"],
+        # --wandb-project (off, with one line, when absent)
+        "wandb": ["wandb"],
     },
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},

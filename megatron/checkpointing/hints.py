@@ -97,3 +97,34 @@ def convert_hint(root: str, iteration: int, tp: int, pp: int) -> str:
     return (f"{saved}convert it with: python tools/checkpoint/convert.py --load {root} --save {out} "
             f"--target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp} (then --load {out}); "
             f"checkpoints saved with --ckpt-format torch_dist load at any layout without converting")
+
+
+OUTSIDE_TOOLS_NOTE = "README_MEGATRON_TOOLS.txt"
+_noted_roots: set = set()
+
+
+def note_torch_format(root: str, tp: int, pp: int, atomic_write) -> None:
+    """After a `--ckpt-format torch` save (rank 0): this folder has Megatron-LM's file names but
+    this project's contents, so Megatron-LM's --load and transformers' Megatron converters fail
+    on it (KeyError 'language_model'). Say so once per run in the log, and in a file beside the
+    tracker, with the command that writes what they read (docs/checkpoints.md says why the
+    default is not Megatron's layout)."""
+    cmd = (f"python tools/checkpoint/convert.py --to-megatron --load {root} --save {root.rstrip('/')}_megatron "
+           f"--target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}")
+    if root not in _noted_roots:
+        _noted_roots.add(root)
+        print(f"note: {root} is this project's torch format (Megatron's file names, not its contents): Megatron-LM's "
+              f"--load and transformers' convert_megatron_gpt2_checkpoint.py cannot read it; for them run `{cmd}` "
+              "(or train with --ckpt-format megatron-legacy)", flush=True)
+    path = os.path.join(root, OUTSIDE_TOOLS_NOTE)
+    if os.path.exists(path):
+        return
+    text = (f"This folder holds checkpoints in this project's `--ckpt-format torch`: Megatron-LM's file names\n"
+            f"(iter_NNNNNNN/mp_rank_XX/model_optim_rng.pt) with this project's contents (flat model state,\n"
+            f"its optimizer, config and checksums). Megatron-LM's --load and transformers'\n"
+            f"convert_megatron_gpt2_checkpoint.py cannot read them (KeyError: 'language_model').\n\n"
+            f"Write Megatron-LM's legacy format (args with the tokenizer, nested language_model) from it:\n\n"
+            f"    {cmd}\n\n"
+            f"then point Megatron-LM's --load (or transformers' converter) at the new folder. Or train with\n"
+            f"--ckpt-format megatron-legacy. See docs/checkpoints.md and docs/megatron_users.md.\n")
+    atomic_write(path, lambda f: f.write(text.encode()))

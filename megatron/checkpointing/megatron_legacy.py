@@ -521,9 +521,14 @@ def load_into_trainer(trainer, root: str, training_state=None, read=None) -> boo
             optim, rng = training_state.resume(trainer, collect, args, meta, (optim, rng),
                                                lambda key, t: _fit_rows(t, padded) if _VOCAB.search(key) else t)
     if ps.rank == 0:
+        if meta["release"]:  # Megatron-LM itself starts a release checkpoint at iteration 0, weights only
+            where = (f"release weights (its args say iteration {meta['iteration']}); training starts at iteration 0 "
+                     "as Megatron-LM starts a release checkpoint: counters, schedule and optimizer fresh")
+        else:
+            where = f"at iteration {meta['iteration']}" + (" (--finetune: counters from 0)" if cfg.checkpoint.finetune
+                                                          else "")
         print(f"loaded Megatron-LM checkpoint ({meta['format']} model, TP {meta['tp']} x PP {meta['pp']}) {root} "
-              f"at iteration {meta['iteration']}{' (release)' if meta['release'] else ''}; {optim}; {rng}",
-              file=sys.stderr, flush=True)
+              f"{where}; {optim}; {rng}", file=sys.stderr, flush=True)
         if not ours.swiglu and theirs["activation_func"] != ours.activation_func:
             print(f"note: the Megatron-LM run computed its MLP with --activation-func {theirs['activation_func']} "
                   f"(its --bias-gelu-fusion / --openai-gelu settings) and this run uses {ours.activation_func}; pass "

@@ -16,10 +16,28 @@ from megatron.checkpointing.megatron_legacy import (_VOCAB, TRACKER, MegatronChe
                                                  partition_dim)
 
 
+def tokenizer_fields(data: Optional[dict], vocab_size: int) -> dict:
+    """Megatron's tokenizer args for a run whose data config is `data` (None: no tokenizer).
+
+    Megatron's `check_checkpoint_args` compares `tokenizer_type` whenever `--vocab-file` is given,
+    and transformers' Megatron GPT-2 converter picks the tokenizer from it, so it is never None.
+    A run without a tokenizer (generated tokens, --vocab-size) is what Megatron calls
+    NullTokenizer, whose --vocab-size is one less than the model's (it adds an end-of-document id)."""
+    data = data or {}
+    kind = data.get("tokenizer_type") or "NullTokenizer"
+    out = dict(tokenizer_type=kind, vocab_file=data.get("vocab_file"), merge_file=data.get("merge_file"),
+               tokenizer_model=data.get("tokenizer_model"), vocab_size=vocab_size)
+    if kind == "NullTokenizer":
+        out["vocab_size"] = vocab_size - 1
+    return out
+
+
 def megatron_args(model: dict, tp: int, pp: int, iteration: int, consumed_samples: int,
-                  vocab_size: int, padded_vocab: int, extra: Optional[dict] = None) -> argparse.Namespace:
+                  vocab_size: int, padded_vocab: int, extra: Optional[dict] = None,
+                  tokenizer: Optional[dict] = None) -> argparse.Namespace:
     """Megatron's `args` with every field its loaders (`check_checkpoint_args`,
-    `tools/checkpoint_util.py`'s loader) and transformers' Megatron converters read."""
+    `tools/checkpoint_util.py`'s loader) and transformers' Megatron converters read.
+    `tokenizer`: the run's data config (its tokenizer fields), see `tokenizer_fields`."""
     gqa = model.get("num_query_groups") not in (None, model["num_attention_heads"])
     a = dict(num_layers=model["num_layers"], hidden_size=model["hidden_size"],
              num_attention_heads=model["num_attention_heads"], ffn_hidden_size=model["ffn_hidden_size"],
@@ -28,7 +46,6 @@ def megatron_args(model: dict, tp: int, pp: int, iteration: int, consumed_sample
              encoder_seq_length=model.get("seq_length"), padded_vocab_size=padded_vocab, vocab_size=vocab_size,
              orig_vocab_size=vocab_size,  # transformers' converters export this many rows (else the padded)
              make_vocab_size_divisible_by=model.get("make_vocab_size_divisible_by", 128),
-             tokenizer_type=None, vocab_file=None, merge_file=None,
              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
              virtual_pipeline_model_parallel_size=None, data_parallel_random_init=False,
              consumed_train_samples=consumed_samples, consumed_valid_samples=0, iteration=iteration,
@@ -50,6 +67,7 @@ def megatron_args(model: dict, tp: int, pp: int, iteration: int, consumed_sample
     if model.get("model_type") == "t5":
         a.update(encoder_num_layers=model.get("encoder_num_layers"), decoder_num_layers=model.get("decoder_num_layers"),
                  decoder_seq_length=model.get("decoder_seq_length"), encoder_seq_length=model.get("encoder_seq_length"))
+    a.update(tokenizer_fields(tokenizer, vocab_size))
     a.update(extra or {})
     return argparse.Namespace(**a)
 
@@ -133,7 +151,7 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def write_full(out: str, model: dict, full: Dict[str, torch.Tensor], meta: dict, tp: int, pp: int,
                release: bool = True, norm_names: Optional[str] = None, atomic_write=None,
-               split: Optional[int] = None) -> str:
+               split: Optional[int] = None, tokenizer: Optional[dict] = None) -> str:
     """Write a GPT `full` model ({our global name: tensor}, vocabulary rows unpadded) as
     Megatron-LM writes it: `release/` (tracker `release`) for a converted checkpoint, else
     `iter_NNNNNNN`; `atomic_write(path, write_fn) -> sha256 hex` is the checkpoint writer's
@@ -142,7 +160,8 @@ def write_full(out: str, model: dict, full: Dict[str, torch.Tensor], meta: dict,
     `layernorm` for GPT, `norm` for T5). Integrity
     data (sha256 of every file) goes to `<folder>/manifest.json`, never beside a model file.
     T5 (`megatron_t5`): encoder on pipeline ranks [0, split), decoder on [split, pp) (split
-    default pp // 2). Returns the iteration folder."""
+    default pp // 2). `tokenizer`: the source run's data config (`tokenizer_fields`). Returns the
+    iteration folder."""
     from megatron.config.core import ModelConfig
     t5 = model.get("model_type", "gpt") == "t5"
     cfg = ModelConfig(**model)
@@ -161,7 +180,7 @@ def write_full(out: str, model: dict, full: Dict[str, torch.Tensor], meta: dict,
     folder = "release" if release else f"iter_{iteration:07d}"
     it_dir = os.path.join(out, folder)
     args = megatron_args(model, tp, pp, iteration, meta.get("consumed_samples", 0), cfg.vocab_size, padded,
-                         megatron_t5.t5_args_fields(model, pp, split) if t5 else None)
+                         megatron_t5.t5_args_fields(model, pp, split) if t5 else None, tokenizer)
     per = L // pp
     files = {}
     for p in range(pp):
@@ -244,7 +263,8 @@ def save_from_trainer(trainer, root: str, ops) -> str:
             gbs = cfg.training.global_batch_size
             args = megatron_args(model, ps.tp_size, ps.pp_size, trainer.iteration, trainer.consumed_samples,
                                  cfg.model.vocab_size, padded, dict(t5_fields or {}, global_batch_size=gbs,
-                                                                    micro_batch_size=cfg.training.micro_batch_size))
+                                                                    micro_batch_size=cfg.training.micro_batch_size),
+                                 tokenizer=cfg.to_dict()["data"])
             args.virtual_pipeline_model_parallel_size = len(trainer.stages) if len(trainer.stages) > 1 else None
             state = {"args": args, "checkpoint_version": 3.0, "iteration": trainer.iteration,
                      "rng_state": megatron_rng_state(),

@@ -284,6 +284,8 @@ def save_checkpoint(trainer, root: Optional[str] = None) -> str:
             _write_manifest(root, trainer.iteration)
             checkpoint_ownership.unmark(os.path.dirname(os.path.dirname(path)))
             _move_tracker(root, trainer.iteration)
+            from megatron.checkpointing.hints import note_torch_format
+            note_torch_format(root, ps.tp_size, ps.pp_size, _atomic_write_bytes)
         _barrier()
     except OSError as e:
         raise _write_error(ps, root, e) from e

@@ -10,6 +10,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from megatron.cli.arguments_megatron import add_megatron_args, apply_megatron_args, extras_from_args, print_notes
 from megatron.cli.parser import HelpFormatter, OneLineParser, int_list
 from megatron.cli.arguments_systems import (_add_aceso_args, _add_compression_args, _add_dynapipe_args,
                                         _add_fused_kernel_args, _add_profile_args, _add_terapipe_args,
@@ -44,6 +45,7 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     _add_fused_kernel_args(p)
     _add_legacy_args(p)
     _add_profile_args(p)
+    add_megatron_args(p)
     return p
 
 
@@ -104,7 +106,8 @@ def _add_training_args(p) -> None:
     g.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch per data-parallel rank")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per iteration over all DP ranks (default: micro-batch x DP)")
-    g.add_argument("--train-iters", type=int, default=10, help="iterations to train for")
+    g.add_argument("--train-iters", type=int, default=None,
+                   help="iterations to train for (default: 10; or --train-samples)")
     g.add_argument("--exit-interval", type=int, default=None, help="stop when the iteration is a multiple of this")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
                    help="activation recomputation: whole layers (full) or attention core only (selective)")
@@ -258,14 +261,10 @@ def _add_legacy_args(p: argparse.ArgumentParser) -> None:
                    help="Megatron's short form of --recompute-granularity selective")
     g.add_argument("--DDP-impl", dest="ddp_impl", default=None, choices=["local", "torch"],
                    help="accepted; gradients are always reduced by our own (local-style) data-parallel code")
-    g.add_argument("--use-flash-attn", action="store_true",
-                   help="accepted; attention already uses SDPA, whose flash kernel runs on CUDA when it applies")
     for name in ("masked-softmax", "bias-gelu", "bias-dropout"):
         if not any(f"--no-{name}-fusion" in a.option_strings for a in p._actions):
             g.add_argument(f"--no-{name}-fusion", dest=f"{name.replace('-', '_')}_fusion", action="store_false",
                            help="turn the fused kernel off (the eager path is used where no fused kernel is built)")
-    g.add_argument("--use-mcore-models", action="store_true",
-                   help="accepted, no effect: there is one model implementation")
     g.add_argument("--keep-sequential-samples", action="store_true",
                    help="accepted, no effect: token-budget global batches already take samples in data order")
 
@@ -370,6 +369,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
     check_flags(args, model_type, {k: defaults.get_default(k) for k in ("eval_interval", "eval_iters")})
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    notes = apply_megatron_args(args, world_size)
     if getattr(args, "aceso_config", None):
         from megatron.aceso.runtime import AcesoConfigError, apply_to_args
         parser = build_parser(model_type)
@@ -511,6 +511,8 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
             SliceLatencyModel.load(cfg.terapipe.cost_model)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    cfg.extras = extras_from_args(args)
+    print_notes(notes)
     return cfg
 
 

@@ -19,18 +19,26 @@ from megatron.core.grad_scaler import DynamicGradScaler
 from megatron.core.parallel_state import ParallelState
 
 
-def param_groups(modules: Iterable[nn.Module], weight_decay: float) -> List[dict]:
-    decay, no_decay = [], []
+def param_groups(modules: Iterable[nn.Module], weight_decay: float,
+                 decoupled: Optional[tuple] = None) -> List[dict]:
+    """Weight-decayed and undecayed groups; with `decoupled` = (max_lr, min_lr) the word
+    embedding and output layer get their own group with that curve (Megatron's --decoupled-lr)."""
+    decay, no_decay, own = [], [], []
     for m in modules:
         for name, p in m.named_parameters():
             if not p.requires_grad:
                 continue
-            (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
+            if decoupled is not None and name.endswith(("word_embeddings.weight", "output_layer.weight")):
+                own.append(p)
+            else:
+                (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
     groups = []
     if decay:
         groups.append({"params": decay, "weight_decay": weight_decay})
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
+    if own:
+        groups.append({"params": own, "weight_decay": weight_decay, "max_lr": decoupled[0], "min_lr": decoupled[1]})
     return groups
 
 
@@ -59,13 +67,14 @@ def global_grad_norm_sq(params: Iterable[nn.Parameter], ps: ParallelState) -> to
 
 class MegatronOptimizer:
     def __init__(self, modules: List[nn.Module], cfg: TrainingConfig, ps: ParallelState,
-                 lr_scheduler: "LRScheduler", device: torch.device = torch.device("cpu")):
+                 lr_scheduler: "LRScheduler", device: torch.device = torch.device("cpu"),
+                 decoupled_lr: Optional[tuple] = None):
         self.cfg, self.ps, self.lr_scheduler = cfg, ps, lr_scheduler
         self.params = [p for m in modules for p in m.parameters() if p.requires_grad]
         kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
         if device.type == "cuda":
             kwargs["fused"] = True
-        self.optimizer = torch.optim.AdamW(param_groups(modules, cfg.weight_decay), **kwargs)
+        self.optimizer = torch.optim.AdamW(param_groups(modules, cfg.weight_decay, decoupled_lr), **kwargs)
         self.grad_scaler: Optional[DynamicGradScaler] = None
         if cfg.fp16:
             self.grad_scaler = DynamicGradScaler(
@@ -108,9 +117,8 @@ class MegatronOptimizer:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(coef)
-        lr = self.lr_scheduler.lr()
         for g in self.optimizer.param_groups:
-            g["lr"] = lr
+            g["lr"] = self.lr_scheduler.lr(max_lr=g.get("max_lr"), min_lr=g.get("min_lr"))
         self.optimizer.step()
         return True, norm
 
@@ -148,27 +156,31 @@ class LRScheduler:
             self.warmup_iters = cfg.lr_warmup_iters
         self.num_steps = 0
 
-    def lr(self, step: Optional[int] = None) -> float:
+    def lr(self, step: Optional[int] = None, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
+        """The learning rate at `step`; `max_lr` / `min_lr` give another group's curve of the same
+        shape (Megatron's --decoupled-lr / --decoupled-min-lr for the embedding and output layer)."""
         n = self.num_steps if step is None else step
+        max_lr = self.max_lr if max_lr is None else max_lr
+        min_lr = self.min_lr if min_lr is None else min_lr
         if self.warmup_iters > 0 and n < self.warmup_iters:
-            return self.max_lr * (n + 1) / self.warmup_iters
+            return max_lr * (n + 1) / self.warmup_iters
         if self.decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if self.decay_style == "inverse-square-root":
             w = max(self.warmup_iters, 1)
-            return max(self.min_lr, self.max_lr * math.sqrt(w) / math.sqrt(max(n, 1)))
+            return max(min_lr, max_lr * math.sqrt(w) / math.sqrt(max(n, 1)))
         if n > self.decay_iters:
-            return self.min_lr
+            return min_lr
         span = self.decay_iters - self.warmup_iters
         ratio = 1.0 if span <= 0 else (n - self.warmup_iters) / span
         if self.decay_style == "linear":
             coeff = 1.0 - ratio
         else:
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
-    def step(self):
-        self.num_steps += 1
+    def step(self, increment=1):
+        self.num_steps += increment
 
     def state_dict(self):
         return {"num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr,

@@ -112,6 +112,10 @@ class MetricsLogger:
                       "(pip install tensorboard); scalars are not written", file=sys.stderr)
             else:
                 self.writer = SummaryWriter(log_dir=cfg.logging.tensorboard_dir, max_queue=100)
+        from megatron.config.extras import extras_of
+        from megatron.training.extras import WandbWriter
+        self.extras = extras_of(cfg)
+        self.wandb = WandbWriter(self.extras, cfg.to_dict()) if self.active else None
         self._reset()
 
     def _reset(self):
@@ -139,12 +143,15 @@ class MetricsLogger:
         sim = (out.get("planner") or {}).get("simulated_ms")
         if sim and iteration > 1:  # the first iteration pays one-time set-up the model does not price
             self._drift.append(out["time_s"] * 1e3 / sim)
-        if self.writer is not None:
-            self.writer.add_scalar("lm loss", loss, iteration)
-            self.writer.add_scalar("learning-rate", lr, iteration)
-            if out["grad_norm"] is not None:
-                self.writer.add_scalar("grad-norm", out["grad_norm"], iteration)
-            self.writer.add_scalar("loss-scale", loss_scale, iteration)
+        scalars = {"lm loss": loss, "learning-rate": lr, "grad-norm": out["grad_norm"], "loss-scale": loss_scale,
+                   "params-norm": out.get("params_norm"), "num-zeros": out.get("num_zeros")}
+        if iteration % self.extras.tensorboard_log_interval == 0:
+            if self.writer is not None:
+                for key, value in scalars.items():
+                    if value is not None:
+                        self.writer.add_scalar(key, value, iteration)
+            if self.wandb is not None:
+                self.wandb.log(scalars, iteration)
         first = not self._printed_any  # the first iteration of a run always prints, so a run shows life early
         if iteration % self.cfg.logging.log_interval != 0 and not first:
             return
@@ -165,6 +172,8 @@ class MetricsLogger:
                 f"TFLOP/s/device: {tflops:.3f} | learning rate: {lr:.6E} | global batch size: {gbs:5d} | "
                 f"lm loss: {avg:.6E} | "
                 f"loss scale: {loss_scale:.1f} | grad norm: {'skipped' if gn is None else f'{gn:.3f}'} | "
+                + (f"num zeros: {out['num_zeros']} | " if out.get("num_zeros") is not None else "")
+                + (f"params norm: {out['params_norm']:.3f} | " if out.get("params_norm") is not None else "") +
                 f"number of skipped iterations: {skipped:3d} | number of nan iterations: {self.nan_iters:3d} |")
         print(line, flush=True)
         if out.get("comm_bytes"):

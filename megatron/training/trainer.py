@@ -59,24 +59,27 @@ class FixedBatchSource:
                  planner: FixedBatchPlanner, shapes_fn: Callable):
         self.cfg, self.ps, self.dataset = cfg, ps, dataset
         self.collate_fn, self.planner, self.shapes_fn = collate_fn, planner, shapes_fn
+        self.schedule = None  # a growing global batch (megatron.config.batch_schedule), set for training
 
     def next(self, iteration: int, consumed_samples: int) -> IterationWork:
         t = self.cfg.training
         n = len(self.dataset)
-        if consumed_samples + t.global_batch_size > n:
+        # --rampup-batch-size / --step-batch-size-schedule: this iteration's global batch (training only)
+        batch = self.schedule.at(consumed_samples) if self.schedule is not None else t.global_batch_size
+        if consumed_samples + batch > n:
             raise RuntimeError(f"the dataset has {n} samples but iteration {iteration} needs sample "
-                               f"{consumed_samples + t.global_batch_size - 1}; build it for --train-iters x "
+                               f"{consumed_samples + batch - 1}; build it for --train-iters x "
                                "--global-batch-size samples")
         # With per-stage DP sizes --micro-batch-size is the pipeline micro-batch: this rank takes
         # its stage's share of each one, and plans are made for the whole micro-batches.
         split = self.ps.dp_size if self.ps.stage_layouts else 1
         sampler = MegatronPretrainingSampler(n, consumed_samples, t.micro_batch_size // split, self.ps.dp_rank,
                                              self.ps.dp_size)
-        idx = list(itertools.islice(sampler, self.cfg.num_microbatches))
+        idx = list(itertools.islice(sampler, self.cfg.num_microbatches * batch // t.global_batch_size))
         mbs = [self.collate_fn([self.dataset[i] for i in ids]) for ids in idx]
         shapes = [tuple((s[0] * split,) + tuple(s[1:]) for s in self.shapes_fn(mb)) for mb in mbs]
         plan = self.planner.plans(iteration, shapes)[self.ps.plan_rank]
-        return IterationWork(mbs, plan, t.global_batch_size)
+        return IterationWork(mbs, plan, batch)
 
 
 def gpt_microbatch_shapes(mb: dict) -> tuple:
@@ -147,6 +150,10 @@ class Trainer:
         self.extra_tied_groups = list(extra_tied_groups)
         shapes_fn = shapes_fn or gpt_microbatch_shapes
         self.batch_source = batch_source or FixedBatchSource(cfg, ps, train_ds, collate_fn, planner, shapes_fn)
+        from megatron.config.extras import extras_of
+        self.batch_schedule = extras_of(cfg).batch_schedule
+        if self.batch_schedule is not None:
+            self.batch_source.schedule = self.batch_schedule
         if valid_source is None and valid_ds is not None and planner is not None:
             valid_source = FixedBatchSource(cfg, ps, valid_ds, collate_fn, planner, shapes_fn)
         self.valid_source = valid_source
@@ -171,7 +178,9 @@ class Trainer:
                                                   bucket_numel=self.bucket_numel if overlap else None, late_params=late,
                                                   reduced_params=fused)
         else:
-            self.optimizer = MegatronOptimizer(self.modules, t, ps, self.lr_scheduler, device)
+            ex = extras_of(cfg)
+            decoupled = None if ex.decoupled_lr is None else (ex.decoupled_lr, ex.decoupled_min_lr)
+            self.optimizer = MegatronOptimizer(self.modules, t, ps, self.lr_scheduler, device, decoupled)
         comm = None
         if ps.pp_size > 1:
             comm = P2PCommunicator(ps.pp_global_ranks, ps.rank, ps.pp_group, ps.timeout, device)
@@ -192,6 +201,8 @@ class Trainer:
         self.skipped_iters = 0
         self.consecutive_skipped = 0
         self.logger = MetricsLogger(cfg, ps, flops_per_sample)
+        from megatron.training.extras import RunExtras
+        self.extras = RunExtras(extras_of(cfg), ps, self._collective_device())
 
     def _setup_compression(self, cfg: MegatronConfig, ps: ParallelState) -> None:
         """Optimus-CC hooks (megatron/compression); all None when its flags are off."""
@@ -289,9 +300,15 @@ class Trainer:
                 _all_reduce_sum([stats.act_bytes, stats.grad_bytes, stats.grad_bytes_raw, reduced["dp"],
                                  reduced["dp_raw"], reduced["emb"]], dist.group.WORLD if ps.world_size > 1 else None,
                                 ps.world_size, self._collective_device())))
+        zeros = None
+        if self.extras.cfg.log_num_zeros_in_grad:  # before clipping, as Megatron counts
+            from megatron.training.extras import num_zeros_in_grad
+            zeros = num_zeros_in_grad(self.optimizer.params, ps)
         applied, grad_norm = self.optimizer.step()
         if applied:
-            self.lr_scheduler.step()
+            # a growing batch advances the schedule by samples (in --global-batch-size units), as Megatron's
+            gbs = self.cfg.training.global_batch_size
+            self.lr_scheduler.step(1 if self.batch_schedule is None else work.num_samples / gbs)
             if self.consecutive_skipped and ps.rank == ps.world_size - 1:
                 print(f" loss scale settled at {self.optimizer.loss_scale:.1f} after {self.consecutive_skipped} "
                       f"skipped iteration(s) (fp16 overflow)", flush=True)
@@ -309,7 +326,8 @@ class Trainer:
         return {"consumed_tokens": self.consumed_tokens,
                 "loss": loss_sum / loss_tokens if loss_tokens else float("nan"), "grad_norm": grad_norm,
                 "applied": applied, "tokens": total_tokens, "real_tokens": total_real, "num_microbatches": len(mbs),
-                "num_samples": work.num_samples, "planner": work.info, "comm_bytes": comm_bytes}
+                "num_samples": work.num_samples, "planner": work.info, "comm_bytes": comm_bytes,
+                "num_zeros": zeros}
 
     def _collective_device(self) -> torch.device:
         """Where small reductions run: the device under NCCL, the host otherwise."""
@@ -430,9 +448,11 @@ class Trainer:
             m.train()
         from megatron.profiling.step_trace import StepProfiler
         profiler = StepProfiler(cfg.logging, self.ps.rank, self.device)
+        self.extras.begin()
         try:
             return self._train_loop(save_fn, history, profiler)
         finally:
+            self.extras.finish()
             profiler.close()
             self._params_up_to_date()
 
@@ -451,6 +471,10 @@ class Trainer:
             out = self.train_step()
             out["time_s"] = time.perf_counter() - t0
             profiler.after_step(self.iteration)
+            if self.extras.cfg.log_params_norm:  # every iteration, as Megatron (a model-parallel all-reduce)
+                from megatron.training.extras import params_norm
+                self._params_up_to_date()  # --overlap-param-gather: this step's parameters, not the last
+                out["params_norm"] = params_norm(self.optimizer.params, self.ps)
             history.append(out)
             self.logger.record(self.iteration, self.consumed_samples, out, self.lr_scheduler.lr(),
                                self.optimizer.loss_scale, self.skipped_iters)
@@ -459,11 +483,19 @@ class Trainer:
                                               self.logger.active, self.logger.writer)
             if self.valid_source is not None and self.iteration % cfg.training.eval_interval == 0:
                 self._params_up_to_date()
+                self.extras.around_eval()
                 self.logger.log_validation(self.iteration, self.evaluate(self.valid_source, cfg.training.eval_iters))
+                self.extras.around_eval()
+            self.extras.after_step(self.iteration)
             if save_fn and cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0:
                 self._params_up_to_date()
                 save_fn(self)
             if cfg.training.exit_interval and self.iteration % cfg.training.exit_interval == 0:
                 print_rank_last(self.ps, f"exiting at iteration {self.iteration} (--exit-interval)")
+                break
+            if self.iteration < cfg.training.train_iters and self.extras.out_of_time():
+                print_rank_last(self.ps, f"exiting at iteration {self.iteration} after "
+                                f"{self.extras.cfg.exit_duration_in_mins} minutes of training (--exit-duration-in-mins)"
+                                + ("; the checkpoint is saved" if save_fn else ""))
                 break
         return history

@@ -249,45 +249,9 @@ def test_ckpt_format_megatron_legacy_writes_megatrons_files(tmp_path):
         L.read_full(root)
 
 
-def _hf_converter():
-    """transformers 4.x's convert_megatron_gpt2_checkpoint (installed, or a copy of that file
-    named by MEGATRON_GPT2_CONVERTER); None when neither exists (transformers 5 dropped it)."""
-    import importlib
-    import importlib.util
-    path = os.environ.get("MEGATRON_GPT2_CONVERTER")
-    if path:
-        spec = importlib.util.spec_from_file_location("convert_megatron_gpt2_checkpoint", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    try:
-        return importlib.import_module("transformers.models.megatron_gpt2.convert_megatron_gpt2_checkpoint")
-    except ImportError:
-        return None
-
-
-def test_transformers_megatron_gpt2_converter_reads_our_checkpoint(tmp_path):
-    conv = _hf_converter()
-    if conv is None:
-        pytest.skip("transformers' convert_megatron_gpt2_checkpoint.py (transformers 4.x) is not installed")
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from tools.checkpoint.hf_gpt2 import our_logits
-    args, full, _ = L.read_full(os.path.join(FIX, "mcore_gpt_tp1"))
-    model = _fields(args)
-    model.update(model_type="gpt")
-    out = write_full(str(tmp_path), model, full, {"iteration": 0, "consumed_samples": 0}, 1, 1)
-    state = torch.load(os.path.join(out, "mp_rank_00", "model_optim_rng.pt"), weights_only=False)
-    config = GPT2Config(activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    sd = conv.convert_megatron_checkpoint(argparse.Namespace(print_checkpoint_structure=False), state, config)
-    hf = GPT2LMHeadModel(config)
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
-    # The converter also emits GPT-2's causal-mask buffers, which transformers 5's GPT-2 computes instead.
-    assert all(k.endswith((".attn.bias", ".attn.masked_bias")) for k in missing + unexpected)
-    hf.eval()
-    tokens = torch.load(os.path.join(FIX, "mcore_gpt_tp1", "logits.pt"), weights_only=True)["tokens"]
-    with torch.no_grad():
-        diff = (hf(tokens).logits[..., :100] - our_logits(model, full, tokens)[..., :100]).abs().max().item()
-    assert diff < 1e-5
+# transformers' convert_megatron_gpt2_checkpoint.py and Megatron-LM's load_checkpoint are run on our
+# files as their users run them (the script's command line, GPT-2 tokenizer flags) in
+# tests/checkpointing/test_megatron_tools_read_ours.py.
 
 
 def test_model_type_with_a_foreign_value_is_refused(tmp_path, monkeypatch):

@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--megatron-norm-names", choices=("layernorm", "norm"), default=None,
                    help="--to-megatron: `input_layernorm` (Megatron-LM <= 23.x, v2.x, transformers' converters; the "
                         "GPT default) or `input_norm` (the legacy model of Megatron-Core 0.5 and later; T5's default)")
+    p.add_argument("--tokenizer-type", default=None,
+                   help="--to-megatron: the tokenizer recorded in Megatron's args (default: the source run's, or "
+                        "NullTokenizer when it had none); Megatron's --load compares it when --vocab-file is given, "
+                        "transformers' converter picks its tokenizer from it (GPT2BPETokenizer)")
+    p.add_argument("--vocab-file", default=None, help="--to-megatron: with --tokenizer-type, the vocabulary file")
+    p.add_argument("--merge-file", default=None, help="--to-megatron: with --tokenizer-type, the BPE merges file")
+    p.add_argument("--tokenizer-model", default=None, help="--to-megatron: with --tokenizer-type, the model file")
     p.add_argument("--from-megatron", action="store_true",
                    help="read a checkpoint Megatron-LM wrote (legacy, or Megatron-Core torch or torch_dist "
                         "format, any TP/PP) and write this project's format at the target TP/PP (GPT and T5)")
@@ -77,6 +84,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if sum(map(bool, (args.to_hf, args.from_hf, args.to_megatron, args.from_megatron))) > 1:
         p.error("--to-hf, --from-hf, --to-megatron and --from-megatron are separate directions; pick one")
+    if any((args.vocab_file, args.merge_file, args.tokenizer_model)) and not args.tokenizer_type:
+        p.error("--vocab-file / --merge-file / --tokenizer-model belong to --tokenizer-type (--to-megatron); add it")
+    if args.tokenizer_type and not args.to_megatron:
+        p.error("--tokenizer-type is recorded by --to-megatron only")
     if not args.to_hf and (args.target_tensor_parallel_size is None or args.target_pipeline_parallel_size is None):
         p.error("give --target-tensor-parallel-size and --target-pipeline-parallel-size")
     if not args.to_hf and min(args.target_tensor_parallel_size, args.target_pipeline_parallel_size) < 1:
@@ -119,11 +130,18 @@ def _megatron(args) -> int:
             config, full, meta = read_full_model(args.load, args.iteration)
             t5 = config["model"].get("model_type") == "t5"
             norm = args.megatron_norm_names or ("norm" if t5 else "layernorm")
+            tokenizer = dict(config.get("data") or {})
+            if args.tokenizer_type:
+                tokenizer = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                                 merge_file=args.merge_file, tokenizer_model=args.tokenizer_model)
             out = mwrite.write_full(args.save, config["model"], full, meta, args.target_tensor_parallel_size,
                                      args.target_pipeline_parallel_size, release=True, norm_names=norm,
                                      atomic_write=_atomic_write_bytes,
-                                     split=args.target_pipeline_model_parallel_split_rank)
-            print(f"wrote Megatron-LM legacy checkpoint (release, {len(full)} tensors) to {out}")
+                                     split=args.target_pipeline_model_parallel_split_rank, tokenizer=tokenizer)
+            kind = mwrite.tokenizer_fields(tokenizer, config["model"]["vocab_size"])["tokenizer_type"]
+            print(f"wrote Megatron-LM legacy checkpoint (release, {len(full)} tensors, tokenizer_type {kind}) to {out}"
+                  + ("; Megatron's --load with --vocab-file needs the same --tokenizer-type: pass --tokenizer-type "
+                     "(and its files) to convert.py to record another" if not args.tokenizer_type else ""))
             return 0
         from megatron.checkpointing import mcore_dist  # Megatron-Core's --ckpt-format torch_dist
         margs, full, meta = (mcore_dist.read_full if mcore_dist.detect(args.load) else mlegacy.read_full)(args.load)
