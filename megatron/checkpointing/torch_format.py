@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron import safe_paths
 from megatron.atomic import atomic_open, fsync_dir as _fsync_dir
 from megatron.checkpointing import contents as checkpoint_contents
 
@@ -424,9 +425,12 @@ def _read_dist(trainer, root: str, iteration: int) -> bool:
 
 def read_tracker(root: str) -> Optional[int]:
     tracker = os.path.join(root, TRACKER)
-    if not os.path.exists(tracker):
+    if not os.path.lexists(tracker):
         return None
-    text = open(tracker).read().strip()
+    try:  # a FIFO would block, a link to /dev/zero fill memory: refused before any read
+        text = safe_paths.read_text(root, TRACKER, safe_paths.TRACKER_BYTES, "tracker file").strip()
+    except (OSError, ValueError) as e:
+        raise CheckpointError(str(e)) from None
     if text == "release":
         return 0
     try:
@@ -461,8 +465,8 @@ def _verify_file(path: str) -> Optional[str]:
             return f"its checksum file {side} is missing"
         return None
     try:
-        with open(side) as f:
-            expected = f.read().split()[0]
+        expected = safe_paths.read_text(os.path.dirname(side), os.path.basename(side), safe_paths.CHECKSUM_BYTES,
+                                        "checksum file").split()[0]
     except (OSError, IndexError):
         return f"its checksum file {side} is unreadable"
     actual = _sha256_file(path)
@@ -474,9 +478,8 @@ def _verify_file(path: str) -> Optional[str]:
 def _listed_in_manifest(root: str, iteration: int, path: str) -> bool:
     it_dir = os.path.join(root, f"iter_{iteration:07d}")
     try:
-        with open(os.path.join(it_dir, MANIFEST)) as f:
-            files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError):
+        files = json.loads(safe_paths.read_text(it_dir, MANIFEST, safe_paths.JSON_BYTES, "manifest"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
         return False
     return os.path.relpath(path, it_dir) in files
 
@@ -507,9 +510,15 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
         if ps.rank == 0:
             print(f"warning: no {TRACKER} under --load {root}; starting from scratch", flush=True)
         return False
+    refused = safe_paths.first_refusal(root, [f"iter_{tracked:07d}", "release"], regular=False)
+    if refused:  # every rank sees the same folder: all raise together
+        raise CheckpointError(f"{ps.describe()}: {refused}")
     # Written by Megatron-LM itself: its torch formats, or Megatron-Core's torch_dist.
-    megatron_reader = checkpoint_megatron_legacy if checkpoint_megatron_legacy.detect(root) else \
-        checkpoint_mcore_dist if checkpoint_mcore_dist.detect(root) else None
+    try:
+        megatron_reader = checkpoint_megatron_legacy if checkpoint_megatron_legacy.detect(root) else \
+            checkpoint_mcore_dist if checkpoint_mcore_dist.detect(root) else None
+    except OSError as e:  # a rank folder or file that is a link or a special file
+        raise CheckpointError(f"{ps.describe()}: {e}") from None
     if megatron_reader is not None:
         try:
             from megatron.checkpointing import megatron_optim
@@ -523,6 +532,10 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
     iteration, path = tracked, None
     for iteration in [tracked] + _older_complete_iterations(root, tracked):
         path = checkpoint_path(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
+        rel = os.path.relpath(path, root)  # a link (iter_N, the file, its .sha256) is refused, not followed
+        refused = safe_paths.first_refusal(root, [rel, rel + ".sha256"])
+        if not _all_ok(refused is None):
+            raise CheckpointError(f"{ps.describe()}: {refused or 'another rank refused its checkpoint file'}")
         problem = _verify_file(path)
         not_in_layout = (problem is not None and not os.path.exists(path)
                          and not _listed_in_manifest(root, iteration, path))
