@@ -72,6 +72,9 @@ def verify(it_dir: str, manifest: str, rank: int = 0, world: int = 1) -> Optiona
         return str(e)
     for name in sorted(files)[rank::world]:
         path = os.path.join(it_dir, name)
+        refused = safe_paths.first_refusal(it_dir, [name])  # a link or a FIFO: named as such, never opened
+        if refused:
+            return refused
         try:
             got = sha256_digest(path).hex() if safe_paths.is_regular_inside(it_dir, name) else None
         except OSError:
