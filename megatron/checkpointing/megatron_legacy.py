@@ -81,8 +81,6 @@ def safe_load_megatron(path: str):
             f"{path}: refused to load: the file references `{_offending(e)}`; a Megatron-LM checkpoint may hold "
             f"tensors, argparse.Namespace / types.SimpleNamespace, numpy arrays of plain dtypes and ModelType, "
             f"nothing else") from None
-    except OSError:
-        raise
     except Exception as e:  # noqa: BLE001 - ModelType(999), a 2^40-element array, a truncated or empty file
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
         raise MegatronCheckpointError(f"{path}: not a readable Megatron-LM checkpoint ({type(e).__name__}: {first}); "

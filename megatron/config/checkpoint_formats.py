@@ -2,12 +2,13 @@
 accepted combination never trains for hours and then dies at its first save.
 
 - torch: every layout (each rank writes its own stages under this project's names);
-- torch_dist: every layout whose ranks hold whole tensors by global name (CP refused in
-  context_parallel.py: its files do not record the CP split);
+- torch_dist: tensors by global name (measured: zb-v at PP 2 saves and resumes); CP is refused
+  in context_parallel.py;
 - megatron-legacy: what Megatron-LM's legacy model can load: one uniform split of the layers
   over the pipeline ranks, stage v of rank p at v * PP + p (Megatron's interleaving), one TP
-  size for every stage; for T5 also Megatron's T5 architecture (below) and even stacks (checked
-  with the model's split at start-up: megatron_write.check_can_save)."""
+  size for every stage (measured: CP 2 saves and resumes); for T5 also Megatron's T5
+  architecture (below) and even stacks (checked with the model's split at start-up:
+  megatron_write.check_can_save)."""
 from __future__ import annotations
 
 from megatron.config.errors import _require
@@ -25,8 +26,8 @@ def check_ckpt_format(cfg) -> None:
         m.normalization == "LayerNorm" and m.add_bias_linear and not m.gated_mlp and m.activation_func == "gelu"),
         "--ckpt-format megatron-legacy writes Megatron-LM's T5 (learned positions, tied head, LayerNorm, biases, "
         "GeLU): add --position-embedding-type learned_absolute (no untied/RMSNorm/gated) or --ckpt-format torch")
-    pp = p.pipeline_model_parallel_size
-    _require(p.pipeline_schedule != "zb-v" or pp == 1,
+    # (also at PP 1: rank 0 then holds both stages, the last sharing the first's embedding table)
+    _require(p.pipeline_schedule != "zb-v",
              f"--ckpt-format megatron-legacy with --pipeline-schedule zb-v: zb-v puts two stages per pipeline rank "
              f"in a V (rank 0 holds the first and the last), which Megatron-LM's files (stage v of rank p at "
              f"v x PP + p) cannot describe; {_INSTEAD}")
