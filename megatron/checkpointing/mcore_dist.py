@@ -115,28 +115,22 @@ def _check_tiling(md, it_dir: str, names) -> None:
       this says every element is covered an odd number of times (at least once).
     Together: every element exactly once. A failure names the first corner out of place."""
     from collections import Counter
-    from itertools import product
+    from itertools import chain, product
+    from math import prod
     where = os.path.join(it_dir, reader.INDEX)
     for name in names:
         entry = md.state_dict_metadata[name]
         shape = tuple(entry.size)
-        volume, odd = 0, Counter()
-        for c in entry.chunks:
-            o, s = tuple(c.offsets), tuple(c.sizes)
-            n = 1
-            for x in s:
-                n *= x
-            volume += n
-            for corner in product(*((a, a + b) for a, b in zip(o, s))):
-                odd[corner] ^= 1
-        total = 1
-        for x in shape:
-            total *= x
-        expected = {corner for corner in product(*((0, x) for x in shape))} if total else set()
-        got = {corner for corner, v in odd.items() if v}
+        chunks = entry.chunks  # offsets / sizes are torch.Size: tuples already, used as they are
+        volume = sum(prod(c.sizes) for c in chunks)
+        counts = Counter(chain.from_iterable(product(*zip(c.offsets, map(int.__add__, c.offsets, c.sizes)))
+                                             for c in chunks))
+        total = prod(shape)
+        expected = set(product(*((0, x) for x in shape))) if total else set()
+        got = {corner for corner, v in counts.items() if v & 1}
         if volume != total or got != expected:
             stray = sorted(got ^ expected)[:1]
-            raise McoreDistError(f"{where}: chunks of {name[:120]!r} overlap or leave a gap ({len(entry.chunks)} "
+            raise McoreDistError(f"{where}: chunks of {name[:120]!r} overlap or leave a gap ({len(chunks)} "
                                  f"chunks, {volume} elements for a shape of {total}"
                                  f"{f'; a corner out of place at {stray[0]}' if stray else ''}); refused")
 

@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from megatron.cli.parser import HelpFormatter, OneLineParser, int_list
+from megatron.cli.parser import HelpFormatter, OneLineParser, first_to_report, int_list
 from megatron.cli.arguments_systems import (_add_aceso_args, _add_compression_args, _add_dynapipe_args,
                                         _add_fused_kernel_args, _add_profile_args, _add_terapipe_args,
                                         _apply_fused_kernel_args, _terapipe_config)
@@ -524,33 +524,8 @@ def exit_with_error(model_type: str, error) -> None:
     """Print one line and exit with status 2. Every rank hits the same error, and the first rank
     to exit makes torchrun kill the others: so the first rank to get here prints (not rank 0,
     which may be killed before it prints), and the other ranks of the node stay silent."""
-    if _first_to_report(str(error)):
+    if first_to_report(str(error)):
         print(f"pretrain_{model_type}.py: error: {error}", file=sys.stderr, flush=True)
     raise SystemExit(2)
-
-
-def _first_to_report(message: str) -> bool:
-    """True for the first local rank of this launch to claim `message` (a file created with
-    O_EXCL under the temp folder, keyed by torchrun's run id and agent pid); True without torchrun."""
-    import hashlib
-    import tempfile
-    import time
-    run = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run is None or "RANK" not in os.environ:
-        return True
-    key = hashlib.sha256(f"{run}:{os.getppid()}:{message}".encode()).hexdigest()[:24]
-    path = os.path.join(tempfile.gettempdir(), f"megatron-flag-error-{key}")
-    try:
-        if time.time() - os.stat(path).st_mtime > 60:  # an old launch that had the same agent pid
-            os.remove(path)
-    except OSError:
-        pass
-    try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-        return True
-    except FileExistsError:
-        return False
-    except OSError:
-        return True  # no temp folder to agree in: every rank prints rather than none
 
 
