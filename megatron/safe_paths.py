@@ -84,7 +84,7 @@ def regular_file(folder: str, relpath, what: str = "file") -> str:
     path = inside(folder, relpath, what)
     mode = os.lstat(path).st_mode
     if not stat.S_ISREG(mode):
-        raise UnsafePathError(f"{path}: {_kind(mode)}, not a regular file; refused (a {what} is a plain file)")
+        raise UnsafePathError(f"{path}: {_kind(mode)}, not a regular file; refused ({what}: a plain file only)")
     return path
 
 
@@ -136,7 +136,7 @@ def regular_path(path: str, what: str = "file") -> str:
     a FIFO or device is refused from `stat`, before anything opens it."""
     mode = os.stat(path).st_mode
     if not stat.S_ISREG(mode):
-        raise UnsafePathError(f"{path}: {_kind(mode)}, not a regular file; refused (a {what} is a plain file)")
+        raise UnsafePathError(f"{path}: {_kind(mode)}, not a regular file; refused ({what}: a plain file only)")
     return path
 
 
