@@ -15,6 +15,7 @@ from megatron.training.batching import gpt_microbatch
 from megatron.checkpointing.torch_format import CheckpointError, load_checkpoint, save_checkpoint
 from megatron.config.core import MegatronConfig
 from megatron.training.initialize import initialize_megatron
+from megatron.training.trainer import RunInputError
 from megatron.training.logging import gpt_flops_per_sample, print_rank_0
 from megatron.planner.passes import plan_passes
 
@@ -235,10 +236,10 @@ def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int
         return 0
     except KeyboardInterrupt:
         return interrupt.report(cfg.checkpoint.save, trainer)
-    except CheckpointError as e:
+    except (CheckpointError, RunInputError) as e:
         if interrupt.received():
             return interrupt.report(cfg.checkpoint.save, trainer)
-        report_failure(ps, "checkpoint error", str(e))
+        report_failure(ps, "checkpoint error" if isinstance(e, CheckpointError) else "error", str(e))
         return 1
     except Exception as e:
         if interrupt.received():  # a peer stopped first and our collective failed: same Ctrl-C
