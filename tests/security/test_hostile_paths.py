@@ -352,6 +352,17 @@ def test_no_existence_oracle_for_files_outside(sources, tmp_path):
     assert msgs[0] == msgs[1], msgs
 
 
+def test_hf_sizes_beyond_the_weights_are_refused_before_anything_is_built(sources, tmp_path):
+    """Size fields just under the 2^24 cap beside a tiny model.safetensors: --verify (or
+    transformers) would build a model of gigabytes from them; the config must describe the file."""
+    root = tmp_path / "hf"
+    shutil.copytree(sources["hf"], root)
+    (root / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": (1 << 24) - 8, "n_head": 8,
+                                                  "n_layer": 4, "vocab_size": 32}))
+    msg = refusal(_hf, str(root))
+    assert "describe at least" in msg and "model.safetensors holds 512" in msg and "\n" not in msg, msg
+
+
 def table(results) -> str:
     """docs/hostile_inputs.md's table from {(reader, trick): message}."""
     lines = ["| trick | reader | result | the line (abridged) |", "|---|---|---|---|"]
