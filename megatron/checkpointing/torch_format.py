@@ -157,8 +157,8 @@ def remove_stale_files(root: str, max_age_s: float = 3600.0) -> list:
                 continue
             removed.append(full)
             continue
-        if not (m or _ITER_RE.match(name)) or not os.path.isdir(full):
-            continue
+        if not (m or _ITER_RE.match(name)) or os.path.islink(full) or not os.path.isdir(full):
+            continue  # (a link is never cleaned through, nor reported removed)
         if os.path.exists(os.path.join(full, MANIFEST)):
             checkpoint_ownership.unmark(full)  # complete; killed after its manifest, before the unmark
         elif checkpoint_ownership.abandoned_save(full):
