@@ -165,8 +165,8 @@ def _shard_size(it_dir: str, name: str, manifest: Dict[str, dict]) -> int:
     try:  # the names are plain (check_index), so the one rule left is: a regular file, not a link
         safe_paths.regular_file(it_dir, name, "shard")
     except safe_paths.UnsafePathError as e:
-        raise DistCheckpointError(f"{path}: a link or a file outside the checkpoint folder, or not a regular file; "
-                                  f"refused ({e})") from None
+        raise DistCheckpointError(f"{path}: a link or a file outside the checkpoint folder; refused" if
+                                  os.path.islink(path) else str(e)) from None
     except OSError:
         pass  # missing: reported below
     try:
