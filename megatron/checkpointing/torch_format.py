@@ -243,10 +243,14 @@ def save_checkpoint(trainer, root: Optional[str] = None) -> str:
         return _save_dist(trainer, root)
     if cfg.checkpoint.ckpt_format == "megatron-legacy":  # what Megatron-LM's own --load reads
         from types import SimpleNamespace
-        return checkpoint_megatron_write.save_from_trainer(trainer, root, SimpleNamespace(
-            atomic_write=_atomic_write_bytes, barrier=_barrier, move_tracker=_move_tracker,
-            write_error=_write_error, claim_and_clean=claim_and_clean, mark_saving=checkpoint_ownership.mark_saving,
-            unmark=checkpoint_ownership.unmark))
+        try:  # (MegatronCheckpointError is a ValueError) a layout the writer cannot map: one line, the run stops
+            return checkpoint_megatron_write.save_from_trainer(trainer, root, SimpleNamespace(
+                atomic_write=_atomic_write_bytes, barrier=_barrier, move_tracker=_move_tracker,
+                write_error=_write_error, claim_and_clean=claim_and_clean, mark_saving=checkpoint_ownership.mark_saving,
+                unmark=checkpoint_ownership.unmark))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(checkpoint_megatron_write.save_failed(ps, root, trainer.iteration, e,
+                                                                        read_tracker)) from None
     path = checkpoint_path(root, trainer.iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
     try:
         claim_and_clean(ps, root)

@@ -224,8 +224,9 @@ def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int
             print_rank_0(f"note: --pipeline-schedule {cfg.parallel.pipeline_schedule} at "
                          f"--pipeline-model-parallel-size 1 has no pipeline to schedule: each micro-batch runs "
                          f"forward then backward (as 1f1b)")
-        from megatron.checkpointing.megatron_write import check_can_save
-        check_can_save(cfg, ps)  # a layout --ckpt-format cannot save: refused now, not at the first save
+        from megatron.checkpointing.megatron_write import cannot_save
+        if cannot_save(cfg, ps):  # a layout --ckpt-format cannot save: refused now, not at the first save
+            raise CheckpointError(cannot_save(cfg, ps))
         trainer = build_trainer(cfg, ps, device)
         if cfg.checkpoint.load:
             load_checkpoint(trainer)

@@ -182,3 +182,14 @@ def test_allowlist_walk_is_iterative_and_covers_simple_namespace():
     assert list(_arrays({"x": deep})) == []
     found = list(_arrays({"args": types.SimpleNamespace(a=np.zeros(2, dtype=object))}))
     assert len(found) == 1 and found[0][1].dtype == object
+
+
+def test_a_failed_megatron_save_names_what_was_kept(tmp_path):
+    """The line a failing --ckpt-format megatron-legacy save stops the run with (the tracker moves
+    last, so the checkpoint it names is the one kept)."""
+    from megatron.checkpointing.megatron_write import save_failed
+    from megatron.checkpointing.torch_format import read_tracker
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5\n")
+    ps = types.SimpleNamespace(describe=lambda: "rank 0 (tp 0/1, pp 0/2, dp 0/1)")
+    msg = save_failed(ps, str(tmp_path), 6, KeyError("output_layer.weight"), read_tracker)
+    assert "\n" not in msg and "could not save iteration 6" in msg and "(iteration 5) is intact" in msg, msg
