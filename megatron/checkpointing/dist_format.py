@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron import safe_paths
 from megatron.checkpointing import dist_reader as reader
 COMMON = "common.json"
 _LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(.*)$")
@@ -71,8 +72,11 @@ def verify(it_dir: str, manifest: str, rank: int = 0, world: int = 1) -> Optiona
         return str(e)
     for name in sorted(files)[rank::world]:
         path = os.path.join(it_dir, name)
+        refused = safe_paths.first_refusal(it_dir, [name])  # a link or a FIFO: named as such, never opened
+        if refused:
+            return refused
         try:
-            got = sha256_digest(path).hex() if os.path.isfile(path) and not os.path.islink(path) else None
+            got = sha256_digest(path).hex() if safe_paths.is_regular_inside(it_dir, name) else None
         except OSError:
             got = None
         if got != files[name]["sha256"]:
@@ -253,9 +257,8 @@ def common_bytes(trainer, common: dict) -> bytes:
 def read_common(it_dir: str) -> dict:
     path = os.path.join(it_dir, COMMON)
     try:
-        with open(path) as f:
-            common = json.load(f)
-    except (OSError, ValueError) as e:
+        common = json.loads(safe_paths.read_text(it_dir, COMMON, safe_paths.JSON_BYTES, "torch_dist common file"))
+    except (OSError, ValueError, RecursionError) as e:
         raise ValueError(f"{path}: unreadable ({e})") from None
     for k, t in (("iteration", int), ("consumed_samples", int), ("config", dict), ("layout", dict)):
         if not isinstance(common.get(k), t):

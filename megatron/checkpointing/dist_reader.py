@@ -29,6 +29,8 @@ from typing import Dict, Iterable, Optional
 
 import torch
 
+from megatron import safe_paths
+
 MANIFEST = "manifest.json"
 INDEX = ".metadata"
 
@@ -56,8 +58,7 @@ def read_manifest(it_dir: str) -> Dict[str, dict]:
     """{file name: {"sha256", "bytes"}} of `it_dir`'s manifest; names must be plain files of it."""
     path = os.path.join(it_dir, MANIFEST)
     try:
-        with open(path) as f:
-            files = json.load(f)["files"]
+        files = json.loads(safe_paths.read_text(it_dir, MANIFEST, safe_paths.JSON_BYTES, "manifest"))["files"]
         if not isinstance(files, dict):
             raise TypeError("'files' is not an object")
         for name, entry in files.items():
@@ -85,8 +86,7 @@ def read_metadata(it_dir: str):
     see `check_index`)."""
     path = os.path.join(it_dir, INDEX)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = safe_paths.read_bytes(it_dir, INDEX, safe_paths.INDEX_BYTES, "DCP index")
         if not data:
             raise EOFError("the file is empty")
         md = _MetadataUnpickler(io.BytesIO(data)).load()
@@ -162,9 +162,13 @@ def check_index(md, it_dir: str, manifest: Dict[str, dict], allowed_bytes: Itera
 
 def _shard_size(it_dir: str, name: str, manifest: Dict[str, dict]) -> int:
     path = os.path.join(it_dir, name)
-    real_dir = os.path.realpath(it_dir)
-    if os.path.islink(path) or os.path.dirname(os.path.realpath(path)) != real_dir:
-        raise DistCheckpointError(f"{path}: a link or a file outside the checkpoint folder; refused")
+    try:  # the names are plain (check_index), so the one rule left is: a regular file, not a link
+        safe_paths.regular_file(it_dir, name, "shard")
+    except safe_paths.UnsafePathError as e:
+        raise DistCheckpointError(f"{path}: a link or a file outside the checkpoint folder; refused" if
+                                  os.path.islink(path) else str(e)) from None
+    except OSError:
+        pass  # missing: reported below
     try:
         size = os.path.getsize(path)
     except OSError as e:

@@ -44,6 +44,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from megatron import safe_paths
 from megatron.checkpointing import dist_reader as reader
 from megatron.checkpointing import megatron_legacy as legacy
 
@@ -62,6 +63,8 @@ class McoreDistError(legacy.MegatronCheckpointError):
 
 def _iteration_dir(root: str) -> Tuple[str, str, int]:
     folder, iteration = legacy.read_tracker(root)
+    if os.path.lexists(os.path.join(root, folder)):
+        safe_paths.inside(root, folder, "iteration folder")  # a link: refused
     return os.path.join(root, folder), folder, iteration
 
 
@@ -79,9 +82,8 @@ def detect(root: str) -> bool:
 def _check_backend(it_dir: str) -> None:
     path = os.path.join(it_dir, BACKEND_FILE)
     try:
-        with open(path) as f:
-            md = json.load(f)
-    except (OSError, ValueError) as e:
+        md = json.loads(safe_paths.read_text(it_dir, BACKEND_FILE, safe_paths.JSON_BYTES, "metadata.json"))
+    except (OSError, ValueError, RecursionError) as e:
         raise McoreDistError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:120]})") from None
     backend = md.get("sharded_backend") if isinstance(md, dict) else None
     common = md.get("common_backend", "torch") if isinstance(md, dict) else None
@@ -103,17 +105,34 @@ def _shard_files(it_dir: str) -> Dict[str, dict]:
 
 
 def _check_tiling(md, it_dir: str, names) -> None:
-    """Each tensor's chunks must not overlap (the reader already checks that they lie inside the
-    shape and cover as many elements as it has: together, every element is written once)."""
+    """Each tensor's chunks must tile it: every element written exactly once. The reader already
+    checks that each chunk lies inside the shape; here, in time linear in the chunk count (an
+    index of 100,000 one-column chunks is cheap, where comparing all pairs was quadratic):
+
+    - the chunks' volumes sum to the tensor's (no element counted twice, unless one is missed);
+    - the corners of all chunks, each counted mod 2, are exactly the tensor's own 2^d corners.
+      A box's indicator function is, mod 2, the sum of the orthant indicators at its corners, so
+      this says every element is covered an odd number of times (at least once).
+    Together: every element exactly once. A failure names the first corner out of place."""
+    from collections import Counter
+    from itertools import chain, product
+    from math import prod
     where = os.path.join(it_dir, reader.INDEX)
     for name in names:
-        boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.state_dict_metadata[name].chunks)
-        for i, (oa, sa) in enumerate(boxes):
-            for ob, sb in boxes[i + 1:]:
-                if ob[0] >= oa[0] + sa[0]:
-                    break  # sorted by the first offset: no later chunk can overlap this one
-                if all(b < a + s and a < b + t for a, s, b, t in zip(oa, sa, ob, sb)):
-                    raise McoreDistError(f"{where}: chunks {oa} and {ob} of {name[:120]!r} overlap; refused")
+        entry = md.state_dict_metadata[name]
+        shape = tuple(entry.size)
+        chunks = entry.chunks  # offsets / sizes are torch.Size: tuples already, used as they are
+        volume = sum(prod(c.sizes) for c in chunks)
+        counts = Counter(chain.from_iterable(product(*zip(c.offsets, map(int.__add__, c.offsets, c.sizes)))
+                                             for c in chunks))
+        total = prod(shape)
+        expected = set(product(*((0, x) for x in shape))) if total else set()
+        got = {corner for corner, v in counts.items() if v & 1}
+        if volume != total or got != expected:
+            stray = sorted(got ^ expected)[:1]
+            raise McoreDistError(f"{where}: chunks of {name[:120]!r} overlap or leave a gap ({len(chunks)} "
+                                 f"chunks, {volume} elements for a shape of {total}"
+                                 f"{f'; a corner out of place at {stray[0]}' if stray else ''}); refused")
 
 
 def read_index(it_dir: str):
@@ -139,8 +158,12 @@ def read_index(it_dir: str):
 def read_common(it_dir: str) -> dict:
     """`common.pt`: Megatron's args, iteration, scheduler (through the Megatron-LM allowlist)."""
     path = os.path.join(it_dir, COMMON)
-    if not os.path.isfile(path) or os.path.islink(path):
+    if not os.path.lexists(path):
         raise McoreDistError(f"{path}: missing (a Megatron-Core torch_dist checkpoint keeps its args there)")
+    try:
+        safe_paths.regular_file(it_dir, COMMON, "common.pt")
+    except OSError as e:
+        raise McoreDistError(str(e)) from None
     state = legacy.safe_load_megatron(path)
     if not isinstance(state.get("args"), argparse.Namespace):
         raise McoreDistError(f"{path}: no Megatron `args` in the file")

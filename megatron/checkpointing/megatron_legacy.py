@@ -36,6 +36,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
+from megatron import safe_paths
 from megatron.checkpointing.megatron_base import MegatronCheckpointError
 from megatron.checkpointing.megatron_base import flatten as _flatten
 from megatron.checkpointing.safety import _arrays
@@ -80,6 +81,10 @@ def safe_load_megatron(path: str):
             f"{path}: refused to load: the file references `{_offending(e)}`; a Megatron-LM checkpoint may hold "
             f"tensors, argparse.Namespace / types.SimpleNamespace, numpy arrays of plain dtypes and ModelType, "
             f"nothing else") from None
+    except Exception as e:  # noqa: BLE001 - ModelType(999), a 2^40-element array, a truncated or empty file
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        raise MegatronCheckpointError(f"{path}: not a readable Megatron-LM checkpoint ({type(e).__name__}: {first}); "
+                                      f"the file is truncated, corrupt or not written by Megatron-LM") from None
     for where, arr in _arrays(state):
         if arr.dtype.kind not in "biuf":
             raise UnsafeCheckpointError(f"{path}: refused to load: a numpy array of dtype {arr.dtype} at "
@@ -200,7 +205,7 @@ def partition_dim(name: str) -> Optional[int]:
 def read_tracker(root: str) -> Tuple[str, int]:
     """(iteration folder name, iteration) from Megatron's tracker; `release` -> ('release', 0)."""
     path = os.path.join(root, TRACKER)
-    text = open(path).read().strip()
+    text = safe_paths.read_text(root, TRACKER, safe_paths.TRACKER_BYTES, "tracker file").strip()
     if text == "release":
         return "release", 0
     try:
@@ -217,16 +222,21 @@ def _verify_manifest(it_dir: str) -> Optional[str]:
     import json
     from megatron.checkpointing.dist_format import sha256_digest
     path = os.path.join(it_dir, "manifest.json")
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None
     try:
-        with open(path) as f:
-            files = json.load(f)["files"]
+        files = json.loads(safe_paths.read_text(it_dir, "manifest.json", safe_paths.JSON_BYTES, "manifest"))["files"]
         for rel, rec in files.items():
             full = os.path.join(it_dir, rel)
-            if not os.path.exists(full) or sha256_digest(full).hex() != rec["sha256"]:
-                return f"{full} is {'missing' if not os.path.exists(full) else 'corrupted'} (sha256 in {path})"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            try:  # the name is judged before anything is looked up: no oracle for files outside
+                safe_paths.regular_file(it_dir, rel, f"file listed in {path}")
+            except FileNotFoundError:
+                return f"{full} is missing (listed in {path})"
+            if sha256_digest(full).hex() != rec["sha256"]:
+                return f"{full} is corrupted (sha256 in {path})"
+    except safe_paths.UnsafePathError as e:
+        return str(e)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         return f"{path} is unreadable ({e})"
     return None
 
@@ -241,7 +251,8 @@ def rank_files(it_dir: str) -> Dict[Tuple[int, int], str]:
             continue
         for name in ("model_optim_rng.pt", "model_rng.pt"):
             path = os.path.join(it_dir, sub, name)
-            if os.path.exists(path):
+            if os.path.lexists(path):  # a link (rank folder or file) or a special file is refused here
+                safe_paths.regular_file(it_dir, os.path.join(sub, name), "rank file")
                 out[(int(m.group(1)), int(m.group(2) or 0))] = path
                 break
     return out
@@ -348,6 +359,8 @@ def read_full(root: str, on_state=None) -> Tuple[argparse.Namespace, Dict[str, t
     metadata: iteration, release, consumed samples, scheduler, source layout, format)."""
     folder, iteration = read_tracker(root)
     it_dir = os.path.join(root, folder)
+    if os.path.lexists(it_dir):
+        safe_paths.inside(root, folder, "iteration folder")  # iter_N or release/ as a link: refused
     files = rank_files(it_dir) if os.path.isdir(it_dir) else {}
     if not files:
         raise MegatronCheckpointError(f"{it_dir}: no mp_rank_*/model_optim_rng.pt files")
@@ -364,10 +377,12 @@ def read_full(root: str, on_state=None) -> Tuple[argparse.Namespace, Dict[str, t
         state = safe_load_megatron(path)
         if not isinstance(state.get("args"), _ARGS_TYPES):
             raise MegatronCheckpointError(f"{path}: no Megatron `args` in the file")
-        args = args or state["args"]
+        args = args or _checked_args(state["args"], path)
         if meta is None:
-            meta = {"iteration": int(state.get("iteration", iteration)), "release": folder == "release",
-                    "consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
+            meta = {"iteration": count_field(path, "iteration", state.get("iteration", iteration)),
+                    "release": folder == "release",
+                    "consumed_samples": count_field(path, "args.consumed_train_samples",
+                                                    getattr(args, "consumed_train_samples", 0) or 0),
                     "opt_param_scheduler": state.get("opt_param_scheduler"),
                     "checkpoint_version": state.get("checkpoint_version"), "tp": tp, "pp": pp}
         models[(t, p)] = _stage_models(state)
@@ -375,6 +390,27 @@ def read_full(root: str, on_state=None) -> Tuple[argparse.Namespace, Dict[str, t
             on_state((t, p), path, state)
     full, meta["format"] = join_shards(args, models, tp, pp)
     return args, full, meta
+
+
+def count_field(path: str, field: str, value) -> int:
+    """A counter of a Megatron file (iteration, consumed samples, batch size): a non-negative int."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise MegatronCheckpointError(f"{path}: field {field} is {str(value)[:40]!r} ({type(value).__name__}), "
+                                      f"expected a non-negative integer")
+    return int(value)
+
+
+_REQUIRED_ARGS = ("num_layers", "hidden_size", "num_attention_heads")
+
+
+def _checked_args(args, path: str):
+    """Megatron's args with the model sizes every reader needs present and positive."""
+    for k in _REQUIRED_ARGS:
+        v = getattr(args, k, None)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise MegatronCheckpointError(f"{path}: args.{k} is {'missing' if v is None else repr(v)[:40]}, expected "
+                                          f"a positive integer")
+    return args
 
 
 def join_shards(args, models: Dict[Tuple[int, int], list], tp: int, pp: int) -> Tuple[Dict[str, torch.Tensor], str]:
@@ -413,7 +449,12 @@ def join_shards(args, models: Dict[Tuple[int, int], list], tp: int, pp: int) -> 
         if sorted(by_rank) != list(range(tp)):
             raise MegatronCheckpointError(f"{name}: found TP ranks {sorted(by_rank)}, expected 0..{tp - 1}")
         d = partition_dim(name)
-        full[name] = by_rank[0] if d is None else torch.cat([by_rank[r] for r in range(tp)], dim=d)
+        try:
+            full[name] = by_rank[0] if d is None else torch.cat([by_rank[r] for r in range(tp)], dim=d)
+        except (RuntimeError, IndexError, TypeError) as e:
+            shapes = [tuple(getattr(by_rank[r], "shape", ())) for r in range(tp)]
+            raise MegatronCheckpointError(f"{name}: the TP shards (shapes {shapes}) do not join along dim {d} "
+                                          f"({str(e).splitlines()[0][:80]})") from None
     return full, fmt
 
 
@@ -448,6 +489,20 @@ def _fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def load_into_trainer(trainer, root: str, training_state=None, read=None) -> bool:
+    """`_load_into_trainer`, with every error a malformed file can raise as one MegatronCheckpointError line."""
+    from megatron.checkpointing.safety import UnsafeCheckpointError
+    try:
+        return _load_into_trainer(trainer, root, training_state, read)
+    except (MegatronCheckpointError, UnsafeCheckpointError, OSError):
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError, OverflowError, RecursionError,
+            MemoryError) as e:
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        raise MegatronCheckpointError(f"Megatron-LM checkpoint {root}: a field does not hold what Megatron-LM writes "
+                                      f"({type(e).__name__}: {first})") from None
+
+
+def _load_into_trainer(trainer, root: str, training_state=None, read=None) -> bool:
     """Fill every stage of this rank from a Megatron-LM checkpoint at this run's layout.
     Resumes the iteration, consumed samples and LR schedule unless --finetune, the optimizer's
     state unless --no-load-optim and the RNG unless --no-load-rng, where `training_state` (the
@@ -514,7 +569,7 @@ def load_into_trainer(trainer, root: str, training_state=None, read=None) -> boo
         trainer.consumed_samples = meta["consumed_samples"]
         sched = meta.get("opt_param_scheduler") or {}
         # Megatron counts scheduler steps in samples (--train-iters x --global-batch-size); ours in iterations.
-        gbs = int(getattr(args, "global_batch_size", 1) or 1)
+        gbs = count_field(root, "args.global_batch_size", getattr(args, "global_batch_size", 1) or 1)
         trainer.lr_scheduler.num_steps = int(sched.get("num_steps", trainer.iteration * gbs)) // gbs \
             if not cfg.checkpoint.no_load_optim else trainer.iteration
         if training_state is not None:

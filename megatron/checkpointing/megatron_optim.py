@@ -34,7 +34,9 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from megatron.checkpointing.megatron_legacy import MegatronCheckpointError, join_shards, safe_load_megatron
+from megatron import safe_paths
+from megatron.checkpointing.megatron_legacy import (MegatronCheckpointError, count_field, join_shards,
+                                                    safe_load_megatron)
 
 KINDS = ("exp_avg", "exp_avg_sq", "param")
 
@@ -167,7 +169,9 @@ def buffer_offsets(names: List[Tuple[str, int, bool]], dp: int, bucket_size: Opt
 
 def _distributed_form(path: str, chunks: list, opt: dict, args, pp_rank: int, pp: int) -> Tuple[dict, float]:
     optim_path = os.path.join(os.path.dirname(path), "distrib_optim.pt")
-    if not os.path.exists(optim_path):
+    if os.path.lexists(optim_path):  # a link or a FIFO is refused before torch.load opens it
+        safe_paths.regular_file(os.path.dirname(path), "distrib_optim.pt", "distributed optimizer file")
+    else:
         raise MegatronCheckpointError(f"{path}: saved by --use-distributed-optimizer but {optim_path} is missing; "
                                       f"load with --no-load-optim")
     _check_groups(path, group_order(chunks), opt["optimizer"]["param_groups"])
@@ -183,6 +187,17 @@ def _distributed_form(path: str, chunks: list, opt: dict, args, pp_rank: int, pp
     bucket = None
     if getattr(args, "overlap_grad_reduce", False):
         bucket = getattr(args, "ddp_bucket_size", None) or max(40000000, 1000000 * dp)
+    try:
+        return _buffers(optim_path, state, bufs, chunks, args, pp_rank, pp, dp, bucket), steps.pop()
+    except MegatronCheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
+        raise MegatronCheckpointError(f"{optim_path}: a grad buffer is not the flat param / exp_avg / exp_avg_sq "
+                                      f"and numel_unpadded Megatron-Core writes ({type(e).__name__}: "
+                                      f"{str(e)[:100]}); load with --no-load-optim") from None
+
+
+def _buffers(optim_path, state, bufs, chunks, args, pp_rank, pp, dp, bucket) -> dict:
     out: Dict[str, dict] = {k: {} for k in KINDS}
     for c, (b, model) in enumerate(zip(bufs, chunks)):
         if len(state[b]) != 1 or not isinstance(next(iter(state[b].values())), dict):
@@ -192,15 +207,19 @@ def _distributed_form(path: str, chunks: list, opt: dict, args, pp_rank: int, pp
         # Megatron's virtual stages after the first are built without bucketing.
         offsets, total = buffer_offsets([(n, t.numel(), _shared_embedding(c, n, len(chunks), args, pp_rank, pp))
                                          for n, t in named], dp, bucket if c == 0 else None)
-        if total != int(flat["numel_unpadded"]) or any(flat[k].numel() != total for k in KINDS):
+        if total != count_field(optim_path, f"buffer {b} numel_unpadded", flat["numel_unpadded"]) \
+                or any(flat[k].numel() != total for k in KINDS):
             raise MegatronCheckpointError(
                 f"{optim_path}: buffer {b} holds {int(flat['numel_unpadded'])} elements, the model's parameters "
                 f"laid out as Megatron-Core's grad buffer give {total}: layout not understood; load with "
                 f"--no-load-optim")
+        if any(not isinstance(flat[k], torch.Tensor) or flat[k].dim() != 1 for k in KINDS):
+            raise MegatronCheckpointError(f"{optim_path}: buffer {b}'s {'/'.join(KINDS)} are not flat (1-D) tensors; "
+                                          f"load with --no-load-optim")
         for n, t in named:
             for k in KINDS:
                 out[k][(c, n)] = flat[k][offsets[n]:offsets[n] + t.numel()].view(t.shape)
-    return out, steps.pop()
+    return out
 
 
 class Collector:
@@ -325,10 +344,14 @@ def set_rng(rng_state, args, ps, device_type: str) -> str:
     if isinstance(rng_state, dict):
         rng_state = [rng_state]
     i = ps.dp_rank if getattr(args, "data_parallel_random_init", False) and ps.dp_rank < len(rng_state) else 0
-    st = rng_state[i]
-    random.setstate(st["random_rng_state"])
-    np.random.set_state(st["np_rng_state"])
-    torch.set_rng_state(st["torch_rng_state"])
+    try:
+        st = rng_state[i]
+        random.setstate(st["random_rng_state"])
+        np.random.set_state(st["np_rng_state"])
+        torch.set_rng_state(st["torch_rng_state"])
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError, AttributeError) as e:
+        raise MegatronCheckpointError(f"rng_state[{i}] is not the Python / numpy / torch RNG state Megatron-LM saves "
+                                      f"({type(e).__name__}: {str(e)[:100]}); load with --no-load-rng") from None
     if device_type != "cuda":
         return "python, numpy and torch RNG restored (CUDA and tracker states are for GPUs; this run's tracker kept)"
     from megatron.core.tensor_parallel.random import get_rng_tracker

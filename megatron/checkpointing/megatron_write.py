@@ -317,6 +317,31 @@ def save_from_trainer(trainer, root: str, ops) -> str:
     return it_dir
 
 
+def save_failed(ps, root: str, iteration: int, e: BaseException, read_tracker) -> str:
+    """The one line of a save that failed before its tracker moved: what was kept and that the run stops."""
+    try:
+        kept = read_tracker(root)
+    except Exception:  # noqa: BLE001 - the line is about the failed save; the tracker is only context
+        kept = None
+    what = f"the previous checkpoint (iteration {kept}) is intact" if kept is not None else "no earlier checkpoint"
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    return (f"{ps.describe()}: --ckpt-format megatron-legacy could not save iteration {iteration} "
+            f"({type(e).__name__}: {first}); nothing under --save {root} was replaced ({what}); the "
+            f"run stops: save with --ckpt-format torch")
+
+
+def cannot_save(cfg, ps) -> Optional[str]:
+    """At start-up, what a megatron-legacy save of this run would refuse (T5's split, which needs the
+    model's stage layout): the reason, before the first iteration instead of at the first save."""
+    if cfg.checkpoint.ckpt_format != "megatron-legacy" or not cfg.checkpoint.save or cfg.model.model_type != "t5":
+        return None
+    try:
+        _t5_trainer_fields(cfg, ps, cfg.to_dict()["model"])
+    except MegatronCheckpointError as e:
+        return str(e)
+    return None
+
+
 def _t5_trainer_fields(cfg, ps, model: dict) -> dict:
     """Megatron's T5 args fields for this run; refuses what Megatron's T5 cannot hold (uneven
     --pipeline-stage-layers included: Megatron splits each stack evenly)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import pickle
 import re
+import types
 from typing import Any
 
 import numpy as np
@@ -55,17 +56,20 @@ def _offending(e: Exception) -> str:
 
 
 def _arrays(obj, path=()):
-    """(path, array) for every numpy array inside dicts, lists, tuples and Namespaces."""
-    if isinstance(obj, np.ndarray):
-        yield path, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _arrays(v, path + (k,))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _arrays(v, path + (i,))
-    elif isinstance(obj, argparse.Namespace):  # Megatron-LM's `args` (megatron_legacy.py)
-        yield from _arrays(vars(obj), path + ("args",))
+    """(path, array) for every numpy array inside every container a load may return: dicts,
+    lists, tuples, argparse.Namespace and types.SimpleNamespace (Megatron's `args`). Walked with
+    an explicit stack, not recursion: a file nesting 100,000 lists is walked, not a RecursionError."""
+    stack = [(obj, tuple(path))]
+    while stack:
+        o, where = stack.pop()
+        if isinstance(o, np.ndarray):
+            yield where, o
+        elif isinstance(o, dict):
+            stack.extend((v, where + (k,)) for k, v in o.items())
+        elif isinstance(o, (list, tuple)):
+            stack.extend((v, where + (i,)) for i, v in enumerate(o))
+        elif isinstance(o, (argparse.Namespace, types.SimpleNamespace)):
+            stack.append((vars(o), where + ("args",)))
 
 
 def numpy_rng_to_plain(st) -> dict:

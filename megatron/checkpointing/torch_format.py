@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron import safe_paths
 from megatron.atomic import atomic_open, fsync_dir as _fsync_dir
 from megatron.checkpointing import contents as checkpoint_contents
 
@@ -156,8 +157,8 @@ def remove_stale_files(root: str, max_age_s: float = 3600.0) -> list:
                 continue
             removed.append(full)
             continue
-        if not (m or _ITER_RE.match(name)) or not os.path.isdir(full):
-            continue
+        if not (m or _ITER_RE.match(name)) or os.path.islink(full) or not os.path.isdir(full):
+            continue  # (a link is never cleaned through, nor reported removed)
         if os.path.exists(os.path.join(full, MANIFEST)):
             checkpoint_ownership.unmark(full)  # complete; killed after its manifest, before the unmark
         elif checkpoint_ownership.abandoned_save(full):
@@ -242,10 +243,14 @@ def save_checkpoint(trainer, root: Optional[str] = None) -> str:
         return _save_dist(trainer, root)
     if cfg.checkpoint.ckpt_format == "megatron-legacy":  # what Megatron-LM's own --load reads
         from types import SimpleNamespace
-        return checkpoint_megatron_write.save_from_trainer(trainer, root, SimpleNamespace(
-            atomic_write=_atomic_write_bytes, barrier=_barrier, move_tracker=_move_tracker,
-            write_error=_write_error, claim_and_clean=claim_and_clean, mark_saving=checkpoint_ownership.mark_saving,
-            unmark=checkpoint_ownership.unmark))
+        try:  # (MegatronCheckpointError is a ValueError) a layout the writer cannot map: one line, the run stops
+            return checkpoint_megatron_write.save_from_trainer(trainer, root, SimpleNamespace(
+                atomic_write=_atomic_write_bytes, barrier=_barrier, move_tracker=_move_tracker,
+                write_error=_write_error, claim_and_clean=claim_and_clean, mark_saving=checkpoint_ownership.mark_saving,
+                unmark=checkpoint_ownership.unmark))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(checkpoint_megatron_write.save_failed(ps, root, trainer.iteration, e,
+                                                                        read_tracker)) from None
     path = checkpoint_path(root, trainer.iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
     try:
         claim_and_clean(ps, root)
@@ -426,9 +431,12 @@ def _read_dist(trainer, root: str, iteration: int) -> bool:
 
 def read_tracker(root: str) -> Optional[int]:
     tracker = os.path.join(root, TRACKER)
-    if not os.path.exists(tracker):
+    if not os.path.lexists(tracker):
         return None
-    text = open(tracker).read().strip()
+    try:  # a FIFO would block, a link to /dev/zero fill memory: refused before any read
+        text = safe_paths.read_text(root, TRACKER, safe_paths.TRACKER_BYTES, "tracker file").strip()
+    except (OSError, ValueError) as e:
+        raise CheckpointError(str(e)) from None
     if text == "release":
         return 0
     try:
@@ -463,8 +471,8 @@ def _verify_file(path: str) -> Optional[str]:
             return f"its checksum file {side} is missing"
         return None
     try:
-        with open(side) as f:
-            expected = f.read().split()[0]
+        expected = safe_paths.read_text(os.path.dirname(side), os.path.basename(side), safe_paths.CHECKSUM_BYTES,
+                                        "checksum file").split()[0]
     except (OSError, IndexError):
         return f"its checksum file {side} is unreadable"
     actual = _sha256_file(path)
@@ -476,9 +484,8 @@ def _verify_file(path: str) -> Optional[str]:
 def _listed_in_manifest(root: str, iteration: int, path: str) -> bool:
     it_dir = os.path.join(root, f"iter_{iteration:07d}")
     try:
-        with open(os.path.join(it_dir, MANIFEST)) as f:
-            files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError):
+        files = json.loads(safe_paths.read_text(it_dir, MANIFEST, safe_paths.JSON_BYTES, "manifest"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
         return False
     return os.path.relpath(path, it_dir) in files
 
@@ -509,9 +516,15 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
         if ps.rank == 0:
             print(f"warning: no {TRACKER} under --load {root}; starting from scratch", flush=True)
         return False
+    refused = safe_paths.first_refusal(root, [f"iter_{tracked:07d}", "release"], regular=False)
+    if refused:  # every rank sees the same folder: all raise together
+        raise CheckpointError(f"{ps.describe()}: {refused}")
     # Written by Megatron-LM itself: its torch formats, or Megatron-Core's torch_dist.
-    megatron_reader = checkpoint_megatron_legacy if checkpoint_megatron_legacy.detect(root) else \
-        checkpoint_mcore_dist if checkpoint_mcore_dist.detect(root) else None
+    try:
+        megatron_reader = checkpoint_megatron_legacy if checkpoint_megatron_legacy.detect(root) else \
+            checkpoint_mcore_dist if checkpoint_mcore_dist.detect(root) else None
+    except OSError as e:  # a rank folder or file that is a link or a special file
+        raise CheckpointError(f"{ps.describe()}: {e}") from None
     if megatron_reader is not None:
         try:
             from megatron.checkpointing import megatron_optim
@@ -525,6 +538,10 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
     iteration, path = tracked, None
     for iteration in [tracked] + _older_complete_iterations(root, tracked):
         path = checkpoint_path(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
+        rel = os.path.relpath(path, root)  # a link (iter_N, the file, its .sha256) is refused, not followed
+        refused = safe_paths.first_refusal(root, [rel, rel + ".sha256"])
+        if not _all_ok(refused is None):
+            raise CheckpointError(f"{ps.describe()}: {refused or 'another rank refused its checkpoint file'}")
         problem = _verify_file(path)
         not_in_layout = (problem is not None and not os.path.exists(path)
                          and not _listed_in_manifest(root, iteration, path))

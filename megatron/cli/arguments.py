@@ -11,7 +11,7 @@ import sys
 from typing import Optional, Sequence
 
 from megatron.cli.arguments_megatron import add_megatron_args, apply_megatron_args, extras_from_args, print_notes
-from megatron.cli.parser import HelpFormatter, OneLineParser, int_list
+from megatron.cli.parser import HelpFormatter, OneLineParser, first_to_report, int_list
 from megatron.cli.arguments_systems import (_add_aceso_args, _add_compression_args, _add_dynapipe_args,
                                         _add_fused_kernel_args, _add_profile_args, _add_terapipe_args,
                                         _apply_fused_kernel_args, _terapipe_config)
@@ -528,8 +528,10 @@ def parse_args(argv: Optional[Sequence[str]] = None, model_type: str = "gpt",
 
 
 def exit_with_error(model_type: str, error) -> None:
-    """Print one line (rank 0 only: every rank hits the same error) and exit with status 2."""
-    if os.environ.get("RANK", "0") == "0":
+    """Print one line and exit with status 2. Every rank hits the same error, and the first rank
+    to exit makes torchrun kill the others: so the first rank to get here prints (not rank 0,
+    which may be killed before it prints), and the other ranks of the node stay silent."""
+    if first_to_report(str(error)):
         print(f"pretrain_{model_type}.py: error: {error}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 

@@ -17,13 +17,13 @@ def int_list(text: str):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line, from rank 0 only, with exit status 2.
+    """argparse that reports a bad flag in one line, from one rank, with exit status 2.
 
     Under torchrun every rank parses the same command line; a usage dump from each of them buries
     the one useful line."""
 
     def error(self, message):
-        if os.environ.get("RANK", "0") == "0":
+        if first_to_report(message):  # not rank 0 only: torchrun may kill rank 0 before it prints
             hint = self._did_you_mean(message)
             print(f"{self.prog}: error: {message}{hint} (see {self.prog} --help)", file=sys.stderr, flush=True)
         raise SystemExit(2)
@@ -60,3 +60,28 @@ class HelpFormatter(argparse.HelpFormatter):
         if default is None or isinstance(default, bool) or default == argparse.SUPPRESS or "default" in text:
             return text
         return text + " (default: %(default)s)"
+
+
+def first_to_report(message: str) -> bool:
+    """True for the first local rank of this launch to claim `message` (a file created with
+    O_EXCL under the temp folder, keyed by torchrun's run id and agent pid); True without torchrun."""
+    import hashlib
+    import tempfile
+    import time
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run is None or "RANK" not in os.environ:
+        return True
+    key = hashlib.sha256(f"{run}:{os.getppid()}:{message}".encode()).hexdigest()[:24]
+    path = os.path.join(tempfile.gettempdir(), f"megatron-flag-error-{key}")
+    try:
+        if time.time() - os.stat(path).st_mtime > 60:  # an old launch that had the same agent pid
+            os.remove(path)
+    except OSError:
+        pass
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        return True  # no temp folder to agree in: every rank prints rather than none

@@ -12,6 +12,7 @@ from typing import List, Optional
 
 from megatron.config.errors import ConfigError, _require  # noqa: F401 (re-exported)
 from megatron.config.systems import CompressionConfig, TeraPipeConfig  # noqa: F401 (re-exported)
+from megatron.config.checkpoint_formats import check_ckpt_format
 from megatron.config.context_parallel import check_cp_parallel
 from megatron.config.schedules import V_SCHEDULES, check_parallel_schedule, check_schedule_config
 from megatron.config.terapipe import check_terapipe_config
@@ -522,11 +523,7 @@ class MegatronConfig:
                          "--dynapipe with T5 puts the encoder on the first half of the pipeline: set "
                          f"--pipeline-model-parallel-split-rank {p.pipeline_model_parallel_size // 2}")
 
-        _require(self.checkpoint.ckpt_format != "megatron-legacy" or m.model_type != "t5" or (
-            m.position_embedding_type == "learned_absolute" and not m.untie_embeddings_and_output_weights and
-            m.normalization == "LayerNorm" and m.add_bias_linear and not m.gated_mlp and m.activation_func == "gelu"),
-            "--ckpt-format megatron-legacy writes Megatron-LM's T5 (learned positions, tied head, LayerNorm, biases, "
-            "GeLU): add --position-embedding-type learned_absolute (no untied/RMSNorm/gated) or --ckpt-format torch")
+        check_ckpt_format(self)  # what --ckpt-format can write for this layout
         check_schedule_config(self)
         if self.terapipe.enabled:
             try:

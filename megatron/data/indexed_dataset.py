@@ -26,6 +26,8 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from megatron import safe_paths
+
 _MAGIC = b"MMIDIDX\x00\x00"
 _VERSION = 1
 _HEADER_SIZE = 34
@@ -74,6 +76,15 @@ def dtype_code(dtype) -> int:
         raise IndexedDatasetError(f"dtype {np.dtype(dtype)} has no Megatron .idx code") from None
 
 
+def _regular(path: str, what: str) -> None:
+    """A data path may be a link (datasets are often linked in), but must end at a regular file:
+    a FIFO or a device (/dev/zero) is refused from stat, before it is opened or mapped."""
+    try:
+        safe_paths.regular_path(path, what)
+    except safe_paths.UnsafePathError as e:
+        raise IndexedDatasetError(str(e)) from None
+
+
 class _Index:
     """Parsed and validated `.idx` file (arrays are views into an mmap)."""
 
@@ -81,6 +92,7 @@ class _Index:
         self.path = path
         if not os.path.exists(path):
             raise IndexedDatasetError(f"{path}: index file not found")
+        _regular(path, "index file")
         file_size = os.path.getsize(path)
         if file_size < _HEADER_SIZE:
             raise IndexedDatasetError(
@@ -163,6 +175,7 @@ class IndexedDataset:
         bpath = bin_path(path_prefix)
         if not os.path.exists(bpath):
             raise IndexedDatasetError(f"{bpath}: token file not found (index exists)")
+        _regular(bpath, "token file")
         itemsize = self.index.dtype.itemsize
         need = int(self.index.sequence_lengths.astype(np.int64).sum()) * itemsize
         have = os.path.getsize(bpath)

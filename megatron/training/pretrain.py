@@ -16,6 +16,7 @@ from megatron.checkpointing.torch_format import CheckpointError, load_checkpoint
 from megatron.config.core import MegatronConfig
 from megatron.config.schedules import schedule_description
 from megatron.training.initialize import initialize_megatron
+from megatron.training.trainer import RunInputError
 from megatron.training.logging import gpt_flops_per_sample, print_rank_0
 from megatron.planner.passes import plan_passes
 
@@ -221,6 +222,13 @@ def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int
                      f"hidden {cfg.model.hidden_size}, "
                      f"{layout}, {batch}")
         print_rank_0(f"> pipeline schedule: {schedule_description(cfg, ps.pp_size)}")
+        if ps.pp_size == 1 and cfg.parallel.pipeline_schedule != "1f1b":
+            print_rank_0(f"note: --pipeline-schedule {cfg.parallel.pipeline_schedule} at "
+                         f"--pipeline-model-parallel-size 1 has no pipeline to schedule: each micro-batch runs "
+                         f"forward then backward (as 1f1b)")
+        from megatron.checkpointing.megatron_write import cannot_save
+        if cannot_save(cfg, ps):  # a layout --ckpt-format cannot save: refused now, not at the first save
+            raise CheckpointError(cannot_save(cfg, ps))
         trainer = build_trainer(cfg, ps, device)
         if cfg.checkpoint.load:
             load_checkpoint(trainer)
@@ -231,10 +239,10 @@ def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int
         return 0
     except KeyboardInterrupt:
         return interrupt.report(cfg.checkpoint.save, trainer)
-    except CheckpointError as e:
+    except (CheckpointError, RunInputError) as e:
         if interrupt.received():
             return interrupt.report(cfg.checkpoint.save, trainer)
-        report_failure(ps, "checkpoint error", str(e))
+        report_failure(ps, "checkpoint error" if isinstance(e, CheckpointError) else "error", str(e))
         return 1
     except Exception as e:
         if interrupt.received():  # a peer stopped first and our collective failed: same Ctrl-C

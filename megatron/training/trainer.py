@@ -51,6 +51,11 @@ class IterationWork:
     info: dict = dataclasses.field(default_factory=dict)
 
 
+class RunInputError(RuntimeError):
+    """What the user gave the run does not fit (data too short for the resumed position, ...):
+    reported in one line by pretrain.py, without a traceback."""
+
+
 class FixedBatchSource:
     """Megatron's fixed global batches (--global-batch-size of --micro-batch-size samples)
     with a static schedule from `FixedBatchPlanner`."""
@@ -67,9 +72,11 @@ class FixedBatchSource:
         # --rampup-batch-size / --step-batch-size-schedule: this iteration's global batch (training only)
         batch = self.schedule.at(consumed_samples) if self.schedule is not None else t.global_batch_size
         if consumed_samples + batch > n:
-            raise RuntimeError(f"the dataset has {n} samples but iteration {iteration} needs sample "
-                               f"{consumed_samples + batch - 1}; build it for --train-iters x "
-                               "--global-batch-size samples")
+            resumed = " (the run resumed from a checkpoint that consumed them at another --global-batch-size?)" \
+                if self.cfg.checkpoint.load else ""
+            raise RunInputError(f"the dataset has {n} samples but iteration {iteration} needs sample "
+                                f"{consumed_samples + batch - 1}{resumed}; build it for --train-iters "
+                                f"x --global-batch-size samples, or raise --train-iters")
         # With per-stage DP sizes --micro-batch-size is the pipeline micro-batch: this rank takes
         # its stage's share of each one, and plans are made for the whole micro-batches.
         split = self.ps.dp_size if self.ps.stage_layouts else 1

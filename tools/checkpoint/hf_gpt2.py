@@ -161,12 +161,13 @@ _INT_FIELDS = ("n_head", "n_layer", "n_embd", "n_positions", "n_inner", "vocab_s
 def load_hf(folder: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
     """config.json (checked field types) + model.safetensors (no pickle)."""
     from safetensors.torch import load_file
+    from megatron import safe_paths
     path = os.path.join(folder, "config.json")
-    with open(path) as f:
-        try:
-            cfg = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise ValueError(f"{path}: not a JSON config ({e})") from None
+    text = safe_paths.read_text(folder, "config.json", safe_paths.JSON_BYTES, "JSON config")  # no FIFO, link
+    try:
+        cfg = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{path}: not a JSON config ({e})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: the top level must be a JSON object")
     for k in _INT_FIELDS:
@@ -178,14 +179,31 @@ def load_hf(folder: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
         if isinstance(cfg.get(size), int) and isinstance(cfg.get(heads), int) and cfg[size] % cfg[heads]:
             raise ValueError(f"{path}: {size} {cfg[size]} is not divisible by {heads} {cfg[heads]}; not a model "
                              f"this converter (or Hugging Face) can build")
-    weights = os.path.join(folder, "model.safetensors")
+    weights = safe_paths.regular_file(folder, "model.safetensors", "safetensors file")
     try:
-        return cfg, load_file(weights)
+        sd = load_file(weights)
     except OSError:
         raise
     except Exception as e:  # noqa: BLE001 - safetensors' own error type: a truncated or foreign file
         raise ValueError(f"{weights}: not a readable safetensors file ({str(e).splitlines()[0][:200]}); the "
                          f"download is truncated or the file is not safetensors") from None
+    _sizes_fit_weights(path, cfg, sd)
+    return cfg, sd
+
+
+def _sizes_fit_weights(path: str, cfg: dict, sd: Dict[str, torch.Tensor]) -> None:
+    """The config's sizes must describe the weights beside it: a model built from the config (by
+    --verify, or transformers) holds at least its embedding table and hidden^2 per layer, which
+    may not exceed what model.safetensors holds (sizes just under the field cap with a tiny file
+    would allocate gigabytes)."""
+    hidden = max(cfg.get(k) or 0 for k in ("n_embd", "hidden_size", "d_model"))
+    layers = sum(cfg.get(k) or 0 for k in ("n_layer", "num_hidden_layers", "num_layers", "num_decoder_layers"))
+    implied = (cfg.get("vocab_size") or 0) * hidden + layers * hidden * hidden
+    held = sum(t.numel() for t in sd.values())
+    if implied > held:
+        raise ValueError(f"{path}: its sizes (hidden {hidden}, {layers} layers, vocabulary {cfg.get('vocab_size')}) "
+                         f"describe at least {implied} parameters, model.safetensors holds {held}: not the config of "
+                         f"these weights")
 
 
 def our_logits(model_fields: dict, full: Dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from megatron import safe_paths
 from megatron.checkpointing.safety import UnsafeCheckpointError, safe_load
-from megatron.checkpointing.torch_format import (CHECKPOINT_VERSION, TRACKER, _atomic_write_bytes, _write_manifest,
-                                    checkpoint_path, read_tracker)
+from megatron.checkpointing.torch_format import (CHECKPOINT_VERSION, TRACKER, CheckpointError, _atomic_write_bytes,
+                                                 _write_manifest, checkpoint_path, read_tracker)
 from megatron.config.core import ConfigError, ModelConfig
 from megatron.planner.schedule.static import stage_layer_split
 
@@ -80,7 +81,10 @@ def _t5_global(name: str, stage_layers) -> str:
 def read_full_model(root: str, iteration: int = None) -> Tuple[dict, Dict[str, torch.Tensor], dict]:
     """-> (config, {global name: full tensor}, metadata) for one iteration of a GPT or T5 checkpoint.
     Tied copies (T5's first decoder stage embedding and last stage LM head) are read once."""
-    iteration = read_tracker(root) if iteration is None else iteration
+    try:
+        iteration = read_tracker(root) if iteration is None else iteration
+    except CheckpointError as e:  # a tracker that is a FIFO, a link, or not a number
+        raise ReshardError(str(e)) from None
     if iteration is None:
         raise ReshardError(f"{root}: no {TRACKER}; give --iteration")
     it_dir = os.path.join(root, f"iter_{iteration:07d}")
@@ -93,9 +97,10 @@ def read_full_model(root: str, iteration: int = None) -> Tuple[dict, Dict[str, t
         if not m:
             continue
         tp_rank, pp_rank = int(m.group(1)), int(m.group(2) or 0)
-        try:
-            state = safe_load(os.path.join(it_dir, sub, "model_optim_rng.pt"))
-        except UnsafeCheckpointError as e:
+        try:  # a link (iteration or rank folder, file) or a special file is refused before torch.load
+            state = safe_load(safe_paths.regular_file(root, os.path.join(os.path.basename(it_dir), sub,
+                                                                         "model_optim_rng.pt"), "rank file"))
+        except (UnsafeCheckpointError, safe_paths.UnsafePathError) as e:
             raise ReshardError(str(e)) from None
         config = config or state["config"]
         meta = meta or {k: state.get(k) for k in ("iteration", "consumed_samples", "skipped_iters", "consumed_tokens")}
