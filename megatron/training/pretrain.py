@@ -14,7 +14,7 @@ from megatron.training import interrupt
 from megatron.training.batching import gpt_microbatch
 from megatron.checkpointing.torch_format import CheckpointError, load_checkpoint, save_checkpoint
 from megatron.config.core import MegatronConfig
-from megatron.config.schedules import schedule_description
+from megatron.config.schedules import SPLIT_SCHEDULES, schedule_description
 from megatron.training.initialize import initialize_megatron
 from megatron.training.trainer import RunInputError
 from megatron.training.logging import gpt_flops_per_sample, print_rank_0
@@ -222,7 +222,7 @@ def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int
                      f"hidden {cfg.model.hidden_size}, "
                      f"{layout}, {batch}")
         print_rank_0(f"> pipeline schedule: {schedule_description(cfg, ps.pp_size)}")
-        if ps.pp_size == 1 and cfg.parallel.pipeline_schedule != "1f1b":
+        if ps.pp_size == 1 and cfg.parallel.pipeline_schedule in SPLIT_SCHEDULES:
             print_rank_0(f"note: --pipeline-schedule {cfg.parallel.pipeline_schedule} at "
                          f"--pipeline-model-parallel-size 1 has no pipeline to schedule: each micro-batch runs "
                          f"forward then backward (as 1f1b)")
