@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megatron.core.comm_device import comm_device, comm_tensor, to_comm
 from tests.cli.composition_checks import train_groups, write_multitask_data
 from tests.cli.test_composition import SMOKE_GROUPS, SMOKE_IDS, SMOKE_WORLD
+from tests.cli.test_composition_t5 import SMOKE_GROUPS as T5_GROUPS, SMOKE_IDS as T5_IDS
 from tests.comm_device_check import nccl_device_rule
 from tests.dist_harness import run_distributed
 
@@ -53,19 +54,37 @@ def test_checker_catches_a_host_tensor_on_an_nccl_group():
         assert found[good] == [], (good, found[good])
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def _runs(tmp_path_factory, model, groups):
     import json
 
     from megatron.cli import composition as C
-    d = tmp_path_factory.mktemp("nccl_rule")
-    with open(d / "aceso_gpt.json", "w") as f:
-        json.dump(C.aceso_config(SMOKE_WORLD), f)
+    d = tmp_path_factory.mktemp(f"nccl_rule_{model}")
+    with open(d / f"aceso_{model}.json", "w") as f:
+        json.dump(C.aceso_config(SMOKE_WORLD, model), f)
     data = write_multitask_data(d)
-    return run_distributed(train_groups, SMOKE_WORLD, SMOKE_GROUPS, str(d), data, nccl_rule=True, timeout_s=400.0)
+    return run_distributed(train_groups, SMOKE_WORLD, groups, str(d), data, model, nccl_rule=True, timeout_s=400.0)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return _runs(tmp_path_factory, "gpt", SMOKE_GROUPS)
+
+
+@pytest.fixture(scope="module")
+def t5_runs(tmp_path_factory):
+    return _runs(tmp_path_factory, "t5", T5_GROUPS)
+
+
+def _check(group, runs):
+    bad = [f"rank {r}: {v}" for r, o in enumerate(runs) for v in o[group]]
+    assert not bad, f"{group}: host tensors handed to torch.distributed:\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("group", SMOKE_GROUPS, ids=SMOKE_IDS)
 def test_smoke_set_keeps_the_nccl_device_rule(group, runs):
-    bad = [f"rank {r}: {v}" for r, o in enumerate(runs) for v in o[group]]
-    assert not bad, f"{group}: host tensors handed to torch.distributed:\n" + "\n".join(bad)
+    _check(group, runs)
+
+
+@pytest.mark.parametrize("group", T5_GROUPS, ids=T5_IDS)
+def test_t5_smoke_set_keeps_the_nccl_device_rule(group, t5_runs):
+    _check(group, t5_runs)
