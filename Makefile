@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 4
 
-.PHONY: venv demo test test-variants lint docs gpu-check gpu-check-cpu bench clean
+.PHONY: venv demo test test-variants lint docs gpu-check gpu-check-cpu cuda-build bench clean
 
 # Each step says what it does before it starts (the first install takes minutes: PyTorch's CPU
 # wheel is ~200 MB); pip's own progress bars stay on for the downloads.
@@ -70,6 +70,14 @@ gpu-check:
 
 gpu-check-cpu:
 	$(GPU_PYTHON) benchmarks/gpu_check.py --cpu
+
+# The CUDA kernels compiled on this (CPU) machine as a GPU user's first run compiles them: the CUDA
+# build of torch and the registry's nvcc, torch's own extension flags, sm_80 + sm_90
+# (tools/cuda_build_check.sh; its ~3 GB environment is cached in ~/.cache/megatron-cuda-env).
+# Warnings are shown; a compile error fails. CUDA_ARCHS="8.0;9.0;10.0" adds Blackwell.
+CUDA_ARCHS ?= 8.0;9.0
+cuda-build:
+	TORCH_CUDA_ARCH_LIST="$(CUDA_ARCHS)" bash tools/cuda_build_check.sh
 
 clean:
 	rm -rf $(VENV) site build *.egg-info megatron/data/*.so megatron/fused_kernels/build

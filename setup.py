@@ -26,7 +26,7 @@ setup(
     packages=find_packages(include=["megatron", "megatron.*"]),
     # fused-kernel sources (JIT-built from the installed package); Aceso's published V100
     # operator databases (MIT, see megatron/aceso/data/README.md)
-    package_data={"megatron.fused_kernels": ["csrc/cpu/*.cpp", "csrc/cuda/*.cu", "csrc/cuda/*.cuh"],
+    package_data={"megatron.fused_kernels": ["csrc/cpu/*.cpp", "csrc/cuda/*.cu", "csrc/cuda/*.cuh", "csrc/common/*.h"],
                   "megatron.aceso": ["data/README.md", "data/*/*.csv"]},
     python_requires=">=3.10",
     install_requires=[

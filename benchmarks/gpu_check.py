@@ -11,6 +11,8 @@ itself; the JSON file is rewritten after every part, so a run cut short keeps wh
   build_ext      the C++ data helpers (setup.py build_ext --inplace)
   fused_kernels  the fused CPU (and, with nvcc, CUDA) kernels; if this fails the later parts run
                  with MEGATRON_NO_FUSED_KERNELS=1 and say so
+  cuda_build     CUDA only: a fresh verbose build of the CUDA kernels for sm_80 + sm_90 with torch's
+                 extension flags, its time and nvcc's warnings (CPU machines: `make cuda-build`)
   gpu_tests      the tests marked `cuda` (pytest -m cuda): on CUDA they run, without it they skip
   bench_gpu_gpt, bench_gpu_llama
                  benchmarks/bench_gpu.py --rows step per model: our step vs plain PyTorch, tokens/s,
@@ -204,10 +206,31 @@ def _fused_argv(ctx: Ctx):
     return [ctx.py, "-m", "megatron.fused_kernels"]
 
 
+CUDA_ARCHS = "8.0;9.0"  # A100, H100: what CI's `make cuda-build` compiles on a CPU machine too
+
+
+def _cuda_build_argv(ctx: Ctx):
+    """A fresh, verbose CUDA build of the fused kernels for sm_80 and sm_90 with torch's own
+    extension flags (nvcc's warnings in the log), timed; the CPU form leaves this to
+    `make cuda-build` (tools/cuda_build_check.sh), its own CI step with its own environment."""
+    if not ctx.cuda:
+        return None
+    return ["env", f"TORCH_CUDA_ARCH_LIST={CUDA_ARCHS}", f"MEGATRON_FUSED_KERNELS_DIR={ctx.tmp / 'cuda_build'}",
+            "MEGATRON_FUSED_KERNELS_CUDA=1", "MAX_JOBS=4", ctx.py, "-m", "megatron.fused_kernels", "-v"]
+
+
+def _parse_cuda_build(out: str, ctx: Ctx) -> dict:
+    warnings = [line.strip() for line in out.splitlines() if "warning" in line.lower()]
+    return {"arch_list": CUDA_ARCHS, "nvcc_warnings": len(warnings), "first_warnings": warnings[:5]}
+
+
 PARTS = [
     Part("build_ext", "C++ data helpers", lambda ctx: [ctx.py, "setup.py", "build_ext", "--inplace", "-q"],
          lambda ctx: 120, floor_s=20),
     Part("fused_kernels", "fused kernels build", _fused_argv, lambda ctx: ctx.pick(180, 240), floor_s=20),
+    Part("cuda_build", "CUDA kernels, fresh build for sm_80 + sm_90", _cuda_build_argv, lambda ctx: 300, floor_s=20,
+         parse=_parse_cuda_build,
+         skip_reason=lambda ctx: "the CPU form leaves the CUDA compile to `make cuda-build`"),
     Part("gpu_tests", "tests marked cuda", _tests_argv, lambda ctx: ctx.pick(120, 180), floor_s=20,
          parse=_parse_tests, skip_reason=lambda ctx: "no test file holds a `cuda`-marked test"),
     Part("bench_gpu_gpt", "bench_gpu.py step, GPT", _bench_gpu_argv("gpt"), lambda ctx: ctx.pick(150, 180),

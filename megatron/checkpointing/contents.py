@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.comm_device import comm_tensor
+
 # What a file of this project holds at the top level, with the type each field must have.
 _FIELDS = (("model", dict), ("iteration", int), ("consumed_samples", int), ("config", dict))
 
@@ -56,7 +58,7 @@ def agree(ps, problem: Optional[str], what: str, error=RuntimeError) -> None:
     naming the lowest failing rank, so all stop together."""
     failed = ps.rank if problem else ps.world_size
     if dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([failed], dtype=torch.int64)
+        t = comm_tensor([failed], dtype=torch.int64)  # NCCL takes CUDA tensors only
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         failed = int(t.item())
     if problem:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from megatron import safe_paths
 from megatron.checkpointing import dist_reader as reader
+from megatron.core.comm_device import to_comm
 COMMON = "common.json"
 _LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(.*)$")
 # Tensors with a row per (padded) vocabulary entry: stored cut to the real vocabulary.
@@ -338,7 +339,9 @@ def file_digests(it_dir: str, names, rank: int = 0, world: int = 1) -> Dict[str,
         if i % world == rank:
             buf[i] = torch.tensor(list(sha256_digest(os.path.join(it_dir, name))), dtype=torch.int64)
     if world > 1:
+        buf = to_comm(buf)  # NCCL takes CUDA tensors only
         dist.all_reduce(buf)
+        buf = buf.cpu()
     return {n: {"sha256": bytes(buf[i].tolist()).hex(), "bytes": os.path.getsize(os.path.join(it_dir, n))}
             for i, n in enumerate(names)}
 

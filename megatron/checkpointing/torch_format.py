@@ -53,6 +53,7 @@ from megatron.checkpointing import dist_format as checkpointing_dist
 from megatron.checkpointing.hints import (MUST_MATCH, _saved_layout, convert_hint, missing_load_dir_message,  # noqa: F401
                                          vocab_mismatch)
 from megatron.checkpointing.safety import UnsafeCheckpointError, numpy_rng_from_plain, numpy_rng_to_plain, safe_load
+from megatron.core.comm_device import comm_tensor
 from megatron.core.tensor_parallel.random import get_rng_tracker
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -208,7 +209,7 @@ def _all_ok(ok: bool) -> bool:
     """True only if `ok` holds on every rank (so all ranks take the same branch)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return ok
-    t = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    t = comm_tensor([1 if ok else 0], dtype=torch.int64)  # NCCL takes CUDA tensors only
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
 
@@ -331,7 +332,7 @@ def _save_dist(trainer, root: str) -> str:
     # one is written beside it and swapped in by two renames, so a crash never leaves neither.
     try:
         claim_and_clean(ps, root)
-        restage = torch.tensor([int(ps.rank == 0 and os.path.isdir(it_dir))])  # decided after the cleanup
+        restage = comm_tensor([int(ps.rank == 0 and os.path.isdir(it_dir))])  # decided after the cleanup
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(restage, 0)  # (one rank's view: a rank may not see the marked folder yet)
         stage = it_dir + ".saving" if restage.item() else it_dir

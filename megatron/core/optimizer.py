@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.config.core import TrainingConfig
+from megatron.core.comm_device import to_comm
 from megatron.core.grad_scaler import DynamicGradScaler
 from megatron.core.parallel_state import ParallelState
 
@@ -53,16 +54,18 @@ def global_grad_norm_sq(params: Iterable[nn.Parameter], ps: ParallelState) -> to
     back once: a per-parameter read would stall the host once per parameter."""
     sq = [p.grad.detach().double().pow(2).sum() for p in params
           if p.grad is not None and counts_for_norm(p, ps.tp_rank)]
-    total = torch.stack(sq).sum().cpu() if sq else torch.zeros((), dtype=torch.float64)
+    total = torch.stack(sq).sum() if sq else torch.zeros((), dtype=torch.float64)
     if ps.stage_layouts:
         # Stages have their own DP sizes, so no group holds exactly one model replica: every
         # stage's DP rank 0 speaks for its (identical, already reduced) replicas.
+        total = to_comm(total)  # (a rank without gradients has a host zero; NCCL takes CUDA only)
         if ps.dp_rank != 0:
             total.zero_()
         dist.all_reduce(total)
     elif ps.mp_group is not None and ps.tp_size * ps.pp_size > 1:
+        total = to_comm(total, ps.mp_group)
         dist.all_reduce(total, group=ps.mp_group)
-    return total
+    return total.cpu()
 
 
 class MegatronOptimizer:
@@ -93,9 +96,11 @@ class MegatronOptimizer:
     def _found_inf(self) -> bool:
         # One device-side reduction and one read back, not one per parameter.
         bad = [torch.isfinite(p.grad).all().logical_not() for p in self.params if p.grad is not None]
-        flag = torch.stack(bad).any().float().cpu() if bad else torch.zeros((), dtype=torch.float32)
+        flag = torch.stack(bad).any().float() if bad else torch.zeros((), dtype=torch.float32)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            # Grads are already DP-reduced, but every rank must agree to skip together.
+            # Grads are already DP-reduced, but every rank must agree to skip together (on the
+            # backend's device: a host flag fails under NCCL).
+            flag = to_comm(flag)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

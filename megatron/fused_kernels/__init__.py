@@ -13,7 +13,8 @@ Environment:
   MEGATRON_NO_FUSED_KERNELS=1  never build; always use the PyTorch fallback
   MEGATRON_FUSED_KERNELS_CUDA=1  build the CUDA kernels without a visible GPU (a CUDA torch and
                                nvcc are still needed; set TORCH_CUDA_ARCH_LIST): image builds
-  MEGATRON_FUSED_KERNELS_WAIT  seconds a non-zero local rank waits for rank 0's build (default 900)
+  MEGATRON_FUSED_KERNELS_WAIT  seconds to wait for another process's build: a non-zero local rank for
+                               rank 0's, a second launch for the first's (default 900)
   CXX                          the C++ compiler (default c++), as for any torch extension
 """
 from __future__ import annotations
@@ -28,10 +29,13 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+from megatron.fused_kernels import build_lock
+
 _HERE = Path(__file__).resolve().parent
 CPU_SOURCES = sorted((_HERE / "csrc" / "cpu").glob("*.cpp"))
 CUDA_SOURCES = sorted((_HERE / "csrc" / "cuda").glob("*.cu"))
 CUDA_HEADERS = sorted((_HERE / "csrc" / "cuda").glob("*.cuh"))
+COMMON_HEADERS = sorted((_HERE / "csrc" / "common").glob("*.h"))  # formulas shared by CPU and CUDA
 
 _state: dict = {"loaded": None, "warned": False, "reason": None}
 
@@ -67,7 +71,7 @@ def build_key(with_cuda: bool) -> str:
     """Extension name: changes whenever a source, a flag or the torch build changes."""
     import torch
     h = hashlib.sha256()
-    for p in CPU_SOURCES + (CUDA_SOURCES + CUDA_HEADERS if with_cuda else []):
+    for p in CPU_SOURCES + COMMON_HEADERS + (CUDA_SOURCES + CUDA_HEADERS if with_cuda else []):
         h.update(p.name.encode())
         h.update(p.read_bytes())
     h.update(" ".join(_cpu_flags()).encode())
@@ -133,7 +137,7 @@ def _load(verbose: bool) -> bool:
         _warn(f"{type(e).__name__}: {e}")
         return False
     root = cache_dir()
-    so, ok, failed = _library_path(root, name), root / f"{name}.ok", root / f"{name}.failed"
+    so, ok = _library_path(root, name), root / f"{name}.ok"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     try:
         if not (so.exists() and ok.exists()):
@@ -142,16 +146,7 @@ def _load(verbose: bool) -> bool:
                 if missing:
                     _warn(missing)
                     return False
-                root.mkdir(parents=True, exist_ok=True)
-                failed.unlink(missing_ok=True)
-                # the first iteration would otherwise be silent for the whole compile
-                print(f"building fused kernels (one-time, ~1 min) in {root / name} ...", file=sys.stderr, flush=True)
-                try:
-                    so = _build(name, with_cuda, verbose)
-                except BaseException as e:
-                    failed.write_text(f"{type(e).__name__}: {e}\n")
-                    raise
-                ok.write_text(str(so) + "\n")
+                so = _build_once(root, name, with_cuda, verbose)
             else:
                 so = _wait_for_rank0(root, name)
         torch.ops.load_library(str(so))
@@ -164,14 +159,53 @@ def _load(verbose: bool) -> bool:
         return False
 
 
+def _wait_bound() -> float:
+    return float(os.environ.get("MEGATRON_FUSED_KERNELS_WAIT", "900"))
+
+
+def _build_once(root: Path, name: str, with_cuda: bool, verbose: bool) -> Path:
+    """Build under this extension's lock (build_lock.py), or use the build another process
+    finished while we waited for its lock."""
+    so, ok, failed = _library_path(root, name), root / f"{name}.ok", root / f"{name}.failed"
+    root.mkdir(parents=True, exist_ok=True)
+    lock = root / f"{name}.building"
+    if not build_lock.acquire(lock, lambda: so.exists() and ok.exists(), _wait_bound()):
+        return so
+    try:
+        if so.exists() and ok.exists():  # finished by another process between its release and our take
+            return so
+        return _build_locked(name, with_cuda, verbose, root, ok, failed)
+    finally:
+        build_lock.release(lock)
+
+
+def _build_locked(name: str, with_cuda: bool, verbose: bool, root: Path, ok: Path, failed: Path) -> Path:
+    """The build proper, run while holding this extension's build lock."""
+    failed.unlink(missing_ok=True)
+    build_lock.clear_torch_lock(root / name)  # only a dead build can have left torch's lock now
+    # the first iteration would otherwise be silent for the whole compile
+    print(f"building fused kernels (one-time, ~1 min) in {root / name} ...", file=sys.stderr, flush=True)
+    try:
+        so = _build(name, with_cuda, verbose)
+    except BaseException as e:
+        failed.write_text(f"{type(e).__name__}: {e}\n")
+        raise
+    ok.write_text(str(so) + "\n")
+    return so
+
+
 def _wait_for_rank0(root: Path, name: str) -> Path:
     """Non-zero local ranks wait for the local rank 0's build of the same sources."""
     so, ok, failed = _library_path(root, name), root / f"{name}.ok", root / f"{name}.failed"
-    limit = float(os.environ.get("MEGATRON_FUSED_KERNELS_WAIT", "900"))
-    start = time.time()
+    limit = _wait_bound()
+    start = last_report = time.time()
     while time.time() - start < limit:
         if ok.exists() and so.exists():
             return so
+        if time.time() - last_report >= 30:
+            last_report = time.time()
+            print(f"fused kernels: waiting {last_report - start:.0f}s for local rank 0's build of {name} "
+                  f"(limit {limit:.0f}s)", file=sys.stderr, flush=True)
         # a failure stamp from this launch (not an old one that rank 0 is about to remove)
         if failed.exists() and failed.stat().st_mtime >= start - 5:
             raise RuntimeError(f"local rank 0 failed to build {name}: {failed.read_text().strip()}")

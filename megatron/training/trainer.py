@@ -19,6 +19,7 @@ from torch import nn
 from megatron.atomic import write_json
 from megatron.config.core import MegatronConfig
 from megatron.config.schedules import V_SCHEDULES
+from megatron.core.comm_device import comm_device
 from megatron.core.optimizer import LRScheduler, MegatronOptimizer
 from megatron.core.parallel_state import ParallelState
 from megatron.data.samplers import MegatronPretrainingSampler
@@ -338,9 +339,7 @@ class Trainer:
 
     def _collective_device(self) -> torch.device:
         """Where small reductions run: the device under NCCL, the host otherwise."""
-        if dist.is_initialized() and dist.get_backend() == "nccl":
-            return self.device
-        return torch.device("cpu")
+        return comm_device()
 
     def _tracing(self) -> bool:
         """--dynapipe-trace-dir: the first --dynapipe-trace-iters iterations of this run get a

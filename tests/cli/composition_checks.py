@@ -158,9 +158,11 @@ def write_multitask_data(d) -> tuple:
     return str(d / "in"), str(d / "tg")
 
 
-def train_groups(rank, world, groups, workdir, data, model="gpt"):
+def train_groups(rank, world, groups, workdir, data, model="gpt", nccl_rule=False):
     """Train every feature set for 2 iterations in this process group, one after another, as the
-    model's program builds it; returns {set: (losses, is last stage, features not at work)}."""
+    model's program builds it; returns {set: (losses, is last stage, features not at work)}.
+    nccl_rule: build and train under tests/comm_device_check.py's NCCL device rule instead and
+    return {set: [host tensors handed to torch.distributed]}."""
     import multiprocessing as mp
     import os
     from datetime import timedelta
@@ -180,6 +182,13 @@ def train_groups(rank, world, groups, workdir, data, model="gpt"):
             from megatron.training.t5_builder import build_t5_trainer as build
         else:
             from megatron.training.pretrain import build_gpt_trainer as build
+        if nccl_rule:
+            from tests.comm_device_check import nccl_device_rule
+            violations = []
+            with nccl_device_rule(violations) as device:
+                build(cfg, ps, device).train()
+            out[group] = sorted(set(violations))
+            continue
         trainer = build(cfg, ps, torch.device("cpu"))
         counts = instrument(trainer)
         history = trainer.train()

@@ -39,7 +39,19 @@ INST(__nv_bfloat16)
 
 
 def _nvcc():
-    return shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc")
+    """nvcc on PATH, in /usr/local/cuda, or in the environment `make cuda-build` caches."""
+    cached = sorted(Path(os.environ.get("MEGATRON_CUDA_ENV", Path.home() / ".cache" / "megatron-cuda-env"))
+                    .glob("*/cuda_home/bin/nvcc"))
+    return (shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc")
+            or (str(cached[-1]) if cached else None))
+
+
+def _torch_nvcc_flags():
+    """The defines torch's extension build gives nvcc (-D__CUDA_NO_HALF_OPERATORS__,
+    -D__CUDA_NO_HALF_CONVERSIONS__, -D__CUDA_NO_BFLOAT16_CONVERSIONS__, ...): the kernels must
+    compile under them, as they do in every user's build."""
+    from torch.utils import cpp_extension
+    return list(cpp_extension.COMMON_NVCC_FLAGS)
 
 
 @pytest.mark.cuda
@@ -50,7 +62,9 @@ def test_cuda_kernel_templates_compile_with_nvcc():
     nvcc = _nvcc()
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     src = CHECK_TU.format(cuh=CUH)
-    key = hashlib.sha256((CUH.read_text() + src + version).encode()).hexdigest()[:16]
+    headers = CUH.read_text() + (CUH.parents[1] / "common" / "fused_math.h").read_text()
+    flags = _torch_nvcc_flags()
+    key = hashlib.sha256((headers + src + version + " ".join(flags)).encode()).hexdigest()[:16]
     out = fused_kernels.cache_dir() / "nvcc_check"
     out.mkdir(parents=True, exist_ok=True)
     stamp = out / f"{key}.ok"
@@ -58,7 +72,7 @@ def test_cuda_kernel_templates_compile_with_nvcc():
         return
     tu = out / f"check_{key}.cu"
     tu.write_text(src)
-    r = subprocess.run([nvcc, "-std=c++17", "-arch=compute_80", "-code=compute_80", "-c", str(tu), "-o",
+    r = subprocess.run([nvcc, "-std=c++17", *flags, "-arch=compute_80", "-code=compute_80", "-c", str(tu), "-o",
                         str(out / f"check_{key}.o")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "warning" not in r.stderr.lower(), r.stderr[-4000:]
@@ -114,6 +128,7 @@ def test_aten_cuda_launchers_compile_with_nvcc(tmp_path):
     (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     src = CUH.parent / "fused_kernels_cuda.cu"
     includes = [f"-I{tmp_path}"] + [f"-I{p}" for p in cpp_extension.include_paths()]
-    r = subprocess.run([_nvcc(), "-std=c++17", "-arch=compute_80", "-code=compute_80", *includes, "-c", str(src),
+    r = subprocess.run([_nvcc(), "-std=c++17", *_torch_nvcc_flags(), "-arch=compute_80", "-code=compute_80", *includes,
+                        "-c", str(src),
                         "-o", str(tmp_path / "launchers.o")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]

@@ -22,7 +22,11 @@
 #include <limits>
 #include <vector>
 
+#include "../common/fused_math.h"
+
 namespace {
+
+namespace fm = megatron_fused::math;
 
 // ---------------------------------------------------------------------------------------------
 // Vectorisable exp / tanh.
@@ -57,8 +61,9 @@ inline T tanh_v(T u) {  // tanh(u) = 1 - 2 / (exp(2u) + 1); exact at the tails
 }
 inline double tanh_v(double u) { return std::tanh(u); }
 
-constexpr double kGeluC = 0.7978845608028654;  // sqrt(2/pi)
-constexpr double kGeluA = 0.044715;
+struct CpuOps {  // the primitives fused_math.h's formulas call on CPU
+  template <typename T> static inline T tanh(T u) { return tanh_v(u); }
+};
 
 // ---------------------------------------------------------------------------------------------
 // Softmax over one row of n scores; `keep(j)` says whether column j takes part.
@@ -97,7 +102,7 @@ inline void softmax_backward_row(const scalar_t* g, const scalar_t* y, scalar_t*
   for (int64_t j = 0; j < n; ++j) dot += static_cast<acc_t>(g[j]) * static_cast<acc_t>(y[j]);
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j)
-    gx[j] = static_cast<scalar_t>(scale * static_cast<acc_t>(y[j]) * (static_cast<acc_t>(g[j]) - dot));
+    gx[j] = static_cast<scalar_t>(fm::softmax_grad(static_cast<acc_t>(g[j]), static_cast<acc_t>(y[j]), dot, scale));
 }
 
 void check_float(const at::Tensor& t, const char* what) {
@@ -183,32 +188,21 @@ at::Tensor masked_softmax_forward(const at::Tensor& input, const at::Tensor& mas
 }
 
 // ---------------------------------------------------------------------------------------------
-// Bias + GeLU(tanh). x: [..., h], bias: [h].
-template <typename acc_t>
-inline acc_t gelu_fwd(acc_t u) {
-  const acc_t c = acc_t(kGeluC), a = acc_t(kGeluA);
-  return acc_t(0.5) * u * (acc_t(1) + tanh_v(c * u * (acc_t(1) + a * u * u)));
-}
-template <typename acc_t>
-inline acc_t gelu_grad(acc_t u) {
-  const acc_t c = acc_t(kGeluC), a = acc_t(kGeluA);
-  const acc_t t = tanh_v(c * u * (acc_t(1) + a * u * u));
-  return acc_t(0.5) * (acc_t(1) + t) + acc_t(0.5) * u * (acc_t(1) - t * t) * c * (acc_t(1) + acc_t(3) * a * u * u);
-}
+// Bias + GeLU(tanh). x: [..., h], bias: [h]. Formulas: fm::gelu_fwd / fm::gelu_grad.
 
 // Row loops as functions: `#pragma omp simd` may not appear inside the AT_DISPATCH macros.
 template <typename scalar_t, typename acc_t>
 inline void gelu_row(const scalar_t* x, const scalar_t* b, scalar_t* y, int64_t h) {
 #pragma omp simd
   for (int64_t j = 0; j < h; ++j)
-    y[j] = static_cast<scalar_t>(gelu_fwd<acc_t>(static_cast<acc_t>(x[j]) + static_cast<acc_t>(b[j])));
+    y[j] = static_cast<scalar_t>(fm::gelu_fwd<CpuOps, acc_t>(static_cast<acc_t>(x[j]) + static_cast<acc_t>(b[j])));
 }
 template <typename scalar_t, typename acc_t>
 inline void gelu_grad_row(const scalar_t* g, const scalar_t* x, const scalar_t* b, scalar_t* gx, int64_t h) {
 #pragma omp simd
   for (int64_t j = 0; j < h; ++j)
     gx[j] = static_cast<scalar_t>(static_cast<acc_t>(g[j]) *
-                                  gelu_grad<acc_t>(static_cast<acc_t>(x[j]) + static_cast<acc_t>(b[j])));
+                                  fm::gelu_grad<CpuOps, acc_t>(static_cast<acc_t>(x[j]) + static_cast<acc_t>(b[j])));
 }
 template <typename acc_t>
 inline acc_t row_max(const acc_t* row, int64_t n) {
@@ -240,7 +234,7 @@ inline void attn_grad_row(acc_t* row, acc_t* drow, int64_t n, acc_t lse, acc_t d
   for (int64_t j = 0; j < n; ++j) {
     const acc_t pv = exp_or_zero(row[j] - lse);
     row[j] = pv;
-    drow[j] = pv * (drow[j] - d) * scale;
+    drow[j] = fm::attention_ds(pv, drow[j], d, scale);
   }
 }
 
@@ -318,7 +312,7 @@ at::Tensor bias_dropout_add_forward(const at::Tensor& input, const c10::optional
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_dropout_add_fwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     // The same rounding as eager dropout: (x + b) * (1 / (1 - p)) computed in the op's math type.
-    const acc_t scale = acc_t(1) / static_cast<acc_t>(1.0 - p);
+    const acc_t scale = fm::dropout_scale<acc_t>(p);
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* rp = res.data_ptr<scalar_t>();
     const scalar_t* bp = has_bias ? bv.data_ptr<scalar_t>() : nullptr;
@@ -328,10 +322,8 @@ at::Tensor bias_dropout_add_forward(const at::Tensor& input, const c10::optional
       for (int64_t r = b; r < e; ++r) {
         for (int64_t j = 0; j < h; ++j) {
           const int64_t k = r * h + j;
-          acc_t v = static_cast<acc_t>(xp[k]);
-          if (bp) v = static_cast<acc_t>(static_cast<scalar_t>(v + static_cast<acc_t>(bp[j])));
-          if (kp) v = static_cast<acc_t>(static_cast<scalar_t>(kp[k] ? v * scale : acc_t(0)));
-          yp[k] = static_cast<scalar_t>(static_cast<acc_t>(rp[k]) + v);
+          yp[k] = fm::bias_dropout_add<scalar_t, acc_t>(xp[k], bp ? bp + j : nullptr, rp[k], kp ? kp + k : nullptr,
+                                                        scale);
         }
       }
     });
@@ -348,13 +340,13 @@ at::Tensor dropout_backward(const at::Tensor& grad, const at::Tensor& keep, doub
   const int64_t n = g.numel();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "dropout_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const acc_t scale = acc_t(1) / static_cast<acc_t>(1.0 - p);
+    const acc_t scale = fm::dropout_scale<acc_t>(p);
     const scalar_t* gp = g.data_ptr<scalar_t>();
     const bool* kp = kv.data_ptr<bool>();
     scalar_t* op = gx.data_ptr<scalar_t>();
     at::parallel_for(0, n, 65536, [&](int64_t b, int64_t e) {
       for (int64_t k = b; k < e; ++k)
-        op[k] = static_cast<scalar_t>(kp[k] ? static_cast<acc_t>(gp[k]) * scale : acc_t(0));
+        op[k] = fm::dropout_grad<scalar_t, acc_t>(gp[k], kp[k], scale);
     });
   });
   return gx;
@@ -367,21 +359,9 @@ at::Tensor dropout_backward(const at::Tensor& grad, const at::Tensor& keep, doub
 // aligned, as flash-attention; lq == lk is the usual causal mask). Queries that see no key give
 // zeros and lse = -inf. Work per (segment, head) is O(lq * lk * d) through BLAS matmuls.
 
-// Attention dropout: keep(h, i, j) from a counter-based hash of (seed, head, global query index,
-// global key index), so the backward pass (and a recomputation) regenerates the same mask
-// without storing it, whatever the thread partition.
-inline uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-inline bool dropout_keep(uint64_t seed, int64_t h, int64_t qi, int64_t kj, uint32_t threshold) {
-  const uint64_t z = mix64(seed + 0x9e3779b97f4a7c15ULL * (static_cast<uint64_t>(h) + 1) +
-                           0xd1b54a32d192ed03ULL * static_cast<uint64_t>(qi) +
-                           0x8cb92ba72f3d8dd7ULL * static_cast<uint64_t>(kj));
-  return static_cast<uint32_t>(z >> 40) >= threshold;  // 24 uniform bits
-}
-inline uint32_t dropout_threshold(double p) { return static_cast<uint32_t>(p * double(1 << 24)); }
+// Attention dropout: fm::dropout_keep, a hash of (seed, head, query, key) shared with CUDA.
+using fm::dropout_keep;
+using fm::dropout_threshold;
 
 struct Segments {
   std::vector<int64_t> q, k;
@@ -421,7 +401,7 @@ inline void mask_scale_rows(acc_t* s, int64_t rows, int64_t cols, int64_t r0, in
   const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
   for (int64_t i = 0; i < rows; ++i) {
     acc_t* row = s + i * cols;
-    const int64_t last = causal ? r0 + i + (lk - lq) : cols - 1;  // last visible key
+    const int64_t last = causal ? fm::last_visible_key(r0 + i, lq, lk, true) : cols - 1;
     for (int64_t j = 0; j < cols; ++j) row[j] = j <= last ? row[j] * scale : ninf;
   }
 }
@@ -482,7 +462,7 @@ std::vector<at::Tensor> varlen_forward(const at::Tensor& q_, const at::Tensor& k
               scale_row(row, cols, acc_t(1) / sum);
               lp[i] = m + std::log(sum);
               if (thr > 0) {
-                const acc_t z = acc_t(1) / static_cast<acc_t>(1.0 - dropout_p);
+                const acc_t z = fm::dropout_scale<acc_t>(dropout_p);
                 for (int64_t j = 0; j < cols; ++j)
                   row[j] = dropout_keep(static_cast<uint64_t>(seed), h, q0 + r0 + i, k0 + j, thr) ? row[j] * z
                                                                                                 : acc_t(0);
@@ -547,13 +527,13 @@ std::vector<at::Tensor> varlen_backward(const at::Tensor& grad_out, const at::Te
               if (thr == 0) {
                 attn_grad_row(row, drw, cols, li, dd[i], static_cast<acc_t>(scale));  // dS (already scaled)
               } else {  // O = (P * Z) V: dV uses P * Z, dP = (dO V^T) * Z, D = rowsum(dO * O) still holds
-                const acc_t zk = acc_t(1) / static_cast<acc_t>(1.0 - dropout_p);
+                const acc_t zk = fm::dropout_scale<acc_t>(dropout_p);
                 for (int64_t j = 0; j < cols; ++j) {
                   const acc_t pv = exp_or_zero(row[j] - li);
                   const acc_t z = dropout_keep(static_cast<uint64_t>(seed), h, q0 + r0 + i, k0 + j, thr) ? zk
                                                                                                        : acc_t(0);
                   row[j] = pv * z;
-                  drw[j] = pv * (drw[j] * z - dd[i]) * static_cast<acc_t>(scale);
+                  drw[j] = fm::attention_ds(pv, drw[j], z, dd[i], static_cast<acc_t>(scale));
                 }
               }
             }

@@ -1,8 +1,12 @@
 // CUDA kernels of megatron_fused as plain templates over raw pointers (no ATen), so nvcc can
 // compile-check them without a CUDA build of torch; fused_kernels_cuda.cu holds the thin ATen
 // launchers. T is float, double, __half or __nv_bfloat16; arithmetic is in Acc<T> (float, or
-// double for double). Semantics match the CPU kernels in ../cpu/fused_kernels_cpu.cpp,
-// including the dropout hash, so CPU and CUDA draw the same attention-dropout mask.
+// double for double). The formulas (GeLU and its derivative, softmax and attention gradients,
+// bias-dropout-add with eager's roundings, the dropout hash) come from ../common/fused_math.h,
+// which the CPU kernels compile too; here only the parallel layout (one warp per row), the
+// reduction order and the exp/tanh primitives (CudaOps) differ. Loads and stores go through
+// math::to_acc / math::from_acc: torch builds extensions with -D__CUDA_NO_HALF_CONVERSIONS__ and
+// -D__CUDA_NO_BFLOAT16_CONVERSIONS__, which switch off __half's and __nv_bfloat16's implicit casts.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -10,7 +14,12 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "../common/fused_math.h"
+
 namespace megatron_fused {
+
+using math::from_acc;
+using math::to_acc;
 
 template <typename T> struct Acc { using type = float; };
 template <> struct Acc<double> { using type = double; };
@@ -41,6 +50,11 @@ __device__ __forceinline__ double tanh_a(double x) { return tanh(x); }
 __device__ __forceinline__ float log_a(float x) { return logf(x); }
 __device__ __forceinline__ double log_a(double x) { return log(x); }
 
+struct CudaOps {  // the primitives fused_math.h's formulas call on the GPU
+  static __device__ __forceinline__ float tanh(float x) { return tanhf(x); }
+  static __device__ __forceinline__ double tanh(double x) { return ::tanh(x); }
+};
+
 // ------------------------------------------------------------------------------------ softmax
 // One warp per row of n scores. Row r covers (batch b, head, query i) with r = (b*heads + head)*sq + i.
 // kCausal: column j kept iff j <= i. mask (may be null): bool [mask_batch, 1, sq, n], true = masked.
@@ -60,19 +74,19 @@ __global__ void softmax_forward_kernel(const T* __restrict__ x, const bool* __re
   auto keep = [&](int64_t j) { return kCausal ? j <= i : (mr ? !mr[j] : true); };
   A m = neg_inf<A>();
   for (int64_t j = lane; j < n; j += kWarp)
-    if (keep(j)) { A v = static_cast<A>(xr[j]) * scale; m = v > m ? v : m; }
+    if (keep(j)) { A v = to_acc<A>(xr[j]) * scale; m = v > m ? v : m; }
   m = warp_max(m);
   if (m == neg_inf<A>()) {
-    for (int64_t j = lane; j < n; j += kWarp) yr[j] = static_cast<T>(A(0));
+    for (int64_t j = lane; j < n; j += kWarp) yr[j] = from_acc<T>(A(0));
     return;
   }
   A s = 0;
   for (int64_t j = lane; j < n; j += kWarp)
-    if (keep(j)) s += exp_a(static_cast<A>(xr[j]) * scale - m);
+    if (keep(j)) s += exp_a(to_acc<A>(xr[j]) * scale - m);
   s = warp_sum(s);
   const A inv = A(1) / s;
   for (int64_t j = lane; j < n; j += kWarp)
-    yr[j] = static_cast<T>(keep(j) ? exp_a(static_cast<A>(xr[j]) * scale - m) * inv : A(0));
+    yr[j] = from_acc<T>(keep(j) ? exp_a(to_acc<A>(xr[j]) * scale - m) * inv : A(0));
 }
 
 // grad_x = scale * y * (g - sum_j g_j y_j); one warp per row.
@@ -85,29 +99,19 @@ __global__ void softmax_backward_kernel(const T* __restrict__ g, const T* __rest
   const T* gr = g + r * n;
   const T* yr = y + r * n;
   A dot = 0;
-  for (int64_t j = threadIdx.x; j < n; j += kWarp) dot += static_cast<A>(gr[j]) * static_cast<A>(yr[j]);
+  for (int64_t j = threadIdx.x; j < n; j += kWarp) dot += to_acc<A>(gr[j]) * to_acc<A>(yr[j]);
   dot = warp_sum(dot);
   for (int64_t j = threadIdx.x; j < n; j += kWarp)
-    gx[r * n + j] = static_cast<T>(scale * static_cast<A>(yr[j]) * (static_cast<A>(gr[j]) - dot));
+    gx[r * n + j] = from_acc<T>(math::softmax_grad(to_acc<A>(gr[j]), to_acc<A>(yr[j]), dot, scale));
 }
 
 // --------------------------------------------------------------------------------- bias-GeLU
-template <typename A>
-__device__ __forceinline__ void gelu_and_grad(A u, A* f, A* df) {
-  const A c = A(0.7978845608028654), a = A(0.044715);
-  const A t = tanh_a(c * u * (A(1) + a * u * u));
-  if (f) *f = A(0.5) * u * (A(1) + t);
-  if (df) *df = A(0.5) * (A(1) + t) + A(0.5) * u * (A(1) - t * t) * c * (A(1) + A(3) * a * u * u);
-}
-
 template <typename T>
 __global__ void bias_gelu_forward_kernel(const T* __restrict__ x, const T* __restrict__ bias, T* __restrict__ y,
                                          int64_t numel, int64_t h) {
   using A = typename Acc<T>::type;
   for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < numel; k += (int64_t)gridDim.x * blockDim.x) {
-    A f;
-    gelu_and_grad<A>(static_cast<A>(x[k]) + static_cast<A>(bias[k % h]), &f, nullptr);
-    y[k] = static_cast<T>(f);
+    y[k] = from_acc<T>(math::gelu_fwd<CudaOps, A>(to_acc<A>(x[k]) + to_acc<A>(bias[k % h])));
   }
 }
 
@@ -116,56 +120,32 @@ __global__ void bias_gelu_backward_kernel(const T* __restrict__ g, const T* __re
                                           T* __restrict__ gx, int64_t numel, int64_t h) {
   using A = typename Acc<T>::type;
   for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < numel; k += (int64_t)gridDim.x * blockDim.x) {
-    A df;
-    gelu_and_grad<A>(static_cast<A>(x[k]) + static_cast<A>(bias[k % h]), nullptr, &df);
-    gx[k] = static_cast<T>(static_cast<A>(g[k]) * df);
+    gx[k] = from_acc<T>(to_acc<A>(g[k]) * math::gelu_grad<CudaOps, A>(to_acc<A>(x[k]) + to_acc<A>(bias[k % h])));
   }
 }
 
 // ------------------------------------------------------------------------- bias-dropout-add
-// y = residual + keep * (x + bias) / (1 - p); bias and keep may be null.
+// y = residual + keep * (x + bias) / (1 - p); bias and keep may be null (math::bias_dropout_add).
 template <typename T>
 __global__ void bias_dropout_add_kernel(const T* __restrict__ x, const T* __restrict__ bias,
                                         const T* __restrict__ residual, const bool* __restrict__ keep,
                                         T* __restrict__ y, int64_t numel, int64_t h, typename Acc<T>::type scale) {
   using A = typename Acc<T>::type;
-  for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < numel; k += (int64_t)gridDim.x * blockDim.x) {
-    A v = static_cast<A>(x[k]);
-    if (bias) v += static_cast<A>(bias[k % h]);
-    if (keep) v = keep[k] ? v * scale : A(0);
-    y[k] = static_cast<T>(static_cast<A>(residual[k]) + v);
-  }
+  for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < numel; k += (int64_t)gridDim.x * blockDim.x)
+    y[k] = math::bias_dropout_add<T, A>(x[k], bias ? bias + k % h : nullptr, residual[k], keep ? keep + k : nullptr,
+                                        scale);
 }
 
 template <typename T>
 __global__ void dropout_backward_kernel(const T* __restrict__ g, const bool* __restrict__ keep, T* __restrict__ gx,
                                         int64_t numel, typename Acc<T>::type scale) {
-  using A = typename Acc<T>::type;
   for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < numel; k += (int64_t)gridDim.x * blockDim.x)
-    gx[k] = static_cast<T>(keep[k] ? static_cast<A>(g[k]) * scale : A(0));
+    gx[k] = math::dropout_grad<T>(g[k], keep[k], scale);
 }
 
 // ------------------------------------------------------------------ variable-length attention
-__device__ __forceinline__ uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-__device__ __forceinline__ bool dropout_keep(uint64_t seed, int64_t h, int64_t qi, int64_t kj, uint32_t threshold) {
-  const uint64_t z = mix64(seed + 0x9e3779b97f4a7c15ULL * ((uint64_t)h + 1) + 0xd1b54a32d192ed03ULL * (uint64_t)qi +
-                           0x8cb92ba72f3d8dd7ULL * (uint64_t)kj);
-  return (uint32_t)(z >> 40) >= threshold;
-}
-
-// The segment holding token t: largest s with cu[s] <= t (cu has nseg + 1 entries).
-__device__ __forceinline__ int64_t find_segment(const int64_t* cu, int64_t nseg, int64_t t) {
-  int64_t lo = 0, hi = nseg - 1;
-  while (lo < hi) {
-    int64_t mid = (lo + hi + 1) / 2;
-    if (cu[mid] <= t) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
+using math::dropout_keep;
+using math::find_segment;
 
 struct VarlenParams {
   int64_t total_q, heads, dim, nseg;
@@ -173,8 +153,8 @@ struct VarlenParams {
   const int64_t* cu_k;
   double scale;
   bool causal;
-  uint32_t dropout_threshold;  // 0 = no dropout
-  double dropout_scale;        // 1 / (1 - p)
+  uint32_t dropout_threshold;  // 0 = no dropout (math::dropout_threshold(p))
+  double dropout_p;
   uint64_t seed;
 };
 
@@ -191,14 +171,15 @@ __global__ void varlen_forward_kernel(const T* __restrict__ q, const T* __restri
   const int lane = threadIdx.x;
   const int64_t s = find_segment(p.cu_q, p.nseg, qi);
   const int64_t q0 = p.cu_q[s], lq = p.cu_q[s + 1] - q0, k0 = p.cu_k[s], lk = p.cu_k[s + 1] - k0;
-  const int64_t last = p.causal ? (qi - q0) + (lk - lq) : lk - 1;
+  const int64_t last = math::last_visible_key(qi - q0, lq, lk, p.causal);
   A qr[kPerLane], acc[kPerLane];
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) {
     const int64_t d = lane + e * kWarp;
-    qr[e] = d < p.dim ? static_cast<A>(q[(qi * p.heads + h) * p.dim + d]) : A(0);
+    qr[e] = d < p.dim ? to_acc<A>(q[(qi * p.heads + h) * p.dim + d]) : A(0);
     acc[e] = 0;
   }
+  const A zk = math::dropout_scale<A>(p.dropout_p);
   A m = neg_inf<A>(), l = 0;
   for (int64_t j = 0; j <= last && j < lk; ++j) {
     const int64_t kj = k0 + j;
@@ -208,18 +189,18 @@ __global__ void varlen_forward_kernel(const T* __restrict__ q, const T* __restri
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e) {
       const int64_t d = lane + e * kWarp;
-      if (d < p.dim) dot += qr[e] * static_cast<A>(kr[d]);
+      if (d < p.dim) dot += qr[e] * to_acc<A>(kr[d]);
     }
     const A sc = warp_sum(dot) * static_cast<A>(p.scale);
     const A mn = sc > m ? sc : m;
     const A corr = exp_a(m - mn), pe = exp_a(sc - mn);
     l = l * corr + pe;
     A w = pe;
-    if (p.dropout_threshold) w = dropout_keep(p.seed, h, qi, kj, p.dropout_threshold) ? pe * A(p.dropout_scale) : A(0);
+    if (p.dropout_threshold) w = dropout_keep(p.seed, h, qi, kj, p.dropout_threshold) ? pe * zk : A(0);
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e) {
       const int64_t d = lane + e * kWarp;
-      acc[e] = acc[e] * corr + (d < p.dim ? w * static_cast<A>(vr[d]) : A(0));
+      acc[e] = acc[e] * corr + (d < p.dim ? w * to_acc<A>(vr[d]) : A(0));
     }
     m = mn;
   }
@@ -227,7 +208,7 @@ __global__ void varlen_forward_kernel(const T* __restrict__ q, const T* __restri
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) {
     const int64_t d = lane + e * kWarp;
-    if (d < p.dim) out[(qi * p.heads + h) * p.dim + d] = static_cast<T>(any ? acc[e] / l : A(0));
+    if (d < p.dim) out[(qi * p.heads + h) * p.dim + d] = from_acc<T>(any ? acc[e] / l : A(0));
   }
   if (lane == 0) lse[h * p.total_q + qi] = any ? m + log_a(l) : neg_inf<A>();
 }
@@ -247,7 +228,7 @@ __global__ void varlen_backward_kernel(const T* __restrict__ go, const T* __rest
   const int lane = threadIdx.x;
   const int64_t s = find_segment(p.cu_q, p.nseg, qi);
   const int64_t q0 = p.cu_q[s], lq = p.cu_q[s + 1] - q0, k0 = p.cu_k[s], lk = p.cu_k[s + 1] - k0;
-  const int64_t last = p.causal ? (qi - q0) + (lk - lq) : lk - 1;
+  const int64_t last = math::last_visible_key(qi - q0, lq, lk, p.causal);
   const int64_t base = (qi * p.heads + h) * p.dim;
   const A li = lse[h * p.total_q + qi];
   A qr[kPerLane], gr[kPerLane], dqr[kPerLane];
@@ -255,12 +236,13 @@ __global__ void varlen_backward_kernel(const T* __restrict__ go, const T* __rest
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) {
     const int64_t d = lane + e * kWarp;
-    qr[e] = d < p.dim ? static_cast<A>(q[base + d]) : A(0);
-    gr[e] = d < p.dim ? static_cast<A>(go[base + d]) : A(0);
-    dd += d < p.dim ? gr[e] * static_cast<A>(out[base + d]) : A(0);
+    qr[e] = d < p.dim ? to_acc<A>(q[base + d]) : A(0);
+    gr[e] = d < p.dim ? to_acc<A>(go[base + d]) : A(0);
+    dd += d < p.dim ? gr[e] * to_acc<A>(out[base + d]) : A(0);
     dqr[e] = 0;
   }
   dd = warp_sum(dd);  // D_i = rowsum(dO * O)
+  const A zk = math::dropout_scale<A>(p.dropout_p);
   if (li != neg_inf<A>()) {
     for (int64_t j = 0; j <= last && j < lk; ++j) {
       const int64_t kj = k0 + j, kb = (kj * p.heads + h) * p.dim;
@@ -269,19 +251,19 @@ __global__ void varlen_backward_kernel(const T* __restrict__ go, const T* __rest
       for (int e = 0; e < kPerLane; ++e) {
         const int64_t d = lane + e * kWarp;
         if (d < p.dim) {
-          dot += qr[e] * static_cast<A>(k[kb + d]);
-          dpv += gr[e] * static_cast<A>(v[kb + d]);
+          dot += qr[e] * to_acc<A>(k[kb + d]);
+          dpv += gr[e] * to_acc<A>(v[kb + d]);
         }
       }
       const A pr = exp_a(warp_sum(dot) * static_cast<A>(p.scale) - li);
       A z = A(1);
-      if (p.dropout_threshold) z = dropout_keep(p.seed, h, qi, kj, p.dropout_threshold) ? A(p.dropout_scale) : A(0);
-      const A ds = pr * (warp_sum(dpv) * z - dd) * static_cast<A>(p.scale);
+      if (p.dropout_threshold) z = dropout_keep(p.seed, h, qi, kj, p.dropout_threshold) ? zk : A(0);
+      const A ds = math::attention_ds(pr, warp_sum(dpv), z, dd, static_cast<A>(p.scale));
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) {
         const int64_t d = lane + e * kWarp;
         if (d < p.dim) {
-          dqr[e] += ds * static_cast<A>(k[kb + d]);
+          dqr[e] += ds * to_acc<A>(k[kb + d]);
           atomicAdd(dk + kb + d, ds * qr[e]);
           atomicAdd(dv + kb + d, pr * z * gr[e]);
         }
@@ -291,7 +273,7 @@ __global__ void varlen_backward_kernel(const T* __restrict__ go, const T* __rest
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) {
     const int64_t d = lane + e * kWarp;
-    if (d < p.dim) dq[base + d] = static_cast<T>(dqr[e]);
+    if (d < p.dim) dq[base + d] = from_acc<T>(dqr[e]);
   }
 }
 
@@ -342,7 +324,7 @@ cudaError_t launch_bias_dropout_add(const T* x, const T* bias, const T* residual
   if (numel == 0) return cudaSuccess;
   using A = typename Acc<T>::type;
   bias_dropout_add_kernel<T><<<grid_1d(numel), 256, 0, st>>>(x, bias, residual, keep, y, numel, h,
-                                                               A(1) / A(1.0 - p));
+                                                               math::dropout_scale<A>(p));
   return cudaGetLastError();
 }
 
@@ -350,7 +332,7 @@ template <typename T>
 cudaError_t launch_dropout_backward(const T* g, const bool* keep, T* gx, int64_t numel, double p, cudaStream_t st) {
   if (numel == 0) return cudaSuccess;
   using A = typename Acc<T>::type;
-  dropout_backward_kernel<T><<<grid_1d(numel), 256, 0, st>>>(g, keep, gx, numel, A(1) / A(1.0 - p));
+  dropout_backward_kernel<T><<<grid_1d(numel), 256, 0, st>>>(g, keep, gx, numel, math::dropout_scale<A>(p));
   return cudaGetLastError();
 }
 

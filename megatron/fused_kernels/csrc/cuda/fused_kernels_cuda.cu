@@ -137,8 +137,8 @@ megatron_fused::VarlenParams varlen_params(const at::Tensor& q, const at::Tensor
   p.cu_k = cu_k.data_ptr<int64_t>();
   p.scale = scale;
   p.causal = causal;
-  p.dropout_threshold = static_cast<uint32_t>(dropout_p * double(1 << 24));
-  p.dropout_scale = 1.0 / (1.0 - dropout_p);
+  p.dropout_threshold = megatron_fused::math::dropout_threshold(dropout_p);
+  p.dropout_p = dropout_p;
   p.seed = static_cast<uint64_t>(seed);
   return p;
 }
