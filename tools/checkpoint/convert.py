@@ -59,15 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--to-megatron: the tokenizer recorded in Megatron's args (default: the source run's, or "
                         "NullTokenizer when it had none); Megatron's --load compares it when --vocab-file is given, "
                         "transformers' converter picks its tokenizer from it (GPT2BPETokenizer)")
-    p.add_argument("--vocab-file", default=None, help="--to-megatron: with --tokenizer-type, the vocabulary file")
-    p.add_argument("--merge-file", default=None, help="--to-megatron: with --tokenizer-type, the BPE merges file")
-    p.add_argument("--tokenizer-model", default=None, help="--to-megatron: with --tokenizer-type, the model file")
+    # One set of tokenizer-file flags for both directions that write a tokenizer
+    p.add_argument("--vocab-file", default=None,
+                   help="--to-megatron (with --tokenizer-type): the vocabulary file recorded in Megatron's args; "
+                        "--to-hf: the run's vocabulary when it moved since training (its files go in --save)")
+    p.add_argument("--merge-file", default=None, help="the BPE merges file, as --vocab-file")
+    p.add_argument("--tokenizer-model", default=None, help="the SentencePiece model file, as --vocab-file")
     p.add_argument("--from-megatron", action="store_true",
                    help="read a checkpoint Megatron-LM wrote (legacy, or Megatron-Core torch or torch_dist "
                         "format, any TP/PP) and write this project's format at the target TP/PP (GPT and T5)")
-    for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
-        p.add_argument(flag, default=None, help=f"--to-hf: the run's {flag} when it moved since training (default: "
-                                                "the path the checkpoint records); its tokenizer files go in --save")
     p.add_argument("--verify", action="store_true", help="compare logits of both models on random tokens")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="--from-hf: the vocabulary padding the training run will use (must match its flag)")
@@ -84,8 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if sum(map(bool, (args.to_hf, args.from_hf, args.to_megatron, args.from_megatron))) > 1:
         p.error("--to-hf, --from-hf, --to-megatron and --from-megatron are separate directions; pick one")
-    if any((args.vocab_file, args.merge_file, args.tokenizer_model)) and not args.tokenizer_type:
-        p.error("--vocab-file / --merge-file / --tokenizer-model belong to --tokenizer-type (--to-megatron); add it")
+    if any((args.vocab_file, args.merge_file, args.tokenizer_model)) and not (args.tokenizer_type or args.to_hf):
+        p.error("--vocab-file / --merge-file / --tokenizer-model go with --to-hf, or with --tokenizer-type "
+                "(--to-megatron); add one")
     if args.tokenizer_type and not args.to_megatron:
         p.error("--tokenizer-type is recorded by --to-megatron only")
     if not args.to_hf and (args.target_tensor_parallel_size is None or args.target_pipeline_parallel_size is None):
