@@ -19,7 +19,7 @@ into a token-wise part and an attention part beta * b * s^2 (megatron.planner.co
   v and the output of its s/N tokens and a log-sum-exp per row and head, recomputes scores in
   the backward and fetches K/V again (the ring re-sends the blocks, all_gather gathers
   again), so no gathered K/V is stored: `attention_core_saved_bytes`, fitted to what the
-  runtime keeps (megatron/profiling/cp_memory.py, within 1 %: tests/planner/test_cp_memory_model.py).
+  runtime keeps (megatron/profiling/cp_memory.py, within 1 %: tests/planner/cost/test_cp_memory_model.py).
   The exchange's buffers are transient, in the peak only: all_gather holds all S keys and
   values and, in the backward, their gradients (float32); the ring two blocks in flight and,
   in the backward, two float32 dK/dV accumulators. `flash_memory=False` keeps the table's
