@@ -18,7 +18,7 @@ the model against them (within 5 % per row).
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, Iterator
 
 import torch
 
@@ -74,12 +74,13 @@ def _rank(rank: int, world: int, comms, shape: dict, dtype: str, local_of=()) ->
 
 
 def cp_memory_rows(shape: dict, sizes: Iterable[int] = (1, 2, 4), comms: Iterable[str] = ("all_gather", "p2p"),
-                   dtype: str = "float32", timeout_s: float = 300.0) -> List[dict]:
-    """One row per (CP size, exchange): max over ranks of the saved bytes, and the ratio to CP 1."""
+                   dtype: str = "float32", timeout_s: float = 300.0) -> Iterator[dict]:
+    """One row per (CP size, exchange), as each is measured: max over ranks of the saved
+    bytes, and the ratio to CP 1."""
     from megatron.core.launch import run_ranks
     from megatron.planner.cost.cp_cost import attention_core_saved_bytes
     act = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    rows, base = [], None
+    base = None
     for n in sizes:
         names = ["one_process"] if n == 1 else list(comms)
         local_of = [m for m in sizes if m > 1] if n == 1 else []
@@ -97,5 +98,4 @@ def cp_memory_rows(shape: dict, sizes: Iterable[int] = (1, 2, 4), comms: Iterabl
             row["core_ratio"] = round(row["core_bytes"] / base["core_bytes"], 4)
             row["layer_ratio"] = round(row["layer_bytes"] / base["layer_bytes"], 4)
             row["core_model_error"] = round(row["core_model_bytes"] / row["core_bytes"] - 1, 4)
-            rows.append(row)
-    return rows
+            yield row

@@ -143,18 +143,28 @@ def cp_planner_config(cfg, cp: int):
 
 
 def cp_planner(cfg, cp: int, comm_type: str = "p2p", flash_memory: bool = True):
-    """A DynaPipePlanner that plans micro-batches for CP groups of `cp` (static size)."""
+    """A DynaPipePlanner that plans micro-batches for CP groups of `cp` (static size); `cfg`
+    counts every GPU of a pipeline stage as data parallel (see `cp_planner_config`)."""
     from megatron.planner.cost.cost_model import CostModel
     from megatron.planner.dynapipe.planner import DynaPipePlanner
-    base = CostModel.load(cfg.cost_model_path)
     if cp == 1:
-        return DynaPipePlanner(cfg, cost_model=base)
-    cm = ContextParallelCostModel(base, cp, comm_type, cfg.bandwidth_gbps, cfg.link_latency_ms,
-                                  cfg.activation_bytes, flash_memory)
+        return DynaPipePlanner(cfg, cost_model=CostModel.load(cfg.cost_model_path))
+    cfg = dataclasses.replace(cp_planner_config(cfg, cp), context_parallel=cp, cp_comm_type=comm_type)
+    return cp_group_planner(cfg, flash_memory)
+
+
+def cp_group_planner(cfg, flash_memory: bool = True):
+    """The planner of a config whose `context_parallel` is set and whose `data_parallel`
+    already counts CP groups (the runtime's: megatron/training/supervised.py)."""
+    from megatron.planner.cost.cost_model import CostModel
+    from megatron.planner.dynapipe.planner import DynaPipePlanner
+    cp = cfg.context_parallel
+    cm = ContextParallelCostModel(CostModel.load(cfg.cost_model_path), cp, cfg.cp_comm_type, cfg.bandwidth_gbps,
+                                  cfg.link_latency_ms, cfg.activation_bytes, flash_memory)
 
     class ContextParallelPlanner(DynaPipePlanner):
         def _pre_post(self, which, rc, mbs, seq, tp):
             """The embedding and the head (logits, loss) of a CP rank hold its s/N tokens."""
             return super()._pre_post(which, rc, mbs, np.asarray(seq, float) / cp, tp)
 
-    return ContextParallelPlanner(cp_planner_config(cfg, cp), cost_model=cm)
+    return ContextParallelPlanner(cfg, cost_model=cm)

@@ -10,7 +10,7 @@ from megatron.profiling.cp_memory import cp_memory_rows
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_cp_memory_model_within_five_percent(dtype):
-    rows = cp_memory_rows(dict(seq=64, batch=2, heads=2, head_size=8), dtype=dtype, timeout_s=120)
+    rows = list(cp_memory_rows(dict(seq=64, batch=2, heads=2, head_size=8), dtype=dtype, timeout_s=120))
     assert [(r["cp"], r["comm"]) for r in rows] == [(1, "one_process"), (2, "all_gather"), (2, "p2p"),
                                                      (4, "all_gather"), (4, "p2p")]
     for r in rows:
