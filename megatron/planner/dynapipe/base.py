@@ -558,8 +558,9 @@ class DynaPipeBase:
                     return ((se, b, h),)
                 return ((sd, b, h), (se, b, h))
 
+            loads = [((b, se // cp),) for ((b, se),) in shapes] if cp > 1 else shapes  # a CP rank's share
             plans = lower_to_plans([list(ops) for ops in orders], self.stage_to_rank,
-                                   [((b, se // cp),) for ((b, se),) in shapes] if cp > 1 else shapes, activation_shapes, recompute=rc, dtype=self.cfg.dtype,
+                                   loads, activation_shapes, recompute=rc, dtype=self.cfg.dtype,
                                    iteration=iteration, validate=validate and not self.cfg.stage_parallel)
             if self.cfg.stage_parallel:  # one plan per global rank, row-sliced messages
                 from megatron.pipeline.validator import validate_plans
