@@ -5,6 +5,7 @@ ranks and measures with autograd's saved_tensors_hooks (megatron/profiling/cp_me
 rank (max over ranks), the attention core and one whole GPT layer. One JSON object per line:
 
   core_bytes, layer_bytes        saved bytes per rank
+  core_peak_bytes, _ratio        forward + backward peak of the core (exchange transients included)
   core_ratio, layer_ratio        / the one-process run (issue 45's targets at S >= 2048:
                                  core <= 0.6 at CP 2, <= 0.35 at CP 4)
   core_model_bytes, _error       cp_cost.attention_core_saved_bytes (predicted / measured - 1)

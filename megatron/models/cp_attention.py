@@ -55,9 +55,9 @@ class ContextParallelSpec:
         n = self.index.numel()
         return self.all_index[r * n:(r + 1) * n]
 
-    def mask(self, key_index: torch.Tensor) -> torch.Tensor:
-        """bool [b|1, 1, l, len(key_index)]: True = the local query may attend to the key."""
-        q, k = self.index, key_index
+    def mask(self, key_index: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """bool [b|1, 1, l, len(key_index)]: True = the local query (of `rows`) may attend to the key."""
+        q, k = self.index[rows], key_index
         causal = k[None, :] <= q[:, None]
         if self.segment_ids is None:
             return causal[None, None]

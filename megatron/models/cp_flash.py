@@ -13,7 +13,7 @@ so a rank keeps ~1/CP of what one process keeps for the whole sequence.
   accumulator of that block's dK/dV to which every rank adds its share; a last shift brings
   each accumulator home. No gathered K/V is kept: the ring re-fetches the blocks.
 * ``GatheredAttention`` (all_gather): all-gather K/V, attend block by block (same online
-  softmax, transient scores of l x S/N); the backward all-gathers K/V again and
+  softmax); the backward all-gathers K/V again and
   reduce-scatters dK/dV. Keeping the gathered K/V instead would save that second all-gather
   but hold CP x the local K/V per layer (0.625 of one process at CP 4, not ~1/CP): the
   memory is what CP is for, so K/V are gathered twice, as the ring sends them twice.
@@ -30,6 +30,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel.mappings import _gather_first, _reduce_scatter_first
+
+
+# Queries and keys per score tile: a block's transient scores are [b, np, TILE, TILE] (each
+# tile is merged into the online softmax like a block), not local queries x block keys.
+TILE = 256
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -52,34 +57,47 @@ class _Blocks:
         self.scale = 1.0 / (q.shape[-1] ** 0.5)
         self.sd = stat_dtype(q.dtype)
 
-    def _scores(self, q, k, keys):
+    def _scores(self, q, k, rows, keys):
         s = (q @ k.transpose(-1, -2)).to(self.sd) * self.scale
-        return s.masked_fill(~self.spec.mask(keys), float("-inf"))
+        return s.masked_fill(~self.spec.mask(keys, rows), float("-inf"))
 
-    def _keep(self, q, keys):
+    def _keep(self, q, rows, keys):
         if self.p <= 0:
             return None
         b, np_, _, _ = q.shape
-        keep = self.spec.dropout.attention_keep(self.p, self.site, b, self.head0, np_, self.spec.index, keys, q.device)
+        keep = self.spec.dropout.attention_keep(self.p, self.site, b, self.head0, np_, self.spec.index[rows], keys,
+                                                q.device)
         return keep.to(self.sd) / (1.0 - self.p)
 
+    def start(self, q):
+        """Empty state: running maximum -inf, sum 0, output 0 ([b, np, l, 1 | hn], stat dtype)."""
+        b, np_, l, hn = q.shape
+        m = torch.full((b, np_, l, 1), float("-inf"), dtype=self.sd, device=q.device)
+        return m, torch.zeros_like(m), torch.zeros((b, np_, l, hn), dtype=self.sd, device=q.device)
+
     def forward(self, q, k, v, keys, state):
-        """Merge the block (k, v at absolute positions `keys`) into state (m, z, acc) or None."""
-        s = self._scores(q, k, keys)
-        m_blk = s.amax(-1, keepdim=True)
-        m_new = m_blk if state is None else torch.maximum(state[0], m_blk)
+        """Merge the block (k, v [b, np, lk, hn] at absolute positions `keys`) into `state`,
+        TILE queries x TILE keys at a time (each tile merged like a block)."""
+        m, z, acc = state
+        for rows, cols in _tiles(q.shape[-2], k.shape[-2]):
+            st = (m[..., rows, :], z[..., rows, :], acc[..., rows, :])
+            m[..., rows, :], z[..., rows, :], acc[..., rows, :] = self._tile_forward(
+                q[..., rows, :], k[..., cols, :], v[..., cols, :], rows, keys[cols], st)
+        return state
+
+    def _tile_forward(self, q, k, v, rows, keys, state):
+        s = self._scores(q, k, rows, keys)
+        m_old, z, acc = state
+        m_new = torch.maximum(m_old, s.amax(-1, keepdim=True))
         # rows with no visible key yet keep m = -inf; exponents are taken against 0 there
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         e = torch.exp(s - m_safe)
         z_blk = e.sum(-1, keepdim=True)
-        keep = self._keep(q, keys)
+        keep = self._keep(q, rows, keys)
         if keep is not None:
             e = e * keep
         pv = (e.to(v.dtype) @ v).to(self.sd)
-        if state is None:
-            return m_new, z_blk, pv
-        m_old, z, acc = state
-        alpha = torch.exp(m_old - m_safe)  # exp(-inf) = 0: nothing seen before
+        alpha = torch.exp(m_old - m_safe)  # exp(-inf) = 0: nothing seen before (then z, acc are 0)
         return m_new, z * alpha + z_blk, acc * alpha + pv
 
     @staticmethod
@@ -89,9 +107,21 @@ class _Blocks:
         return (acc / z).to(dtype), m + torch.log(z)
 
     def backward(self, q, k, v, keys, do, lse, d):
-        """dq, dk, dv (stat dtype) of one block, from the recomputed probabilities."""
-        p = torch.exp(self._scores(q, k, keys) - lse)
-        keep = self._keep(q, keys)
+        """dq, dk, dv (stat dtype) of one block from the recomputed probabilities, by tiles."""
+        dq = torch.zeros(q.shape, dtype=self.sd, device=q.device)
+        dk = torch.zeros(k.shape, dtype=self.sd, device=q.device)
+        dv = torch.zeros(v.shape, dtype=self.sd, device=q.device)
+        for rows, cols in _tiles(q.shape[-2], k.shape[-2]):
+            g = self._tile_backward(q[..., rows, :], k[..., cols, :], v[..., cols, :], rows, keys[cols],
+                                    do[..., rows, :], lse[..., rows, :], d[..., rows, :])
+            dq[..., rows, :] += g[0]
+            dk[..., cols, :] += g[1]
+            dv[..., cols, :] += g[2]
+        return dq, dk, dv
+
+    def _tile_backward(self, q, k, v, rows, keys, do, lse, d):
+        p = torch.exp(self._scores(q, k, rows, keys) - lse)
+        keep = self._keep(q, rows, keys)
         pd = p if keep is None else p * keep
         dv = pd.to(do.dtype).transpose(-1, -2) @ do
         dp = (do @ v.transpose(-1, -2)).to(self.sd)
@@ -99,6 +129,10 @@ class _Blocks:
             dp = dp * keep
         ds = (p * (dp - d) * self.scale).to(q.dtype)
         return (ds @ k).to(self.sd), (ds.transpose(-1, -2) @ q).to(self.sd), dv.to(self.sd)
+
+
+def _tiles(queries: int, keys: int):
+    return [(slice(i, i + TILE), slice(j, j + TILE)) for i in range(0, queries, TILE) for j in range(0, keys, TILE)]
 
 
 def _row_term(dout, out, sd):
@@ -128,7 +162,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, spec, p, site, head0):
         blk = _Blocks(spec, q, p, site, head0)
-        qb, n, state = _bn(q), spec.size, None
+        qb, n = _bn(q), spec.size
+        state = blk.start(qb)
         kv = torch.stack([k, v])  # one message per step
         for j in range(n):
             pending = _start_shift(kv, spec) if j < n - 1 else None  # the next block travels meanwhile
@@ -172,7 +207,8 @@ class GatheredAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, spec, p, site, head0):
         blk = _Blocks(spec, q, p, site, head0)
-        qb, state = _bn(q), None
+        qb = _bn(q)
+        state = blk.start(qb)
         kv = _gather_kv(k, v, spec)
         for src, sl in _rank_slices(spec, k.shape[0]):
             state = blk.forward(qb, _bn(kv[sl, ..., 0, :]), _bn(kv[sl, ..., 1, :]), spec.rank_index(src), state)

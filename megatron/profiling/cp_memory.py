@@ -68,7 +68,8 @@ def _rank(rank: int, world: int, comms, shape: dict, dtype: str, local_of=()) ->
     for comm in comms:  # one launch measures every exchange
         spec = _spec(world, rank, comm, s) if world > 1 else None
         # one process on s/n tokens: what the cost model prices a CP n rank's layer as
-        out[comm] = {"core": measure_saved(core, qkv).saved_bytes, "layer": layer_bytes(local),
+        got = measure_saved(core, qkv)
+        out[comm] = {"core": got.saved_bytes, "core_peak": got.peak_bytes, "layer": layer_bytes(local),
                      **{f"layer_at_{n}": layer_bytes(s // n) for n in local_of}}
     return out
 
@@ -88,6 +89,8 @@ def cp_memory_rows(shape: dict, sizes: Iterable[int] = (1, 2, 4), comms: Iterabl
         for comm in names:
             row = {"cp": n, "comm": comm, **shape, "dtype": dtype,
                    "core_bytes": max(g[comm]["core"] for g in got), "layer_bytes": max(g[comm]["layer"] for g in got),
+                   # forward + backward peak of the core: inputs, kept bytes and the exchange's transients
+                   "core_peak_bytes": max(g[comm]["core_peak"] for g in got),
                    "core_model_bytes": attention_core_saved_bytes(shape["batch"], shape["seq"], shape["heads"],
                                                                   shape["head_size"], n, act)}
             base = base or dict(row, **got[0][comm])
@@ -96,6 +99,7 @@ def cp_memory_rows(shape: dict, sizes: Iterable[int] = (1, 2, 4), comms: Iterabl
             row["layer_model_bytes"] = base["layer"] if n == 1 else base[f"layer_at_{n}"]
             row["layer_model_error"] = round(row["layer_model_bytes"] / row["layer_bytes"] - 1, 4)
             row["core_ratio"] = round(row["core_bytes"] / base["core_bytes"], 4)
+            row["core_peak_ratio"] = round(row["core_peak_bytes"] / base["core_peak_bytes"], 4)
             row["layer_ratio"] = round(row["layer_bytes"] / base["layer_bytes"], 4)
             row["core_model_error"] = round(row["core_model_bytes"] / row["core_bytes"] - 1, 4)
             yield row

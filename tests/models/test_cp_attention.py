@@ -35,8 +35,12 @@ def _reference(packed: bool, dropout: float):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _cp_rank(rank, world, comm, packed, dropout):
+def _cp_rank(rank, world, comm, packed, dropout, tile=None):
     import torch.distributed as dist
+
+    import megatron.models.cp_flash as cp_flash
+    if tile is not None:  # blocks cut into uneven query x key tiles, each merged into the online softmax
+        cp_flash.TILE = tile
     from megatron.core.context_parallel import all_token_index
     from megatron.models.cp_attention import ContextParallelSpec, cp_core_attention
     q, k, v, dout = _inputs()
@@ -56,6 +60,14 @@ def _cp_rank(rank, world, comm, packed, dropout):
 def test_cp_attention_equals_whole_sequence(world, comm, packed, dropout):
     ref = _reference(packed, dropout)
     for idx, *got in run_distributed(_cp_rank, world, comm, packed, dropout):
+        for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+            torch.testing.assert_close(g, r.index_select(0, idx), rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("comm", ["all_gather", "p2p"])
+def test_cp_attention_tiles_equal_whole_sequence(comm):
+    ref = _reference(True, 0.3)
+    for idx, *got in run_distributed(_cp_rank, 2, comm, True, 0.3, tile=3):
         for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
             torch.testing.assert_close(g, r.index_select(0, idx), rtol=1e-12, atol=1e-12, msg=name)
 
