@@ -133,6 +133,7 @@ PROOFS: Dict[Tuple[str, str], str] = {
     ("distopt", "cp"): _CP + "test_cp_distributed_optimizer_shards_over_dp_x_cp",
     ("sp", "cp"): _CP + "test_cp_sequence_parallel_rope_matches_single_process",
     ("packing", "cp"): _CP + "test_cp_multitask_equals_whole_batch_step[packing-2-2-1-1]",
+    ("dynapipe", "cp"): _CP + "test_cp_multitask_equals_whole_batch_step[dynapipe-4-2-2-1]",
     ("cp", "rc_full"): _CP + "test_cp_dropout_matches_keyed_single_process[cp2_p2p_full_recompute]",
     ("cp", "rc_sel"): _CP + "test_cp_dropout_matches_keyed_single_process[cp2_tp2_sp_selective]",
     ("sp", "rc_full"): _SP + "[tp2_full_recompute-2-kw3]",

@@ -26,10 +26,10 @@ def check_context_parallel_config(cfg) -> None:
     if cfg.terapipe.enabled:
         raise ValueError(f"{flag} with --terapipe: token slices and context parallelism both cut the sequence; "
                          "pick one (the planner prices both: benchmarks/bench_cp.py)")
-    if d.dynapipe:
-        raise ValueError(f"{flag} with --dynapipe is not supported yet: DynaPipe's batch source and plans carry "
-                         "CP 1 micro-batches (the planner prices DynaPipe + CP: megatron/planner/cost/cp_cost.py); "
-                         "drop one")
+    if d.dynapipe and d.dynapipe_packed_rows:
+        raise ValueError(f"{flag} with --dynapipe-packed-rows: DynaPipe plans a static CP group's micro-batches "
+                         "of padded samples only (packed rows under CP are priced per document nowhere yet); drop "
+                         "--dynapipe-packed-rows, or use --pack-dataset without --dynapipe")
     c = cfg.compression
     if c.grad_comp or c.emb_comm_opt or c.emb_grad_comp:
         raise ValueError(f"{flag} with --grad-comp / --emb-comm-opt / --emb-grad-comp: these sum gradients over "

@@ -41,7 +41,11 @@ def pad_multiple(cfg: MegatronConfig) -> int:
     every stage's TP size (each TP rank holds an equal piece of the sequence)."""
     p = cfg.parallel
     tps = [t for t, _ in p.stage_parallel] if p.stage_parallel else [p.tensor_model_parallel_size]
-    return math.lcm(PAD_MULTIPLE, *tps) if cfg.model.sequence_parallel else PAD_MULTIPLE
+    q = math.lcm(PAD_MULTIPLE, *tps) if cfg.model.sequence_parallel else PAD_MULTIPLE
+    if p.context_parallel_size > 1:  # each CP rank holds 2 equal chunks of every row (cut again by SP)
+        from megatron.config.context_parallel import cp_granule
+        q = math.lcm(q, cp_granule(cfg))
+    return q
 
 
 def _round_up(n, q: int = PAD_MULTIPLE) -> int:
@@ -386,12 +390,16 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   # rank's shard; only the optimizer state is sharded over DP, and only with the flag.
                   weight_grad_bytes_per_param=8.0,
                   optimizer_bytes_per_param=12.0 if cfg.training.use_distributed_optimizer else 8.0,
-                  zero_shards=ps.dp_size if cfg.training.use_distributed_optimizer else 1,
+                  zero_shards=ps.dp_size * ps.cp_size if cfg.training.use_distributed_optimizer else 1,
                   # The simulator then times compressed gradient messages at their real size.
                   grad_compress_rank=cfg.compression.inter_grad_comp_rank if cfg.compression.inter_grad_comp else 0,
                   grad_compress_epilogue_only=cfg.compression.inter_grad_comp_epilogue_only,
                   sequence_parallel=m.sequence_parallel, num_attention_heads=m.num_attention_heads,
                   packed_rows=d.dynapipe_packed_rows,
+                  # a static CP group per DP rank: each rank sends S/CP tokens across stage
+                  # boundaries (priced as CP x the bandwidth, as cp_cost.cp_planner_config does)
+                  context_parallel=ps.cp_size, cp_comm_type=cfg.parallel.cp_comm_type,
+                  bandwidth_gbps=DynaPipeConfig.bandwidth_gbps * ps.cp_size,
                   # --recompute-granularity with --dynapipe: plan only that level, never drop it
                   **({"recompute_levels": (cfg.training.recompute_granularity,)}
                      if cfg.training.recompute_granularity else {}),

@@ -102,9 +102,16 @@ def _multitask(rank, world, data, mode, cp, pp=1, tp=1):
 
 
 @pytest.mark.parametrize("mode,world,cp,pp,tp", [("packing", 2, 2, 1, 1), ("packing", 4, 2, 2, 1),
-                                                ("fixed", 4, 4, 1, 1), ("fixed", 4, 2, 1, 2)])
+                                                ("fixed", 4, 4, 1, 1), ("fixed", 4, 2, 1, 2),
+                                                # DynaPipe plans a static CP group's micro-batches
+                                                ("dynapipe", 2, 2, 1, 1), ("dynapipe", 4, 2, 2, 1)])
 def test_cp_multitask_equals_whole_batch_step(multitask, mode, world, cp, pp, tp):  # noqa: F811
     import tests.training.test_dynapipe_training as td
     ref = run_distributed(td._train, 1, "gpt", multitask, "whole")
     outs = run_distributed(_multitask, world, multitask, mode, cp, pp, tp, timeout_s=240)
     td._check(ref, outs)
+    if mode == "dynapipe":  # DynaPipe's own plans ran: padded to 2 x CP chunks, cut into micro-batches
+        info = [o for o in outs if o["is_last"]][0]["info"]
+        assert all(i["planner"] == "dynapipe" for i in info)
+        assert max(i["num_microbatches"][0] for i in info) > 1
+        assert all(shape[1] % (2 * cp) == 0 for i in info for shape in i["microbatch_shapes"])

@@ -14,13 +14,16 @@ into a token-wise part and an attention part beta * b * s^2 (megatron.planner.co
   `all_gather` pays it exposed (gather, then attend; backward reduce-scatter), `p2p` (ring)
   sends N-1 blocks of V/(N-1), each overlapped with attending to the block before it, so only
   what a block's transfer takes beyond its attention is exposed;
-* memory: the table's stored/peak memory of s/N tokens without its score-matrix term (CP runs
-  a flash kernel, as Megatron-Core's CP does through Transformer Engine: no s^2 scores are
-  kept; the same rule attention_cost applies to per-document kernels), plus the gathered K/V
-  (all_gather keeps all S keys and values per layer for the backward; the ring holds two
-  blocks in flight and receives them again in the backward, as Megatron-Core's ring does).
-  `flash_memory=False` keeps the table's score memory and adds the s^2/N
-  share instead (the A100 tables' non-flash kernels).
+* memory: the table's stored/peak memory of s/N tokens without its score-matrix term. The
+  runtime (megatron/models/cp_flash.py) is flash-style for both exchanges: a rank keeps q, k,
+  v and the output of its s/N tokens and a log-sum-exp per row and head, recomputes scores in
+  the backward and fetches K/V again (the ring re-sends the blocks, all_gather gathers
+  again), so no gathered K/V is stored: `attention_core_saved_bytes`, fitted to what the
+  runtime keeps (megatron/profiling/cp_memory.py, within 1 %: tests/planner/cost/test_cp_memory_model.py).
+  The exchange's buffers are transient, in the peak only: all_gather holds all S keys and
+  values and, in the backward, their gradients (float32); the ring two blocks in flight and,
+  in the backward, two float32 dK/dV accumulators. `flash_memory=False` keeps the table's
+  score memory and adds the s^2/N share instead (the A100 tables' non-flash kernels).
 
 `ContextParallelCostModel` wraps a `CostModel` with these rules, so every planner that reads a
 cost model (DynaPipe, the baselines) plans at a static CP size unchanged: give it the data-
@@ -38,6 +41,16 @@ import numpy as np
 from megatron.planner.cost.attention_cost import MEMORY_QUANTITIES, AttentionCost
 
 COMM_TYPES = ("all_gather", "p2p")
+STAT_BYTES = 4  # softmax statistics and gradient accumulators: float32 (float64 for float64 inputs)
+
+
+def attention_core_saved_bytes(b, s, heads, head_size, cp: int, activation_bytes: int = 2) -> float:
+    """Bytes one rank's attention core keeps for the backward, either exchange, CP 1 included
+    (one process: torch's SDPA flash kernel keeps the same): q, k, v and the output of its s/cp
+    tokens, and the log-sum-exp of each of its query rows and heads (float32; float64 inputs
+    keep float64 statistics)."""
+    local = np.asarray(s, float) / cp * np.asarray(b, float) * heads
+    return 4.0 * local * head_size * activation_bytes + local * max(STAT_BYTES, activation_bytes)
 
 
 class ContextParallelCostModel:
@@ -88,23 +101,23 @@ class ContextParallelCostModel:
         attn_fwd = self._attention_ms(tp, recompute, "forward_ms", b, s)
         attn_bwd = self._attention_ms(tp, recompute, "backward_ms", b, s)
         vol = self.exchange_mb(tp, b, s)
+        stat = max(STAT_BYTES, self.bytes) / self.bytes  # float32 gradient buffers per activation byte
         if self.comm_type == "all_gather":
             fwd_comm = self._ms(vol) + self.latency_ms
-            bwd_comm = self._ms(vol) + self.latency_ms  # reduce-scatter of dK, dV
-            kv_mem = vol  # all S keys/values kept for the backward
+            bwd_comm = 2 * self._ms(vol) + self.latency_ms  # K/V gathered again, then dK/dV reduce-scattered
+            transient = vol * (1 + stat)  # gathered K/V and, in the backward, their gradients
         else:
             block = self._ms(vol / (n - 1)) + self.latency_ms
             fwd_comm = (n - 1) * np.maximum(block - attn_fwd / n, 0.0)
-            bwd_comm = (n - 1) * np.maximum(2 * block - attn_bwd / n, 0.0)  # K/V and dK/dV travel
-            kv_mem = 2 * vol / (n - 1)  # two blocks in flight (a transient: the backward receives them again)
+            # K/V and dK/dV travel together, overlapped; the last accumulator's trip home is exposed
+            bwd_comm = (n - 1) * np.maximum((1 + stat) * block - attn_bwd / n, 0.0) + stat * block
+            transient = 2 * vol / (n - 1) * (1 + stat)  # two blocks in flight, two dK/dV accumulators
         if recompute == "full":  # the backward replays the forward, exchange included
             bwd_comm = bwd_comm + fwd_comm
         out["forward_ms"] = out["forward_ms"] + fwd_comm
         out["backward_ms"] = out["backward_ms"] + bwd_comm
-        for q in MEMORY_QUANTITIES:
-            if q in out:
-                kept = q == "stored_mb" and recompute != "full" and self.comm_type == "all_gather"
-                out[q] = out[q] + (kv_mem if kept or q == "peak_mb" else 0.0)
+        if "peak_mb" in out:  # nothing exchanged is stored (attention_core_saved_bytes)
+            out["peak_mb"] = out["peak_mb"] + transient
         return out
 
     def _attention_ms(self, tp, rc, quantity, b, s) -> np.ndarray:
@@ -130,18 +143,28 @@ def cp_planner_config(cfg, cp: int):
 
 
 def cp_planner(cfg, cp: int, comm_type: str = "p2p", flash_memory: bool = True):
-    """A DynaPipePlanner that plans micro-batches for CP groups of `cp` (static size)."""
+    """A DynaPipePlanner that plans micro-batches for CP groups of `cp` (static size); `cfg`
+    counts every GPU of a pipeline stage as data parallel (see `cp_planner_config`)."""
     from megatron.planner.cost.cost_model import CostModel
     from megatron.planner.dynapipe.planner import DynaPipePlanner
-    base = CostModel.load(cfg.cost_model_path)
     if cp == 1:
-        return DynaPipePlanner(cfg, cost_model=base)
-    cm = ContextParallelCostModel(base, cp, comm_type, cfg.bandwidth_gbps, cfg.link_latency_ms,
-                                  cfg.activation_bytes, flash_memory)
+        return DynaPipePlanner(cfg, cost_model=CostModel.load(cfg.cost_model_path))
+    cfg = dataclasses.replace(cp_planner_config(cfg, cp), context_parallel=cp, cp_comm_type=comm_type)
+    return cp_group_planner(cfg, flash_memory)
+
+
+def cp_group_planner(cfg, flash_memory: bool = True):
+    """The planner of a config whose `context_parallel` is set and whose `data_parallel`
+    already counts CP groups (the runtime's: megatron/training/supervised.py)."""
+    from megatron.planner.cost.cost_model import CostModel
+    from megatron.planner.dynapipe.planner import DynaPipePlanner
+    cp = cfg.context_parallel
+    cm = ContextParallelCostModel(CostModel.load(cfg.cost_model_path), cp, cfg.cp_comm_type, cfg.bandwidth_gbps,
+                                  cfg.link_latency_ms, cfg.activation_bytes, flash_memory)
 
     class ContextParallelPlanner(DynaPipePlanner):
         def _pre_post(self, which, rc, mbs, seq, tp):
             """The embedding and the head (logits, loss) of a CP rank hold its s/N tokens."""
             return super()._pre_post(which, rc, mbs, np.asarray(seq, float) / cp, tp)
 
-    return ContextParallelPlanner(cp_planner_config(cfg, cp), cost_model=cm)
+    return ContextParallelPlanner(cfg, cost_model=cm)

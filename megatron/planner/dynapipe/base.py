@@ -554,6 +554,9 @@ class DynaPipeBase:
             # sequence parallel: [s/tp, b, h] pieces; with per-stage TP the lowered plans carry
             # the whole sequence and `split_plans` cuts each stage's pieces at its own TP
             sp = self.cfg.tensor_parallel if self.cfg.sequence_parallel and not self.cfg.stage_parallel else 1
+            # context parallelism: a rank loads and sends its S/CP tokens of each row (and SP cuts those)
+            cp = self.cfg.context_parallel
+            sp *= cp
 
             def activation_shapes(mb, stage):
                 b, se, sd = act[mb]
@@ -564,8 +567,9 @@ class DynaPipeBase:
                     return ((se, b, h),)
                 return ((sd, b, h), (se, b, h))
 
+            loads = [((b, se // cp),) for ((b, se),) in shapes] if cp > 1 else shapes  # a CP rank's share
             plans = lower_to_plans([list(ops) for ops in orders], self.stage_to_rank,
-                                   shapes, activation_shapes, recompute=rc, dtype=self.cfg.dtype,
+                                   loads, activation_shapes, recompute=rc, dtype=self.cfg.dtype,
                                    iteration=iteration, validate=validate and not self.cfg.stage_parallel)
             if self.cfg.stage_parallel:  # one plan per global rank, row-sliced messages
                 from megatron.pipeline.validator import validate_plans

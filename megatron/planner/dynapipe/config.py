@@ -83,6 +83,11 @@ class DynaPipeConfig:
     # `stage_layer_counts` layers; the plans are lowered onto the ranks (megatron/planner/passes/layout.py).
     stage_parallel: Optional[Tuple[Tuple[int, int], ...]] = None
     stage_layer_counts: Optional[Tuple[int, ...]] = None
+    # GPT: a static context-parallel group of this many ranks per DP rank runs every micro-batch
+    # (each rank its 2 chunks of every row): priced by megatron/planner/cost/cp_cost.py (the
+    # worker builds that planner), plans lowered with the S/CP-token stage boundaries a rank sends.
+    context_parallel: int = 1
+    cp_comm_type: str = "p2p"
 
     def __post_init__(self):
         if self.model_kind not in ("gpt", "t5"):
@@ -103,6 +108,12 @@ class DynaPipeConfig:
         if self.sequence_parallel and any(self.pad_multiple % t for t in tps):
             raise ValueError(f"sequence_parallel splits each micro-batch's length over the TP ranks: pad_multiple "
                              f"({self.pad_multiple}) must be a multiple of every TP size ({sorted(set(tps))})")
+        cp = self.context_parallel
+        # plans lower S/CP-token boundaries: lengths must cut into 2 x CP chunks (pricing alone need not)
+        if cp > 1 and (self.model_kind != "gpt" or (self.emit_plans and self.pad_multiple % (2 * cp))
+                       or self.token_slices or self.stage_parallel or self.packed_rows):
+            raise ValueError(f"context_parallel {cp}: GPT only, pad_multiple ({self.pad_multiple}) a multiple of "
+                             f"2 x CP where plans are emitted, no token slices, per-stage layouts or packed rows")
         bad = [r for r in self.recompute_levels if r not in RECOMPUTE_LEVELS]
         if bad or not self.recompute_levels:
             raise ValueError(f"recompute_levels must be a non-empty subset of {RECOMPUTE_LEVELS}, "

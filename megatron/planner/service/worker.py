@@ -29,7 +29,11 @@ def planner_for(config):
     key = repr(config)
     planner = _PLANNERS.get(key)
     if planner is None:
-        planner = _PLANNERS[key] = DynaPipePlanner(config)
+        if config.context_parallel > 1:  # priced as a CP group's rank (megatron/planner/cost/cp_cost.py)
+            from megatron.planner.cost.cp_cost import cp_group_planner
+            planner = _PLANNERS[key] = cp_group_planner(config)
+        else:
+            planner = _PLANNERS[key] = DynaPipePlanner(config)
     return planner
 
 

@@ -26,9 +26,11 @@ def test_a_cp_rank_does_its_share_of_attention_and_exchanges_kv(table):
     ring = ContextParallelCostModel(table, 2, "p2p")
     # K and V of the other rank's half, 16-bit: 2 * s/2 * h * 2 bytes
     assert float(ag.exchange_mb(1, b, s)) == pytest.approx(2 * s / 2 * 4096 * 2 / 1e6)
-    # the ring overlaps its blocks with attention; the all-gather keeps every key and value
-    assert ring.layer("encoder", 1, "selective", b, s)["forward_ms"] <= ag.layer("encoder", 1, "selective", b, s)["forward_ms"]
-    assert ring.layer("encoder", 1, "selective", b, s)["stored_mb"] < ag.layer("encoder", 1, "selective", b, s)["stored_mb"]
+    # the ring overlaps its blocks with attention; neither exchange stores K/V it fetched (both
+    # fetch them again in the backward), so both store what s/2 tokens with a flash kernel store
+    r, a = ring.layer("encoder", 1, "selective", b, s), ag.layer("encoder", 1, "selective", b, s)
+    assert r["forward_ms"] <= a["forward_ms"]
+    assert r["stored_mb"] == a["stored_mb"] < 0.6 * whole["stored_mb"]
     ag4, ring4 = ContextParallelCostModel(table, 4, "all_gather"), ContextParallelCostModel(table, 4, "p2p")
     assert ring4.layer("encoder", 1, "none", b, s)["peak_mb"] < ag4.layer("encoder", 1, "none", b, s)["peak_mb"]
 
