@@ -15,19 +15,20 @@ def add_moe_args(p) -> None:
     g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (None/0: dense)")
     g.add_argument("--moe-router-topk", type=int, default=2, help="experts per token")
     g.add_argument("--moe-layer-freq", type=str, default="1",
-                   help="int N: every N-th layer (0, N, 2N, ...) is MoE; or a list of 0/1 per layer, e.g. \"[1,0,1,0]\"")
+                   help="int N: layers 0, N, 2N, ... are MoE; or a list of 0/1 per layer, e.g. \"[1,0,1,0]\"")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="FFN width of each expert "
                    "(default: --ffn-hidden-size)")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="total FFN width of the shared expert(s); none by default")
-    g.add_argument("--moe-router-load-balancing-type", default="aux_loss", choices=["aux_loss", "seq_aux_loss", "none"],
-                   help="auxiliary load-balancing loss")
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="load-balancing loss coefficient (1e-2 is usual)")
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "none"], help="auxiliary load-balancing loss")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                   help="load-balancing loss coefficient (1e-2 is usual)")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="router z-loss coefficient (1e-3 is usual)")
     g.add_argument("--moe-router-pre-softmax", action="store_true", help="softmax over all experts before top-k")
     g.add_argument("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"],
                    help="router score function")
-    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None, help="multiply the top-k probabilities")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None, help="scale the top-k probs")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
                    help="aux-loss-free balancing: per-expert selection bias (DeepSeek-V3; needs sigmoid scores)")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3, help="expert-bias step per iteration")
@@ -57,7 +58,8 @@ def moe_config(args) -> Optional[MoEConfig]:
         _require(args.expert_model_parallel_size == 1, "--expert-model-parallel-size needs --num-experts")
         return None
     return MoEConfig(
-        num_experts=args.num_experts, router_topk=args.moe_router_topk, layer_freq=parse_layer_freq(args.moe_layer_freq),
+        num_experts=args.num_experts, router_topk=args.moe_router_topk,
+        layer_freq=parse_layer_freq(args.moe_layer_freq),
         ffn_hidden_size=args.moe_ffn_hidden_size,
         shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         router_load_balancing_type=args.moe_router_load_balancing_type, aux_loss_coeff=args.moe_aux_loss_coeff,

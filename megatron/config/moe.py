@@ -42,8 +42,8 @@ class MoEConfig:
         _require(e >= 1, f"--num-experts must be positive, got {e}")
         _require(1 <= k <= e, f"--moe-router-topk ({k}) must be between 1 and --num-experts ({e})")
         _require(self.router_load_balancing_type in ("aux_loss", "seq_aux_loss", "none"),
-                 f"--moe-router-load-balancing-type {self.router_load_balancing_type!r} is not supported: use aux_loss, "
-                 "seq_aux_loss or none (sinkhorn and global_aux_loss are not implemented)")
+                 f"--moe-router-load-balancing-type {self.router_load_balancing_type!r} is not supported: use "
+                 "aux_loss, seq_aux_loss or none (sinkhorn and global_aux_loss are not implemented)")
         _require(self.router_score_function in ("softmax", "sigmoid"),
                  f"--moe-router-score-function must be softmax or sigmoid, got {self.router_score_function!r}")
         _require(self.token_drop_policy in ("probs", "position"),

@@ -45,7 +45,8 @@ class LocalExperts(nn.Module):
         for e in range(first_expert, first_expert + num_local):
             k = f"{key}.{e}.linear_fc1.weight"
             up = init_full((ffn, h), cfg.init_method_std, seed, k)
-            fc1.append(torch.cat([init_full((ffn, h), cfg.init_method_std, seed, k + ".gate"), up]) if self.gated else up)
+            gate = init_full((ffn, h), cfg.init_method_std, seed, k + ".gate") if self.gated else None
+            fc1.append(torch.cat([gate, up]) if self.gated else up)
         self.weight1 = nn.Parameter(torch.stack(fc1))
         self.weight2 = nn.Parameter(torch.stack([init_full((h, ffn), out_std, seed, f"{key}.{e}.linear_fc2.weight")
                                                  for e in range(first_expert, first_expert + num_local)]))
