@@ -63,12 +63,10 @@ def capacity(num_tokens: int, num_experts: int, topk: int, factor: float) -> int
 
 def drop_tokens(probs, routing_map, cap: int, policy: str, pad: bool):
     """Keep at most `cap` tokens per expert (exactly `cap`, padding with zero-prob tokens, with
-    `pad`): by highest probability or earliest position. Returns (probs, map)."""
-    if policy == "probs":
-        score = probs
-    else:  # position: the earliest routed tokens win; later ones score lower
-        t = routing_map.shape[0]
-        score = routing_map.to(probs.dtype) * torch.arange(t, 0, -1, device=probs.device, dtype=probs.dtype)[:, None]
+    `pad`): by highest probability, or by position (routed tokens first). Returns (probs, map)."""
+    # position: a top-k of the 0/1 map along the tokens, as Megatron-Core's
+    # apply_router_token_dropping takes it (which routed tokens survive is torch.topk's choice among ties)
+    score = probs if policy == "probs" else routing_map.int()
     cap = min(cap, routing_map.shape[0])
     _, keep = torch.topk(score, k=cap, dim=0, sorted=False)
     keep_map = torch.zeros_like(routing_map).scatter(0, keep, True)
@@ -100,24 +98,27 @@ class TopKRouter(nn.Module):
         return group_size(self.tp_group)
 
     def _scores(self, logits):
-        """Full-E scores for the aux loss and sigmoid routing."""
+        """Full-E scores for the aux losses (Megatron's compute_routing_scores_for_aux_loss: the
+        softmax in float32 and left there, the sigmoid in the logits' dtype)."""
         if self.moe.router_score_function == "softmax":
-            return torch.softmax(logits, dim=-1)
+            return torch.softmax(logits, dim=-1, dtype=torch.float32)
         s = torch.sigmoid(logits)
         return s / (s.sum(dim=-1, keepdim=True) + 1e-20)
 
     def routing(self, logits):
-        """(probs [T, E] dense, routing_map [T, E] bool) before any dropping."""
+        """(probs [T, E] dense, routing_map [T, E] bool) before any dropping. Score functions run
+        in float32 and are cast back to the logits' dtype, as Megatron-Core's
+        topk_routing_with_score_function does (bf16 logits get a float32 softmax)."""
         k, moe = self.topk, self.moe
         if moe.router_score_function == "softmax":
             if moe.router_pre_softmax:
-                scores = torch.softmax(logits, dim=-1)
+                scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
                 probs, idx = torch.topk(scores, k, dim=-1)
             else:
                 top, idx = torch.topk(logits, k, dim=-1)
-                probs = torch.softmax(top, dim=-1)
+                probs = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
         else:
-            scores = torch.sigmoid(logits)
+            scores = torch.sigmoid(logits.float()).type_as(logits)
             choose = scores + self.expert_bias.to(scores.dtype) if self.expert_bias is not None else scores
             _, idx = torch.topk(choose, k, dim=-1)
             probs = scores.gather(1, idx)
