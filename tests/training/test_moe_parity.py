@@ -9,6 +9,7 @@ everything else from DP rank 0 as in the dense tests.
 import pytest
 
 from megatron.config.moe import MoEConfig
+from megatron.models.moe.layer import moe_layers
 from tests.dist_harness import run_distributed
 from tests.parity_utils import _global_name, assert_parity, make_trainer, shards, tiny_config, train_and_record
 
@@ -50,8 +51,8 @@ def run_moe(rank, world, variant, ep=1, dispatcher="alltoall", grouped=False, **
     cfg = tiny_config(world=world, layers=2, iters=2, arch=dict(moe=moe, **layout.pop("arch", {})), **layout)
     trainer = make_trainer(cfg)
     out = train_and_record(trainer, world, get=lambda what: moe_shards(trainer, what))
-    out["expert_bias"] = {m.layer_number: m.router.expert_bias.clone() for mod in trainer.modules
-                          for m in mod.modules() if getattr(getattr(m, "router", None), "expert_bias", None) is not None}
+    out["expert_bias"] = {m.layer_number: m.router.expert_bias.clone() for m in moe_layers(trainer.modules)
+                          if m.router.expert_bias is not None}
     return out
 
 
@@ -98,7 +99,7 @@ def test_routing_variants_match_single_process(variant, world, kwargs):
         seen = set()
         for o in got:
             for layer, b in o["expert_bias"].items():
-                assert b.equal(bias_ref[layer]), f"layer {layer}: expert bias {b.tolist()} != {bias_ref[layer].tolist()}"
+                assert b.equal(bias_ref[layer]), f"layer {layer}: expert bias {b.tolist()} != {bias_ref[layer]}"
                 seen.add(layer)
         assert seen == set(bias_ref)
 
