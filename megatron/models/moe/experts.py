@@ -74,9 +74,12 @@ class LocalExperts(nn.Module):
             h = F.grouped_mm(x, self.weight1.transpose(-2, -1), offs=offs) + self._bias(self.bias1, counts, n)
             out = F.grouped_mm(self._act(h).contiguous(), self.weight2.transpose(-2, -1), offs=offs)
             return out + self._bias(self.bias2, counts, n)
+        # unbind once: indexing the stacked weights per expert would make every expert's backward
+        # write a full-size zero gradient (E^2 work); unbind's backward stacks the E pieces once
+        w1, w2 = self.weight1.unbind(0), self.weight2.unbind(0)
+        b1 = [None] * len(w1) if self.bias1 is None else self.bias1.unbind(0)
+        b2 = [None] * len(w1) if self.bias2 is None else self.bias2.unbind(0)
         outs = []
         for e, chunk in enumerate(x.split(counts, dim=0)):
-            b1 = None if self.bias1 is None else self.bias1[e]
-            b2 = None if self.bias2 is None else self.bias2[e]
-            outs.append(F.linear(self._act(F.linear(chunk, self.weight1[e], b1)), self.weight2[e], b2))
+            outs.append(F.linear(self._act(F.linear(chunk, w1[e], b1[e])), w2[e], b2[e]))
         return torch.cat(outs, dim=0) if outs else x.new_zeros((0, self.weight2.shape[1]))
