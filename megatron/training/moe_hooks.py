@@ -9,7 +9,8 @@ runs, the expert-bias update after the backward passes, and the per-layer log li
   `_update_router_expert_bias`, at the same point of the step).
 * `report(...)`: at --log-interval, one line per MoE layer on the last rank (and TensorBoard
   scalars `moe/...`): the step's tokens per expert as max/mean load, and each aux loss's mean
-  value per micro-batch. One all-reduce over the world per logged step.
+  value per micro-batch divided by its coefficient (as Megatron logs them: a balanced router's
+  load_balancing_loss is 1.0). One all-reduce over the world per logged step.
 """
 from __future__ import annotations
 

@@ -92,7 +92,7 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = None
         self.aux_grad_scale = lambda: 0.0  # set by MoELayer
-        self.last_aux = {}  # detached loss values of the last forward, for the log
+        self.last_aux = {}  # the last forward's losses over their coefficients (this rank's share), for the log
 
     def _tp(self) -> int:
         return group_size(self.tp_group)
@@ -139,7 +139,7 @@ class TopKRouter(nn.Module):
         if moe.z_loss_coeff and training:
             z = torch.logsumexp(logits, dim=-1).square().mean() * (moe.z_loss_coeff / self._tp())
             logits = AuxLossScaler.apply(logits, z, self.aux_grad_scale)
-            self.last_aux["z_loss"] = z.detach()
+            self.last_aux["z_loss"] = z.detach() / moe.z_loss_coeff  # logged without the coefficient
         probs, rmap = self.routing(logits)
         if moe.expert_capacity_factor is not None:
             cap = capacity(logits.shape[0], self.num_experts, self.topk, moe.expert_capacity_factor)
@@ -165,7 +165,7 @@ class TopKRouter(nn.Module):
             aux = switch_load_balancing_loss(scores.reshape(seq_len, -1), counts, seq_len * tp, self.topk,
                                              self.num_experts, moe.aux_loss_coeff) / batch
             name = "seq_load_balancing_loss"
-        self.last_aux[name] = aux.detach()
+        self.last_aux[name] = aux.detach() / moe.aux_loss_coeff  # as Megatron logs it: 1.0 = balanced
         return AuxLossScaler.apply(probs, aux, self.aux_grad_scale)
 
     @torch.no_grad()
