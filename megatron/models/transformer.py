@@ -235,7 +235,7 @@ class TransformerLayer(nn.Module):
         if self.is_moe:  # mixture of experts (megatron/models/moe), per --moe-layer-freq
             from megatron.models.moe.layer import MoELayer
             self.mlp = MoELayer(cfg, tp_group, ep_group=ep_group, ep_rank=ep_rank, seed=seed, key=key + ".mlp",
-                                out_std=out_std, layer_number=layer_number)
+                                out_std=out_std, layer_number=layer_number, dense_mlp=ParallelMLP)
         else:
             self.mlp = ParallelMLP(cfg, tp_group, seed=seed, key=key + ".mlp", out_std=out_std)
         self.relative_bias = relative_bias

@@ -8,6 +8,7 @@ from megatron.config.core import ModelConfig
 from megatron.config.moe import MoEConfig
 from megatron.models.moe.experts import LocalExperts
 from megatron.models.moe.layer import MoELayer
+from megatron.models.transformer import ParallelMLP
 
 
 @pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="this torch has no torch.nn.functional.grouped_mm")
@@ -35,7 +36,7 @@ def test_layer_is_the_probability_weighted_sum_of_its_experts(gated):
     try:
         moe = MoEConfig(num_experts=4, router_topk=2, expert_capacity_factor=0.75, shared_expert_intermediate_size=16)
         cfg = ModelConfig(hidden_size=16, num_attention_heads=2, ffn_hidden_size=24, swiglu=gated, moe=moe)
-        layer = MoELayer(cfg, None, seed=5, key="l", out_std=0.02, layer_number=0)
+        layer = MoELayer(cfg, None, seed=5, key="l", out_std=0.02, layer_number=0, dense_mlp=ParallelMLP)
         x = torch.randn(6, 2, 16)
         y = layer(x)
         probs, rmap = layer.router(x.reshape(12, 16), 6, 2)

@@ -26,7 +26,8 @@ from megatron.models.moe.router import TopKRouter
 
 class MoELayer(nn.Module):
     def __init__(self, cfg, tp_group, *, ep_group=None, ep_rank: int = 0, seed: int, key: str, out_std: float,
-                 layer_number: int):
+                 layer_number: int, dense_mlp=None):
+        """`dense_mlp`: the dense MLP class (transformer.ParallelMLP) the shared expert is built from."""
         super().__init__()
         moe = cfg.moe
         self.moe, self.layer_number, self.tp_group = moe, layer_number, tp_group
@@ -45,11 +46,10 @@ class MoELayer(nn.Module):
         self.dispatcher = build_dispatcher(moe, ep_group, ep_rank)
         self.shared_experts = None
         if moe.shared_expert_intermediate_size:
-            from megatron.models.transformer import ParallelMLP
             shared_cfg = dataclasses.replace(cfg, ffn_hidden_size=moe.shared_expert_intermediate_size, moe=None,
                                              add_bias_linear=False)
-            self.shared_experts = ParallelMLP(shared_cfg, tp_group, seed=seed, key=key + ".shared_experts",
-                                              out_std=out_std)
+            self.shared_experts = dense_mlp(shared_cfg, tp_group, seed=seed, key=key + ".shared_experts",
+                                            out_std=out_std)
         self.loss_multiplier = 0.0
         self.stats = MoEStats(moe.num_experts)
 
