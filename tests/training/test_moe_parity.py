@@ -73,6 +73,7 @@ LAYOUTS = {
     "ep2_dp2": (4, dict(ep=2)),  # EDP 2: expert gradients summed over the expert-data-parallel group
     "ep2_pp2": (4, dict(ep=2, pp=2)),
     "dp2": (2, dict()),
+    "ep2_full_recompute": (2, dict(ep=2, recompute="full")),  # the all-to-alls run again in the backward
 }
 
 
