@@ -45,10 +45,10 @@ def moe_shards(trainer, what: str) -> dict:
     return out
 
 
-def run_moe(rank, world, variant, ep=1, dispatcher="alltoall", grouped=False, **layout):
+def run_moe(rank, world, variant, ep=1, dispatcher="alltoall", grouped=False, layers=2, **layout):
     moe = MoEConfig(**{**BASE, **VARIANTS[variant]}, expert_model_parallel_size=ep,
                     token_dispatcher_type=dispatcher, grouped_gemm=grouped)
-    cfg = tiny_config(world=world, layers=2, iters=2, arch=dict(moe=moe, **layout.pop("arch", {})), **layout)
+    cfg = tiny_config(world=world, layers=layers, iters=2, arch=dict(moe=moe, **layout.pop("arch", {})), **layout)
     trainer = make_trainer(cfg)
     out = train_and_record(trainer, world, get=lambda what: moe_shards(trainer, what))
     out["expert_bias"] = {m.layer_number: m.router.expert_bias.clone() for m in moe_layers(trainer.modules)
@@ -113,3 +113,9 @@ def test_tensor_parallel_with_sequence_parallel():
     sp = dict(arch=dict(sequence_parallel=True))
     assert_parity(ref, run_distributed(run_moe, 2, "dropless", tp=2, **sp))
     assert_parity(ref, run_distributed(run_moe, 2, "dropless", tp=2, ep=2, **sp))
+
+
+def test_interleaved_schedule_with_expert_parallelism():
+    """EP 2 x PP 2 with two model chunks per pipeline rank (the interleaved 1F1B schedule)."""
+    ref = run_distributed(run_moe, 1, "capacity", layers=4)
+    assert_parity(ref, run_distributed(run_moe, 4, "capacity", layers=4, ep=2, pp=2, vpp_layers=1))
