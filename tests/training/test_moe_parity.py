@@ -72,6 +72,7 @@ LAYOUTS = {
     "ep4_allgather": (4, dict(ep=4, dispatcher="allgather")),
     "ep2_dp2": (4, dict(ep=2)),  # EDP 2: expert gradients summed over the expert-data-parallel group
     "ep2_pp2": (4, dict(ep=2, pp=2)),
+    "ep2_pp2_gpipe": (4, dict(ep=2, pp=2, schedule="gpipe")),
     "dp2": (2, dict()),
     "ep2_full_recompute": (2, dict(ep=2, recompute="full")),  # the all-to-alls run again in the backward
 }
