@@ -137,10 +137,6 @@ def check_moe_parallel(cfg) -> None:
         _require(not cfg.compression.grad_comp, "--grad-comp with --num-experts and expert or tensor parallelism is "
                  "not supported")
     if ep > 1:
-        # torch_format writes one file per (TP, PP) rank from DP rank 0: the other EP ranks' experts
-        # would be missing from it
-        _require(not (cfg.checkpoint.save or cfg.checkpoint.load), "--save/--load with --expert-model-parallel-size "
-                 "> 1 is not supported yet (checkpoints hold DP rank 0's experts only): train with EP 1 to checkpoint")
         _require(not cfg.data.dynapipe, "--dynapipe with --expert-model-parallel-size > 1 is not supported yet (EP "
                  "ranks must run the same micro-batches in lockstep)")
         _require(not cfg.terapipe.enabled, "--terapipe with --expert-model-parallel-size > 1 is not supported")

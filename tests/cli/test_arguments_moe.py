@@ -63,7 +63,6 @@ def test_layer_freq(text, want):
     (["--moe-router-enable-expert-bias"], 1, ["--moe-router-score-function sigmoid"]),
     (["--moe-pad-expert-input-to-capacity"], 1, ["--moe-expert-capacity-factor"]),
     (["--ckpt-format", "megatron-legacy"], 1, ["--ckpt-format megatron-legacy"]),
-    (["--expert-model-parallel-size", "2", "--save", "{tmp}"], 2, ["--save/--load", "--expert-model-parallel-size"]),
     (["--expert-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--pipeline-model-parallel-size", "2"], 4,
      ["--pipeline-schedule zb-h1"]),
 ])
