@@ -43,6 +43,7 @@ from megatron.atomic import atomic_open, fsync_dir as _fsync_dir
 from megatron.checkpointing import contents as checkpoint_contents
 
 from megatron.checkpointing import ownership as checkpoint_ownership
+from megatron.checkpointing import moe_experts
 
 from megatron.checkpointing import megatron_legacy as checkpoint_megatron_legacy
 from megatron.checkpointing import mcore_dist as checkpoint_mcore_dist
@@ -267,6 +268,9 @@ def save_checkpoint(trainer, root: Optional[str] = None) -> str:
             opt_state = shards
         # Every rank: an extra state may gather across data parallelism (collective).
         extras = {key: obj.state_dict() for key, obj in getattr(trainer, "extra_checkpoint_state", {}).items()}
+        model_state = {sid: m.state_dict() for sid, m in trainer.stages.items()}
+        if cfg.model.moe is not None:  # every rank: the EP group's experts into DP rank 0's file
+            moe_experts.gather_experts(trainer, model_state, opt_state)
         if ps.dp_rank == 0 and ps.cp_rank == 0:  # CP ranks hold the same weights: one writes
             state = {
                 "checkpoint_version": CHECKPOINT_VERSION,
@@ -276,7 +280,7 @@ def save_checkpoint(trainer, root: Optional[str] = None) -> str:
                 "skipped_iters": trainer.skipped_iters,
                 "consumed_tokens": getattr(trainer, "consumed_tokens", 0),
                 "logger": trainer.logger.state_dict() if hasattr(trainer.logger, "state_dict") else {},
-                "model": {sid: m.state_dict() for sid, m in trainer.stages.items()},
+                "model": model_state,
                 "optimizer": opt_state,
                 "opt_param_scheduler": trainer.lr_scheduler.state_dict(),
                 "rng_state": rng_state(),
@@ -578,6 +582,11 @@ def load_checkpoint(trainer, root: Optional[str] = None) -> bool:
     except Exception as e:  # noqa: BLE001 - truncated or foreign file without a checksum
         problem = f"cannot read checkpoint {path}: {checkpoint_contents.one_line(e)}"
     problem = problem or checkpoint_contents.structure_problem(state, path)
+    if not problem and cfg.model.moe is not None:
+        try:  # the file holds every expert: keep this EP rank's
+            moe_experts.slice_experts(trainer, state)
+        except (KeyError, ValueError) as e:
+            problem = f"checkpoint {path}: {e}"
     mismatch = [] if problem else config_mismatches(state["config"], cfg.to_dict())
     if any(p.startswith(("--tensor-model", "--pipeline-model-parallel-size")) for p in mismatch) \
             and cfg.parallel.stage_parallel is None:

@@ -11,6 +11,7 @@ import sys
 from typing import Optional, Sequence
 
 from megatron.cli.arguments_megatron import add_megatron_args, apply_megatron_args, extras_from_args, print_notes
+from megatron.cli.arguments_moe import add_moe_args, moe_config
 from megatron.cli.parser import HelpFormatter, OneLineParser, first_to_report, int_list
 from megatron.cli.arguments_systems import (_add_aceso_args, _add_compression_args, _add_dynapipe_args,
                                         _add_fused_kernel_args, _add_profile_args, _add_terapipe_args,
@@ -46,6 +47,7 @@ def build_parser(model_type: str = "gpt") -> argparse.ArgumentParser:
     _add_legacy_args(p)
     _add_profile_args(p)
     add_megatron_args(p)
+    add_moe_args(p)
     return p
 
 
@@ -425,6 +427,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
             sequence_parallel=args.sequence_parallel,
         )
     _apply_fused_kernel_args(args, model)
+    model.moe = moe_config(args)
     _check_enough_processes(args, model_type, world_size)
     parallel = ParallelConfig(
         world_size=world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,

@@ -16,7 +16,7 @@ from megatron.config.checkpoint_formats import check_ckpt_format
 from megatron.config.context_parallel import check_cp_parallel
 from megatron.config.schedules import V_SCHEDULES, check_parallel_schedule, check_schedule_config
 from megatron.config.terapipe import check_terapipe_config
-
+from megatron.config.moe import MoEConfig, check_moe_parallel
 
 
 @dataclass
@@ -64,6 +64,7 @@ class ModelConfig:
     masked_softmax_fusion: bool = True  # packed rows: variable-length attention instead of a dense mask
     bias_gelu_fusion: bool = True
     bias_dropout_fusion: bool = True
+    moe: Optional[MoEConfig] = None  # mixture of experts (--num-experts; megatron/config/moe.py)
 
     def __post_init__(self):
         _require(self.model_type in ("gpt", "t5"), f"model type must be gpt or t5, got {self.model_type!r}")
@@ -84,8 +85,7 @@ class ModelConfig:
                             ("--decoder-seq-length", self.decoder_seq_length)):
                 _require(v > 0, f"{flag} must be positive, got {v}")
         for flag, v in (("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
-                        ("--num-attention-heads", self.num_attention_heads),
-                        ("--seq-length", self.seq_length)):
+                        ("--num-attention-heads", self.num_attention_heads), ("--seq-length", self.seq_length)):
             _require(v > 0, f"{flag} must be positive, got {v}")
         for flag, v in (("--ffn-hidden-size", self.ffn_hidden_size), ("--kv-channels", self.kv_channels),
                         ("--max-position-embeddings", self.max_position_embeddings),
@@ -481,8 +481,8 @@ class MegatronConfig:
         _require(m.num_attention_heads % tp == 0,
                  f"--num-attention-heads ({m.num_attention_heads}) is not divisible by "
                  f"--tensor-model-parallel-size ({tp})")
-        _require(m.query_groups % tp == 0,
-                 f"--num-query-groups ({m.query_groups}) is not divisible by --tensor-model-parallel-size ({tp})")
+        _require(m.query_groups % tp == 0, f"--num-query-groups ({m.query_groups}) is not divisible by "
+                 f"--tensor-model-parallel-size ({tp})")
         _require(m.ffn_hidden_size % tp == 0,
                  f"--ffn-hidden-size ({m.ffn_hidden_size}) is not divisible by --tensor-model-parallel-size ({tp})")
         if p.num_layers_per_virtual_pipeline_stage is not None:
@@ -506,6 +506,7 @@ class MegatronConfig:
                      f"--pipeline-stage-layers {','.join(map(str, p.pipeline_stage_layers))} must list "
                      f"{p.pipeline_model_parallel_size} positive counts summing to --num-layers ({m.num_layers})")
 
+        check_moe_parallel(self)
         if self.data.dynapipe:
             lengths = (m.seq_length,) if m.model_type == "gpt" else (m.encoder_seq_length, m.decoder_seq_length)
             _require(all(n % 8 == 0 for n in lengths),

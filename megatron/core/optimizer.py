@@ -52,9 +52,11 @@ def counts_for_norm(p: nn.Parameter, tp_rank: int) -> bool:
 def global_grad_norm_sq(params: Iterable[nn.Parameter], ps: ParallelState) -> torch.Tensor:
     """Squared global norm (float64, on the host). Summed on the gradients' device and read
     back once: a per-parameter read would stall the host once per parameter."""
+    params = list(params)
     sq = [p.grad.detach().double().pow(2).sum() for p in params
-          if p.grad is not None and counts_for_norm(p, ps.tp_rank)]
+          if p.grad is not None and counts_for_norm(p, ps.tp_rank) and not getattr(p, "expert_parallel", False)]
     total = torch.stack(sq).sum() if sq else torch.zeros((), dtype=torch.float64)
+    expert = _expert_grad_norm_sq(params, ps)
     if ps.stage_layouts:
         # Stages have their own DP sizes, so no group holds exactly one model replica: every
         # stage's DP rank 0 speaks for its (identical, already reduced) replicas.
@@ -65,6 +67,21 @@ def global_grad_norm_sq(params: Iterable[nn.Parameter], ps: ParallelState) -> to
     elif ps.mp_group is not None and ps.tp_size * ps.pp_size > 1:
         total = to_comm(total, ps.mp_group)
         dist.all_reduce(total, group=ps.mp_group)
+    return total.cpu() if expert is None else total.cpu() + expert
+
+
+def _expert_grad_norm_sq(params, ps):
+    """Experts split over EP ranks (megatron/core/expert_parallel.py): a stage's experts are the
+    union over its EP group, and the stages' sums add over the pipeline. Read back to the host once."""
+    if ps.ep_size == 1:
+        return None
+    sq = [p.grad.detach().double().pow(2).sum() for p in params
+          if p.grad is not None and getattr(p, "expert_parallel", False)]
+    total = torch.stack(sq).sum() if sq else torch.zeros((), dtype=torch.float64)
+    total = to_comm(total, ps.ep_group)
+    dist.all_reduce(total, group=ps.ep_group)
+    if ps.pp_group is not None and ps.pp_size > 1:
+        dist.all_reduce(total, group=ps.pp_group)
     return total.cpu()
 
 

@@ -51,6 +51,15 @@ class ParallelState:
     cp_group: Optional[object] = None
     cp_global_ranks: List[int] = field(default_factory=lambda: [0])
     dpcp_group: Optional[object] = None
+    # Expert parallelism (megatron/core/expert_parallel.py): the experts of a stage are split
+    # over ep_group; edp_group holds the ranks with the same experts (their gradients' sum).
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: Optional[object] = None
+    ep_global_ranks: List[int] = field(default_factory=lambda: [0])
+    edp_size: int = 1
+    edp_rank: int = 0
+    edp_group: Optional[object] = None
 
     @property
     def grad_group(self):

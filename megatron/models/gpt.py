@@ -84,7 +84,8 @@ class GPTStage(nn.Module):
         if pre_process:
             self.embedding = GPTEmbedding(cfg, ps, self.padded_vocab, seed)
         layers = [TransformerLayer(cfg, ps.tp_group, layer_number=i, num_layers_total=cfg.num_layers, seed=seed,
-                                   key=f"decoder.layers.{i}") for i in range(layer_start, layer_end)]
+                                   key=f"decoder.layers.{i}", ep_group=ps.ep_group, ep_rank=ps.ep_rank)
+                  for i in range(layer_start, layer_end)]
         self.sequence_parallel = cfg.sequence_parallel and ps.tp_size > 1
         self.decoder = TransformerBlock(layers, recompute_method, recompute_num_layers,
                                         sequence_parallel=self.sequence_parallel)

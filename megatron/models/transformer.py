@@ -212,7 +212,8 @@ class TransformerLayer(nn.Module):
     """Pre-LN layer; `decoder=True` adds cross-attention over the encoder output (T5)."""
 
     def __init__(self, cfg: ModelConfig, tp_group, *, layer_number: int, num_layers_total: int, seed: int,
-                 key: str, causal: bool = True, decoder: bool = False, relative_bias: Optional[nn.Module] = None):
+                 key: str, causal: bool = True, decoder: bool = False, relative_bias: Optional[nn.Module] = None,
+                 ep_group=None, ep_rank: int = 0):
         super().__init__()
         out_std = cfg.init_method_std / math.sqrt(2.0 * num_layers_total)
         self.layer_number = layer_number
@@ -230,14 +231,21 @@ class TransformerLayer(nn.Module):
             self.inter_attention = ParallelAttention(cfg, tp_group, seed=seed, key=key + ".inter_attention",
                                                      cross=True, causal=False, out_std=out_std)
         self.post_attention_layernorm = build_norm(cfg, tp_group)
-        self.mlp = ParallelMLP(cfg, tp_group, seed=seed, key=key + ".mlp", out_std=out_std)
+        self.is_moe = cfg.moe is not None and cfg.moe.moe_layers(num_layers_total)[layer_number]
+        if self.is_moe:  # mixture of experts (megatron/models/moe), per --moe-layer-freq
+            from megatron.models.moe.layer import MoELayer
+            self.mlp = MoELayer(cfg, tp_group, ep_group=ep_group, ep_rank=ep_rank, seed=seed, key=key + ".mlp",
+                                out_std=out_std, layer_number=layer_number, dense_mlp=ParallelMLP)
+        else:
+            self.mlp = ParallelMLP(cfg, tp_group, seed=seed, key=key + ".mlp", out_std=out_std)
         self.relative_bias = relative_bias
         # Bias + dropout + residual in one kernel: the output linears return (y, bias) unadded.
         self.bias_dropout_fusion = cfg.bias_dropout_fusion
         for attn in (self.self_attention, getattr(self, "inter_attention", None)):
             if attn is not None:
                 attn.dense.skip_bias_add = self.bias_dropout_fusion
-        self.mlp.dense_4h_to_h.skip_bias_add = self.bias_dropout_fusion
+        if not self.is_moe:
+            self.mlp.dense_4h_to_h.skip_bias_add = self.bias_dropout_fusion
 
     def _drop(self, x, kv_cache=None, site: int = 0):
         if kv_cache is not None and kv_cache.dropout is not None and self.training and self.hidden_dropout > 0:
@@ -306,7 +314,7 @@ class TransformerLayer(nn.Module):
                  (("enc-attention-dense",), lambda h, r: (attn.dense(h), r)),
                  (("enc-post-attention-dropout",), add_at(0)),
                  (("enc-2nd-layernorm",), lambda h, r: (self.post_attention_layernorm(h), r))]
-        if mlp.gated:  # SwiGLU, gated GeLU/ReLU: gate and up GEMMs have no op rows of their own
+        if self.is_moe or mlp.gated:  # gated MLP (no op rows for gate/up GEMMs) or MoE: one unit
             units.append((MLP_OPS, lambda h, r: (mlp(h), r)))
         else:  # ParallelMLP.forward's ungated path (GeLU or ReLU), one operator per step
             if mlp.bias_gelu_fusion:

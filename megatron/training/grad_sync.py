@@ -35,6 +35,7 @@ class GradientSync:
         self.fused_embedding_group = fused_embedding_group
         self.sequence_parallel_params = [p for m in modules for p in m.parameters()
                                          if getattr(p, "sequence_parallel", False)]
+        self.expert_params = [p for m in modules for p in m.parameters() if getattr(p, "expert_parallel", False)]
         self.bucket_numel = cfg.training.ddp_bucket_size or BUCKET_NUMEL
         self.overlap_reducer = None
         self.optimizer = None
@@ -80,6 +81,11 @@ class GradientSync:
             # Norm weights and row-parallel biases saw only this rank's sequence chunk.
             allreduce_data_parallel_grads(self.sequence_parallel_params, ps.tp_group, ps.tp_size)
         dp_params = self._sync_tied(optimizer, iteration, sent)
+        if self.expert_params:
+            # Experts split over EP ranks: each copy of an expert saw the tokens its EP group sent
+            # it; the copies' sum is over the expert-data-parallel group, not over DP.
+            allreduce_data_parallel_grads(self.expert_params, ps.edp_group, ps.edp_size, self.bucket_numel)
+            dp_params = [p for p in dp_params if not getattr(p, "expert_parallel", False)]
         if getattr(optimizer, "reduces_data_parallel_grads", False):
             # The distributed optimizer reduce-scatters what no other sync summed over DP yet.
             if self.fused_embedding_group is not None:

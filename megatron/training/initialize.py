@@ -47,9 +47,13 @@ def initialize_parallel(cfg: MegatronConfig, timeout: timedelta) -> ParallelStat
     """Process groups for the configured layout (uniform, or per-stage TP x DP sizes)."""
     if cfg.parallel.stage_parallel is not None:
         return initialize_heterogeneous_parallel(cfg.parallel.stage_parallel, timeout)
-    return initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
-                                     cfg.parallel.pipeline_model_parallel_size, timeout,
-                                     cp_size=cfg.parallel.context_parallel_size)
+    ps = initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
+                                   cfg.parallel.pipeline_model_parallel_size, timeout,
+                                   cp_size=cfg.parallel.context_parallel_size)
+    if cfg.model.moe is not None:
+        from megatron.core.expert_parallel import add_expert_groups
+        add_expert_groups(ps, cfg.model.moe.expert_model_parallel_size)
+    return ps
 
 
 def set_seeds(seed: int, ps: ParallelState, device: torch.device) -> None:

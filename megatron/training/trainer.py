@@ -211,6 +211,10 @@ class Trainer:
         self.logger = MetricsLogger(cfg, ps, flops_per_sample)
         from megatron.training.extras import RunExtras
         self.extras = RunExtras(extras_of(cfg), ps, self._collective_device())
+        self.moe_hooks = None
+        if cfg.model.moe is not None:  # aux-loss scale, expert-bias update, per-layer log lines
+            from megatron.training.moe_hooks import MoEHooks
+            self.moe_hooks = MoEHooks(cfg, ps, self.modules)
 
     def _setup_compression(self, cfg: MegatronConfig, ps: ParallelState) -> None:
         """Optimus-CC hooks (megatron/compression); all None when its flags are off."""
@@ -290,6 +294,8 @@ class Trainer:
         traced = self._tracing()
         if traced:
             self.executor.trace_events = []
+        if self.moe_hooks is not None:
+            self.moe_hooks.before_step(self.optimizer.loss_scale / total_tokens)
         stats = self.executor.run(work.plan, mbs, self.optimizer.loss_scale / total_tokens)
         if self.grad_compressor is not None:
             self.grad_compressor.end_iteration()
@@ -300,6 +306,8 @@ class Trainer:
             # optimizer state): comparable with the planner's predicted activation peak.
             work.info["measured_peak_mb"] = torch.cuda.max_memory_allocated(self.device) / 1e6 - base_mb
         reduced = self._reduce_gradients()
+        if self.moe_hooks is not None:
+            self.moe_hooks.after_backward()
         comm_bytes = None
         if self.cfg.compression.enabled or self.cfg.compression.log_compression_stats:
             # Whole-job payload bytes this iteration (summed over ranks), for the log.
@@ -484,6 +492,8 @@ class Trainer:
             history.append(out)
             self.logger.record(self.iteration, self.consumed_samples, out, self.lr_scheduler.lr(),
                                self.optimizer.loss_scale, self.skipped_iters)
+            if self.moe_hooks is not None:
+                self.moe_hooks.report(self.iteration, self.logger)
             if self.compression_stats is not None and self.iteration % cfg.logging.log_interval == 0:
                 self.compression_stats.report(self.iteration, dist.group.WORLD if self.ps.world_size > 1 else None,
                                               self.logger.active, self.logger.writer)
