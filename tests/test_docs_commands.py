@@ -88,6 +88,7 @@ def _parse_training(cmd):
     script = next(w for w in words if TRAIN.search(w))
     model = "t5" if "t5" in script else "gpt"
     pre, argv = words[:words.index(script)], words[words.index(script) + 1:]
+    pre = [w.replace("--nproc-per-node", "--nproc_per_node") for w in pre]  # torchrun takes both spellings
     nproc = int(pre[pre.index("--nproc_per_node") + 1]) if "--nproc_per_node" in pre else 1
     nnodes = int(pre[pre.index("--nnodes") + 1]) if "--nnodes" in pre else 1
     assert pre[0] in ("torchrun", "python"), cmd
