@@ -117,7 +117,8 @@ def build_trainer(cfg: MegatronConfig, ps, device, model: ModelSpec):
     planner = FixedBatchPlanner(cfg.parallel.pipeline_schedule, ps.pp_size, chunks,
                                 lambda shapes: model.activation_shapes(cfg, ps, shapes),
                                 cfg.training.recompute_level, cfg.training.params_dtype_name,
-                                plan_pass=plan_passes(cfg, ps.stage_layouts), zb_costs=_zb_costs(cfg, ps, chunks, model))
+                                plan_pass=plan_passes(cfg, ps.stage_layouts),
+                                zb_costs=_zb_costs(cfg, ps, chunks, model))
     flops = model.flops_per_sample(cfg.model, cfg.model.padded_vocab_size(ps.tp_size))
     common = dict(tied_params=tied, flops_per_sample=flops, extra_tied_groups=extra)
     shapes_fn = model.microbatch_shapes

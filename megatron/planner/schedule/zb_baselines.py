@@ -6,7 +6,8 @@ micro-batch size and recompute level that fit: `zb_fixed_time`, unpacked samples
 each micro-batch padded to its longest; `zb_packed_time`, what a torchtitan or Megatron-Core
 user runs: the data path's next-fit packed rows (`packed.next_fit`, `--pack-dataset`) with
 per-document attention (THD / `cu_seqlens`: attention priced on sum l_i^2), `b` rows per
-micro-batch in data order, contiguous blocks per DP group. The schedule is `zero_bubble`'s greedy on the micro-batches' costs with the W share derived
+micro-batch in data order, contiguous blocks per DP group. The schedule is `zero_bubble`'s
+greedy on the micro-batches' costs with the W share derived
 from the whole-backward table (`zb_search.derive_wgrad`). ZB-H1 keeps 1F1B's kept-graph
 limit (p - r); ZB-V cuts each table stage into two half-stage chunks (half its time, memory
 and W; the boundary inside a stage moves the same activation as the stage's own) placed in a
