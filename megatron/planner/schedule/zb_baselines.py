@@ -1,4 +1,4 @@
-"""Zero-bubble schedules on fixed micro-batches: the ZB-H1 / ZB-V baselines DynaPipe with the
+"""Zero-bubble schedules on micro-batches fixed before scheduling: the ZB-H1 / ZB-V baselines DynaPipe with the
 split backward is compared against (benchmarks/bench_planner.py --zero-bubble).
 
 Two batchings, as the other baselines (`megatron.planner.dynapipe.baselines`), each at the best
@@ -8,8 +8,8 @@ user runs: the data path's next-fit packed rows (`packed.next_fit`, `--pack-data
 per-document attention (THD / `cu_seqlens`: attention priced on sum l_i^2), `b` rows per
 micro-batch in data order, contiguous blocks per DP group. The schedule is `zero_bubble`'s
 greedy on the micro-batches' costs with the W share derived
-from the whole-backward table (`zb_search.derive_wgrad`). ZB-H1 keeps 1F1B's kept-graph
-limit (p - r); ZB-V cuts each table stage into two half-stage chunks (half its time, memory
+from the whole-backward table (`zb_search.derive_wgrad`). ZB-H1 keeps up to p graphs on
+every rank (1F1B's peak, `kept_limits`); ZB-V cuts each table stage into two half-stage chunks (half its time, memory
 and W; the boundary inside a stage moves the same activation as the stage's own) placed in a
 V, each rank bounded by the smallest activation memory any stage leaves (its model states are
 those of two half stages). Both admit a forward only while the rank's kept graphs leave room
