@@ -44,8 +44,10 @@ Measured per configuration, over `--iters` global batches:
   with and without the split) on the same batches; speedup_vs_dynapipe median / min / max
   over the iterations (per-iteration ratio of DynaPipe's simulated time to DynaPipe+ZB's),
   never_slower (no iteration slower), split_fraction (DP groups run split), and summed-time
-  speed-ups against ZB-H1 and ZB-V on fixed micro-batches (megatron/planner/schedule/zb_baselines.py)
-  and against the packing/fixed baselines above. The A100 tables time whole backward passes:
+  speed-ups against ZB-H1 and ZB-V (megatron/planner/schedule/zb_baselines.py) as a torchtitan /
+  Megatron-Core user runs them, over packed rows with per-document attention (`_packed`: the
+  fair baselines), and over unpacked samples padded to the longest (`_fixed`), and against the
+  packing/fixed baselines above. The A100 tables time whole backward passes:
   the W share is derived (w_split says how).
 """
 from __future__ import annotations
@@ -237,7 +239,7 @@ def zero_bubble_row(cfg, kind, max_len, batches, dyn, base_t, nb, args) -> dict:
     """DynaPipe+ZB on the same batches against DynaPipe (`dyn`), ZB on fixed micro-batches and
     the baselines (`base_t`, the first `nb` batches); see the module docstring."""
     import dataclasses
-    from megatron.planner.schedule.zb_baselines import zb_fixed_time
+    from megatron.planner.schedule.zb_baselines import zb_fixed_time, zb_packed_time
     from megatron.planner.schedule.zb_search import w_share_text
     zcfg = dataclasses.replace(cfg, schedules=tuple(cfg.schedules) + ("zb",), emit_plans=False)
     planner = DynaPipePlanner(zcfg)
@@ -254,6 +256,8 @@ def zero_bubble_row(cfg, kind, max_len, batches, dyn, base_t, nb, args) -> dict:
     ratios = [d / z for d, z in zip(dyn, zb)]
     fixed = {name: [zb_fixed_time(planner, kind, b, max_len, name)[0] for b in batches[:nb]]
              for name in ("zb-h1", "zb-v")}
+    packed_rows = {name: [zb_packed_time(planner, kind, b, max_len, name)[0] for b in batches[:nb]]
+                   for name in ("zb-h1", "zb-v")}
     ratio = lambda base: round(sum(base) / sum(zb[:nb]), 3) if nb and np.isfinite(sum(base)) else None  # noqa: E731
     return {
         "speedup_vs_dynapipe_median": round(statistics.median(ratios), 4),
@@ -261,6 +265,7 @@ def zero_bubble_row(cfg, kind, max_len, batches, dyn, base_t, nb, args) -> dict:
         "never_slower": all(z <= d * (1 + 1e-9) for z, d in zip(zb, dyn)),
         "split_fraction": round(split / groups, 3), "iteration_ms_mean": round(float(np.mean(zb)), 1),
         "planning_ms_median": round(statistics.median(times), 2),
+        **{f"speedup_vs_{name}_packed": ratio(v) for name, v in packed_rows.items()},
         **{f"speedup_vs_{name}_fixed": ratio(v) for name, v in fixed.items()},
         **{f"speedup_vs_{name}": ratio(v) for name, v in base_t.items()},
         "w_split": w_share_text(cfg.hidden_size),
@@ -269,34 +274,45 @@ def zero_bubble_row(cfg, kind, max_len, batches, dyn, base_t, nb, args) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # Defaults: one mixture and few iterations, about 5 minutes with --zero-bubble on 2 cores;
+    # --full: every mixture and the original iteration counts (the docs' tables, about an hour).
+    ap.add_argument("--full", action="store_true", help="every mixture, 20 iterations (8 with baselines)")
     ap.add_argument("--models", default="gpt,t5")
     ap.add_argument("--gpt-max-lens", default="512,2048,8192")
     ap.add_argument("--t5-max-lens", default="512,2048,4096", help="the T5 table stops at 4096")
     ap.add_argument("--tokens", type=int, default=65536)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--baseline-iters", type=int, default=8)
-    ap.add_argument("--lower-iters", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=None, help="default 6 (--full: 20)")
+    ap.add_argument("--warmup", type=int, default=None, help="default 2 (--full: 3)")
+    ap.add_argument("--baseline-iters", type=int, default=None, help="default 3 (--full: 8)")
+    ap.add_argument("--lower-iters", type=int, default=None, help="default 1 (--full: 3)")
     ap.add_argument("--cost-models", default=str(ROOT / "cost_models"))
-    ap.add_argument("--mixtures", default="multitask,flan,heavy,bimodal",
-                    help=f"length mixtures, from {sorted(MIXTURES)}")
+    ap.add_argument("--mixtures", default=None,
+                    help=f"length mixtures, from {sorted(MIXTURES)} (default multitask; --full: all four)")
     ap.add_argument("--zero-bubble", action="store_true",
                     help="also plan with the split backward (DynaPipe+ZB) and compare it with DynaPipe and ZB-H1/ZB-V")
     ap.add_argument("--no-packed-rows", action="store_true",
                     help="DynaPipe without micro-batches of packed rows (the paper's planner alone)")
     args = ap.parse_args(argv)
+    for key, quick, full in (("iters", 6, 20), ("warmup", 2, 3), ("baseline_iters", 3, 8), ("lower_iters", 1, 3),
+                             ("mixtures", "multitask", "multitask,flan,heavy,bimodal")):
+        if getattr(args, key) is None:
+            setattr(args, key, full if args.full else quick)
     best, zb_rows = [], []
+    todo = [(mixture, kind, int(L)) for mixture in args.mixtures.split(",") for kind in args.models.split(",")
+            for L in getattr(args, f"{kind}_max_lens").split(",")]
+    start = time.perf_counter()
     for mixture in args.mixtures.split(","):
         if mixture not in MIXTURES:
             ap.error(f"--mixtures: unknown mixture {mixture!r}; choose from {sorted(MIXTURES)}")
-        for kind in args.models.split(","):
-            for L in getattr(args, f"{kind}_max_lens").split(","):
-                row = run(kind, int(L), args, mixture)
-                print(json.dumps(row), flush=True)
-                if row["speedup_vs_best_baseline"] is not None:
-                    best.append(row["speedup_vs_best_baseline"])
-                if row.get("zb"):
-                    zb_rows.append(row["zb"])
+    for k, (mixture, kind, L) in enumerate(todo):
+        print(f"bench_planner: row {k + 1}/{len(todo)}: {kind} {mixture} max length {L} "
+              f"({time.perf_counter() - start:.0f} s so far)", file=sys.stderr, flush=True)
+        row = run(kind, L, args, mixture)
+        print(json.dumps(row), flush=True)
+        if row["speedup_vs_best_baseline"] is not None:
+            best.append(row["speedup_vs_best_baseline"])
+        if row.get("zb"):
+            zb_rows.append(row["zb"])
     if best:
         print(json.dumps({"summary": "speedup_vs_best_baseline over rows", "rows": len(best),
                           "median": round(statistics.median(best), 3), "min": min(best), "max": max(best)}))

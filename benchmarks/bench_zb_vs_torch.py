@@ -17,7 +17,10 @@ per rank (ZB-H1), ScheduleZBVZeroBubble, ScheduleDualPipeV. One JSON line per (P
               tokens, 32 layers cut evenly, the output layer and loss on the last stage), W
               derived as fwd x 6h/(6h+s) (`zb_search.derive_wgrad`), no transfer time; ms.
               Here: `zb_orders(..., costs=table)` (the greedy clocked by the table);
-              `<name>_unit_orders`: the unit-cost orders the runtime runs today; torch: its lists
+              `<name>_unit_orders`: the orders chosen on unit costs; `<name>_runtime_orders`:
+              the orders the runtime runs without a profiled table (the greedy clocked by
+              `zb_costs.analytic_stage_costs` of GPT 6.7B; with `--dynapipe-cost-model` it is
+              clocked by the table: `<name>`); torch: its lists
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from megatron.planner.cost.cost_model import CostModel  # noqa: E402
 from megatron.planner.schedule.orders import one_f_one_b  # noqa: E402
 from megatron.planner.schedule.simulator import PipelineCosts  # noqa: E402
 from megatron.planner.schedule.torch_reference import replay_orders, torch_orders  # noqa: E402
+from megatron.planner.schedule.zb_costs import analytic_stage_costs  # noqa: E402
 from megatron.planner.schedule.zb_search import derive_wgrad  # noqa: E402
 from megatron.planner.schedule.zero_bubble import zb_orders  # noqa: E402
 
@@ -84,6 +88,9 @@ def row(p: int, m: int, a100: bool) -> dict:
             if name in HERE:  # the unit-cost orders above, and the greedy run on the table itself
                 out["a100_ms"][name + "_unit_orders"] = out["a100_ms"][name]
                 out["a100_ms"][name] = round(replay_orders(*zb_orders(name, m, p, costs), m, costs)[0], 1)
+                est = analytic_stage_costs([LAYERS // len(s2r)] * len(s2r), m, 4096, SEQ, 50304, 16384)
+                out["a100_ms"][name + "_runtime_orders"] = round(
+                    replay_orders(*zb_orders(name, m, p, est), m, costs)[0], 1)
     return out
 
 
@@ -125,6 +132,16 @@ def main(argv=None):
             if "a100_ms" in r:
                 keys = ["1f1b"] + list(HERE) + [f"torch_{k}" for k in TORCH]
                 vals = ["refused" if r["a100_ms"].get(k) is None else f"{r['a100_ms'][k]:g}" for k in keys]
+                print(f"| {r['pp']} | {r['m']} | " + " | ".join(vals) + " |")
+        print()
+        print("| pp | m | " + " | ".join(f"{k} runtime (unit-cost orders)" for k in HERE)
+              + " | " + " | ".join(f"torch {k}" for k in TORCH) + " |")
+        print("|" + " --- |" * (2 + len(HERE) + len(TORCH)))
+        for r in rows:
+            if "a100_ms" in r:
+                a = r["a100_ms"]
+                vals = [f"{a[k + '_runtime_orders']:g} ({a[k + '_unit_orders']:g})" for k in HERE]
+                vals += ["refused" if a.get(f"torch_{k}") is None else f"{a[f'torch_{k}']:g}" for k in TORCH]
                 print(f"| {r['pp']} | {r['m']} | " + " | ".join(vals) + " |")
 
 

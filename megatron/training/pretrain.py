@@ -90,6 +90,18 @@ GPT = ModelSpec("gpt", _gpt_build, _gpt_activation_shapes, _gpt_microbatch_shape
                 gpt_flops_per_sample, lambda cfg, tokenizer: gpt_datasets(cfg))
 
 
+def _zb_costs(cfg, ps, chunks, model):
+    """GPT zero-bubble runs: `m -> per-stage costs` the schedule's orders are chosen with (the
+    `--dynapipe-cost-model` table, else an analytic estimate; `planner/schedule/zb_costs.py`)."""
+    from megatron.config.schedules import SPLIT_SCHEDULES
+    if model.name != "gpt" or cfg.parallel.pipeline_schedule not in SPLIT_SCHEDULES or ps.pp_size < 2:
+        return None
+    from megatron.models.stage_split import stage_layer_split
+    from megatron.planner.schedule.zb_costs import run_stage_costs
+    layers = stage_layer_split(cfg.model.num_layers, ps.pp_size * chunks, cfg.parallel.pipeline_stage_layers)
+    return run_stage_costs(cfg, ps.tp_size, layers)
+
+
 def build_trainer(cfg: MegatronConfig, ps, device, model: ModelSpec):
     """Tokenizer, stages, planner (with the run's plan passes), batch source and trainer for `model`."""
     from megatron.planner.schedule.fixed import FixedBatchPlanner
@@ -105,7 +117,8 @@ def build_trainer(cfg: MegatronConfig, ps, device, model: ModelSpec):
     planner = FixedBatchPlanner(cfg.parallel.pipeline_schedule, ps.pp_size, chunks,
                                 lambda shapes: model.activation_shapes(cfg, ps, shapes),
                                 cfg.training.recompute_level, cfg.training.params_dtype_name,
-                                plan_pass=plan_passes(cfg, ps.stage_layouts))
+                                plan_pass=plan_passes(cfg, ps.stage_layouts),
+                                zb_costs=_zb_costs(cfg, ps, chunks, model))
     flops = model.flops_per_sample(cfg.model, cfg.model.padded_vocab_size(ps.tp_size))
     common = dict(tied_params=tied, flops_per_sample=flops, extra_tied_groups=extra)
     shapes_fn = model.microbatch_shapes

@@ -61,8 +61,10 @@ def interleaved_orders(num_microbatches: int, pp: int, num_model_chunks: int):
     return interleaved_op_orders(pp, num_model_chunks, range(num_microbatches), ComputeOp)
 
 
-def static_orders(schedule: str, num_microbatches: int, pp: int, num_model_chunks: int = 1):
-    """Compute orders and stage -> rank map for a static schedule name."""
+def static_orders(schedule: str, num_microbatches: int, pp: int, num_model_chunks: int = 1, zb_costs=None):
+    """Compute orders and stage -> rank map for a static schedule name. `zb_costs`: the
+    per-stage `PipelineCosts` a zero-bubble schedule's greedy is clocked by (`zb_costs.py`;
+    None: unit costs)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
     if num_microbatches < 1 or pp < 1 or num_model_chunks < 1:
@@ -72,7 +74,7 @@ def static_orders(schedule: str, num_microbatches: int, pp: int, num_model_chunk
         want = 2 if schedule in V_SCHEDULES else 1
         if num_model_chunks != want:
             raise ValueError(f"schedule {schedule!r} runs {want} model chunk(s) per rank, not {num_model_chunks}")
-        return zb_orders(schedule, num_microbatches, pp)
+        return zb_orders(schedule, num_microbatches, pp, zb_costs)
     if schedule != "interleaved" and num_model_chunks != 1:
         raise ValueError(f"schedule {schedule!r} runs one model chunk per rank; virtual "
                          f"pipeline stages need the 'interleaved' schedule")
@@ -88,11 +90,11 @@ def static_orders(schedule: str, num_microbatches: int, pp: int, num_model_chunk
 def build_static_plans(schedule: str, num_microbatches: int, pp_size: int,
                        num_model_chunks: int, microbatch_shapes: Sequence,
                        activation_shapes: Union[Callable, Sequence], recompute: str = "none",
-                       dtype: str = "float32", iteration: int = 0) -> list[ExecutionPlan]:
+                       dtype: str = "float32", iteration: int = 0, zb_costs=None) -> list[ExecutionPlan]:
     """Validated per-rank plans for a static schedule.
 
     `activation_shapes` is a callable ``(mb, stage) -> shapes`` or one fixed tuple of shapes
-    used for every stage boundary (e.g. ``((s, b, h),)``).
+    used for every stage boundary (e.g. ``((s, b, h),)``). `zb_costs`: see `static_orders`.
     """
     if len(microbatch_shapes) != num_microbatches:
         raise ValueError(f"got {len(microbatch_shapes)} micro-batch shapes for "
@@ -100,7 +102,7 @@ def build_static_plans(schedule: str, num_microbatches: int, pp_size: int,
     if not callable(activation_shapes):
         fixed = tuple(tuple(s) for s in activation_shapes)
         activation_shapes = lambda mb, stage: fixed  # noqa: E731
-    orders, stage_to_rank = static_orders(schedule, num_microbatches, pp_size, num_model_chunks)
+    orders, stage_to_rank = static_orders(schedule, num_microbatches, pp_size, num_model_chunks, zb_costs)
     return lower_to_plans(orders, stage_to_rank, microbatch_shapes, activation_shapes,
                           recompute=recompute, dtype=dtype, iteration=iteration, validate=True)
 

@@ -1,11 +1,15 @@
-"""Zero-bubble schedules on fixed micro-batches: the ZB-H1 / ZB-V baselines DynaPipe with the
+"""Zero-bubble schedules on micro-batches fixed before scheduling: the ZB-H1 / ZB-V baselines DynaPipe with the
 split backward is compared against (benchmarks/bench_planner.py --zero-bubble).
 
-As the other baselines (`megatron.planner.dynapipe.baselines`): unpacked samples in data order, each
-micro-batch padded to its longest, the best micro-batch size and recompute level that fit;
-the schedule is `zero_bubble`'s greedy on the micro-batches' costs with the W share derived
-from the whole-backward table (`zb_search.derive_wgrad`). ZB-H1 keeps 1F1B's kept-graph
-limit (p - r); ZB-V cuts each table stage into two half-stage chunks (half its time, memory
+Two batchings, as the other baselines (`megatron.planner.dynapipe.baselines`), each at the best
+micro-batch size and recompute level that fit: `zb_fixed_time`, unpacked samples in data order,
+each micro-batch padded to its longest; `zb_packed_time`, what a torchtitan or Megatron-Core
+user runs: the data path's next-fit packed rows (`packed.next_fit`, `--pack-dataset`) with
+per-document attention (THD / `cu_seqlens`: attention priced on sum l_i^2), `b` rows per
+micro-batch in data order, contiguous blocks per DP group. The schedule is `zero_bubble`'s
+greedy on the micro-batches' costs with the W share derived
+from the whole-backward table (`zb_search.derive_wgrad`). ZB-H1 keeps up to p graphs on
+every rank (1F1B's peak, `kept_limits`); ZB-V cuts each table stage into two half-stage chunks (half its time, memory
 and W; the boundary inside a stage moves the same activation as the stage's own) placed in a
 V, each rank bounded by the smallest activation memory any stage leaves (its model states are
 those of two half stages). Both admit a forward only while the rank's kept graphs leave room
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from megatron.planner.dynapipe import packed
 from megatron.planner.dynapipe.baselines import SIZES, group_costs, microbatch_shapes, split_groups
 from megatron.pipeline.lowering import ComputeOp
 from megatron.planner.schedule.simulator import PipelineCosts, simulate
@@ -88,6 +93,36 @@ def zb_fixed_time(planner, kind, batch, max_len, schedule: str, sizes=SIZES):
             makespan = 0.0
             for shapes in groups:
                 costs = _split_costs(planner, kind, shapes, rc)
+                makespan = max(makespan, np.inf if costs is None else zb_group_time(costs, schedule, planner.available))
+                if not np.isfinite(makespan):
+                    break
+            t = planner.iteration_ms(makespan) if np.isfinite(makespan) else np.inf
+            if t < best[0]:
+                best = (t, b, rc)
+    return best
+
+
+def zb_packed_time(planner, kind, batch, max_len, schedule: str, sizes=SIZES):
+    """(best iteration ms, rows per micro-batch, recompute) of `schedule` on packed rows with
+    per-document attention (see the module docstring)."""
+    rcs = [r for r in planner.cfg.recompute_levels if planner.cm.has(planner.cfg.tensor_parallel, r)]
+    rows = packed.next_fit(kind, batch, max_len)
+    best = (np.inf, None, None)
+    for b in sizes:
+        mbs = [rows[k:k + b] for k in range(0, len(rows), b)]
+        groups = packed.contiguous_groups(len(mbs), planner.cfg.data_parallel)
+        if groups is None:
+            continue
+        sh = packed.shapes_of(planner, kind, batch, max_len, mbs)
+        for rc in rcs:
+            makespan = 0.0
+            for g in groups:
+                costs = packed.pipeline_costs(planner, rc, sh, g)
+                if costs is not None and costs.wgrad is None:  # a planner without "zb": derive W here
+                    dec = None if sh.dec is None else sh.dec[g]
+                    seq = np.stack([dec if any(c == "decoder" for c, _ in comps) else sh.enc[g]
+                                    for comps in planner.layout])
+                    costs = with_split(costs, derive_wgrad(costs.fwd, costs.bwd, planner.cfg.hidden_size, seq))
                 makespan = max(makespan, np.inf if costs is None else zb_group_time(costs, schedule, planner.available))
                 if not np.isfinite(makespan):
                     break
