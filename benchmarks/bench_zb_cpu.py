@@ -233,7 +233,8 @@ def main(argv=None):
         print(json.dumps({"benchmark": "zero_bubble_cpu_summary", "pp": pp, "cores": available_cores(),
                           **{f"measured_speedup_{s}": round(lines["1f1b"]["measured_ms"] / lines[s]["measured_ms"], 3)
                              for s in zb},
-                          **{f"simulated_speedup_{s}": round(lines["1f1b"]["simulated_ms"] / lines[s]["simulated_ms"], 3)
+                          **{f"simulated_speedup_{s}":
+                             round(lines["1f1b"]["simulated_ms"] / lines[s]["simulated_ms"], 3)
                              for s in zb},
                           **{f"{k}_{s}": lines[s][k] for s in zb for k in ("w_over_b", "split_overhead")
                              if k in lines[s]}}),
