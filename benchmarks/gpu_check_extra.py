@@ -212,8 +212,9 @@ def dynapipe_child(cuda, gpus, out_dir) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     pairs = [(float(a), float(b)) for a, b in _SIM.findall(out)]
     steady = pairs[1:] or pairs     # the first iteration also waits for the planner's start
-    row = {"benchmark": "gpu_check_dynapipe", "cost_model": str(table.relative_to(ROOT)) if table.is_relative_to(ROOT)
-           else str(table), "device": "cuda" if cuda else "cpu", "pp": pp, "rc": rc, "seconds": round(time.monotonic() - t0, 1),
+    name = str(table.relative_to(ROOT)) if table.is_relative_to(ROOT) else str(table)
+    row = {"benchmark": "gpu_check_dynapipe", "cost_model": name, "device": "cuda" if cuda else "cpu", "pp": pp,
+           "rc": rc, "seconds": round(time.monotonic() - t0, 1),
            "iterations": len(pairs), "simulated_ms": [p[0] for p in pairs], "measured_ms": [p[1] for p in pairs],
            "median_measured_over_simulated": round(statistics.median(m / s for s, m in steady), 3) if steady else None}
     if note:
