@@ -267,7 +267,7 @@ PARTS = [
          parse=_parse_rows, note=extra.cp_note, skip_reason=extra.two_gpus_reason),
     Part("mfu_tp", "MFU of GPT-1.3B bf16 at TP 1/2/4 (torchrun)", extra.child_argv("mfu"),
          lambda ctx: ctx.pick(60 + 120 * len(extra.mfu_tps(True, ctx.gpus)), 200), floor_s=60, parse=_parse_rows,
-         cpu_note="a 2-layer hidden-64 GPT at TP 1 and 2 on gloo: TFLOP/s only"),
+         cpu_note="a 2-layer hidden-64 GPT at TP 2 on gloo: TFLOP/s only"),
     Part("dynapipe_pred", "DynaPipe simulated vs measured step", extra.child_argv("dynapipe"),
          lambda ctx: ctx.pick(180, 240), floor_s=60, parse=_parse_rows),
 ]

@@ -14,7 +14,7 @@ spawns torchrun once per run with a limit of its own, so a hung run costs its sh
   mfu_tp         pretrain_gpt.py on mock data, GPT-1.3B (24 x 2048, seq 2048) in bf16, at TP 1, 2, 4
                  as far as the GPUs go (torchrun --nproc_per_node TP): the trainer's TFLOP/s/device
                  over the dense bf16 peak, beside Megatron-LM's published 41-47 % on H100. CPU form:
-                 a 2-layer hidden-64 GPT at TP 1 and 2 on gloo (TFLOP/s only)
+                 a 2-layer hidden-64 GPT at TP 2 on gloo (TFLOP/s only)
   dynapipe_pred  pretrain_gpt.py --dynapipe on the shipped multi-task data (built into a temporary
                  folder unless data/cache has it): the planner's simulated iteration ms against the
                  measured ms, per logged iteration. CPU form: PP 2 on gloo with the shipped
@@ -139,7 +139,8 @@ def mfu_args(cuda: bool, tp: int) -> list:
 
 
 def mfu_tps(cuda: bool, gpus: int) -> list:
-    return [t for t in (1, 2, 4) if t <= gpus] if cuda else [1, 2]
+    # CPU form: TP 2 only (torchrun with nproc = TP, gloo); bench_gpu_gpt already times one process
+    return [t for t in (1, 2, 4) if t <= gpus] if cuda else [2]
 
 
 def mfu_child(cuda, gpus) -> int:
