@@ -93,7 +93,7 @@ def cp_argv(ctx):
 
 def cp_note(ctx):
     return ("torch.cuda.max_memory_allocated over fwd + bwd, NCCL" if ctx.cuda else
-            "saved-for-backward bytes (megatron/profiling/cp_memory.py) on gloo CPU ranks")
+            "saved-for-backward bytes by megatron/profiling/cp_memory.py, gloo CPU ranks")
 
 
 def child_argv(name):
@@ -264,6 +264,10 @@ def cp_alloc_child(seq=8192):
 
 # ---- the summary section
 
+def _or_dash(v):
+    return "-" if v is None else v
+
+
 def markdown(parts) -> list:
     lines = []
     zb = [r for r in parts.get("zb_clock", {}).get("rows", []) if r.get("benchmark") == "zero_bubble_cpu"]
@@ -284,8 +288,8 @@ def markdown(parts) -> list:
     if mfu:
         lines += ["", "**MFU** (`pretrain_gpt.py` on mock data; reference " + MEGATRON_LM_H100_MFU + ")", "",
                   "| model | TP | step ms | TFLOP/s/device | MFU | rc |", "| --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {r['model']} | {r['tp']} | {r['step_ms']} | {r['tflops_per_device']} | {r['mfu']} | {r['rc']} |"
-                  for r in mfu]
+        lines += [f"| {r['model']} | {r['tp']} | {_or_dash(r['step_ms'])} | {_or_dash(r['tflops_per_device'])} | "
+                  f"{_or_dash(r['mfu'])} | {r['rc']} |" for r in mfu]
     dp = parts.get("dynapipe_pred", {}).get("rows", [])
     for r in dp:
         lines += ["", f"**DynaPipe predicted vs measured** (`{r['cost_model']}`): simulated ms {r['simulated_ms']}, "
