@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MEGATRON_LM_H100_MFU = "41-47 % (Megatron-LM, GPT 1.7B-1T on H100)"
+MEGATRON_LM_H100_MFU = "41-47 % (the MFU Megatron-LM reports on H100)"
 
 
 def _json_lines(text):
