@@ -59,9 +59,10 @@ test-variants: venv
 	@echo "== parity tests, MEGATRON_NO_FUSED_KERNELS=1"
 	MEGATRON_NO_FUSED_KERNELS=1 $(PY) -m pytest -q $(PARITY) tests
 
-# One command for a GPU box (benchmarks/gpu_check.py; under 8 minutes on one CUDA device): the
-# cuda-marked tests, bench_gpu.py's step rows, bench_kernels.py's attention rows and a flash-attention
-# cost table, into docs/gpu_check.{json,md}. It uses the Python that has CUDA torch (GPU_PYTHON, default
+# One command for a GPU box (benchmarks/gpu_check.py; at most 570 s, parts with their own budgets):
+# the cuda-marked tests, bench_gpu.py's step rows, bench_kernels.py's attention rows, a flash-attention
+# cost table, PP 2 schedules by the clock and CP 2 memory (2 GPUs), MFU of GPT-1.3B at TP 1/2/4 and
+# DynaPipe's predicted vs measured step (docs/gpu.md), into docs/gpu_check.{json,md}. It uses the Python that has CUDA torch (GPU_PYTHON, default
 # the venv's if there is one, else python3): a GPU image brings its own torch, and `make venv` would
 # fetch another. gpu-check-cpu is its CPU form (CI runs it): small sizes, CUDA-only parts skipped.
 GPU_PYTHON ?= $(shell test -x $(PY) && echo $(PY) || echo $(PYTHON))

@@ -55,28 +55,32 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._ranks import run_ranks  # noqa: E402
 from benchmarks.bench_pipeline import available_cores, gpt_config  # noqa: E402
+from megatron.core.launch import run_ranks  # noqa: E402
 from megatron.pipeline.lowering import ComputeOp  # noqa: E402
 from megatron.planner.schedule.simulator import PipelineCosts, simulate  # noqa: E402
 from megatron.planner.schedule.static import static_orders  # noqa: E402
 
-SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2")          # the default set
+ALL_SCHEDULES = SCHEDULES + ("zb-v", "dualpipev")  # V ones: two stages per rank
 
 
-def _rank_main(rank, world, cfg, warmup, iters, timeout_s):
+def _rank_main(rank, world, cfg, warmup, iters, timeout_s, device="cpu"):
     from megatron.core.parallel_state import initialize_model_parallel
     from megatron.training.initialize import set_seeds
     from megatron.training.pretrain import build_gpt_trainer
+    dev = torch.device(f"cuda:{rank}") if device == "cuda" else torch.device("cpu")
     ps = initialize_model_parallel(1, world, timedelta(seconds=timeout_s))
-    set_seeds(cfg.training.seed, ps, torch.device("cpu"))
-    trainer = build_gpt_trainer(cfg, ps, torch.device("cpu"))
+    set_seeds(cfg.training.seed, ps, dev)
+    trainer = build_gpt_trainer(cfg, ps, dev)
     traces = []
     for it in range(warmup + iters):
         events = [] if it >= warmup else None
         trainer.executor.trace_events = events
         dist.barrier()
         trainer.train_step()
+        if dev.type == "cuda":  # the trace's host clock sees kernels only once they finished
+            torch.cuda.synchronize(dev)
         if events is not None:
             traces.append([(e["name"][0], e["args"]["microbatch"], e["args"]["stage"], e["ts"] / 1e3, e["dur"] / 1e3)
                            for e in events if e["cat"] == "compute"])
@@ -88,13 +92,18 @@ def _measure(schedule, pp, args):
     cfg = gpt_config(pp, schedule, None, hidden=args.hidden, heads=8, layers=args.layers, seq=args.seq,
                      vocab=1024, micro_batch_size=2, num_microbatches=args.microbatches,
                      train_iters=args.warmup + args.iters)
-    ranks = run_ranks(_rank_main, pp, cfg, args.warmup, args.iters, 600.0, timeout_s=600.0, what="zb benchmark")
+    cuda = getattr(args, "device", "cpu") == "cuda"   # NCCL, one GPU per rank
+    ranks = run_ranks(_rank_main, pp, cfg, args.warmup, args.iters, 600.0, getattr(args, "device", "cpu"),
+                      timeout_s=600.0, what="zb benchmark", backend="nccl" if cuda else "gloo",
+                      start="spawn" if cuda else "fork")
     return [r["traces"] for r in sorted(ranks, key=lambda r: r["rank"])]
 
 
 def _analyse(schedule, pp, m, traces, iters):
     # Executor trace kinds: F, B (whole or the input half of a split), W.
     split = schedule != "1f1b"
+    orders, s2r = static_orders(schedule, m, pp, 2 if schedule in ("zb-v", "dualpipev") else 1)
+    stages = len(s2r)
     per_it = []
     for it in range(iters):
         ops = {}
@@ -106,12 +115,11 @@ def _analyse(schedule, pp, m, traces, iters):
     op_ms = {}
     for kind in ("F", "B", "I", "W"):
         got = [[statistics.median([ops[ComputeOp(kind, mb, s)][1] - ops[ComputeOp(kind, mb, s)][0] for ops in per_it])
-                for mb in range(m)] for s in range(pp) if ComputeOp(kind, 0, s) in per_it[0]]
+                for mb in range(m)] for s in range(stages) if ComputeOp(kind, 0, s) in per_it[0]]
         if got:
             op_ms[kind] = np.array(got)
-    orders, s2r = static_orders(schedule, m, pp)
     orders = [[ComputeOp(o.kind, o.microbatch, o.stage) for o in order] for order in orders]
-    z = np.zeros((pp, m))
+    z = np.zeros((stages, m))
     bwd = op_ms["B"] if not split else op_ms["I"] + op_ms["W"]
     costs = PipelineCosts(op_ms["F"], bwd, z + 1, z, z, wgrad=op_ms.get("W"))
     sim = simulate(costs, orders, s2r)
@@ -130,7 +138,7 @@ def _analyse(schedule, pp, m, traces, iters):
             busy[r] += t1 - t0
         return [round(1 - b / makespan, 3) for b in busy]
     return {
-        "benchmark": "zero_bubble_cpu", "schedule": schedule, "pp": pp, "microbatches": m,
+        "benchmark": "zero_bubble_cpu", "schedule": schedule, "stages": stages, "pp": pp, "microbatches": m,
         "cores": available_cores(), "oversubscribed": pp > available_cores(),
         "measured_ms": round(measured, 1), "simulated_ms": round(sim.makespan, 1),
         "op_ms": {k: [round(float(x), 2) for x in v.mean(axis=1)] for k, v in op_ms.items()},
@@ -203,6 +211,8 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=ALL_SCHEDULES)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, one GPU per rank")
     ap.add_argument("--split-cost", action="store_true", help="only the in-process cost of the split itself")
     args = ap.parse_args(argv)
     if args.split_cost:
@@ -210,21 +220,24 @@ def main(argv=None):
         return
     for pp in args.pp:
         lines = {}
-        for schedule in SCHEDULES:
+        for schedule in ["1f1b"] + [x for x in args.schedules if x != "1f1b"]:
             line = _analyse(schedule, pp, args.microbatches, _measure(schedule, pp, args), args.iters)
             lines[schedule] = line
             print(json.dumps(line), flush=True)
         b = lines["1f1b"]["op_ms"]["B"]
-        for sch in ("zb-h1", "zb-h2"):
+        zb = [x for x in lines if x != "1f1b"]
+        for sch in [x for x in zb if len(lines[x]["op_ms"]["W"]) == len(b)]:  # V ones: 2 stages a rank
             o = lines[sch]["op_ms"]
             lines[sch]["w_over_b"] = [round(w / x, 3) for w, x in zip(o["W"], b)]
             lines[sch]["split_overhead"] = [round((i + w) / x, 3) for i, w, x in zip(o["I"], o["W"], b)]
         print(json.dumps({"benchmark": "zero_bubble_cpu_summary", "pp": pp, "cores": available_cores(),
                           **{f"measured_speedup_{s}": round(lines["1f1b"]["measured_ms"] / lines[s]["measured_ms"], 3)
-                             for s in ("zb-h1", "zb-h2")},
-                          **{f"simulated_speedup_{s}": round(lines["1f1b"]["simulated_ms"] / lines[s]["simulated_ms"], 3)
-                             for s in ("zb-h1", "zb-h2")},
-                          **{f"{k}_{s}": lines[s][k] for s in ("zb-h1", "zb-h2") for k in ("w_over_b", "split_overhead")}}),
+                             for s in zb},
+                          **{f"simulated_speedup_{s}":
+                             round(lines["1f1b"]["simulated_ms"] / lines[s]["simulated_ms"], 3)
+                             for s in zb},
+                          **{f"{k}_{s}": lines[s][k] for s in zb for k in ("w_over_b", "split_overhead")
+                             if k in lines[s]}}),
               flush=True)
 
 

@@ -51,3 +51,65 @@ def test_budget_leaves_room_for_later_parts(tmp_path):
 def test_unknown_part_is_one_line(capsys):
     assert gc.main(["--cpu", "--parts", "nope"]) == 2
     assert "--parts nope: unknown" in capsys.readouterr().err
+
+
+# ---- the pipeline, CP, MFU and DynaPipe parts (benchmarks/gpu_check_extra.py)
+
+def _ctx(tmp_path, cuda, gpus):
+    return gc.Ctx(cuda=cuda, py=sys.executable, out_dir=tmp_path, tmp=tmp_path, gpus=gpus)
+
+
+def test_parts_follow_the_gpus(tmp_path):
+    parts = {p.name: p for p in gc.PARTS}
+    assert {"zb_clock", "cp_memory", "mfu_tp", "dynapipe_pred"} <= set(parts)
+    cpu, one, two = _ctx(tmp_path, False, 0), _ctx(tmp_path, True, 1), _ctx(tmp_path, True, 2)
+    zb = parts["zb_clock"].argv(cpu)
+    assert "benchmarks/bench_zb_cpu.py" in zb and "--device" not in zb
+    assert {"1f1b", "zb-h1", "zb-v", "dualpipev"} <= set(zb)
+    assert "benchmarks/bench_cp_memory.py" in parts["cp_memory"].argv(cpu)
+    for name in ("zb_clock", "cp_memory"):   # one GPU: skipped with the reason, never time-sliced
+        assert parts[name].argv(one) is None and ">= 2 GPUs (1 visible)" in parts[name].skip_reason(one)
+    assert zb_cuda_device(parts["zb_clock"].argv(two)) == "cuda"
+    assert parts["cp_memory"].argv(two)[-2:] == ["--child", "cp_alloc"]
+    assert [gc.extra.mfu_tps(True, n) for n in (1, 2, 3, 8)] == [[1], [1, 2], [1, 2], [1, 2, 4]]
+    assert gc.extra.mfu_tps(False, 0) == [2]
+    # the MFU part's limit grows with the runs it makes
+    assert parts["mfu_tp"].limit_s(_ctx(tmp_path, True, 4)) > parts["mfu_tp"].limit_s(one)
+
+
+def zb_cuda_device(argv):
+    return argv[argv.index("--device") + 1]
+
+
+def test_mfu_runs_are_what_the_trainer_accepts():
+    # the real command-line parser the torchrun ranks use, at the world size each run has
+    from megatron.cli.arguments import parse_args
+    for tp in (1, 2, 4):
+        cfg = parse_args(gc.extra.mfu_args(True, tp), world_size=tp)
+        assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length) == (24, 2048, 2048)
+        assert cfg.parallel.tensor_model_parallel_size == tp and cfg.training.bf16
+    assert parse_args(gc.extra.mfu_args(False, 2), world_size=2).parallel.tensor_model_parallel_size == 2
+
+
+def test_dynapipe_line_is_read_from_the_trainers_own_format():
+    from megatron.training.logging import planner_line
+    line = planner_line({"planner": "dynapipe", "simulated_ms": 412.3}, 2.5)
+    assert gc.extra._SIM.findall(line) == [("412.3", "2500.0")]
+
+
+def test_summary_has_the_new_tables():
+    parts = {
+        "zb_clock": {"status": "ok", "note": "PP 2 on gloo CPU ranks", "rows": [
+            {"benchmark": "zero_bubble_cpu", "schedule": "zb-v", "pp": 2, "microbatches": 4, "measured_ms": 80.0,
+             "simulated_ms": 66.0, "idle_fraction_measured": [0.3, 0.2]}]},
+        "cp_memory": {"status": "ok", "note": "n", "rows": [{"cp": 2, "comm": "p2p", "core_bytes": 10,
+                                                             "core_ratio": 0.5}]},
+        "mfu_tp": {"status": "ok", "rows": [{"model": "GPT-1.3B", "tp": 2, "step_ms": 900.0,
+                                             "tflops_per_device": 400.0, "mfu": 0.404, "rc": 0}]},
+        "dynapipe_pred": {"status": "ok", "rows": [{"cost_model": "t.json", "simulated_ms": [1.0], "measured_ms": [2.0],
+                                                    "median_measured_over_simulated": 2.0, "rc": 0}]},
+    }
+    md = "\n".join(gc.extra.markdown(parts))
+    assert "| zb-v | 2 x 4 | 80.0 | 66.0 | [0.3, 0.2] |" in md
+    assert "| 2 | p2p | 10 | 0.5 |" in md and "| GPT-1.3B | 2 | 900.0 | 400.0 | 0.404 | 0 |" in md
+    assert "41-47 %" in md and "median measured / simulated 2.0" in md
