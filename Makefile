@@ -9,22 +9,30 @@ NPROC ?= 4
 .PHONY: venv demo test test-variants lint docs gpu-check gpu-check-cpu cuda-build bench clean
 
 # Each step says what it does before it starts (the first install takes minutes: PyTorch's CPU
-# wheel is ~200 MB); pip's own progress bars stay on for the downloads.
-$(VENV)/.installed: setup.py pyproject.toml megatron/data/helpers.cpp megatron/planner/dynapipe/partition.cpp
-	@echo "== [venv 1/4] creating $(VENV) (once)"
+# wheel is ~200 MB); pip's own progress bars stay on for the downloads. `make demo` needs only
+# PyTorch and this package (.installed-run); `make venv` / `make test` add the test, docs,
+# conversion and plotting tools on top (.installed).
+CXX_SOURCES := megatron/data/helpers.cpp megatron/planner/dynapipe/partition.cpp
+$(VENV)/.installed-run: setup.py pyproject.toml $(CXX_SOURCES)
+	@echo "== [venv 1/3] creating $(VENV) (once)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	@echo "== [venv 2/4] installing $(TORCH_SPEC) (CPU wheel, ~200 MB download)"
+	@echo "== [venv 2/3] installing $(TORCH_SPEC) (CPU wheel, ~200 MB download)"
 	$(PY) -m pip install --progress-bar on "$(TORCH_SPEC)"
-	@echo "== [venv 3/4] installing the test, TensorBoard, conversion, plotting and docs tools"
-	$(PY) -m pip install --progress-bar on pybind11 pytest pytest-timeout tensorboard ruff
-	@echo "== [venv 4/4] building the C++ helpers (data index, planner partitioner), installing this package and its extras (transformers, matplotlib, mkdocs)"
+	@echo "== [venv 3/3] building the C++ helpers (data index, planner partitioner) and installing this package"
+	$(PY) -m pip install --progress-bar on pybind11 tensorboard
+	$(PY) -m pip install --progress-bar on --no-build-isolation -e ".[tensorboard]"
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.installed-run
+	@echo "== [venv +1] adding the test, lint, conversion, plotting and docs tools (transformers, matplotlib, mkdocs)"
+	$(PY) -m pip install --progress-bar on pytest pytest-timeout ruff
 	$(PY) -m pip install --progress-bar on --no-build-isolation -e ".[test,tensorboard,convert,experiments,docs]"
 	touch $@
 
 venv: $(VENV)/.installed
 
-demo: venv
+demo: $(VENV)/.installed-run
 	@echo "== fused CPU kernels: built once per machine (about 2 minutes on 2 cores), then cached"
 	$(PY) -m megatron.fused_kernels --allow-fallback
 	bash examples/demo_cpu.sh $(NPROC)
