@@ -33,6 +33,7 @@ class Feature:
     multitask: bool = False          # trains on (input, target) data
     aceso: bool = False              # sets its own per-stage layout from an Aceso config
     cannot_test: Tuple[str, str] = ("", "")  # (parallel dim, why the smoke runs cannot give it that dim)
+    tp1: bool = False                # runs at TP 1 unless a feature of the set needs TP (MoE: TP > 1 needs SP)
 
 
 _RC_FULL = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
@@ -63,11 +64,20 @@ FEATURES: Dict[str, Feature] = {
     "rc_sel": Feature("recompute selective", ("--recompute-granularity", "selective")),
     "fp16": Feature("fp16", ("--fp16",)),
     "bf16": Feature("bf16", ("--bf16",)),
+    # MoE every other layer (layers 0 and 2 of 4), so that the dense layers still show recompute
+    # at work (composition_checks counts their MLPs); at TP > 1 Megatron-Core's MoE needs SP,
+    # so a set without the sequence-parallel feature runs at TP 1
+    "moe": Feature("MoE (EP 1)", ("--num-experts", "4", "--moe-layer-freq", "2", "--moe-aux-loss-coeff", "1e-2"),
+                   tp1=True),
+    "ep": Feature("expert parallel (EP 2)", ("--num-experts", "4", "--moe-layer-freq", "2", "--moe-aux-loss-coeff",
+                                              "1e-2", "--expert-model-parallel-size", "2"),
+                  frozenset({"dp"}), tp1=True),
 }
 
 # Two settings of one flag: not a pair anyone can ask for, so not probed.
 SAME_FLAG: Dict[Tuple[str, str], str] = {
     ("rc_full", "rc_sel"): "two values of --recompute-granularity",
+    ("moe", "ep"): "two values of --expert-model-parallel-size",
 }
 
 # The dedicated test that trains each accepted pair. Pairs not listed here are proved by the
@@ -81,6 +91,7 @@ _TP_DP = _TP + "test_terapipe_with_optimizer_and_dp_features_matches_unsliced"
 _DYN_CC = "tests/compression/test_dynapipe_compression.py::"
 _HETERO = "tests/aceso/"
 _CP = "tests/training/test_context_parallel_compose.py::"
+_MOE = "tests/training/test_moe_parity.py::"
 PROOFS: Dict[Tuple[str, str], str] = {
     ("dynapipe", "terapipe"): "tests/training/test_dynapipe_terapipe.py::"
                               "test_dynapipe_terapipe_two_slices_equals_plain_dynapipe",
@@ -138,6 +149,10 @@ PROOFS: Dict[Tuple[str, str], str] = {
     ("cp", "rc_sel"): _CP + "test_cp_dropout_matches_keyed_single_process[cp2_tp2_sp_selective]",
     ("sp", "rc_full"): _SP + "[tp2_full_recompute-2-kw3]",
     ("sp", "rc_sel"): _SP + "[tp2_selective_recompute-2-kw2]",
+    ("sp", "moe"): _MOE + "test_tensor_parallel_with_sequence_parallel",
+    ("sp", "ep"): _MOE + "test_tensor_parallel_with_sequence_parallel",
+    ("interleaved", "ep"): _MOE + "test_interleaved_schedule_with_expert_parallelism",
+    ("rc_full", "ep"): _MOE + "test_expert_parallel_matches_single_process[dropless-ep2_full_recompute]",
 }
 SMOKE_TEST = "tests/cli/test_composition.py::test_pair_smoke"
 
@@ -184,11 +199,14 @@ def refused_alone(model: str) -> Dict[str, str]:
 
 def layout(names: Sequence[str], world: int) -> Tuple[int, int, int]:
     """(TP, PP, DP) for `world` ranks giving every named feature the dims it needs (a context-
-    parallel feature sets its own CP size 2, which takes a factor 2 of the ranks)."""
+    parallel feature sets its own CP size 2, which takes a factor 2 of the ranks; a `tp1`
+    feature keeps TP 1 unless another feature needs TP)."""
     needs = set().union(*(FEATURES[n].needs for n in names))
     if "cp" in needs:
         world //= 2
     if world >= 8:
+        if "tp" not in needs and any(FEATURES[n].tp1 for n in names):
+            return 1, 2, world // 2
         return 2, 2, world // 4
     order = [d for d in ("pp", "tp", "dp") if d in needs] + [d for d in ("pp", "dp", "tp") if d not in needs]
     dims = {d: 1 for d in ("tp", "pp", "dp")}
