@@ -241,7 +241,8 @@ def aceso_config(world: int, model: str = "gpt") -> dict:
             "recompute_ops": [[0] * c for c in counts], "algo_of_each_op": [[0] * c for c in counts]}
 
 
-def argv(names: Sequence[str], world: int, aceso_path: str, data: Tuple[str, str], model: str = "gpt") -> List[str]:
+def argv(names: Sequence[str], world: int, aceso_path: str, data: Tuple[str, str], model: str = "gpt",
+         extra: Sequence[str] = ()) -> List[str]:
     """The command line of the model's base + the named features at `world` ranks (`data`: input
     and target prefixes for multi-task features)."""
     out = list(T5_BASE if model == "t5" else BASE)
@@ -260,11 +261,11 @@ def argv(names: Sequence[str], world: int, aceso_path: str, data: Tuple[str, str
         out += ["--mock-data"]
     for n in names:
         out += [f.format(model=model) for f in FEATURES[n].flags]
-    return out
+    return out + list(extra)
 
 
 def probe(names: Sequence[str], world: int = PROBE_WORLD, workdir: Optional[str] = None,
-          data: Tuple[str, str] = ("in", "tg"), model: str = "gpt") -> Optional[str]:
+          data: Tuple[str, str] = ("in", "tg"), model: str = "gpt", extra: Sequence[str] = ()) -> Optional[str]:
     """None if the model's program accepts the features together, else the reason it prints."""
     from megatron.cli.arguments import build_parser, config_from_args
     from megatron.config.errors import ConfigError
@@ -273,7 +274,8 @@ def probe(names: Sequence[str], world: int = PROBE_WORLD, workdir: Optional[str]
         with open(path, "w") as f:
             json.dump(aceso_config(world, model), f)
         try:
-            cfg = config_from_args(build_parser(model).parse_args(argv(names, world, path, data, model)), model, world)
+            cfg = config_from_args(build_parser(model).parse_args(argv(names, world, path, data, model, extra)),
+                                  model, world)
             if model == "t5":
                 from megatron.models.t5 import t5_stage_layers
                 t5_stage_layers(cfg)  # pretrain_t5.py's check before any process group
