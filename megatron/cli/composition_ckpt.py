@@ -4,9 +4,10 @@ Each (feature, format) cell is probed like a pair (`composition.probe`, the feat
 `--ckpt-format F --save DIR` through `config_from_args`, as `pretrain_gpt.py` parses them):
 None when the program accepts it, else the one line it prints. The accepted cells are proved by
 `tests/cli/test_composition_ckpt.py::test_save_and_resume`: per format, a few feature sets
-(`format_groups`: the fewest sets, each accepted by the parser with the format, that hold every
-accepted feature) train 1 iteration, save, and a fresh trainer loads that checkpoint and trains
-iteration 2, whose loss must equal the uninterrupted run's.
+(`format_groups`: the pair smoke run's sets, less what the format refuses, then any feature left
+alone) train 1 iteration, save, and a fresh trainer loads that checkpoint and trains
+iterations 2 and 3, whose losses must equal the uninterrupted run's (3: after a step taken with the
+restored optimizer state).
 
 GPT only (pretrain_t5.py's format checks are tests/checkpointing/test_checkpoint_megatron_t5*.py).
 An entry-point-level tool, as composition.py.
@@ -22,6 +23,15 @@ from megatron.atomic import write_text
 from megatron.cli import composition as C
 
 FORMATS = ("torch", "torch_dist", "megatron-legacy")
+# Accepted cells whose save-and-resume run is known not to be exact: kept out of the resume sets
+# and run alone by test_known_defects (a strict xfail: it fails the day the defect is fixed; then
+# drop the entry).
+KNOWN_DEFECTS: Dict[Tuple[str, str], str] = {
+    ("powersgd", "torch_dist"): "measured: the resumed run's losses differ from the uninterrupted run's from iteration "
+                                "2 on (~4e-5 relative; --ckpt-format torch resumes it exactly, and "
+                                "tests/compression/test_fused_embedding_and_resume.py's torch_dist config does too)",
+}
+KNOWN_TEST = "tests/cli/test_composition_ckpt.py::test_known_defects"
 RESUME_TEST = "tests/cli/test_composition_ckpt.py::test_save_and_resume"
 BEGIN, END = ("<!-- checkpoint format table: python -m megatron.cli.composition_ckpt --update-readme -->",
               "<!-- end checkpoint format table -->")
@@ -41,12 +51,8 @@ def probe_formats(world: int = C.PROBE_WORLD) -> Dict[Tuple[str, str], Optional[
 def format_groups(cells: Dict[Tuple[str, str], Optional[str]],
                   pair_results: Dict[Tuple[str, str], Optional[str]]) -> List[Tuple[str, Tuple[str, ...]]]:
     """[(format, feature set)]: for each format, sets that hold every feature it accepts, each set
-    accepted by the parser with that format at SMOKE_WORLD ranks (greedy, as smoke_groups)."""
+    accepted by the parser with that format at SMOKE_WORLD ranks."""
     names = list(C.FEATURES)
-
-    def key(a, b):
-        return (a, b) if names.index(a) < names.index(b) else (b, a)
-    ok_pair = {p for p, r in pair_results.items() if r is None}
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         extra_of = {fmt: format_args(fmt, os.path.join(tmp, "ckpt")) for fmt in FORMATS}
@@ -57,20 +63,17 @@ def format_groups(cells: Dict[Tuple[str, str], Optional[str]],
             return (own_layout or len(needs) <= 2) and C._untestable(group) is None and \
                 C.probe(group, C.SMOKE_WORLD, extra=extra_of[fmt]) is None
 
+        # the sets the pair smoke run trains together (less the features the format refuses), then
+        # any feature left alone: a set the greedy cover would invent may be a combination nobody
+        # trains (measured: DynaPipe + TeraPipe + full recompute finds no plan at the smoke runs' memory limit)
+        smoke = C.smoke_groups(pair_results)
         for fmt in FORMATS:
-            left = [n for n in names if cells[(n, fmt)] is None]
-            while left:
-                group = [left[0]]
-                if not fits(group, fmt):  # alone it cannot train here: the table says why (untestable)
-                    left.pop(0)
-                    continue
-                for f in left[1:]:
-                    cand = sorted(group + [f], key=names.index)
-                    if len(group) < C.SMOKE_MAX and all(key(a, f) in ok_pair for a in group) \
-                            and fits(cand, fmt):
-                        group = cand
-                out.append((fmt, tuple(group)))
-                left = [n for n in left if n not in group]
+            left = [n for n in names if cells[(n, fmt)] is None and (n, fmt) not in KNOWN_DEFECTS]
+            for g in smoke + [(n,) for n in names]:
+                sub = tuple(n for n in g if cells[(n, fmt)] is None and (n, fmt) not in KNOWN_DEFECTS)
+                if sub and any(n in left for n in sub) and fits(sub, fmt):
+                    out.append((fmt, sub))
+                    left = [n for n in left if n not in sub]
     return out
 
 
@@ -88,6 +91,8 @@ def markdown(cells=None, pair_results=None) -> str:
     def cell(n, fmt):
         if (n, fmt) in number:
             return f"✗{number[(n, fmt)]}"
+        if (n, fmt) in KNOWN_DEFECTS:
+            return "!"
         k = next((k for k, (f, g) in enumerate(groups) if f == fmt and n in g), None)
         return "?" if k is None else f"✓R{k + 1}"
 
@@ -96,9 +101,12 @@ def markdown(cells=None, pair_results=None) -> str:
     lines += [f"| {C.FEATURES[n].label} | " + " | ".join(cell(n, f) for f in FORMATS) + " |" for n in C.FEATURES]
     lines += ["", "Refused (the line `pretrain_gpt.py` prints):", ""]
     lines += [f"{number[c]}. {C.FEATURES[c[0]].label} × `{c[1]}`: {r}" for c, r in refusals]
+    if KNOWN_DEFECTS:
+        lines += ["", f"! Accepted, but the resume is not exact (`{KNOWN_TEST}`, a strict xfail):", ""]
+        lines += [f"- {C.FEATURES[n].label} × `{f}`: {why}" for (n, f), why in KNOWN_DEFECTS.items()]
     lines += ["", f"Saves and resumes exactly (R; `{RESUME_TEST}[<format>-<set>]`: the set trains 1 iteration on "
-              f"{C.SMOKE_WORLD} ranks, saves, and a fresh trainer loads it and trains iteration 2 to the "
-              "uninterrupted run's loss):", ""]
+              f"{C.SMOKE_WORLD} ranks, saves, and a fresh trainer loads it and trains iterations 2 and 3 to the "
+              "uninterrupted run's losses):", ""]
     lines += [f"- R{k + 1} `{group_id(f, g)}`: " + ", ".join(C.FEATURES[n].label for n in g)
               for k, (f, g) in enumerate(groups)]
     return "\n".join(lines) + "\n"

@@ -4,7 +4,8 @@
 - every refused (feature, format) cell is refused at start-up in one line naming --ckpt-format;
 - every accepted cell saves and resumes: per format a few feature sets train 1 iteration, save
   (the format's real writer), and a fresh trainer built from the command line with --load reads
-  it back and trains iteration 2 to the uninterrupted run's loss. All sets run in one process
+  it back and trains iterations 2 and 3 to the uninterrupted run's losses (3: the optimizer
+  state's turn). All sets run in one process
   group of 4 gloo ranks, one after another.
 """
 import math
@@ -40,7 +41,7 @@ def test_refused_cells_say_so_in_one_line():
         assert "\n" not in why and "--ckpt-format" in why, (name, fmt, why)
     # every accepted cell is trained by a set
     covered = {(n, f) for f, g in GROUPS for n in g}
-    missing = [c for c, r in CELLS.items() if r is None and c not in covered]
+    missing = [c for c, r in CELLS.items() if r is None and c not in covered and c not in F.KNOWN_DEFECTS]
     assert not missing, f"accepted but no save-and-resume run: {missing}"
 
 
@@ -61,7 +62,11 @@ def _save_and_resume(rank, world, groups, workdir, data):
     for fmt, group in groups:
         ckpt = os.path.join(workdir, F.group_id(fmt, group))
         runs = []
-        for extra in (F.format_args(fmt, ckpt) + ("--save-interval", "1"), ("--ckpt-format", fmt, "--load", ckpt)):
+        # 3 iterations: iteration 3's loss is the first that the optimizer state (Adam's moments, error
+        # feedback) restored after iteration 1 changes; iteration 2's shows the weights and data position
+        three = ("--train-iters", "3")
+        for extra in (F.format_args(fmt, ckpt) + ("--save-interval", "1") + three,
+                      ("--ckpt-format", fmt, "--load", ckpt) + three):
             cfg = config_from_args(build_parser().parse_args(C.argv(group, world, aceso, data, extra=extra)),
                                    "gpt", world)
             ps = initialize_parallel(cfg, timedelta(minutes=1))
@@ -91,6 +96,20 @@ def test_save_and_resume(fmt_group, resumed):
     reported = [(a, b) for a, b, last in (o[fmt_group] for o in resumed) if last]
     assert reported, f"{fmt_group}: no last-stage rank"
     for straight, again in reported:
-        assert len(straight) == 2 and all(math.isfinite(x) for x in straight), (fmt_group, straight)
-        assert len(again) == 1, f"{fmt_group}: the resumed run trained {len(again)} iterations, not 1"
-        assert again[0] == pytest.approx(straight[1], rel=1e-6), (fmt_group, straight, again)
+        assert len(straight) == 3 and all(math.isfinite(x) for x in straight), (fmt_group, straight)
+        assert len(again) == 2, f"{fmt_group}: the resumed run trained {len(again)} iterations, not 2"
+        assert again == pytest.approx(straight[1:], rel=1e-6), (fmt_group, straight, again)
+
+
+@pytest.mark.xfail(strict=True, reason="composition_ckpt.KNOWN_DEFECTS: drop the entry once this passes")
+@pytest.mark.parametrize("cell", sorted(F.KNOWN_DEFECTS), ids=["-".join(c) for c in sorted(F.KNOWN_DEFECTS)])
+def test_known_defects(cell, tmp_path):
+    import json
+    with open(tmp_path / "aceso_gpt.json", "w") as f:
+        json.dump(C.aceso_config(C.SMOKE_WORLD), f)
+    group = (cell[1], (cell[0],))
+    out = run_distributed(_save_and_resume, C.SMOKE_WORLD, [group], str(tmp_path),
+                          write_multitask_data(tmp_path), timeout_s=120.0)
+    for straight, again, last in (o[group] for o in out):
+        if last:
+            assert again == pytest.approx(straight[1:], rel=1e-6), (cell, straight, again)
