@@ -55,7 +55,10 @@ def slice_experts(trainer, state: dict) -> None:
     """After a load: keep this rank's experts of the full tensors the file holds."""
     ps = trainer.ps
     index = _param_index(trainer)
-    states = (state.get("optimizer") or {}).get("optimizer", {}).get("state", {})
+    opt = state.get("optimizer") or {}
+    # the distributed optimizer's state is a list of this rank's flat shards, nothing per expert
+    # (it is refused with EP > 1, so its shards already hold this rank's experts)
+    states = opt.get("optimizer", {}).get("state", {}) if isinstance(opt, dict) else {}
     for sid, name, p in _expert_entries(trainer):
         n = p.shape[0]
         lo = ps.ep_rank * n

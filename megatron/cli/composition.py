@@ -33,6 +33,7 @@ class Feature:
     multitask: bool = False          # trains on (input, target) data
     aceso: bool = False              # sets its own per-stage layout from an Aceso config
     cannot_test: Tuple[str, str] = ("", "")  # (parallel dim, why the smoke runs cannot give it that dim)
+    tp1: bool = False                # runs at TP 1 unless a feature of the set needs TP (MoE: TP > 1 needs SP)
 
 
 _RC_FULL = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
@@ -63,11 +64,20 @@ FEATURES: Dict[str, Feature] = {
     "rc_sel": Feature("recompute selective", ("--recompute-granularity", "selective")),
     "fp16": Feature("fp16", ("--fp16",)),
     "bf16": Feature("bf16", ("--bf16",)),
+    # MoE every other layer (layers 0 and 2 of 4), so that the dense layers still show recompute
+    # at work (composition_checks counts their MLPs); at TP > 1 Megatron-Core's MoE needs SP,
+    # so a set without the sequence-parallel feature runs at TP 1
+    "moe": Feature("MoE (EP 1)", ("--num-experts", "4", "--moe-layer-freq", "2", "--moe-aux-loss-coeff", "1e-2"),
+                   tp1=True),
+    "ep": Feature("expert parallel (EP 2)", ("--num-experts", "4", "--moe-layer-freq", "2", "--moe-aux-loss-coeff",
+                                              "1e-2", "--expert-model-parallel-size", "2"),
+                  frozenset({"dp"}), tp1=True),
 }
 
 # Two settings of one flag: not a pair anyone can ask for, so not probed.
 SAME_FLAG: Dict[Tuple[str, str], str] = {
     ("rc_full", "rc_sel"): "two values of --recompute-granularity",
+    ("moe", "ep"): "two values of --expert-model-parallel-size",
 }
 
 # The dedicated test that trains each accepted pair. Pairs not listed here are proved by the
@@ -81,6 +91,7 @@ _TP_DP = _TP + "test_terapipe_with_optimizer_and_dp_features_matches_unsliced"
 _DYN_CC = "tests/compression/test_dynapipe_compression.py::"
 _HETERO = "tests/aceso/"
 _CP = "tests/training/test_context_parallel_compose.py::"
+_MOE = "tests/training/test_moe_parity.py::"
 PROOFS: Dict[Tuple[str, str], str] = {
     ("dynapipe", "terapipe"): "tests/training/test_dynapipe_terapipe.py::"
                               "test_dynapipe_terapipe_two_slices_equals_plain_dynapipe",
@@ -138,6 +149,10 @@ PROOFS: Dict[Tuple[str, str], str] = {
     ("cp", "rc_sel"): _CP + "test_cp_dropout_matches_keyed_single_process[cp2_tp2_sp_selective]",
     ("sp", "rc_full"): _SP + "[tp2_full_recompute-2-kw3]",
     ("sp", "rc_sel"): _SP + "[tp2_selective_recompute-2-kw2]",
+    ("sp", "moe"): _MOE + "test_tensor_parallel_with_sequence_parallel",
+    ("sp", "ep"): _MOE + "test_tensor_parallel_with_sequence_parallel",
+    ("interleaved", "ep"): _MOE + "test_interleaved_schedule_with_expert_parallelism",
+    ("rc_full", "ep"): _MOE + "test_expert_parallel_matches_single_process[dropless-ep2_full_recompute]",
 }
 SMOKE_TEST = "tests/cli/test_composition.py::test_pair_smoke"
 
@@ -184,11 +199,14 @@ def refused_alone(model: str) -> Dict[str, str]:
 
 def layout(names: Sequence[str], world: int) -> Tuple[int, int, int]:
     """(TP, PP, DP) for `world` ranks giving every named feature the dims it needs (a context-
-    parallel feature sets its own CP size 2, which takes a factor 2 of the ranks)."""
+    parallel feature sets its own CP size 2, which takes a factor 2 of the ranks; a `tp1`
+    feature keeps TP 1 unless another feature needs TP)."""
     needs = set().union(*(FEATURES[n].needs for n in names))
     if "cp" in needs:
         world //= 2
     if world >= 8:
+        if "tp" not in needs and any(FEATURES[n].tp1 for n in names):
+            return 1, 2, world // 2
         return 2, 2, world // 4
     order = [d for d in ("pp", "tp", "dp") if d in needs] + [d for d in ("pp", "dp", "tp") if d not in needs]
     dims = {d: 1 for d in ("tp", "pp", "dp")}
@@ -223,7 +241,8 @@ def aceso_config(world: int, model: str = "gpt") -> dict:
             "recompute_ops": [[0] * c for c in counts], "algo_of_each_op": [[0] * c for c in counts]}
 
 
-def argv(names: Sequence[str], world: int, aceso_path: str, data: Tuple[str, str], model: str = "gpt") -> List[str]:
+def argv(names: Sequence[str], world: int, aceso_path: str, data: Tuple[str, str], model: str = "gpt",
+         extra: Sequence[str] = ()) -> List[str]:
     """The command line of the model's base + the named features at `world` ranks (`data`: input
     and target prefixes for multi-task features)."""
     out = list(T5_BASE if model == "t5" else BASE)
@@ -242,11 +261,11 @@ def argv(names: Sequence[str], world: int, aceso_path: str, data: Tuple[str, str
         out += ["--mock-data"]
     for n in names:
         out += [f.format(model=model) for f in FEATURES[n].flags]
-    return out
+    return out + list(extra)
 
 
 def probe(names: Sequence[str], world: int = PROBE_WORLD, workdir: Optional[str] = None,
-          data: Tuple[str, str] = ("in", "tg"), model: str = "gpt") -> Optional[str]:
+          data: Tuple[str, str] = ("in", "tg"), model: str = "gpt", extra: Sequence[str] = ()) -> Optional[str]:
     """None if the model's program accepts the features together, else the reason it prints."""
     from megatron.cli.arguments import build_parser, config_from_args
     from megatron.config.errors import ConfigError
@@ -255,7 +274,8 @@ def probe(names: Sequence[str], world: int = PROBE_WORLD, workdir: Optional[str]
         with open(path, "w") as f:
             json.dump(aceso_config(world, model), f)
         try:
-            cfg = config_from_args(build_parser(model).parse_args(argv(names, world, path, data, model)), model, world)
+            cfg = config_from_args(build_parser(model).parse_args(argv(names, world, path, data, model, extra)),
+                                  model, world)
             if model == "t5":
                 from megatron.models.t5 import t5_stage_layers
                 t5_stage_layers(cfg)  # pretrain_t5.py's check before any process group

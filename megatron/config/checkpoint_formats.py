@@ -34,6 +34,14 @@ def check_ckpt_format(cfg) -> None:
     _require(p.stage_parallel is None,
              f"--ckpt-format megatron-legacy with per-stage TP x DP sizes (an Aceso layout): Megatron-LM's files "
              f"have one TP size for every stage; {_INSTEAD}")
+    # measured (tests/cli/test_composition_ckpt.py): a resume from these files lost the compressors'
+    # state (error-feedback residuals, PowerSGD's factors) and drifted from the uninterrupted run
+    c = cfg.compression
+    comp = [f for f, on in (("--inter-grad-comp", c.inter_grad_comp), ("--grad-comp", c.grad_comp),
+                            ("--mp-grad-comp", c.mp_grad_comp), ("--mp-acti-comp", c.mp_acti_comp)) if on]
+    _require(not comp, f"--ckpt-format megatron-legacy with {' / '.join(comp)}: Megatron-LM's files have no place "
+             f"for the compressors' state (error-feedback residuals, low-rank factors), so a resume would lose it; "
+             f"{_INSTEAD}")
     layers = p.pipeline_stage_layers
     _require(m.model_type == "t5" or layers is None or len(set(layers)) == 1,
              f"--ckpt-format megatron-legacy with --pipeline-stage-layers {' '.join(map(str, layers or []))}: "

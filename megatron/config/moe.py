@@ -116,12 +116,13 @@ def check_moe_parallel(cfg) -> None:
     moe.moe_layers(m.num_layers)
     ep, tp = moe.expert_model_parallel_size, p.tensor_model_parallel_size
     _require(m.model_type == "gpt", "--num-experts is implemented for GPT; drop it for T5")
+    # (before the TP check: an Aceso layout's own TP sizes are not what the user would change)
+    _require(p.stage_parallel is None, "--num-experts with per-stage TP/DP sizes (--aceso-config) is not supported")
     _require(tp == 1 or m.sequence_parallel,
              "--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel (as Megatron-Core: each "
              "TP rank routes its own tokens)")
     _require(p.context_parallel_size == 1 and not p.cp_keyed_dropout,
              "--num-experts with --context-parallel-size > 1 is not supported yet: drop one of them")
-    _require(p.stage_parallel is None, "--num-experts with per-stage TP/DP sizes (--aceso-config) is not supported")
     stage = p.world_size // p.pipeline_model_parallel_size if p.stage_parallel is None else 1
     _require(stage % ep == 0,
              f"--expert-model-parallel-size ({ep}) must divide the ranks of a pipeline stage (TP x DP = {stage}): "
@@ -139,6 +140,10 @@ def check_moe_parallel(cfg) -> None:
     if ep > 1:
         _require(not cfg.data.dynapipe, "--dynapipe with --expert-model-parallel-size > 1 is not supported yet (EP "
                  "ranks must run the same micro-batches in lockstep)")
+        # measured: the composition smoke run crashed in the all-gather dispatcher (gloo size mismatch)
+        _require(not cfg.data.pack_dataset, "--pack-dataset with --expert-model-parallel-size > 1 is not supported yet "
+                 "(packing gives each DP rank its own micro-batch count, but EP ranks exchange tokens every "
+                 "micro-batch in lockstep): drop one of them")
         _require(not cfg.terapipe.enabled, "--terapipe with --expert-model-parallel-size > 1 is not supported")
         _require(not p.pipeline_schedule.startswith("zb"), f"--pipeline-schedule {p.pipeline_schedule} with "
                  "--expert-model-parallel-size > 1 is not supported yet (split backward passes are untested with the "

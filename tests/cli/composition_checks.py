@@ -23,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def instrument(trainer) -> Counter:
+    from megatron.models.moe.layer import MoELayer
     from megatron.models.transformer import ParallelAttention, ParallelMLP
     counts: Counter = Counter()
 
@@ -42,6 +43,9 @@ def instrument(trainer) -> Counter:
                 m.dense_4h_to_h.forward = counted(m.dense_4h_to_h.forward, ("mlp", sid, name))
             elif isinstance(m, ParallelAttention):
                 m.core_attention = counted(m.core_attention, ("core", sid, name))
+            elif isinstance(m, MoELayer):
+                counts[("moe", sid, name)] += 0  # held here: must dispatch
+                m.dispatcher = counted(m.dispatcher, ("moe", sid, name))
     return counts
 
 
@@ -60,7 +64,8 @@ def inactive(name: str, trainer, history: list, counts: Counter) -> Optional[str
         bad = [i.get("planner") for i in info if i.get("planner") != "dynapipe"]
         return f"iterations planned by {bad}, not DynaPipe" if bad else None
     if name == "terapipe":
-        slices = [i.get("slices") for i in info if i.get("planner") == "terapipe"]
+        # (over packed rows the batches are packing's, and its line carries the slices)
+        slices = [i.get("slices") for i in info if i.get("planner") == "terapipe" or "slices" in i]
         if len(slices) != len(history) or not all(s and len(s) > 1 for s in slices):
             return f"TeraPipe slicings {slices} over {len(history)} iterations (want > 1 slice each)"
         return None
@@ -103,7 +108,8 @@ def inactive(name: str, trainer, history: list, counts: Counter) -> Optional[str
         stage_fwd = _layer_calls(counts, "stage")
         if not stage_fwd or not all(stage_fwd.values()):
             return f"no stage forward was counted ({stage_fwd}): the hooks saw nothing"
-        mlp, core = _layer_calls(counts, "mlp"), _layer_calls(counts, "core")
+        # MoE layers count as MLPs: a rank of the interleaved schedule may hold only MoE layers
+        mlp, core = {**_layer_calls(counts, "mlp"), **_layer_calls(counts, "moe")}, _layer_calls(counts, "core")
         if name == "rc_full":
             twice = [k for k, v in mlp.items() if v > stage_fwd.get((k[0],), 0)]
             return None if twice else f"no MLP ran more often than its stage's forward ({mlp} vs {stage_fwd})"
@@ -128,6 +134,13 @@ def inactive(name: str, trainer, history: list, counts: Counter) -> Optional[str
         # the source stamps every micro-batch with its chunk index, which routes attention through
         # the K/V exchange (models/gpt.py: build_cp_spec)
         return None
+    if name in ("moe", "ep"):
+        # (an interleaved rank may hold only the dense layers: --moe-layer-freq 2)
+        routed = _layer_calls(counts, "moe")
+        if not all(routed.values()):
+            return f"MoE layers held here but never dispatching tokens: {routed}"
+        want = 2 if name == "ep" else 1
+        return None if trainer.ps.ep_size == want else f"expert-parallel size {trainer.ps.ep_size}, not {want}"
     raise KeyError(f"no activity check for feature {name!r}: add one to tests/cli/composition_checks.py")
 
 
