@@ -372,7 +372,7 @@ def _one_more_step(rank, world, no_load_optim):
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, no_load_optim=no_load_optim)
     t = make_trainer(cfg)
     assert load_checkpoint(t)
-    t.optimizer.lr_scheduler.lr = lambda step=None: nxt["lr"]
+    t.optimizer.lr_scheduler.lr = lambda step=None, **_: nxt["lr"]
     stage = t.stages[0]
 
     def logits(tok):

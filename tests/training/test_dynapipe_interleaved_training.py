@@ -84,7 +84,7 @@ def test_dynapipe_interleaved_flags_reach_the_planner(multitask):  # noqa: F811
             "--pipeline-model-parallel-size", "2", "--tokens-per-global-batch", "600"]
 
     class PS:
-        pp_size, dp_size, tp_size, stage_layouts = 2, 1, 1, ()
+        pp_size, dp_size, tp_size, cp_size, stage_layouts = 2, 1, 1, 1, ()
     assert dynapipe_planner_config(parse_args(base, world_size=2), PS).virtual_stages == 1
     cfg = parse_args(base + ["--num-layers-per-virtual-pipeline-stage", "2"], world_size=2)
     assert dynapipe_planner_config(cfg, PS).virtual_stages == 2

@@ -106,7 +106,7 @@ def test_dynapipe_terapipe_flags_reach_the_planner():
             "--pipeline-model-parallel-size", "2", "--tokens-per-global-batch", "600", "--terapipe"]
 
     class PS:
-        pp_size, dp_size, tp_size, stage_layouts = 2, 1, 1, ()
+        pp_size, dp_size, tp_size, cp_size, stage_layouts = 2, 1, 1, 1, ()
     for spec, want in (("auto", -1), ("3", 3)):
         cfg = parse_args(base + ["--terapipe-slices", spec], world_size=2)
         assert dynapipe_planner_config(cfg, PS).token_slices == want
