@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron.models.moe.layer import moe_layers, set_loss_multiplier
 from megatron.models.moe.router import expert_bias_routers
+from megatron.core.comm_device import to_comm
 
 AUX_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
 
@@ -70,7 +71,9 @@ class MoEHooks:
             m.stats.reset()
         table += mine
         if self.ps.world_size > 1:
+            table = to_comm(table)  # NCCL takes device tensors only (core/comm_device.py)
             dist.all_reduce(table)
+            table = table.cpu()
         if not logger.active:
             return
         # every rank of a stage added its forwards: per micro-batch = sum / forwards over the stage

@@ -20,6 +20,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from megatron.core.comm_device import comm_tensor
 from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region, group_size,
                                                     reduce_scatter_to_sequence_parallel_region)
 
@@ -102,7 +103,7 @@ class AllGatherDispatcher:
         self.num_local = num_experts // self.ep
 
     def __call__(self, x, probs, rmap, experts):
-        n = torch.tensor([x.shape[0]], dtype=torch.int64)
+        n = comm_tensor([x.shape[0]], self.ep_group, dtype=torch.int64)  # on the group's device (NCCL)
         sizes = [torch.empty_like(n) for _ in range(self.ep)]
         dist.all_gather(sizes, n, group=self.ep_group)
         t_max = max(int(s) for s in sizes)
