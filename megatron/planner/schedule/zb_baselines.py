@@ -80,19 +80,16 @@ def zb_group_time(costs: PipelineCosts, schedule: str, available) -> float:
     return res.makespan
 
 
-def zb_fixed_time(planner, kind, batch, max_len, schedule: str, sizes=SIZES):
-    """(best iteration ms, micro-batch size, recompute) of `schedule` on fixed micro-batches."""
-    dp = planner.cfg.data_parallel
+def _best_time(planner, schedule: str, candidates):
+    """(best iteration ms, size, recompute) over `candidates`: (size, micro-batch groups, costs_of)
+    with costs_of(group, recompute) -> the group's split costs, or None when they do not fit."""
     rcs = [r for r in planner.cfg.recompute_levels if planner.cm.has(planner.cfg.tensor_parallel, r)]
     best = (np.inf, None, None)
-    for b in sizes:
-        groups = split_groups(microbatch_shapes(planner, kind, "fixed", batch, max_len, b), dp)
-        if groups is None:
-            continue
+    for b, groups, costs_of in candidates:
         for rc in rcs:
             makespan = 0.0
-            for shapes in groups:
-                costs = _split_costs(planner, kind, shapes, rc)
+            for g in groups:
+                costs = costs_of(g, rc)
                 makespan = max(makespan, np.inf if costs is None else zb_group_time(costs, schedule, planner.available))
                 if not np.isfinite(makespan):
                     break
@@ -100,33 +97,39 @@ def zb_fixed_time(planner, kind, batch, max_len, schedule: str, sizes=SIZES):
             if t < best[0]:
                 best = (t, b, rc)
     return best
+
+
+def zb_fixed_time(planner, kind, batch, max_len, schedule: str, sizes=SIZES):
+    """(best iteration ms, micro-batch size, recompute) of `schedule` on fixed micro-batches."""
+    def candidates():
+        for b in sizes:
+            groups = split_groups(microbatch_shapes(planner, kind, "fixed", batch, max_len, b),
+                                  planner.cfg.data_parallel)
+            if groups is not None:
+                yield b, groups, lambda shapes, rc: _split_costs(planner, kind, shapes, rc)
+    return _best_time(planner, schedule, candidates())
 
 
 def zb_packed_time(planner, kind, batch, max_len, schedule: str, sizes=SIZES):
     """(best iteration ms, rows per micro-batch, recompute) of `schedule` on packed rows with
     per-document attention (see the module docstring)."""
-    rcs = [r for r in planner.cfg.recompute_levels if planner.cm.has(planner.cfg.tensor_parallel, r)]
     rows = packed.next_fit(kind, batch, max_len)
-    best = (np.inf, None, None)
-    for b in sizes:
-        mbs = [rows[k:k + b] for k in range(0, len(rows), b)]
-        groups = packed.contiguous_groups(len(mbs), planner.cfg.data_parallel)
-        if groups is None:
-            continue
-        sh = packed.shapes_of(planner, kind, batch, max_len, mbs)
-        for rc in rcs:
-            makespan = 0.0
-            for g in groups:
-                costs = packed.pipeline_costs(planner, rc, sh, g)
-                if costs is not None and costs.wgrad is None:  # a planner without "zb": derive W here
-                    dec = None if sh.dec is None else sh.dec[g]
-                    seq = np.stack([dec if any(c == "decoder" for c, _ in comps) else sh.enc[g]
-                                    for comps in planner.layout])
-                    costs = with_split(costs, derive_wgrad(costs.fwd, costs.bwd, planner.cfg.hidden_size, seq))
-                makespan = max(makespan, np.inf if costs is None else zb_group_time(costs, schedule, planner.available))
-                if not np.isfinite(makespan):
-                    break
-            t = planner.iteration_ms(makespan) if np.isfinite(makespan) else np.inf
-            if t < best[0]:
-                best = (t, b, rc)
-    return best
+
+    def candidates():
+        for b in sizes:
+            mbs = [rows[k:k + b] for k in range(0, len(rows), b)]
+            groups = packed.contiguous_groups(len(mbs), planner.cfg.data_parallel)
+            if groups is None:
+                continue
+            sh = packed.shapes_of(planner, kind, batch, max_len, mbs)
+            yield b, groups, lambda g, rc, sh=sh: _packed_costs(planner, sh, g, rc)
+    return _best_time(planner, schedule, candidates())
+
+
+def _packed_costs(planner, sh, g, rc):
+    costs = packed.pipeline_costs(planner, rc, sh, g)
+    if costs is not None and costs.wgrad is None:  # a planner without "zb": derive W here
+        dec = None if sh.dec is None else sh.dec[g]
+        seq = np.stack([dec if any(c == "decoder" for c, _ in comps) else sh.enc[g] for comps in planner.layout])
+        costs = with_split(costs, derive_wgrad(costs.fwd, costs.bwd, planner.cfg.hidden_size, seq))
+    return costs
