@@ -33,7 +33,7 @@ $(VENV)/.installed: $(VENV)/.installed-run
 venv: $(VENV)/.installed
 
 demo: $(VENV)/.installed-run
-	@echo "== fused CPU kernels: built once per machine (about 2 minutes on 2 cores), then cached"
+	@echo "== fused CPU kernels: built once per machine (about 30 s on 2 idle cores), then cached"
 	$(PY) -m megatron.fused_kernels --allow-fallback
 	bash examples/demo_cpu.sh $(NPROC)
 
