@@ -26,11 +26,7 @@ FORMATS = ("torch", "torch_dist", "megatron-legacy")
 # Accepted cells whose save-and-resume run is known not to be exact: kept out of the resume sets
 # and run alone by test_known_defects (a strict xfail: it fails the day the defect is fixed; then
 # drop the entry).
-KNOWN_DEFECTS: Dict[Tuple[str, str], str] = {
-    ("powersgd", "torch_dist"): "measured: the resumed run's losses differ from the uninterrupted run's from iteration "
-                                "2 on (~4e-5 relative; --ckpt-format torch resumes it exactly, and "
-                                "tests/compression/test_fused_embedding_and_resume.py's torch_dist config does too)",
-}
+KNOWN_DEFECTS: Dict[Tuple[str, str], str] = {}
 KNOWN_TEST = "tests/cli/test_composition_ckpt.py::test_known_defects"
 RESUME_TEST = "tests/cli/test_composition_ckpt.py::test_save_and_resume"
 BEGIN, END = ("<!-- checkpoint format table: python -m megatron.cli.composition_ckpt --update-readme -->",

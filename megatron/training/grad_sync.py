@@ -80,7 +80,14 @@ class GradientSync:
         if self.sequence_parallel_params:
             # Norm weights and row-parallel biases saw only this rank's sequence chunk.
             allreduce_data_parallel_grads(self.sequence_parallel_params, ps.tp_group, ps.tp_size)
-        dp_params = self._sync_tied(optimizer, iteration, sent)
+        # With PowerSGD, Megatron's order (finalize_model_grads: the DP reduction, then the
+        # embedding sync): each copy of a tied table is compressed on its own stage, and the sync
+        # then gives both the same sum. Syncing first and compressing each stage's copy with its
+        # own warm start drifts the copies apart (and a torch_dist resume, which keeps one copy,
+        # off the uninterrupted run).
+        dp_first = (self.overlap_reducer is None and self.dp_reducer is not None
+                    and self.fused_embedding_group is None and not ps.stage_layouts)
+        dp_params = optimizer.params if dp_first else self._sync_tied(optimizer, iteration, sent)
         if self.expert_params:
             # Experts split over EP ranks: each copy of an expert saw the tokens its EP group sent
             # it; the copies' sum is over the expert-data-parallel group, not over DP.
@@ -97,12 +104,18 @@ class GradientSync:
                 # its shard. Warm-up steps and stages --selective-grad-comp skips take the
                 # reduce-scatter, which moves half the bytes of the all-reduce they would replace.
                 sent["dp"], sent["dp_raw"] = self.dp_reducer.reduce(dp_params, iteration)
+                if dp_first:
+                    self._sync_tied(optimizer, iteration, sent)
                 optimizer.grads_reduced(dp_params)
+            elif dp_first:  # a warm-up step: the optimizer's exact reduce-scatter follows
+                self._sync_tied(optimizer, iteration, sent)
             return sent
         if self.overlap_reducer is not None:
             pass  # reduced over DP above
         elif self.dp_reducer is not None:
             sent["dp"], sent["dp_raw"] = self.dp_reducer.reduce(dp_params, iteration)
+            if dp_first:
+                self._sync_tied(optimizer, iteration, sent)
         else:
             # over DP x CP: context-parallel ranks saw other tokens of the same samples
             allreduce_data_parallel_grads(dp_params, ps.grad_group, ps.grad_size, self.bucket_numel)
