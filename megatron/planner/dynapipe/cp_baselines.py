@@ -60,7 +60,7 @@ def rank_quad(kind: str, lengths, max_len: int, microbatches, cp: int, balance: 
     """Per micro-batch: the slowest CP rank's per-document attention in squared tokens (the
     units of `sum l_i^2`, which a whole document's l(l+1)/2 causal pairs count twice)."""
     if balance not in BALANCES:
-        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+        raise ValueError(f"--cp-balance must be one of {BALANCES}, got {balance!r}")
     if kind != "gpt":
         raise ValueError("context parallelism is priced for GPT only (megatron/config/context_parallel.py)")
     e, _ = packed.doc_lengths(kind, lengths, max_len)
