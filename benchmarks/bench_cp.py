@@ -4,9 +4,14 @@ of 65,536 tokens (at least 2 sequences) from bench_planner's heavy-tailed multi-
 capped at each max length (`--lengths multitask`; few samples reach it), or of max-length
 sequences only (`--lengths fixed`). One JSON object per line per (max length, GPUs, system):
 
-  cp               Megatron with context parallelism: the better of packed rows of max length
-                   (next-fit) and padded micro-batches of samples, 1F1B, CP in {2, 4, 8} (megatron/planner/cost/cp_cost.py;
-                   flash-kernel memory: no score matrix kept, see there)
+  cp_packed        the fair baseline, CP as a Megatron-Core / torchtitan user runs it: next-fit packed
+                   rows of max length, per-document attention (THD / cu_seqlens), 1F1B, one static
+                   CP size in {1, 2, 4, 8}, Megatron's 2N-chunk load balancing of each document
+                   (`--cp-balance row`: of the row, as this project's runtime cuts it)
+                   (megatron/planner/dynapipe/cp_baselines.py)
+  cp               the DynaPipe paper's Megatron + CP: the better of packed rows attended as one
+                   dense sequence and padded micro-batches of samples, 1F1B, CP in {2, 4, 8}
+                   (megatron/planner/cost/cp_cost.py; flash-kernel memory: no score matrix kept)
   terapipe         TeraPipe alone: the same packed rows cut into token slices (its slice DP)
   dynapipe_slices  DynaPipe cutting its micro-batches into token slices
   dynapipe_cp      DynaPipe planning micro-batches for a static CP group
@@ -15,8 +20,10 @@ sequences only (`--lengths fixed`). One JSON object per line per (max length, GP
 
 Each system gets its best layout: PP in {1, 2, 4, 8} (TP 1), the remaining GPUs as DP (x CP);
 `ms` is the mean simulated iteration time (inf: some batch fits no plan), `tokens_per_s` the
-throughput, `layout` the winner, `comm` the K/V exchange (`--comm p2p|all_gather`). No A100
-was used: every number comes from the table and the simulator.
+throughput, `layout` the winner, `comm` the K/V exchange (`--comm p2p|all_gather`). A last line per (max length,
+GPUs) gives each system's speed-up over `cp_packed` (`vs_cp_packed`, > 1: faster than the fair baseline;
+null: it fits nothing) and over the better of `cp_packed` and `cp` (`vs_best_static_cp`).
+Progress goes to stderr. No A100 was used: every number comes from the table and the simulator.
 
     python benchmarks/bench_cp.py [--max-lens 8192,16384,32768,65536] [--gpus 8,16] [--batches 1]
 """
@@ -41,9 +48,10 @@ from bench_planner import make_batches  # noqa: E402
 from megatron.experiments.slicing import planner_for, terapipe_time  # noqa: E402
 from megatron.planner.dynapipe.baselines import baselines  # noqa: E402
 from megatron.planner.cost.cp_cost import cp_planner  # noqa: E402
+from megatron.planner.dynapipe.cp_baselines import BALANCES, cp_packed_time, packed_cp_planner  # noqa: E402
 from megatron.planner.dynapipe.planner import PlanningError  # noqa: E402
 
-SYSTEMS = ("cp", "terapipe", "dynapipe_slices", "dynapipe_cp", "packing", "dynapipe")
+SYSTEMS = ("cp_packed", "cp", "terapipe", "dynapipe_slices", "dynapipe_cp", "packing", "dynapipe")
 TOKENS = 65536
 
 
@@ -59,11 +67,17 @@ def _packing(planner, batch, max_len, names=("packing",)) -> float:
     return float(min(got[n][0] for n in names))
 
 
-def candidates(system: str, gpus: int, comm: str, flash: bool = True):
+def candidates(system: str, gpus: int, comm: str, flash: bool = True, balance: str = "document"):
     """(layout name, fn(batch, max_len) -> ms) for every layout the system may take."""
     for pp in (1, 2, 4, 8):
         dp = gpus // pp
-        if system in ("cp", "dynapipe_cp"):
+        if system == "cp_packed":
+            for cp in (1, 2, 4, 8):
+                if dp % cp == 0:
+                    yield f"PP{pp}xDP{dp // cp}xCP{cp}", (
+                        lambda b, L, pp=pp, dp=dp, cp=cp: cp_packed_time(
+                            packed_cp_planner(planner_for(pp, dp).cfg, cp, comm), b, L, cp, balance)[0])
+        elif system in ("cp", "dynapipe_cp"):
             for cp in (2, 4, 8):
                 if dp % cp:
                     continue
@@ -96,7 +110,11 @@ def main(argv=None):
     ap.add_argument("--cp-memory", default="flash", choices=["flash", "table"],
                     help="CP activation memory: flash kernel (no scores kept) or the table's score memory, as the "
                          "slices and DynaPipe are priced")
+    ap.add_argument("--cp-balance", default="document", choices=BALANCES,
+                    help="cp_packed's load balancing: each document cut into 2 x CP chunks (Megatron-Core THD) "
+                         "or the packed row (this project's runtime)")
     args = ap.parse_args(argv)
+    t_start = time.perf_counter()
     for L in [int(x) for x in args.max_lens.split(",")]:
         if args.lengths == "fixed":  # every sequence exactly L tokens: what "tokens per sequence" means
             batches = [[L] * max(2, TOKENS // L)] * args.batches
@@ -104,9 +122,10 @@ def main(argv=None):
             batches = make_batches("gpt", L, max(TOKENS, 2 * L), args.batches, seed=1000 + L, mixture="multitask")
         tokens = float(np.mean([sum(int(x) for x in b) for b in batches]))
         for gpus in [int(x) for x in args.gpus.split(",")]:
+            got = {}
             for system in args.systems.split(","):
                 t0, best = time.perf_counter(), (np.inf, None)
-                for name, fn in candidates(system, gpus, args.comm, args.cp_memory == "flash"):
+                for name, fn in candidates(system, gpus, args.comm, args.cp_memory == "flash", args.cp_balance):
                     try:  # a layout whose model states alone overflow memory has no plan
                         ms = float(np.mean([fn(b, L) for b in batches]))
                     except (PlanningError, ValueError):
@@ -114,13 +133,28 @@ def main(argv=None):
                     if ms < best[0]:
                         best = (ms, name)
                 ms, layout = best
+                got[system] = ms
+                print(f"[bench_cp] {args.lengths} L={L} gpus={gpus} {system}: {ms:.1f} ms ({layout}), "
+                      f"{time.perf_counter() - t_start:.0f} s so far", file=sys.stderr, flush=True)
+                cp_like = system in ("cp", "cp_packed", "dynapipe_cp")
                 print(json.dumps({"benchmark": "cp_vs_slices", "lengths": args.lengths, "max_len": L, "gpus": gpus,
                                   "system": system,
-                                  "comm": args.comm if system in ("cp", "dynapipe_cp") else None,
-                                  "cp_memory": args.cp_memory if system in ("cp", "dynapipe_cp") else None,
+                                  "comm": args.comm if cp_like else None,
+                                  "cp_memory": args.cp_memory if cp_like and system != "cp_packed" else None,
+                                  "cp_balance": args.cp_balance if system == "cp_packed" else None,
                                   "ms": round(ms, 1) if np.isfinite(ms) else "inf", "layout": layout,
                                   "tokens_per_s": round(tokens / ms * 1e3) if np.isfinite(ms) else 0,
                                   "search_s": round(time.perf_counter() - t0, 1)}), flush=True)
+            # speed-ups over the fair baseline, and over the best static CP a Megatron user can
+            # run (packed rows, or padded samples where packed rows of max length do not fit)
+            ratio = lambda base: {k: round(base / v, 2) if np.isfinite(v) else 0.0  # noqa: E731
+                                  for k, v in got.items() if k not in ("cp_packed", "cp")} if np.isfinite(base) else None
+            if "cp_packed" in got:
+                print(json.dumps({"benchmark": "cp_vs_slices_ratio", "lengths": args.lengths, "max_len": L,
+                                  "gpus": gpus, "cp_balance": args.cp_balance,
+                                  "vs_cp_packed": ratio(got["cp_packed"]),
+                                  "vs_best_static_cp": ratio(min(got["cp_packed"], got.get("cp", np.inf)))}),
+                      flush=True)
 
 
 if __name__ == "__main__":

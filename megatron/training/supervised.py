@@ -371,6 +371,15 @@ def tokenizer_ids(tokenizer) -> dict:
     return {"pad": int(pad), "bos": int(bos), "eos": int(eos)}
 
 
+def _bias_dropout_fused(m) -> bool:
+    """Whether this run's layers add the row-parallel biases in the fused kernel (the flag, and
+    the kernels built for this device): what a deferred W keeps depends on it under SP."""
+    if not m.bias_dropout_fusion:
+        return False
+    from megatron.fused_kernels.ops import use_fused
+    return use_fused(torch.zeros(1, device="cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def dynapipe_planner_config(cfg: MegatronConfig, ps):
     from megatron.planner.dynapipe.planner import DynaPipeConfig
     m, d = cfg.model, cfg.data
@@ -395,6 +404,7 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   grad_compress_rank=cfg.compression.inter_grad_comp_rank if cfg.compression.inter_grad_comp else 0,
                   grad_compress_epilogue_only=cfg.compression.inter_grad_comp_epilogue_only,
                   sequence_parallel=m.sequence_parallel, num_attention_heads=m.num_attention_heads,
+                  bias_dropout_fused=_bias_dropout_fused(m),
                   packed_rows=d.dynapipe_packed_rows,
                   # a static CP group per DP rank: each rank sends S/CP tokens across stage
                   # boundaries (priced as CP x the bandwidth, as cp_cost.cp_planner_config does)

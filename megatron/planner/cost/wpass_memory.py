@@ -91,5 +91,7 @@ def planner_wstored(planner, s, comps, rc, stored, tokens, tp, sp, t5):
                            proj=proj, qkv=qkv, tp=tp, sp=sp, bias=m.get("add_bias_linear", True) is not False,
                            gated=bool(m.get("swiglu") or m.get("gated_linear_unit")),
                            stats=0.0 if m.get("normalization") == "RMSNorm" else STATS,
-                           fused_bias_dropout=m.get("bias_dropout_fusion", True) is not False,
+                           fused_bias_dropout=(m.get("bias_dropout_fusion", True) is not False
+                                               if getattr(planner.cfg, "bias_dropout_fused", None) is None
+                                               else bool(planner.cfg.bias_dropout_fused)),
                            whole_graph=rc != "none" or t5 or planner.cfg.model_kind == "t5")

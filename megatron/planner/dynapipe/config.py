@@ -51,6 +51,10 @@ class DynaPipeConfig:
     # the (non-SP) profile by Megatron's per-layer activation formula (see `sp_memory_factor`).
     sequence_parallel: bool = False
     num_attention_heads: Optional[int] = None
+    # Whether the run adds the row-parallel biases in the fused bias-dropout-add kernel (None:
+    # the table's `bias_dropout_fusion`, default fused). Unfused under SP, a deferred W keeps
+    # those biases' sequence-local gradients too (megatron/planner/cost/wpass_memory.py).
+    bias_dropout_fused: Optional[bool] = None
     activation_bytes: int = 2  # element size of cross-stage tensors in the cost model's runs
     schedules: Tuple[str, ...] = ("1f1b", "adaptive")
     max_orders: int = 2
