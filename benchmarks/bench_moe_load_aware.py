@@ -25,7 +25,10 @@ wall time cannot show a parallel speed-up, the ranks take turns on the cores whe
 or not their work is balanced; wall_ms is printed too. Minimum over rounds (the least disturbed,
 as the profiler does). Also printed: the predicted ms (`expert_load.predict_ms`, busiest-rank
 pricing), what the load-blind pricing believes, the steps' mean max/mean rank load, and the
-ratios blind / aware. One JSON line; progress on stderr.
+ratios blind / aware. The ordering check (`--fixed`, as bench_packing_cpu.py checks dense
+plans): fixed-size micro-batches in data order, blind and paired, priced and run the same way;
+`ordering` lists the plans by predicted and by measured time and the share of plan pairs the
+simulator orders as the clock does (Kendall's tau). One JSON line; progress on stderr.
 """
 from __future__ import annotations
 
@@ -124,7 +127,7 @@ def worker(rank, args, port, plans, lengths, tasks, q):
     gen = torch.Generator().manual_seed(11 + rank)
     out = {"wall": {}, "lockstep": {}}
     for it in range(args.iters + 1):  # the first round warms up
-        for name in ("blind", "aware"):
+        for name in plans:
             mbs = plans[name][rank]
             xs = [inputs(lengths, tasks, mb, gen) for mb in mbs]
             cpu = torch.zeros(len(xs), dtype=torch.float64)
@@ -157,7 +160,9 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per global batch (both DP groups)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--fixed", default="4,8", help="also run fixed-size micro-batches of these sizes (ordering check)")
     args = ap.parse_args(argv)
+    args.fixed = [int(b) for b in args.fixed.split(",") if b]
     lengths, tasks = make_batch(args.seed, args.tokens)
     pricing = MoEPricing(num_experts=E, topk=K, expert_ffn=EXPERT_FFN, ep=EP, dispatcher="alltoall", activation_bytes=4,
                          a2a_gbps=1.0)
@@ -179,6 +184,10 @@ def main(argv=None):
     st = el.class_sample_tokens(padded, tasks, probe, K)
     aware = el.pair_by_load(blind, st, EP)
     plans = {"blind": blind, "aware": aware}
+    for b in args.fixed:  # the ordering check: fixed-size micro-batches in data order, both pairings
+        mbs = [list(range(i, min(i + b, len(lengths)))) for i in range(0, len(lengths), b)]
+        fixed = el.equal_counts([mbs[0::2], mbs[1::2]])
+        plans[f"fixed{b}_blind"], plans[f"fixed{b}_aware"] = fixed, el.pair_by_load(fixed, st, EP)
     mp.start_processes(worker, args=(args, port, plans, lengths, tasks, q), nprocs=EP, start_method="spawn")
     got = q.get()
     row = {"bench": "moe_load_aware", "ep": EP, "experts": E, "topk": K, "layers": args.layers,
@@ -197,6 +206,15 @@ def main(argv=None):
     for k in ("lockstep_cpu_ms_min", "wall_ms_min"):
         row["speedup_" + k] = round(row["blind"][k] / row["aware"][k], 3)
     row["speedup_predicted"] = round(row["blind"]["predicted_ms"] / row["aware"]["predicted_ms"], 3)
+    names = list(plans)
+    pred = [row[n]["predicted_ms"] for n in names]
+    meas = [row[n]["lockstep_cpu_ms_min"] for n in names]
+    pairs = [(i, j) for i in range(len(names)) for j in range(i + 1, len(names))]
+    agree = sum((pred[i] - pred[j]) * (meas[i] - meas[j]) > 0 for i, j in pairs)
+    row["ordering"] = {"by_predicted": [names[i] for i in np.argsort(pred)],
+                       "by_measured": [names[i] for i in np.argsort(meas)],
+                       "pairs_in_the_same_order": f"{agree}/{len(pairs)}",
+                       "kendall_tau": round((2 * agree - len(pairs)) / len(pairs), 3) if pairs else None}
     print(json.dumps(row), flush=True)
 
 

@@ -136,12 +136,14 @@ class MoECostModel(CostModel):
         phi = mlp_share(h, ffn, seq, p.gated, self.kv_share)
         tokens = mbs * seq
         n = busiest_rank_tokens(p, tokens)
-        # the dense MLP on n tokens: the table at the same length with n / seq rows; past the
-        # table's largest micro-batch (n is up to EP x k x T) linear in the rows from there
+        # the dense MLP on n tokens: the table at the same length with n / seq rows where that is
+        # fewer rows than the micro-batch's own (small GEMMs keep the table's efficiency); more
+        # rows (n is up to EP x k x T) are linear from the micro-batch's own shape, which the
+        # table has (a larger one may not have been measured: it ran out of memory)
         rows = n / seq
-        top = self.dense._grid(tp, recompute, "encoder").axes[0][-1]
-        on_n = self.dense.layer("encoder", tp, recompute, np.minimum(rows, top), seq)
-        on_n = {k: v * np.maximum(rows / top, 1.0) for k, v in on_n.items()}
+        base = np.minimum(rows, mbs)
+        on_n = self.dense.layer("encoder", tp, recompute, base, seq)
+        on_n = {k: v * rows / base for k, v in on_n.items()}
         g = 1.5 if p.gated else 1.0
         router = p.num_experts / (2.0 * ffn * g)
         comm = 2 * dispatch_ms(p, h, tokens)  # dispatch + combine

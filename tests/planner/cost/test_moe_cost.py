@@ -102,3 +102,22 @@ def test_equal_counts_splits_the_largest_micro_batch():
         el.step_loads([[[0]], [[1], [2]]], np.ones((3, 4)), 2)
     with pytest.raises(ValueError, match="single-sample"):
         el.equal_counts([[[0]], [[1], [2]]])
+
+
+def test_moe_flags_reach_the_planner():
+    from megatron.cli.arguments import parse_args
+    from megatron.training.supervised import dynapipe_planner_config
+    base = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
+            "--max-position-embeddings", "64", "--micro-batch-size", "1", "--data-path", "x",
+            "--targets-data-path", "y", "--dynapipe", "--dynapipe-cost-model", "cost_models/cpu_tiny_gpt.json",
+            "--dynapipe-cost-model-any", "--tokenizer-type", "NullTokenizer", "--vocab-size", "97",
+            "--pipeline-model-parallel-size", "2", "--tokens-per-global-batch", "600"]
+
+    class PS:
+        pp_size, dp_size, tp_size, cp_size, stage_layouts = 2, 1, 1, 1, ()
+    assert dynapipe_planner_config(parse_args(base, world_size=2), PS).moe is None
+    moe = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48", "--moe-layer-freq", "2",
+           "--moe-token-dispatcher-type", "alltoall", "--swiglu"]
+    p = dynapipe_planner_config(parse_args(base + moe, world_size=2), PS).moe
+    assert (p.num_experts, p.topk, p.expert_ffn, p.layer_fraction, p.dispatcher, p.gated, p.ep) == \
+        (8, 2, 48, 0.5, "alltoall", True, 1)
