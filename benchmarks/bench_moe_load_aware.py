@@ -25,17 +25,17 @@ wall time cannot show a parallel speed-up, the ranks take turns on the cores whe
 or not their work is balanced; wall_ms is printed too. Minimum over rounds (the least disturbed,
 as the profiler does). Also printed: the predicted ms (`expert_load.predict_ms`, busiest-rank
 pricing), what the load-blind pricing believes, the steps' mean max/mean rank load, and the
-ratios blind / aware. The ordering check (`--fixed`, as bench_packing_cpu.py checks dense
-plans): fixed-size micro-batches in data order, blind and paired, priced and run the same way;
-`ordering` lists the plans by predicted and by measured time and the share of plan pairs the
-simulator orders as the clock does (Kendall's tau). One JSON line; progress on stderr.
+ratios blind / aware. The ordering check: `--pairings` random pairings of DynaPipe's
+micro-batches, and (`--fixed`) fixed-size micro-batches in data order, blind and paired, priced
+and run the same way; `ordering` lists the plans by predicted and by measured time and the share
+of plan pairs the price orders as the clock does (Kendall's tau), over the pairings of DynaPipe's
+micro-batches and over all plans. One JSON line; progress on stderr.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -120,8 +120,8 @@ def worker(rank, args, port, plans, lengths, tasks, q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=EP)
     cfg = ModelConfig(hidden_size=H, num_attention_heads=HEADS, ffn_hidden_size=FFN,
-                      moe=MoEConfig(num_experts=E, router_topk=K, ffn_hidden_size=EXPERT_FFN, token_dispatcher_type="alltoall",
-                                    expert_model_parallel_size=EP))
+                      moe=MoEConfig(num_experts=E, router_topk=K, ffn_hidden_size=EXPERT_FFN,
+                                    token_dispatcher_type="alltoall", expert_model_parallel_size=EP))
     group = dist.new_group(list(range(EP)))
     model = nn.ModuleList([Block(cfg, group, rank, i) for i in range(args.layers)]).train()
     gen = torch.Generator().manual_seed(11 + rank)
@@ -160,12 +160,14 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per global batch (both DP groups)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--pairings", type=int, default=4,
+                    help="random pairings of DynaPipe's micro-batches (ordering check)")
     ap.add_argument("--fixed", default="4,8", help="also run fixed-size micro-batches of these sizes (ordering check)")
     args = ap.parse_args(argv)
     args.fixed = [int(b) for b in args.fixed.split(",") if b]
     lengths, tasks = make_batch(args.seed, args.tokens)
-    pricing = MoEPricing(num_experts=E, topk=K, expert_ffn=EXPERT_FFN, ep=EP, dispatcher="alltoall", activation_bytes=4,
-                         a2a_gbps=1.0)
+    pricing = MoEPricing(num_experts=E, topk=K, expert_ffn=EXPERT_FFN, ep=EP, dispatcher="alltoall",
+                         activation_bytes=4, a2a_gbps=1.0)
     cfg = DynaPipeConfig(cost_model_path=str(ROOT / "cost_models" / "cpu_tiny_gpt.json"), model_kind="gpt",
                          hidden_size=H, num_layers=args.layers, pipeline_parallel=1, data_parallel=2,
                          memory_limit_mb=1e6, schedules=("1f1b",), emit_plans=False, moe=pricing,
@@ -184,14 +186,18 @@ def main(argv=None):
     st = el.class_sample_tokens(padded, tasks, probe, K)
     aware = el.pair_by_load(blind, st, EP)
     plans = {"blind": blind, "aware": aware}
-    for b in args.fixed:  # the ordering check: fixed-size micro-batches in data order, both pairings
+    shuffle = np.random.default_rng(args.seed)
+    for k in range(args.pairings):  # the ordering check: DynaPipe's micro-batches, other pairings
+        plans[f"random{k}"] = [blind[0], [blind[1][j] for j in shuffle.permutation(len(blind[1]))]]
+    for b in args.fixed:  # and fixed-size micro-batches in data order, both pairings
         mbs = [list(range(i, min(i + b, len(lengths)))) for i in range(0, len(lengths), b)]
         fixed = el.equal_counts([mbs[0::2], mbs[1::2]])
         plans[f"fixed{b}_blind"], plans[f"fixed{b}_aware"] = fixed, el.pair_by_load(fixed, st, EP)
     mp.start_processes(worker, args=(args, port, plans, lengths, tasks, q), nprocs=EP, start_method="spawn")
     got = q.get()
     row = {"bench": "moe_load_aware", "ep": EP, "experts": E, "topk": K, "layers": args.layers,
-           "samples": len(lengths), "tokens": int(lengths.sum()), "microbatches_per_group": len(blind[0]), "dynapipe_microbatches": got_counts,
+           "samples": len(lengths), "tokens": int(lengths.sum()), "microbatches_per_group": len(blind[0]),
+           "dynapipe_microbatches": got_counts,
            "router_counts_per_task": probe.tolist()}
     for name, groups in plans.items():
         loads = el.step_loads(groups, st, EP)
@@ -206,16 +212,20 @@ def main(argv=None):
     for k in ("lockstep_cpu_ms_min", "wall_ms_min"):
         row["speedup_" + k] = round(row["blind"][k] / row["aware"][k], 3)
     row["speedup_predicted"] = round(row["blind"]["predicted_ms"] / row["aware"]["predicted_ms"], 3)
-    names = list(plans)
+    row["ordering"] = {"pairings": ordering(row, [n for n in plans if not n.startswith("fixed")]),
+                       "all_plans": ordering(row, list(plans))}
+    print(json.dumps(row), flush=True)
+
+
+def ordering(row, names) -> dict:
+    """The plans by predicted and by measured time, and Kendall's tau between the two."""
     pred = [row[n]["predicted_ms"] for n in names]
     meas = [row[n]["lockstep_cpu_ms_min"] for n in names]
     pairs = [(i, j) for i in range(len(names)) for j in range(i + 1, len(names))]
     agree = sum((pred[i] - pred[j]) * (meas[i] - meas[j]) > 0 for i, j in pairs)
-    row["ordering"] = {"by_predicted": [names[i] for i in np.argsort(pred)],
-                       "by_measured": [names[i] for i in np.argsort(meas)],
-                       "pairs_in_the_same_order": f"{agree}/{len(pairs)}",
-                       "kendall_tau": round((2 * agree - len(pairs)) / len(pairs), 3) if pairs else None}
-    print(json.dumps(row), flush=True)
+    return {"by_predicted": [names[i] for i in np.argsort(pred)], "by_measured": [names[i] for i in np.argsort(meas)],
+            "pairs_in_the_same_order": f"{agree}/{len(pairs)}",
+            "kendall_tau": round((2 * agree - len(pairs)) / len(pairs), 3) if pairs else None}
 
 
 def _probe_counts(args) -> np.ndarray:

@@ -64,8 +64,8 @@ class MoEPricing:
             raise ValueError(f"need 1 <= topk ({self.topk}) <= num_experts ({self.num_experts}), "
                              f"num_experts divisible by ep ({self.ep})")
         if not 0 < self.skew <= self.ep:  # below 1: a rank with fewer tokens than its peers (expert_load.py)
-            raise ValueError(f"skew (busiest EP rank's routed tokens over this rank's own) must be in (0, ep={self.ep}], "
-                             f"got {self.skew}")
+            raise ValueError(f"skew (busiest EP rank's routed tokens over this rank's own) must be in "
+                             f"(0, ep={self.ep}], got {self.skew}")
 
     @classmethod
     def from_config(cls, moe, num_layers: int, gated: bool = False, **kw) -> "MoEPricing":
