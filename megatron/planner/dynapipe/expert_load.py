@@ -12,11 +12,11 @@ kind of micro-batch meets itself at the same step and one rank computes while th
 Routing statistics come per sample: its tokens routed to each expert (`sample_tokens`,
 (N, E), rows summing to its padded tokens x top-k), e.g. the previous iteration's router
 counts per task or token class (the MoE layer logs them: megatron/training/moe_hooks.py)
-times each sample's length. `step_loads` prices a step by its busiest rank; `pair_by_load`
+times each sample's length. `step_loads` gives each EP rank's tokens per step; `pair_by_load`
 re-pairs the DP groups' micro-batches (group 0 keeps DynaPipe's order; each other group's
 micro-batch for a step is chosen greedily, heaviest steps first, to minimise that step's
-busiest rank), and `predict_ms` prices a pairing with the MoE cost model (one pipeline stage
-per rank: the steps add up; with PP > 1 the pairing still balances each step, but its price
+busiest rank), and `predict_ms` prices a pairing with the MoE cost model, each rank's MoE
+layers at the tokens its experts receive (one pipeline stage per rank: the steps add up; with PP > 1 the pairing still balances each step, but its price
 here ignores the pipeline's overlap).
 """
 from __future__ import annotations
@@ -92,20 +92,22 @@ def pair_by_load(groups: List[List[List[int]]], sample_tokens: np.ndarray, ep: i
 def predict_ms(cm: MoECostModel, groups, padded_lengths, sample_tokens: np.ndarray, num_layers: int,
                recompute: str = "none", tp: int = 1, load_aware: bool = True) -> float:
     """Forward + backward ms of `num_layers` layers over the steps of `groups` (one stage per rank:
-    steps add up; a step lasts as long as its slowest group). `load_aware`: each group's MoE
-    layers at the step's busiest rank (skew = busiest / this group's own routed tokens); else
-    at skew 1 (what a load-blind planner believes)."""
+    steps add up; a step lasts as long as its slowest rank). `load_aware`: each rank's MoE layers
+    at the tokens its experts receive that step (skew = those over its own routed tokens), where
+    the DP groups are the EP ranks (EP = DP); with more DP groups than EP ranks, every group at
+    the step's busiest rank. Else skew 1 (what a load-blind planner believes)."""
     p = cm.pricing
     loads = step_loads(groups, sample_tokens, p.ep)
     lengths = np.asarray(padded_lengths)
     total = 0.0
-    for i, busiest in enumerate(loads.max(axis=1)):
+    for i, step in enumerate(loads):
         worst = 0.0
-        for g in groups:
+        for d, g in enumerate(groups):
             mb = g[i]
             seq, rows = float(lengths[mb].max()), float(len(mb))
             own = rows * seq * p.topk
-            skew = float(np.clip(busiest / own, 1e-3, p.ep)) if load_aware else 1.0
+            got = step[d] if len(groups) == p.ep else step.max()
+            skew = float(np.clip(got / own, 1e-3, p.ep)) if load_aware else 1.0
             c = cm.with_skew(skew).layer("encoder", tp, recompute, rows, seq)
             worst = max(worst, float(c["forward_ms"] + c["backward_ms"]) * num_layers)
         total += worst
