@@ -16,8 +16,8 @@ times each sample's length. `step_loads` gives each EP rank's tokens per step; `
 re-pairs the DP groups' micro-batches (group 0 keeps DynaPipe's order; each other group's
 micro-batch for a step is chosen greedily, heaviest steps first, to minimise that step's
 busiest rank), and `predict_ms` prices a pairing with the MoE cost model, each rank's MoE
-layers at the tokens its experts receive (one pipeline stage per rank: the steps add up; with PP > 1 the pairing still balances each step, but its price
-here ignores the pipeline's overlap).
+layers at the tokens its experts receive (one pipeline stage per rank: the steps add up; with
+PP > 1 the pairing still balances each step, but its price here ignores the pipeline's overlap).
 """
 from __future__ import annotations
 
