@@ -13,8 +13,8 @@ Skewed routing, constructed deterministically: two tasks, A (long documents, 96-
 and B (short, 16-48); every token of a task carries the task's direction +u / -u, and the
 router's weights are +/- u (plus seeded noise), so A's tokens go to experts 0-1 (rank 0) and
 B's to experts 2-3 (rank 1). Routing statistics are measured, not assumed: the routers' counts
-per task on a probe batch (what the MoE layers log per step), then per sample = its padded
-length x k x its task's fractions.
+per task on a probe batch (what the MoE layers log per step); a micro-batch's tokens per expert
+= its padded length x k x each sample's task fractions (the padding repeats the sample's tokens).
 
 Plans, from the same DynaPipe partition (cpu_tiny_gpt.json + MoE pricing, PP 1, DP 2):
 * blind: DynaPipe's micro-batches in DynaPipe's order (every micro-batch priced at skew 1);
@@ -25,8 +25,8 @@ and `lockstep_cpu_ms` = sum over steps of the slowest rank's: the iteration's ti
 rank has a core of its own. On a shared machine (2 cores, load average 30 when this was run)
 wall time cannot show a parallel speed-up, the ranks take turns on the cores whether
 or not their work is balanced; wall_ms is printed too. Minimum over rounds (the least disturbed,
-as the profiler does). Also printed: the predicted ms (`expert_load.predict_ms`, busiest-rank
-pricing), what the load-blind pricing believes, the steps' mean max/mean rank load, and the
+as the profiler does). Also printed: the predicted ms (`expert_load.predict_ms`, each rank at
+the tokens its experts receive), what the load-blind pricing believes, the steps' mean max/mean rank load, and the
 ratios blind / aware. The ordering check: `--pairings` random pairings of DynaPipe's
 micro-batches, and (`--fixed`) fixed-size micro-batches in data order, blind and paired, priced
 and run the same way; `ordering` lists the plans by predicted and by measured time and the share
@@ -109,7 +109,7 @@ class Block(nn.Module):
 
 def inputs(lengths, tasks, mb, gen):
     """[s, b, h] for micro-batch `mb`: padded to its longest sample with the sample's own
-    tokens (pad tokens route like the sample's, as the planner counts padded tokens)."""
+    tokens (pad tokens route like the sample's, as `expert_load.Routing` without pad_frac counts them)."""
     s = int(max(lengths[i] for i in mb))
     x = 0.3 * torch.randn(s, len(mb), H, generator=gen)
     sign = torch.tensor([1.0 if tasks[i] == 0 else -1.0 for i in mb])
@@ -185,7 +185,7 @@ def main(argv=None):
     # the routers' counts per task (the statistics a previous iteration's log gives)
     probe = _probe_counts(args)
     padded = planner._pad(lengths)
-    st = el.class_sample_tokens(padded, tasks, probe, K)
+    st = el.class_routing(padded, tasks, probe, K)  # the padding repeats each sample's tokens
     aware = el.pair_by_load(blind, st, EP)
     plans = {"blind": blind, "aware": aware}
     shuffle = np.random.default_rng(args.seed)
@@ -207,9 +207,9 @@ def main(argv=None):
                      "lockstep_cpu_ms": [round(t, 1) for t in got["lockstep"][name]],
                      "wall_ms_min": round(min(got["wall"][name]), 1),
                      "wall_ms": [round(t, 1) for t in got["wall"][name]],
-                     "predicted_ms": round(el.predict_ms(planner.cm, groups, padded, st, args.layers), 1),
+                     "predicted_ms": round(el.predict_ms(planner.cm, groups, st, args.layers), 1),
                      "max_over_mean_rank_load": round(float((loads.max(1) / loads.mean(1)).mean()), 3)}
-    row["predicted_blind_believes_ms"] = round(el.predict_ms(planner.cm, blind, padded, st, args.layers,
+    row["predicted_blind_believes_ms"] = round(el.predict_ms(planner.cm, blind, st, args.layers,
                                                              load_aware=False), 1)
     for k in ("lockstep_cpu_ms_min", "wall_ms_min"):
         row["speedup_" + k] = round(row["blind"][k] / row["aware"][k], 3)

@@ -9,48 +9,70 @@ the DP groups' micro-batches in whatever order each group runs them; when the ro
 follows the data (a task whose tokens go to one expert, long documents of one kind), the same
 kind of micro-batch meets itself at the same step and one rank computes while the others wait.
 
-Routing statistics come per sample: its tokens routed to each expert (`sample_tokens`,
-(N, E), rows summing to its padded tokens x top-k), e.g. the previous iteration's router
-counts per task or token class (the MoE layer logs them: megatron/training/moe_hooks.py)
-times each sample's length. `step_loads` gives each EP rank's tokens per step; `pair_by_load`
-re-pairs the DP groups' micro-batches (group 0 keeps DynaPipe's order; each other group's
-micro-batch for a step is chosen greedily, heaviest steps first, to minimise that step's
-busiest rank), and `predict_ms` prices a pairing with the MoE cost model, each rank's MoE
-layers at the tokens its experts receive (one pipeline stage per rank: the steps add up; with
-PP > 1 the pairing still balances each step, but its price here ignores the pipeline's overlap).
+Routing statistics come per sample (`Routing`): the share of its tokens' routed pairs each
+expert gets, e.g. from the previous iteration's router counts per task or token class (the MoE
+layer logs them: megatron/training/moe_hooks.py), and the padding's: a micro-batch pads its
+samples to its longest, and the pad tokens are routed too (by the pad token's own routing, or
+like the sample's tokens where the padding repeats them). `step_loads` gives each EP rank's
+tokens per step; `pair_by_load` re-pairs the DP groups' micro-batches (group 0 keeps DynaPipe's
+order; each other group's micro-batch for a step is chosen greedily, heaviest steps first, to
+minimise that step's busiest rank), and `predict_ms` prices a pairing with the MoE cost model,
+each rank's MoE layers at the tokens its experts receive (one pipeline stage per rank: the
+steps add up; with PP > 1 the pairing still balances each step, but its price here ignores the
+pipeline's overlap).
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
 
 import numpy as np
 
 from megatron.planner.cost.moe_cost import MoECostModel
 
 
-def class_sample_tokens(padded_lengths, classes, class_fraction: np.ndarray, topk: int) -> np.ndarray:
-    """(N, E) routed tokens per sample from per-class routing fractions (rows of `class_fraction`:
-    each class's share of routed pairs per expert, e.g. router counts / their sum)."""
-    frac = np.asarray(class_fraction, float)
-    frac = frac / frac.sum(axis=1, keepdims=True)
-    return np.asarray(padded_lengths, float)[:, None] * topk * frac[np.asarray(classes)]
+@dataclass
+class Routing:
+    """Per-sample routing statistics: `lengths` (N,) padded sample lengths, `frac` (N, E) routed
+    pairs per token to each expert (rows sum to top-k), `pad_frac` (E,) the same for the padding
+    a micro-batch adds to its shorter samples (None: it routes like its sample's tokens)."""
+    lengths: np.ndarray
+    frac: np.ndarray
+    pad_frac: Optional[np.ndarray] = None
 
 
-def rank_tokens(sample_tokens: np.ndarray, mb: Sequence[int], ep: int) -> np.ndarray:
-    """(EP,) routed tokens each EP rank's experts receive from micro-batch `mb` (experts are
-    split over the ranks in order: rank r holds experts [r E/EP, (r+1) E/EP))."""
-    t = sample_tokens[list(mb)].sum(axis=0) if len(mb) else np.zeros(sample_tokens.shape[1])
+def class_routing(padded_lengths, classes, class_counts: np.ndarray, topk: int, pad_counts=None) -> Routing:
+    """`Routing` from router counts per task or token class (rows of `class_counts`, e.g. the
+    counts the MoE layers log, summed per class), and optionally the padding's."""
+    def norm(c):
+        c = np.asarray(c, float)
+        return topk * c / c.sum(axis=-1, keepdims=True)
+    return Routing(np.asarray(padded_lengths, float), norm(class_counts)[np.asarray(classes)],
+                   None if pad_counts is None else norm(pad_counts))
+
+
+def rank_tokens(routing: Routing, mb: Sequence[int], ep: int) -> np.ndarray:
+    """(EP,) routed tokens each EP rank's experts receive from micro-batch `mb`, padded to its
+    longest sample (experts are split over the ranks in order: rank r holds experts
+    [r E/EP, (r+1) E/EP))."""
+    mb = list(mb)
+    if not mb:
+        return np.zeros(ep)
+    n, f = routing.lengths[mb], routing.frac[mb]
+    pad = routing.lengths[mb].max() - n
+    t = (n[:, None] * f).sum(axis=0)
+    t = t + (pad[:, None] * f).sum(axis=0) if routing.pad_frac is None else t + pad.sum() * routing.pad_frac
     return t.reshape(ep, -1).sum(axis=1)
 
 
-def step_loads(groups: List[List[List[int]]], sample_tokens: np.ndarray, ep: int) -> np.ndarray:
+def step_loads(groups: List[List[List[int]]], routing: Routing, ep: int) -> np.ndarray:
     """(steps, EP) tokens per EP rank at each lockstep step (every group runs the same number of
     micro-batches: the EP exchange pairs them)."""
     n = {len(g) for g in groups}
     if len(n) != 1:
         raise ValueError(f"EP ranks exchange tokens every micro-batch: every DP group needs the same number of "
                          f"micro-batches, got {[len(g) for g in groups]}")
-    return np.array([sum(rank_tokens(sample_tokens, g[i], ep) for g in groups) for i in range(n.pop())])
+    return np.array([sum(rank_tokens(routing, g[i], ep) for g in groups) for i in range(n.pop())])
 
 
 def equal_counts(groups: List[List[List[int]]]) -> List[List[List[int]]]:
@@ -72,13 +94,13 @@ def equal_counts(groups: List[List[List[int]]]) -> List[List[List[int]]]:
     return out
 
 
-def pair_by_load(groups: List[List[List[int]]], sample_tokens: np.ndarray, ep: int) -> List[List[List[int]]]:
+def pair_by_load(groups: List[List[List[int]]], routing: Routing, ep: int) -> List[List[List[int]]]:
     """The same micro-batches, each group's reordered so that the steps' busiest ranks are as
     light as a greedy pairing gets them (see the module doc). Group 0 keeps its order."""
     out = [list(groups[0])]
-    acc = np.array([rank_tokens(sample_tokens, mb, ep) for mb in groups[0]])
+    acc = np.array([rank_tokens(routing, mb, ep) for mb in groups[0]])
     for g in groups[1:]:
-        loads = [rank_tokens(sample_tokens, mb, ep) for mb in g]
+        loads = [rank_tokens(routing, mb, ep) for mb in g]
         free, slot = set(range(len(g))), [None] * len(g)
         for i in np.argsort(-acc.max(axis=1), kind="stable"):  # heaviest step first
             j = min(sorted(free), key=lambda j: ((acc[i] + loads[j]).max(), -loads[j].sum()))
@@ -89,16 +111,16 @@ def pair_by_load(groups: List[List[List[int]]], sample_tokens: np.ndarray, ep: i
     return out
 
 
-def predict_ms(cm: MoECostModel, groups, padded_lengths, sample_tokens: np.ndarray, num_layers: int,
-               recompute: str = "none", tp: int = 1, load_aware: bool = True) -> float:
+def predict_ms(cm: MoECostModel, groups, routing: Routing, num_layers: int, recompute: str = "none", tp: int = 1,
+               load_aware: bool = True) -> float:
     """Forward + backward ms of `num_layers` layers over the steps of `groups` (one stage per rank:
     steps add up; a step lasts as long as its slowest rank). `load_aware`: each rank's MoE layers
     at the tokens its experts receive that step (skew = those over its own routed tokens), where
     the DP groups are the EP ranks (EP = DP); with more DP groups than EP ranks, every group at
     the step's busiest rank. Else skew 1 (what a load-blind planner believes)."""
     p = cm.pricing
-    loads = step_loads(groups, sample_tokens, p.ep)
-    lengths = np.asarray(padded_lengths)
+    loads = step_loads(groups, routing, p.ep)
+    lengths = routing.lengths
     total = 0.0
     for i, step in enumerate(loads):
         worst = 0.0

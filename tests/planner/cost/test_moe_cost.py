@@ -80,19 +80,28 @@ def test_dynapipe_plans_a_moe_model():
 
 def test_pairing_balances_the_busiest_rank():
     # 4 samples per task; task 0 routes to rank 0's experts, task 1 to rank 1's
-    lengths = np.array([100] * 4 + [100] * 4)
-    st = el.class_sample_tokens(lengths, [0] * 4 + [1] * 4, np.array([[1, 1, 0, 0], [0, 0, 1, 1]]), topk=2)
+    lengths = np.array([100] * 8)
+    rt = el.class_routing(lengths, [0] * 4 + [1] * 4, np.array([[3, 3, 0, 0], [0, 0, 5, 5]]), topk=2)
     groups = [[[0], [1], [4], [5]], [[2], [3], [6], [7]]]  # the same task meets itself at every step
-    blind = el.step_loads(groups, st, 2)
+    blind = el.step_loads(groups, rt, 2)
     assert (blind.max(1) == 400).all()  # one rank gets both micro-batches' 2 x 100 x 2 pairs
-    aware = el.pair_by_load(groups, st, 2)
-    assert (el.step_loads(aware, st, 2).max(1) == 200).all()
+    aware = el.pair_by_load(groups, rt, 2)
+    assert (el.step_loads(aware, rt, 2).max(1) == 200).all()
     assert sorted(map(tuple, aware[1])) == sorted(map(tuple, groups[1])) and aware[0] == groups[0]
     cm = MoECostModel(CostModel.load(CPU), MoEPricing(num_experts=4, topk=2, ep=2, activation_bytes=4))
-    assert el.predict_ms(cm, aware, lengths, st, 2) < el.predict_ms(cm, groups, lengths, st, 2)
+    assert el.predict_ms(cm, aware, rt, 2) < el.predict_ms(cm, groups, rt, 2)
     # blind pricing cannot tell the two pairings apart
-    assert el.predict_ms(cm, aware, lengths, st, 2, load_aware=False) == pytest.approx(
-        el.predict_ms(cm, groups, lengths, st, 2, load_aware=False))
+    assert el.predict_ms(cm, aware, rt, 2, load_aware=False) == pytest.approx(
+        el.predict_ms(cm, groups, rt, 2, load_aware=False))
+
+
+def test_padding_is_routed_too():
+    # a 100-token task-0 sample and a 20-token task-1 sample in one micro-batch: padded to 100
+    like = el.class_routing([100, 20], [0, 1], np.array([[1, 0], [0, 1]]), topk=1)
+    np.testing.assert_allclose(el.rank_tokens(like, [0, 1], 2), [100, 100])  # padding repeats the sample
+    pad = el.class_routing([100, 20], [0, 1], np.array([[1, 0], [0, 1]]), topk=1, pad_counts=[7, 0])
+    np.testing.assert_allclose(el.rank_tokens(pad, [0, 1], 2), [180, 20])  # pad tokens all go to expert 0
+    np.testing.assert_allclose(el.rank_tokens(pad, [1], 2), [0, 20])  # alone: no padding
 
 
 def test_equal_counts_splits_the_largest_micro_batch():
