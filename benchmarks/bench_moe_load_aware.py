@@ -19,15 +19,18 @@ per task on a probe batch (what the MoE layers log per step); a micro-batch's to
 Plans, from the same DynaPipe partition (cpu_tiny_gpt.json + MoE pricing, PP 1, DP 2):
 * blind: DynaPipe's micro-batches in DynaPipe's order (every micro-batch priced at skew 1);
 * aware: the same micro-batches re-paired by `expert_load.pair_by_load` (busiest rank).
+
 Measured per plan, `--iters` rounds after a warm-up, the plans alternating: each rank's CPU
-time of each step (thread time of its micro-batch's forward + backward; a barrier ends the step),
-and `lockstep_cpu_ms` = sum over steps of the slowest rank's: the iteration's time when each
-rank has a core of its own. On a shared machine (2 cores, load average 30 when this was run)
-wall time cannot show a parallel speed-up, the ranks take turns on the cores whether
-or not their work is balanced; wall_ms is printed too. Minimum over rounds (the least disturbed,
-as the profiler does). Also printed: the predicted ms (`expert_load.predict_ms`, each rank at
-the tokens its experts receive), what the load-blind pricing believes, the steps' mean max/mean rank load, and the
-ratios blind / aware. The ordering check: `--pairings` random pairings of DynaPipe's
+time of each step (thread time of its micro-batch's forward + backward; a barrier ends the
+step), and `lockstep_cpu_ms` = sum over steps of the slowest rank's: the iteration's time when
+each rank has a core of its own (minimum and median over the rounds). On a shared machine (2
+cores, load average 30 when this was run) wall time cannot show a parallel speed-up, the ranks
+take turns on the cores whether or not their work is balanced; wall_ms is printed too. Also
+printed: the predicted ms (`expert_load.predict_ms`, each rank at the tokens its experts
+receive), what the load-blind pricing believes, the steps' mean max/mean rank load, and the
+ratios blind / aware.
+
+The ordering check: `--pairings` random pairings of DynaPipe's
 micro-batches, and (`--fixed`) fixed-size micro-batches in data order, blind and paired, priced
 and run the same way; `ordering` lists the plans by predicted and by measured time and the share
 of plan pairs the price orders as the clock does (Kendall's tau), over the pairings of DynaPipe's
@@ -204,6 +207,7 @@ def main(argv=None):
     for name, groups in plans.items():
         loads = el.step_loads(groups, st, EP)
         row[name] = {"lockstep_cpu_ms_min": round(min(got["lockstep"][name]), 1),
+                     "lockstep_cpu_ms_median": round(float(np.median(got["lockstep"][name])), 1),
                      "lockstep_cpu_ms": [round(t, 1) for t in got["lockstep"][name]],
                      "wall_ms_min": round(min(got["wall"][name]), 1),
                      "wall_ms": [round(t, 1) for t in got["wall"][name]],
@@ -211,7 +215,7 @@ def main(argv=None):
                      "max_over_mean_rank_load": round(float((loads.max(1) / loads.mean(1)).mean()), 3)}
     row["predicted_blind_believes_ms"] = round(el.predict_ms(planner.cm, blind, st, args.layers,
                                                              load_aware=False), 1)
-    for k in ("lockstep_cpu_ms_min", "wall_ms_min"):
+    for k in ("lockstep_cpu_ms_min", "lockstep_cpu_ms_median", "wall_ms_min"):
         row["speedup_" + k] = round(row["blind"][k] / row["aware"][k], 3)
     row["speedup_predicted"] = round(row["blind"]["predicted_ms"] / row["aware"]["predicted_ms"], 3)
     row["ordering"] = {"pairings": ordering(row, [n for n in plans if not n.startswith("fixed")]),
