@@ -81,9 +81,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="one small shape (CI smoke)")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA where visible")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+    dev = torch.device("cuda") if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     shapes = [(8, 512, 128, 256)] if a.quick else [(8, 2048, 256, 512), (32, 2048, 256, 128), (64, 4096, 256, 128)]
     if dev.type == "cuda" and not a.quick:

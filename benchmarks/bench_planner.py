@@ -152,8 +152,17 @@ def config(kind, cm_dir):
                           tensor_parallel=2, memory_limit_mb=36000)
 
 
+# --moe: GPT-6.7B with every other layer a mixture of 8 experts of half the dense FFN width,
+# top-2 (each token's expert FLOPs equal the dense MLP's), EP 2 over the two DP groups, alltoall
+# at 100 GB/s per GPU (NVSwitch); priced from the dense A100 table (megatron/planner/cost/moe_cost.py).
+MOE = dict(num_experts=8, topk=2, expert_ffn=8192, ep=2, dispatcher="alltoall", layer_fraction=0.5, a2a_gbps=100.0)
+
+
 def run(kind, max_len, args, mixture="multitask"):
     cfg = config(kind, Path(args.cost_models))
+    if args.moe:
+        from megatron.planner.cost.moe_cost import MoEPricing
+        cfg.moe = MoEPricing(**MOE)
     cfg.packed_rows, cfg.packed_max_len = not args.no_packed_rows, max_len
     planner = DynaPipePlanner(cfg)
     seed = 1000 + max_len + (0 if mixture == "multitask" else 7919 * (1 + sorted(MIXTURES).index(mixture)))
@@ -207,7 +216,8 @@ def run(kind, max_len, args, mixture="multitask"):
     speedups = {name: ratio(base_t[name]) for name in NAMES}
     finite = [v for v in speedups.values() if v is not None]
     return {
-        "model": "gpt_6.7b" if kind == "gpt" else "t5_11b", "mixture": mixture, "max_len": max_len,
+        "model": ("gpt_6.7b" if kind == "gpt" else "t5_11b") + ("_moe" if args.moe else ""), "mixture": mixture,
+        "max_len": max_len, **({"moe": MOE} if args.moe else {}),
         "tokens_per_batch": args.tokens,
         "pp": cfg.pipeline_parallel, "dp": cfg.data_parallel, "tp": cfg.tensor_parallel,
         "layers_per_stage": planner.layout[0][0][1], "iterations": len(times),
@@ -292,7 +302,13 @@ def main(argv=None):
                     help="also plan with the split backward (DynaPipe+ZB) and compare it with DynaPipe and ZB-H1/ZB-V")
     ap.add_argument("--no-packed-rows", action="store_true",
                     help="DynaPipe without micro-batches of packed rows (the paper's planner alone)")
+    ap.add_argument("--moe", action="store_true",
+                    help="GPT only: price every other layer as a mixture of experts (`MOE`, docs/moe.md)")
     args = ap.parse_args(argv)
+    if args.moe and args.models != "gpt":
+        if "gpt" not in args.models.split(","):
+            ap.error("--moe prices GPT tables only: use --models gpt")
+        args.models = "gpt"
     for key, quick, full in (("iters", 6, 20), ("warmup", 2, 3), ("baseline_iters", 3, 8), ("lower_iters", 1, 3),
                              ("mixtures", "multitask", "multitask,flan,heavy,bimodal")):
         if getattr(args, key) is None:

@@ -271,6 +271,11 @@ PARTS = [
          cpu_note="a 2-layer hidden-64 GPT at TP 2 on gloo: TFLOP/s only"),
     Part("dynapipe_pred", "DynaPipe simulated vs measured step", extra.child_argv("dynapipe"),
          lambda ctx: ctx.pick(180, 240), floor_s=60, parse=_parse_rows),
+    Part("moe_gemm", "MoE grouped GEMM vs per-expert loop", extra.moe_gemm_argv, lambda ctx: ctx.pick(90, 120),
+         floor_s=20, parse=_parse_rows, cpu_note="one small fp32 shape"),
+    Part("moe_alltoall", "MoE all-to-all (uneven splits) at EP = GPUs", extra.moe_alltoall_argv,
+         lambda ctx: ctx.pick(60, 90), floor_s=20, parse=_parse_rows, skip_reason=extra.moe_alltoall_reason,
+         cpu_note="EP 2 on gloo CPU ranks"),
 ]
 
 

@@ -21,7 +21,13 @@ spawns torchrun once per run with a limit of its own, so a hung run costs its sh
                  cost_models/cpu_tiny_gpt.json; CUDA: PP 2 (PP 1 on one GPU) with the table gpu_check's
                  profile part just wrote on this GPU, at its model's sizes
 
-With one GPU, zb_clock and cp_memory skip (two ranks sharing a GPU time-slice it, so the clock
+  moe_gemm       bench_moe_grouped_gemm.py: --moe-grouped-gemm (torch grouped_mm) against the per-expert
+                 loop, forward and forward + backward ms (CUDA: bf16, Mixtral / fine-grained shapes;
+                 CPU form: one small fp32 shape)
+  moe_alltoall   bench_moe_alltoall.py: the alltoall dispatcher's uneven all_to_all_single at EP =
+                 the visible GPUs (NCCL, bf16); skipped with one GPU; CPU form: EP 2 on gloo
+
+With one GPU, zb_clock, cp_memory and moe_alltoall skip (two ranks sharing a GPU time-slice it, so the clock
 would not show bubbles); the CPU form measures both on gloo ranks.
 """
 from __future__ import annotations
@@ -94,6 +100,26 @@ def cp_argv(ctx):
 def cp_note(ctx):
     return ("torch.cuda.max_memory_allocated over fwd + bwd, NCCL" if ctx.cuda else
             "saved-for-backward bytes by megatron/profiling/cp_memory.py, gloo CPU ranks")
+
+
+def moe_gemm_argv(ctx):
+    if ctx.cuda:
+        return [ctx.py, "benchmarks/bench_moe_grouped_gemm.py", "--device", "cuda", "--reps", "5"]
+    return [ctx.py, "benchmarks/bench_moe_grouped_gemm.py", "--device", "cpu", "--quick", "--reps", "3"]
+
+
+def moe_alltoall_argv(ctx):
+    if _one_gpu(ctx):
+        return None
+    if ctx.cuda:
+        return [ctx.py, "benchmarks/bench_moe_alltoall.py", "--device", "cuda", "--ranks", str(ctx.gpus),
+                "--hidden", "4096", "--tokens", "1024,4096,16384", "--iters", "10"]
+    return [ctx.py, "benchmarks/bench_moe_alltoall.py", "--ranks", "2", "--hidden", "64", "--tokens", "256,1024"]
+
+
+def moe_alltoall_reason(ctx):
+    return (f"all-to-all at EP = visible GPUs needs >= 2 GPUs ({ctx.gpus} visible); the CPU form measures "
+            "EP 2 on gloo")
 
 
 def child_argv(name):

@@ -419,7 +419,9 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   # --pipeline-schedule zb-h1/zb-h2: DynaPipe may split backwards and place the
                   # weight-gradient passes into its bubbles (megatron/planner/schedule/zb_search.py)
                   schedules=("1f1b", "adaptive")
-                  + (("zb",) if cfg.parallel.pipeline_schedule in SPLIT_SCHEDULES else ()))
+                  + (("zb",) if cfg.parallel.pipeline_schedule in SPLIT_SCHEDULES else ()),
+                  # --num-experts: the table's layers priced as MoE layers (planner/cost/moe_cost.py)
+                  moe=moe_pricing(m, cfg.training))
     if d.dynapipe_packed_rows:  # rows as long as the fixed batches' sequences (T5: both sides)
         common.update(packed_max_len=m.seq_length if m.model_type == "gpt" else m.encoder_seq_length,
                       packed_dec_len=None if m.model_type == "gpt" else m.decoder_seq_length)
@@ -429,3 +431,12 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                               virtual_stages=m.num_layers // (ps.pp_size * nv) if nv else 1, **common)
     return DynaPipeConfig(model_kind="t5", num_layers=m.num_layers, encoder_layers=m.encoder_num_layers,
                           decoder_layers=m.decoder_num_layers, decoder_extra_tokens=0, **common)
+
+
+def moe_pricing(m, t):
+    """The MoE layers' pricing for the planner (None for a dense model); load-blind (skew 1)."""
+    if m.moe is None:
+        return None
+    from megatron.planner.cost.moe_cost import MoEPricing
+    return MoEPricing.from_config(m.moe, m.num_layers, gated=m.gated_mlp,
+                                  activation_bytes=2 if t.fp16 or t.bf16 else 4)

@@ -77,6 +77,18 @@ def test_parts_follow_the_gpus(tmp_path):
     assert parts["mfu_tp"].limit_s(_ctx(tmp_path, True, 4)) > parts["mfu_tp"].limit_s(one)
 
 
+def test_moe_parts_follow_the_gpus(tmp_path):
+    parts = {p.name: p for p in gc.PARTS}
+    cpu, one, four = _ctx(tmp_path, False, 0), _ctx(tmp_path, True, 1), _ctx(tmp_path, True, 4)
+    assert parts["moe_gemm"].argv(cpu)[1:] == ["benchmarks/bench_moe_grouped_gemm.py", "--device", "cpu", "--quick",
+                                               "--reps", "3"]
+    assert "cuda" in parts["moe_gemm"].argv(one)
+    a2a = parts["moe_alltoall"]
+    assert a2a.argv(one) is None and "(1 visible)" in a2a.skip_reason(one)  # one GPU: no all-to-all
+    assert a2a.argv(four)[a2a.argv(four).index("--ranks") + 1] == "4"  # EP = the visible GPUs
+    assert a2a.argv(cpu)[a2a.argv(cpu).index("--ranks") + 1] == "2" and "--device" not in a2a.argv(cpu)
+
+
 def zb_cuda_device(argv):
     return argv[argv.index("--device") + 1]
 

@@ -30,6 +30,7 @@ from megatron.planner.dynapipe import packed
 from megatron.planner.dynapipe import partitioner as part
 from megatron.planner.cost.attention_cost import AttentionCost
 from megatron.planner.cost.cost_model import CostModel
+from megatron.planner.cost.moe_cost import moe_cost_model
 from megatron.planner.dynapipe.config import DynaPipeConfig  # noqa: F401 (the planner's config, re-exported)
 from megatron.planner.dynapipe.layout import t5_split
 from megatron.planner.schedule.schedules import ScheduleChoice, lower_bound, search
@@ -81,7 +82,7 @@ class DynaPipeBase:
 
     def __init__(self, config: DynaPipeConfig, cost_model: Optional[CostModel] = None):
         self.cfg = config
-        self.cm = cost_model or CostModel.load(config.cost_model_path)
+        self.cm = moe_cost_model(cost_model or CostModel.load(config.cost_model_path), config.moe)
         if self.cm.kind != config.model_kind:
             raise ValueError(f"cost model {self.cm.name!r} is for {self.cm.kind!r}, config is {config.model_kind!r}")
         self.cm.require_tp(config.tensor_parallel)

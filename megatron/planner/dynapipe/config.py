@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from megatron.planner.cost.cost_model import RECOMPUTE_LEVELS
+from megatron.planner.cost.moe_cost import MoEPricing
 from megatron.planner.dynapipe.layout import stage_components
 
 
@@ -92,6 +93,8 @@ class DynaPipeConfig:
     # worker builds that planner), plans lowered with the S/CP-token stage boundaries a rank sends.
     context_parallel: int = 1
     cp_comm_type: str = "p2p"
+    # Mixture of experts (GPT): the table's layers priced as MoE layers (megatron/planner/cost/moe_cost.py)
+    moe: Optional[MoEPricing] = None
 
     def __post_init__(self):
         if self.model_kind not in ("gpt", "t5"):
