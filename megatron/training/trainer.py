@@ -503,6 +503,9 @@ class Trainer:
                 self.logger.log_validation(self.iteration, self.evaluate(self.valid_source, cfg.training.eval_iters))
                 self.extras.around_eval()
             self.extras.after_step(self.iteration)
+            if cfg.checkpoint.async_save:  # a save in flight whose files are all written is named now
+                from megatron.checkpointing.async_save import maybe_finalize
+                maybe_finalize(self)
             if save_fn and cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0:
                 self._params_up_to_date()
                 save_fn(self)
