@@ -149,3 +149,18 @@ def test_host_copy_is_a_copy_and_keeps_sharing():
     w.add_(1)
     assert torch.equal(c["a"], torch.ones(3)) and c["a"] is c["b"] and c["n"][1][0] is c["a"]
     assert isinstance(c, OrderedDict) and c._metadata == sd._metadata
+
+
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8",
+        "--mock-data", "--vocab-size", "100", "--micro-batch-size", "1", "--train-iters", "2"]
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "megatron-legacy"])
+def test_other_formats_are_refused_in_one_line(fmt, tmp_path, capsys):
+    from megatron.cli.arguments import parse_args
+    with pytest.raises(SystemExit) as e:
+        parse_args(TINY + ["--save", str(tmp_path), "--ckpt-format", fmt, "--async-save"], world_size=1)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "--async-save" in err[0] and "--ckpt-format torch" in err[0]
+    cfg = parse_args(TINY + ["--save", str(tmp_path), "--async-save"], world_size=1)
+    assert cfg.checkpoint.async_save and cfg.checkpoint.ckpt_format == "torch"
