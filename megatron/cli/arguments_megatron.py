@@ -97,7 +97,7 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
                         "core_v0.19.0's semantics), e.g. '0:16 2.4B:320'")
     g.add_argument("--decoupled-lr", type=float, default=None,
                    help="peak learning rate of the word embedding and output layer (their own curve of the same "
-                        "shape); not with --use-distributed-optimizer")
+                        "shape)")
     g.add_argument("--decoupled-min-lr", type=float, default=None,
                    help="with --decoupled-lr: their minimum learning rate (default: --min-lr)")
     g.add_argument("--async-save", action="store_true",
@@ -182,10 +182,6 @@ def apply_megatron_args(args: argparse.Namespace, world_size: int) -> List[str]:
                           "--use-distributed-optimizer they are reduce-scattered shards: drop one of the two")
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         raise ConfigError("--decoupled-min-lr needs --decoupled-lr")
-    if args.decoupled_lr is not None and args.use_distributed_optimizer:
-        raise ConfigError("--decoupled-lr: the distributed optimizer here keeps one learning rate per weight-decay "
-                          "group; drop --use-distributed-optimizer (the Adam state is then replicated) or "
-                          "--decoupled-lr")
     dp = _data_parallel(args, world_size)
     schedule = _batch_schedule(args, dp, notes)
     gbs = args.global_batch_size or args.micro_batch_size * dp
