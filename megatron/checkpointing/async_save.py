@@ -25,7 +25,7 @@ import sys
 from collections import OrderedDict
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
@@ -46,8 +46,6 @@ class _Pending:
     expected: List[str]  # every writing rank's file, relative to root
     thread: Optional[threading.Thread] = None
     error: Optional[BaseException] = None
-    stall_s: float = 0.0  # how long the training loop waited for steps 1 (and the thread's start)
-    started: float = field(default_factory=time.perf_counter)
 
 
 def host_copy(obj, memo: Optional[dict] = None):
@@ -85,7 +83,6 @@ def save_checkpoint_async(trainer, root: Optional[str] = None) -> str:
         raise torch_format.CheckpointError(f"--async-save writes --ckpt-format torch only, not "
                                            f"{cfg.checkpoint.ckpt_format}: drop --async-save")
     maybe_finalize(trainer, blocking=True)  # a save in flight completes (and is named) first
-    t0 = time.perf_counter()
     path = torch_format.checkpoint_path(root, trainer.iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
     try:
         state = torch_format.collect_state(trainer, root, path)
@@ -102,7 +99,6 @@ def save_checkpoint_async(trainer, root: Optional[str] = None) -> str:
         pending.thread = threading.Thread(target=_write, args=(pending, snapshot), daemon=True,
                                           name=f"checkpoint-writer-iter{trainer.iteration}")
         pending.thread.start()
-    pending.stall_s = time.perf_counter() - t0
     setattr(trainer, ATTR, pending)
     return path
 
