@@ -151,6 +151,25 @@ def test_host_copy_is_a_copy_and_keeps_sharing():
     assert isinstance(c, OrderedDict) and c._metadata == sd._metadata
 
 
+
+def _interrupted_mid_write(rank, world, ckpt, kw):
+    """Ctrl-C while the last rank's writer is still busy: no collective; each rank finishes its
+    file and rank 0 names the checkpoint once every rank's checksum is there."""
+    t = _async_trainer(world, ckpt, kw)
+    gate = threading.Event()
+    if rank == world - 1:
+        torch_format.write_rank_file = _gated_writer(gate)
+        threading.Timer(0.5, gate.set).start()  # the write ends while rank 0 waits for its checksum
+    async_save.save_checkpoint_async(t)
+    async_save.finish_after_interrupt(t)  # (what run_pretraining does after KeyboardInterrupt)
+    assert getattr(t, async_save.ATTR) is None
+    return read_tracker(ckpt)
+
+
+def test_ctrl_c_finishes_and_names_the_save_in_flight(tmp_path):
+    assert run_distributed(_interrupted_mid_write, 2, str(tmp_path), dict(pp=2))[0] == HALF
+    assert os.path.exists(os.path.join(tmp_path, f"iter_{HALF:07d}", MANIFEST))
+
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8",
         "--mock-data", "--vocab-size", "100", "--micro-batch-size", "1", "--train-iters", "2"]
 
