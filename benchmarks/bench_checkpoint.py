@@ -1,7 +1,15 @@
-"""Save and load time of the two checkpoint formats (--ckpt-format torch / torch_dist).
+"""Save and load time of the two checkpoint formats (--ckpt-format torch / torch_dist), and
+how long a save stalls the training loop with and without --async-save.
 
   nice -n 10 python benchmarks/bench_checkpoint.py [--hidden 512] [--layers 12] [--tp 2] [--pp 2]
                                                    [--dp 1] [--use-distributed-optimizer]
+  nice -n 10 python benchmarks/bench_checkpoint.py --async-stall [--steps 4] ...
+
+--async-stall: the stall of a save is the wall time of (save, then --steps training steps, each
+followed by the asynchronous save's finalize check, then the wait for the last write) minus the
+time of --steps steps without a save; the same for a synchronous save; the best of --reps each,
+interleaved. Prints stall_sync_s, stall_async_s and their ratio, plus the loop's wait inside
+the save call itself (gather + host copy for --async-save).
 
 Builds a GPT of about 50 M parameters (default) on tp x pp x dp gloo ranks on CPU, trains one step
 (so the AdamW state exists), then for each format saves a checkpoint and loads it back into the
@@ -35,7 +43,8 @@ def _config(args):
                           seq_length=args.seq, vocab_size=args.vocab, hidden_dropout=0.0, attention_dropout=0.0),
         parallel=ParallelConfig(world_size=args.tp * args.pp * args.dp, tensor_model_parallel_size=args.tp,
                                 pipeline_model_parallel_size=args.pp, distributed_timeout_minutes=10),
-        training=TrainingConfig(micro_batch_size=1, global_batch_size=args.dp, train_iters=1, lr=1e-4,
+        training=TrainingConfig(micro_batch_size=1, global_batch_size=args.dp, lr=1e-4,
+                                train_iters=1 + (3 * args.reps * (args.steps + 1) if args.async_stall else 0),
                                 eval_interval=10 ** 6, use_distributed_optimizer=args.use_distributed_optimizer),
         data=DataConfig(mock_data=True), checkpoint=CheckpointConfig(), logging=LoggingConfig(log_interval=10 ** 6))
 
@@ -62,6 +71,8 @@ def _worker(rank, world, args, root):
     set_seeds(cfg.training.seed, ps, torch.device("cpu"))
     trainer = build_gpt_trainer(cfg, ps, torch.device("cpu"))
     trainer.train_step()
+    if args.async_stall:
+        return _stall(trainer, args, root)
     local = sum(p.numel() for s in trainer.stages.values() for p in s.parameters()
                 if not getattr(p, "shared_embedding", False))  # the last stage's tied copy: counted once
     n = torch.tensor([local if ps.dp_rank == 0 else 0], dtype=torch.int64)
@@ -82,6 +93,34 @@ def _worker(rank, world, args, root):
     return result
 
 
+def _stall(trainer, args, root):
+    from megatron.checkpointing import async_save
+    from megatron.checkpointing.torch_format import save_checkpoint
+    trainer.cfg.checkpoint.async_save = True
+
+    def steps(save=None):
+        call = _timed(save) if save else 0.0
+        for _ in range(args.steps):
+            trainer.train_step()
+            async_save.maybe_finalize(trainer)
+        async_save.maybe_finalize(trainer, blocking=True)
+        return call
+
+    out = {"base": [], "sync": [], "async": [], "sync_call": [], "async_call": []}
+    for _ in range(args.reps):
+        for kind, save in (("base", None), ("sync", lambda: save_checkpoint(trainer, root)),
+                           ("async", lambda: async_save.save_checkpoint_async(trainer, root))):
+            calls = []
+            out[kind].append(_timed(lambda: calls.append(steps(save))))
+            if save:
+                out[kind + "_call"].append(calls[0])
+    base = min(out["base"])
+    res = {k: min(v) for k, v in out.items()}
+    res.update(step_s=base / args.steps, stall_sync_s=res["sync"] - base, stall_async_s=res["async"] - base)
+    res["async_over_sync_stall"] = res["stall_async_s"] / res["stall_sync_s"]
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=512)
@@ -94,11 +133,18 @@ def main(argv=None):
     ap.add_argument("--dp", type=int, default=1, help="data-parallel size")
     ap.add_argument("--use-distributed-optimizer", action="store_true",
                     help="Adam state sharded over DP (torch_dist gathers it per parameter when saving)")
+    ap.add_argument("--async-stall", action="store_true", help="measure the training-loop stall of a save with "
+                    "and without --async-save (torch format) instead of the two formats' save and load times")
+    ap.add_argument("--steps", type=int, default=4, help="with --async-stall: training steps after each save")
     args = ap.parse_args(argv)
     world = args.tp * args.pp * args.dp
     with tempfile.TemporaryDirectory() as d:
         res = run_ranks(_worker, world, args, os.path.join(d, "ckpt"), timeout_s=1800,
                         what="checkpoint benchmark")[0]
+    if args.async_stall:
+        res.update(config=vars(args))
+        print(json.dumps(res), flush=True)
+        return
     res.update(config=vars(args), dist_over_torch_save=res["torch_dist"]["save_s"] / res["torch"]["save_s"],
                dist_over_torch_load=res["torch_dist"]["load_s"] / res["torch"]["load_s"])
     print(json.dumps(res), flush=True)

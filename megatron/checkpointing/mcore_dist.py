@@ -47,6 +47,7 @@ import torch
 from megatron import safe_paths
 from megatron.checkpointing import dist_reader as reader
 from megatron.checkpointing import megatron_legacy as legacy
+from megatron.checkpointing.megatron_base import undo_layernorm_1p
 
 BACKEND_FILE = "metadata.json"
 COMMON = "common.pt"
@@ -237,7 +238,7 @@ def read_full(root: str) -> Tuple[argparse.Namespace, Dict[str, torch.Tensor], d
             "tp": int(getattr(args, "tensor_model_parallel_size", 1) or 1),
             "pp": int(getattr(args, "pipeline_model_parallel_size", 1) or 1), "format": "core torch_dist",
             "optimizer_tensors": len(index) - len(names)}
-    return args, full, meta
+    return args, undo_layernorm_1p(args, full), meta  # --apply-layernorm-1p stores w - 1
 
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from megatron import safe_paths
-from megatron.checkpointing.megatron_base import MegatronCheckpointError
+from megatron.checkpointing.megatron_base import MegatronCheckpointError, undo_layernorm_1p
 from megatron.checkpointing.megatron_base import flatten as _flatten
 from megatron.checkpointing.safety import _arrays
 
@@ -389,7 +389,7 @@ def read_full(root: str, on_state=None) -> Tuple[argparse.Namespace, Dict[str, t
         if on_state is not None:  # e.g. megatron_optim: the optimizer and RNG state of the same file
             on_state((t, p), path, state)
     full, meta["format"] = join_shards(args, models, tp, pp)
-    return args, full, meta
+    return args, undo_layernorm_1p(args, full), meta  # --apply-layernorm-1p stores w - 1
 
 
 def count_field(path: str, field: str, value) -> int:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from megatron import safe_paths
+from megatron.checkpointing.megatron_base import undo_layernorm_1p
 from megatron.checkpointing.megatron_legacy import (MegatronCheckpointError, count_field, join_shards,
                                                     safe_load_megatron)
 
@@ -279,6 +280,8 @@ class Collector:
         if len(self.steps) != 1:
             raise MegatronCheckpointError(f"rank files disagree on the optimizer's step count: {sorted(self.steps)}")
         out = {k: join_shards(args, self.models[k], tp, pp)[0] for k in KINDS if self.models[k]}
+        if "param" in out:  # fp32 main params are the weights: --apply-layernorm-1p stores w - 1
+            out["param"] = undo_layernorm_1p(args, out["param"])
         return out, self.steps.pop()
 
 

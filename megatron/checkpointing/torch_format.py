@@ -181,51 +181,77 @@ def save_checkpoint(trainer, root: Optional[str] = None) -> str:
                                                                         read_tracker)) from None
     path = checkpoint_path(root, trainer.iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
     try:
-        claim_and_clean(ps, root)
-        if ps.rank == 0:
-            checkpoint_ownership.mark_saving(os.path.dirname(os.path.dirname(path)))
-        _barrier()
-        opt_state = trainer.optimizer.state_dict()
-        if getattr(trainer.optimizer, "reduces_data_parallel_grads", False) and ps.grad_size > 1:
-            # Distributed optimizer: gather every DP (x CP) rank's shard (with its range) into the
-            # file, so a run with another DP or CP size can take its own ranges from it.
-            shards = [None] * ps.grad_size
-            dist.all_gather_object(shards, opt_state, group=ps.grad_group)
-            opt_state = shards
-        # Every rank: an extra state may gather across data parallelism (collective).
-        extras = {key: obj.state_dict() for key, obj in getattr(trainer, "extra_checkpoint_state", {}).items()}
-        model_state = {sid: m.state_dict() for sid, m in trainer.stages.items()}
-        if cfg.model.moe is not None:  # every rank: the EP group's experts into DP rank 0's file
-            moe_experts.gather_experts(trainer, model_state, opt_state)
-        if ps.dp_rank == 0 and ps.cp_rank == 0:  # CP ranks hold the same weights: one writes
-            state = {
-                "checkpoint_version": CHECKPOINT_VERSION,
-                "config": cfg.to_dict(),
-                "iteration": trainer.iteration,
-                "consumed_samples": trainer.consumed_samples,
-                "skipped_iters": trainer.skipped_iters,
-                "consumed_tokens": getattr(trainer, "consumed_tokens", 0),
-                "logger": trainer.logger.state_dict() if hasattr(trainer.logger, "state_dict") else {},
-                "model": model_state,
-                "optimizer": opt_state,
-                "opt_param_scheduler": trainer.lr_scheduler.state_dict(),
-                "rng_state": rng_state(),
-            }
-            state.update(extras)
-            digest = _atomic_write_bytes(path, lambda f: torch.save(state, f))
-            _atomic_write_bytes(path + ".sha256", lambda f: f.write(f"{digest}  model_optim_rng.pt\n".encode()))
-        _barrier()
-        if ps.rank == 0:
-            # The manifest marks the iteration complete; only then may the tracker move to it.
-            _write_manifest(root, trainer.iteration)
-            checkpoint_ownership.unmark(os.path.dirname(os.path.dirname(path)))
-            _move_tracker(root, trainer.iteration)
-            from megatron.checkpointing.hints import note_torch_format
-            note_torch_format(root, ps.tp_size, ps.pp_size, _atomic_write_bytes)
-        _barrier()
+        state = collect_state(trainer, root, path)
+        if state is not None:
+            write_rank_file(path, state)
+        finalize(ps, root, trainer.iteration, path)
     except OSError as e:
         raise _write_error(ps, root, e) from e
     return path
+
+
+def collect_state(trainer, root: str, path: str) -> Optional[dict]:
+    """Every rank (collective): claim --save, mark the iteration folder as a save in progress and
+    gather what this rank's file holds; None on the ranks that write no file. The tensors are the
+    live ones (the model's and optimizer's own): write them before the next step, or copy them."""
+    cfg, ps = trainer.cfg, trainer.ps
+    claim_and_clean(ps, root)
+    if ps.rank == 0:
+        checkpoint_ownership.mark_saving(os.path.dirname(os.path.dirname(path)))
+    _barrier()
+    opt_state = trainer.optimizer.state_dict()
+    if getattr(trainer.optimizer, "reduces_data_parallel_grads", False) and ps.grad_size > 1:
+        # Distributed optimizer: gather every DP (x CP) rank's shard (with its range) into the
+        # file, so a run with another DP or CP size can take its own ranges from it.
+        shards = [None] * ps.grad_size
+        dist.all_gather_object(shards, opt_state, group=ps.grad_group)
+        opt_state = shards
+    # Every rank: an extra state may gather across data parallelism (collective).
+    extras = {key: obj.state_dict() for key, obj in getattr(trainer, "extra_checkpoint_state", {}).items()}
+    model_state = {sid: m.state_dict() for sid, m in trainer.stages.items()}
+    if cfg.model.moe is not None:  # every rank: the EP group's experts into DP rank 0's file
+        moe_experts.gather_experts(trainer, model_state, opt_state)
+    if ps.dp_rank != 0 or ps.cp_rank != 0:  # CP ranks hold the same weights: one writes
+        return None
+    state = {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "config": cfg.to_dict(),
+        "iteration": trainer.iteration,
+        "consumed_samples": trainer.consumed_samples,
+        "skipped_iters": trainer.skipped_iters,
+        "consumed_tokens": getattr(trainer, "consumed_tokens", 0),
+        "logger": trainer.logger.state_dict() if hasattr(trainer.logger, "state_dict") else {},
+        "model": model_state,
+        "optimizer": opt_state,
+        "opt_param_scheduler": trainer.lr_scheduler.state_dict(),
+        "rng_state": rng_state(),
+    }
+    state.update(extras)
+    return state
+
+
+def write_rank_file(path: str, state: dict) -> None:
+    """This rank's file, then its checksum beside it (the checksum's presence means the file is whole)."""
+    digest = _atomic_write_bytes(path, lambda f: torch.save(state, f))
+    _atomic_write_bytes(path + ".sha256", lambda f: f.write(f"{digest}  model_optim_rng.pt\n".encode()))
+
+
+def finalize(ps, root: str, iteration: int, path: str) -> None:
+    """Every rank (collective), once every rank's file is written: rank 0 writes the manifest,
+    which marks the iteration complete, and only then moves the tracker to it."""
+    _barrier()
+    if ps.rank == 0:
+        name_checkpoint(ps, root, iteration, path)
+    _barrier()
+
+
+def name_checkpoint(ps, root: str, iteration: int, path: str) -> None:
+    """Rank 0, once every rank's file and checksum are on disk: manifest, then the tracker."""
+    _write_manifest(root, iteration)
+    checkpoint_ownership.unmark(os.path.dirname(os.path.dirname(path)))
+    _move_tracker(root, iteration)
+    from megatron.checkpointing.hints import note_torch_format
+    note_torch_format(root, ps.tp_size, ps.pp_size, _atomic_write_bytes)
 
 
 def _move_tracker(root: str, iteration: int, fmt: str = "") -> None:

@@ -483,7 +483,8 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
     _check_load_dir(args.load, args.save)
     checkpoint = CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
                                   no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
-                                  finetune=args.finetune, ckpt_format=args.ckpt_format)
+                                  finetune=args.finetune, ckpt_format=args.ckpt_format,
+                                  async_save=args.async_save)
     _check_writable_dir("--profile-dir", args.profile_dir)
     logging_cfg = LoggingConfig(log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
                                 profile=args.profile, profile_step_start=args.profile_step_start,

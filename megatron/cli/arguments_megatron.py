@@ -52,8 +52,6 @@ _ENGINE = {
     "--no-mmap-bin-files": (dict(action="store_true"), ".bin files are always memory-mapped here"),
     "--grad-reduce-in-bf16": (dict(action="store_true"), "gradients are float32 (fp32 parameters under autocast) "
                               "and are reduced in float32"),
-    "--async-save": (dict(action="store_true"), "saving is synchronous here (training waits for the files, then "
-                     "the manifest and tracker are written as for every save)"),
     "--timing-log-level": (dict(type=int, choices=[0, 1, 2]), "the log line has the iteration time; per-operation "
                            "timings come from --profile (torch.profiler trace)"),
     "--timing-log-option": (dict(choices=["max", "minmax", "all"]), "the log line has the iteration time of the "
@@ -99,9 +97,12 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
                         "core_v0.19.0's semantics), e.g. '0:16 2.4B:320'")
     g.add_argument("--decoupled-lr", type=float, default=None,
                    help="peak learning rate of the word embedding and output layer (their own curve of the same "
-                        "shape); not with --use-distributed-optimizer")
+                        "shape)")
     g.add_argument("--decoupled-min-lr", type=float, default=None,
                    help="with --decoupled-lr: their minimum learning rate (default: --min-lr)")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints on a background thread while training goes on (--ckpt-format torch); "
+                        "the tracker moves once every rank's file and the manifest are complete")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="after this many minutes of training, save (with --save) and exit; all ranks agree on "
                         "the iteration")
@@ -168,15 +169,19 @@ def apply_megatron_args(args: argparse.Namespace, world_size: int) -> List[str]:
     if args.apply_layernorm_1p and args.ckpt_format == "megatron-legacy":
         raise ConfigError("--apply-layernorm-1p with --ckpt-format megatron-legacy: Megatron would read the stored "
                           "scale w as w-1; save with --ckpt-format torch (or drop --apply-layernorm-1p for Megatron)")
+    if args.async_save and args.ckpt_format != "torch":
+        raise ConfigError(f"--async-save writes --ckpt-format torch only (got {args.ckpt_format}): drop --async-save "
+                          f"or save with --ckpt-format torch")
+    if args.async_save and not args.save:
+        notes.append("note: --async-save without --save: nothing is saved")
+    elif args.async_save:
+        notes.append("note: --async-save: checkpoints are written on a background thread; each is named (tracker) "
+                     "at the first step after every rank's file is written")
     if args.log_num_zeros_in_grad and args.use_distributed_optimizer:
         raise ConfigError("--log-num-zeros-in-grad counts the gradients the plain optimizer steps on; with "
                           "--use-distributed-optimizer they are reduce-scattered shards: drop one of the two")
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         raise ConfigError("--decoupled-min-lr needs --decoupled-lr")
-    if args.decoupled_lr is not None and args.use_distributed_optimizer:
-        raise ConfigError("--decoupled-lr: the distributed optimizer here keeps one learning rate per weight-decay "
-                          "group; drop --use-distributed-optimizer (the Adam state is then replicated) or "
-                          "--decoupled-lr")
     dp = _data_parallel(args, world_size)
     schedule = _batch_schedule(args, dp, notes)
     gbs = args.global_batch_size or args.micro_batch_size * dp

@@ -418,6 +418,7 @@ class CheckpointConfig:
     no_load_rng: bool = False
     finetune: bool = False
     ckpt_format: str = "torch"
+    async_save: bool = False  # --async-save: write on a thread, name at a later step (torch format)
 
     def __post_init__(self):
         _require(self.ckpt_format in ("torch", "torch_dist", "megatron-legacy"),

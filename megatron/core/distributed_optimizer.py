@@ -40,17 +40,29 @@ from megatron.core.optimizer import MegatronOptimizer, counts_for_norm
 from megatron.core.tensor_parallel.mappings import all_gather_flat, reduce_scatter_flat
 
 
-class _Bucket:
-    """Parameters (decayed first) in one flat range, padded to a multiple of the DP size."""
+PARTS = 3  # a bucket's parameter groups, in order: decayed, decayed with --decoupled-lr, undecayed
 
-    def __init__(self, params: list, decayed: set, dp: int, dp_rank: int):
-        self.params = [p for p in params if id(p) in decayed] + [p for p in params if id(p) not in decayed]
+
+class _Bucket:
+    """Parameters in one flat range, padded to a multiple of the DP size, grouped in PARTS order
+    (decayed; the --decoupled-lr word embedding and output layer, also decayed; undecayed), so
+    each rank's chunk cuts into one contiguous piece per optimizer parameter group."""
+
+    def __init__(self, params: list, decayed: set, dp: int, dp_rank: int, decoupled: set = frozenset()):
+        kinds = [[p for p in params if id(p) in decayed and id(p) not in decoupled],
+                 [p for p in params if id(p) in decoupled], [p for p in params if id(p) not in decayed | decoupled]]
+        self.params = [p for k in kinds for p in k]
         self.numel = sum(p.numel() for p in self.params)
-        self.n_decay = sum(p.numel() for p in self.params if id(p) in decayed)
         self.chunk = math.ceil(self.numel / dp)
         self.padded = self.chunk * dp
         self.lo = dp_rank * self.chunk
-        self.split = min(max(self.n_decay - self.lo, 0), self.chunk)  # decayed elements of this rank's chunk
+        ends, end = [], 0
+        for k in kinds:
+            end += sum(p.numel() for p in k)
+            ends.append(min(max(end - self.lo, 0), self.chunk))
+        ends[-1] = self.chunk  # the padding goes with the undecayed part
+        # this rank's chunk, as (start, end) of each part
+        self.parts = [(0 if j == 0 else ends[j - 1], ends[j]) for j in range(PARTS)]
 
     def flat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         parts = [t.reshape(-1) for t in tensors]
@@ -83,18 +95,24 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def __init__(self, modules: List[nn.Module], cfg, ps, lr_scheduler, device=torch.device("cpu"),
                  bucket_numel: Optional[int] = None, late_params: Sequence[nn.Parameter] = (),
-                 reduced_params: Sequence[nn.Parameter] = ()):
+                 reduced_params: Sequence[nn.Parameter] = (), decoupled_lr: Optional[tuple] = None):
         """`bucket_numel`: bucket size for --overlap-grad-reduce / --overlap-param-gather (None:
         one bucket). `late_params`: gradients that other syncs (tied embeddings, sequence-parallel
         norms) still change after the backward; they get a bucket of their own, reduced last.
         `reduced_params`: gradients another sync sums over DP every step (see the module
-        docstring); a last bucket of their own, never reduce-scattered."""
+        docstring); a last bucket of their own, never reduce-scattered. `decoupled_lr`: (max_lr,
+        min_lr) of the word embedding and output layer (Megatron's --decoupled-lr), as the plain
+        optimizer's `param_groups` picks them."""
         super().__init__(modules, cfg, ps, lr_scheduler, device)
-        decay, no_decay = [], []
+        decay, no_decay, own = [], [], set()
         for m in modules:
             for name, p in m.named_parameters():
                 if p.requires_grad:
-                    (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
+                    if decoupled_lr is not None and name.endswith(("word_embeddings.weight", "output_layer.weight")):
+                        own.add(id(p))
+                        decay.append(p)  # (both are matrices: decayed, as in `param_groups`)
+                    else:
+                        (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
         self.ordered = decay + no_decay
         decayed = {id(p) for p in decay}
         # Position of each parameter in the canonical (checkpoint) order.
@@ -112,7 +130,7 @@ class DistributedOptimizer(MegatronOptimizer):
         if bucket_numel:
             lists.append([p for p in self.ordered if id(p) in late and id(p) not in pre])
         lists.append([p for p in self.ordered if id(p) in pre])
-        self.buckets = [_Bucket(b, decayed, dp, ps.grad_rank) for b in lists if b]
+        self.buckets = [_Bucket(b, decayed, dp, ps.grad_rank, own) for b in lists if b]
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self.late_buckets = {self.bucket_of[k] for k in late if k in self.bucket_of} if bucket_numel else set()
         self._reduced_ids: set = set()  # this step's gradients already summed over DP
@@ -124,16 +142,17 @@ class DistributedOptimizer(MegatronOptimizer):
                                 for p in b.params] + [torch.zeros(b.padded - b.numel, dtype=torch.bool)])
             masks.append(counts[b.lo:b.lo + b.chunk])
         self.norm_mask = torch.cat(masks).to(device)
-        self.main: List[torch.Tensor] = []  # per bucket: decayed part, undecayed part (may be empty)
+        self.main: List[torch.Tensor] = []  # per bucket: its PARTS pieces of this rank's chunk (may be empty)
         for b in self.buckets:
             flat = b.flat([p.detach() for p in b.params])
-            self.main += [flat[b.lo:b.lo + b.split].clone(), flat[b.lo + b.split:b.lo + b.chunk].clone()]
+            self.main += [flat[b.lo + lo:b.lo + hi].clone() for lo, hi in b.parts]
         groups = []
-        for k, wd in ((0, cfg.weight_decay), (1, 0.0)):
-            ts = self.main[k::2]
+        extra = [{}, {} if decoupled_lr is None else {"max_lr": decoupled_lr[0], "min_lr": decoupled_lr[1]}, {}]
+        for k, wd in enumerate((cfg.weight_decay, cfg.weight_decay, 0.0)):
+            ts = self.main[k::PARTS]
             for t in ts:
                 t.requires_grad_(True)
-            groups.append({"params": ts, "weight_decay": wd})
+            groups.append({"params": ts, "weight_decay": wd, **extra[k]})
         kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
         if device.type == "cuda":
             kwargs["fused"] = True
@@ -246,8 +265,8 @@ class DistributedOptimizer(MegatronOptimizer):
         with torch.no_grad():
             for i, b in enumerate(self.buckets):
                 flat = b.flat([p.detach() for p in b.params])
-                self.main[2 * i].copy_(flat[b.lo:b.lo + b.split])
-                self.main[2 * i + 1].copy_(flat[b.lo + b.split:b.lo + b.chunk])
+                for j, (lo, hi) in enumerate(b.parts):
+                    self.main[PARTS * i + j].copy_(flat[b.lo + lo:b.lo + hi])
         grad = torch.cat([self._reduced_grad(i) for i in range(len(self.buckets))])
         self._reduced_ids = set()
         if self.grad_scaler is not None:
@@ -268,19 +287,18 @@ class DistributedOptimizer(MegatronOptimizer):
             grad.mul_(self.cfg.clip_grad / (norm + 1e-6))
         off = 0
         for i, b in enumerate(self.buckets):
-            self.main[2 * i].grad = grad[off:off + b.split].clone()
-            self.main[2 * i + 1].grad = grad[off + b.split:off + b.chunk].clone()
+            for j, (lo, hi) in enumerate(b.parts):
+                self.main[PARTS * i + j].grad = grad[off + lo:off + hi].clone()
             off += b.chunk
-        lr = self.lr_scheduler.lr()
         for g in self.optimizer.param_groups:
-            g["lr"] = lr
+            g["lr"] = self.lr_scheduler.lr(max_lr=g.get("max_lr"), min_lr=g.get("min_lr"))
         self.optimizer.step()
         if self.overlap_param_gather and self._uncovered is None:
             self._uncovered = tuple(sorted({b for key, own in self._owner_buckets.items() if key not in self._called
                                             for b in own}))
         # Forward order (first layers first): the next forward needs those first.
         for i in reversed(range(len(self.buckets))):
-            shard = torch.cat([self.main[2 * i].detach(), self.main[2 * i + 1].detach()])
+            shard = torch.cat([t.detach() for t in self.main[PARTS * i:PARTS * i + PARTS]])
             pending = self._gather(i, shard, self.overlap_param_gather)
             if self.overlap_param_gather:
                 self.gathers[i] = pending
@@ -356,7 +374,8 @@ class DistributedOptimizer(MegatronOptimizer):
         for i, b in enumerate(self.buckets):
             full = {}
             for k in ("exp_avg", "exp_avg_sq"):
-                shard = torch.cat([st[t][k] if t in st else torch.zeros_like(t) for t in self.main[2 * i:2 * i + 2]])
+                mine = self.main[PARTS * i:PARTS * i + PARTS]
+                shard = torch.cat([st[t][k] if t in st else torch.zeros_like(t) for t in mine])
                 full[k] = self._gather(i, shard.detach(), False)[1]
             pos = 0
             for p in b.params:
@@ -375,12 +394,12 @@ class DistributedOptimizer(MegatronOptimizer):
         for i, b in enumerate(self.buckets):
             cut = {}
             for k in ("exp_avg", "exp_avg_sq"):
-                dt = self.main[2 * i].dtype
+                dt = self.main[PARTS * i].dtype
                 flat = b.flat([states[id(p)][k].to(p.device, dt) if id(p) in states
                                else torch.zeros(p.shape, dtype=dt, device=p.device) for p in b.params])
                 cut[k] = flat[b.lo:b.lo + b.chunk]
-            for j, (lo, hi) in enumerate(((0, b.split), (b.split, b.chunk))):
-                t = self.main[2 * i + j]
+            for j, (lo, hi) in enumerate(b.parts):
+                t = self.main[PARTS * i + j]
                 self.optimizer.state[t] = {"step": torch.tensor(step),
                                            **{k: v[lo:hi].clone().to(t.device) for k, v in cut.items()}}
 

@@ -164,37 +164,54 @@ class MegatronOptimizer:
             self.grad_scaler.load_state_dict(sd["grad_scaler"])
 
 
+def _whole(x: float):
+    """`x` as the integer it is meant to be (a sample count reached through a division by the
+    global batch and back), else `x`."""
+    r = round(x)
+    return r if abs(x - r) <= 1e-9 * max(1.0, abs(x)) else x
+
+
 class LRScheduler:
-    """Megatron's OptimizerParamScheduler, counted in iterations: linear warm-up from 0, then
-    constant / linear / cosine / inverse-square-root decay to min_lr at lr_decay_iters."""
+    """Megatron's OptimizerParamScheduler (the same in Megatron-LM core_v0.9.0 and megatron-core
+    0.16.1; tests/training/test_lr_schedule_megatron.py runs both beside this one), counted as
+    Megatron counts: in samples. `num_steps` is in iterations of --global-batch-size samples (a
+    growing batch advances it by samples / global batch) and `lr` turns it into samples, so each
+    value is the same float as Megatron's. Iteration i (from 1) trains with the value after i-1
+    steps, as Megatron, whose scheduler steps after the optimizer: linear warm-up from 0 at
+    iteration 1 (max_lr * s / W while s <= W), then constant / linear / cosine to min_lr at
+    the decay end, or inverse-square-root (min_lr after the decay end, as Megatron)."""
 
     def __init__(self, cfg: TrainingConfig):
         self.max_lr, self.min_lr = cfg.lr, cfg.min_lr
         self.decay_style = cfg.lr_decay_style
         self.decay_iters = max(cfg.lr_decay_iters or cfg.train_iters, 1)
-        if cfg.lr_warmup_fraction is not None:
-            self.warmup_iters = int(cfg.lr_warmup_fraction * self.decay_iters)
+        self.unit = cfg.global_batch_size or 1  # samples per scheduler step
+        self.decay_steps = _whole(self.decay_iters * self.unit)
+        if cfg.lr_warmup_fraction is not None:  # a fraction of the decay samples, as Megatron
+            self.warmup_steps = cfg.lr_warmup_fraction * self.decay_steps
         else:
-            self.warmup_iters = cfg.lr_warmup_iters
+            self.warmup_steps = _whole(cfg.lr_warmup_iters * self.unit)
+        self.warmup_iters = self.warmup_steps / self.unit
         self.num_steps = 0
 
     def lr(self, step: Optional[int] = None, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
         """The learning rate at `step`; `max_lr` / `min_lr` give another group's curve of the same
-        shape (Megatron's --decoupled-lr / --decoupled-min-lr for the embedding and output layer)."""
-        n = self.num_steps if step is None else step
+        shape (Megatron's --decoupled-lr / --decoupled-min-lr for the embedding and output layer).
+        The arithmetic is Megatron's get_lr, operation for operation (the same rounding)."""
+        s = _whole((self.num_steps if step is None else step) * self.unit)
+        warmup, decay = self.warmup_steps, self.decay_steps
         max_lr = self.max_lr if max_lr is None else max_lr
         min_lr = self.min_lr if min_lr is None else min_lr
-        if self.warmup_iters > 0 and n < self.warmup_iters:
-            return max_lr * (n + 1) / self.warmup_iters
+        if warmup > 0 and s <= warmup:
+            return 0.0 + max_lr * float(s) / float(warmup)  # (--lr-warmup-init 0)
         if self.decay_style == "constant":
             return max_lr
-        if self.decay_style == "inverse-square-root":
-            w = max(self.warmup_iters, 1)
-            return max(min_lr, max_lr * math.sqrt(w) / math.sqrt(max(n, 1)))
-        if n > self.decay_iters:
+        if s > decay:
             return min_lr
-        span = self.decay_iters - self.warmup_iters
-        ratio = 1.0 if span <= 0 else (n - self.warmup_iters) / span
+        if self.decay_style == "inverse-square-root":
+            return max(min_lr, max_lr * max(warmup, 1) ** 0.5 / (max(s, 1) ** 0.5))
+        span = decay - warmup
+        ratio = 1.0 if span <= 0 else float(s - warmup) / float(span)
         if self.decay_style == "linear":
             coeff = 1.0 - ratio
         else:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megatron.training import interrupt
 from megatron.training.batching import gpt_microbatch
+from megatron.checkpointing import async_save
 from megatron.checkpointing.torch_format import CheckpointError, load_checkpoint, save_checkpoint
 from megatron.config.core import MegatronConfig
 from megatron.config.schedules import SPLIT_SCHEDULES, schedule_description
@@ -200,9 +201,18 @@ def report_failure(ps, what: str, message: str, trace: str = "", exc: BaseExcept
 
 
 def _save_whole(trainer) -> None:
-    """save_checkpoint with Ctrl-C held back until the checkpoint is complete and named."""
+    """save_checkpoint with Ctrl-C held back until the checkpoint is complete and named (with
+    --async-save: until this rank's state is copied and handed to its writer thread)."""
     with interrupt.deferred():
-        save_checkpoint(trainer)
+        if trainer.cfg.checkpoint.async_save:
+            async_save.save_checkpoint_async(trainer)
+        else:
+            save_checkpoint(trainer)
+
+
+def _interrupted(cfg, trainer) -> int:
+    async_save.finish_after_interrupt(trainer)  # --async-save: the file being written is finished
+    return interrupt.report(cfg.checkpoint.save, trainer)
 
 
 def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int:
@@ -249,17 +259,20 @@ def run_pretraining(cfg: MegatronConfig, build_trainer=build_gpt_trainer) -> int
         if cfg.checkpoint.save and (not cfg.checkpoint.save_interval
                                     or trainer.iteration % cfg.checkpoint.save_interval != 0):
             _save_whole(trainer)
+        if cfg.checkpoint.async_save:  # the end of training waits for the save in flight and names it
+            with interrupt.deferred():
+                async_save.maybe_finalize(trainer, blocking=True)
         return 0
     except KeyboardInterrupt:
-        return interrupt.report(cfg.checkpoint.save, trainer)
+        return _interrupted(cfg, trainer)
     except (CheckpointError, RunInputError) as e:
         if interrupt.received():
-            return interrupt.report(cfg.checkpoint.save, trainer)
+            return _interrupted(cfg, trainer)
         report_failure(ps, "checkpoint error" if isinstance(e, CheckpointError) else "error", str(e))
         return 1
     except Exception as e:
         if interrupt.received():  # a peer stopped first and our collective failed: same Ctrl-C
-            return interrupt.report(cfg.checkpoint.save, trainer)
+            return _interrupted(cfg, trainer)
         report_failure(ps, "training failed", f"{type(e).__name__}: {e}", traceback.format_exc(), e)
         return 1
     finally:

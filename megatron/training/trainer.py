@@ -175,6 +175,8 @@ class Trainer:
                                       fused_embedding_group=self.fused_embedding_group)
         self.sequence_parallel_params = self.grad_sync.sequence_parallel_params
         self.bucket_numel = self.grad_sync.bucket_numel
+        ex = extras_of(cfg)
+        decoupled = None if ex.decoupled_lr is None else (ex.decoupled_lr, ex.decoupled_min_lr)
         if t.use_distributed_optimizer:
             from megatron.core.distributed_optimizer import DistributedOptimizer
             # Gradients the tied-embedding / sequence-parallel syncs still change after the backward.
@@ -184,10 +186,8 @@ class Trainer:
             fused = list(tied_params) if cfg.compression.emb_comm_opt and ps.pp_size > 1 else []
             self.optimizer = DistributedOptimizer(self.modules, t, ps, self.lr_scheduler, device,
                                                   bucket_numel=self.bucket_numel if overlap else None, late_params=late,
-                                                  reduced_params=fused)
+                                                  reduced_params=fused, decoupled_lr=decoupled)
         else:
-            ex = extras_of(cfg)
-            decoupled = None if ex.decoupled_lr is None else (ex.decoupled_lr, ex.decoupled_min_lr)
             self.optimizer = MegatronOptimizer(self.modules, t, ps, self.lr_scheduler, device, decoupled)
         comm = None
         if ps.pp_size > 1:
@@ -503,6 +503,9 @@ class Trainer:
                 self.logger.log_validation(self.iteration, self.evaluate(self.valid_source, cfg.training.eval_iters))
                 self.extras.around_eval()
             self.extras.after_step(self.iteration)
+            if cfg.checkpoint.async_save:  # a save in flight whose files are all written is named now
+                from megatron.checkpointing.async_save import maybe_finalize
+                maybe_finalize(self)
             if save_fn and cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0:
                 self._params_up_to_date()
                 save_fn(self)
