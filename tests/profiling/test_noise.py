@@ -215,6 +215,20 @@ def test_profile_model_on_a_busy_host_writes_nothing(tmp_path, monkeypatch, caps
     assert "tp1 none encoder [1, 16]" in err and "(2 rounds) NOISY" in err and "[1/1]" in err
 
 
+def test_profile_model_on_a_busy_host_refuses_before_profiling(tmp_path, monkeypatch, capsys):
+    from megatron.profiling import profile_model, profiler
+    monkeypatch.setattr(profile_model, "probe_host", lambda: BUSY)
+    monkeypatch.setattr(profiler, "run_profile", lambda *a: pytest.fail("profiled anyway"))
+    out = tmp_path / "cm.json"
+    assert profile_model.main(["--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", "100",
+                               "--micro-batch-sizes", "1", "--seq-lengths", "16", "--device", "cpu",
+                               "--output", str(out)]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert not out.exists()
+    assert last.startswith("profile_model: error: host too busy to profile (1% of 400 probe samples undisturbed, "
+                           "24% of a core") and "--min-share 0 to try anyway" in last
+
+
 def test_profile_model_quiet_host_records_the_spread(tmp_path, monkeypatch):
     from megatron.profiling import profile_model
     monkeypatch.setattr(noise, "clock", FakeClock(lambda i: 0.0 if i % 3 == 0 else 1e-3))
