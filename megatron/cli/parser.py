@@ -76,7 +76,10 @@ def tell_torchrun(line: str) -> None:
         return
     try:
         with open(path, "w") as f:
-            json.dump({"message": line, "timestamp": int(time.time())}, f)
+            # the layout torch's own ErrorHandler.record_exception writes (a plain-string message
+            # makes torchrun log two more warnings); the summary shows py_callstack
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
     except OSError:
         pass  # the line is already on stderr; torchrun shows its generic summary
 
