@@ -30,8 +30,9 @@ def stage_peaks_mb(pp_rank: int, pp_size: int, world_size: int, device: torch.de
                    collective_device: torch.device) -> Tuple[str, List[float]]:
     """(what, [MiB per stage]) on every rank; a collective: every rank calls it at the same step."""
     what, mine = own_peak_mb(device)
+    if world_size == 1:  # no collective, and no tensor to read back
+        return what, [mine]
     t = torch.zeros(max(1, pp_size), dtype=torch.float64, device=collective_device)
     t[pp_rank] = mine
-    if world_size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return what, [float(x) for x in t.tolist()]
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return what, [float(x) for x in t.tolist()]  # one read-back per log interval
