@@ -254,6 +254,19 @@ def test_aceso_profile_on_a_busy_host_keeps_no_table(tmp_path, monkeypatch, caps
     assert "python -m megatron.aceso profile: error: 26 of 26 cells stayed noisier" in err and "mbs1 enc" in err
 
 
+def test_aceso_profile_on_a_busy_host_refuses_before_profiling(tmp_path, monkeypatch, capsys):
+    from megatron.aceso import __main__ as aceso_main
+    from megatron.aceso import profiler
+    monkeypatch.setattr(aceso_main, "probe_host", lambda: BUSY)
+    monkeypatch.setattr(profiler, "profile_gpt", lambda *a, **k: pytest.fail("profiled anyway"))
+    out = tmp_path / "db"
+    assert aceso_main.main(["profile", "--out", str(out), "--size", "t", "--num-layers", "1", "--hidden-size", "32",
+                            "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "128"]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("python -m megatron.aceso profile: error: host too busy to profile (1% of 400")
+    assert "--min-share 0 to try anyway" in last and not out.exists()
+
+
 def test_aceso_profile_quiet_host_writes_the_tables(tmp_path, monkeypatch, capsys):
     from megatron.aceso.__main__ import main
     monkeypatch.setattr(noise, "clock", two_call([1.0]))
