@@ -59,7 +59,8 @@ def profile(out: str, a) -> float:
     _run([sys.executable, "-m", "megatron.planner.terapipe.latency", "--output", out,
           "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads), "--mbs", "1",
           "--seqs", ",".join(map(str, seqs)), "--contexts", ",".join(map(str, ctx)),
-          "--repeats", "5", "--max-spread", str(a.max_spread)])
+          "--repeats", "5", "--max-fit-error", str(a.max_fit_error),
+          *(["--min-clean", "0"] if a.any_host else [])])
     return time.perf_counter() - t0
 
 
@@ -74,7 +75,7 @@ def calibrate(out: str, a) -> float:
               f"1x{h}x8x2"]
     _run([sys.executable, "-m", "megatron.profiling.calibrate", "--terapipe-cost-model", out,
           "--shapes", ",".join(shapes), "--max-spread", str(a.max_spread), "--max-fit-error", str(a.max_fit_error),
-          "--", *model_flags(a)])
+          *(["--min-share", "0"] if a.any_host else []), "--", *model_flags(a)])
     return time.perf_counter() - t0
 
 
@@ -121,8 +122,10 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="iterations left out of the medians")
     p.add_argument("--fixed", default="4", help="the fixed slice count compared besides 1 and auto")
     p.add_argument("--max-spread", type=float, default=0.5,
-                   help="passed to the profiler and calibrate: noisier cells/runs are re-measured, then refused")
-    p.add_argument("--max-fit-error", type=float, default=0.15, help="passed to calibrate")
+                   help="passed to calibrate: noisier runs are re-run, then refused")
+    p.add_argument("--max-fit-error", type=float, default=0.15, help="passed to the profiler and calibrate")
+    p.add_argument("--any-host", action="store_true",
+                   help="skip the profiler's and calibrate's host probe (they refuse a busy host at once otherwise)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="leave the latency file uncalibrated (the table's layer times alone)")
     a = p.parse_args(argv)

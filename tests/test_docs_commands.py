@@ -204,6 +204,6 @@ def test_run_blocks(page, tmp_path):
                 assert "lm loss:" in r.stdout, f"{page} block {i + 1}: no loss printed\n{r.stdout[-2000:]}"
             if words[1:3] == ["-m", "megatron.report"]:  # the plots it promises, a timeline's too if recorded
                 made = os.listdir(os.path.join(words[3], "report"))
-                assert "summary.md" in made and "loss.png" in made, made
+                assert "summary.md" in made and "loss.png" in made and "memory.png" in made, made
                 if timeline:
                     assert any(f.startswith("timeline_") for f in made), made

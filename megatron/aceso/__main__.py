@@ -43,6 +43,12 @@ def _common(p):
                    help="leave the DP gradient all-reduce out of the iteration time (as Aceso does)")
 
 
+def probe_host():
+    """The 2 s host probe before profiling (profiling/noise.py; tests replace it)."""
+    from megatron.profiling import noise
+    return noise.probe()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m megatron.aceso")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -94,6 +100,9 @@ def main(argv=None):
                          "no table is kept while one stays noisy (default %(default)s)")
     pf.add_argument("--remeasure", type=int, default=2, help="extra rounds for a noisy operator")
     pf.add_argument("--quiet", action="store_true", help="no per-operator progress lines")
+    pf.add_argument("--min-share", type=float, default=None,
+                    help="refuse at once when a 2 s host probe gets less of a core than this (default 0.6; 0 "
+                         "profiles on any host)")
     args = ap.parse_args(argv)
 
     if args.cmd == "profile":
@@ -106,9 +115,15 @@ def main(argv=None):
         if args.repeats < 1 or args.cpu_threads < 1 or not args.max_spread > 0 or args.remeasure < 0:
             ap.error("profile: --repeats and --cpu-threads must be >= 1, --max-spread > 0, --remeasure >= 0")
         log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
-        line = noise.host_load_line()
-        if line:
-            log(line)
+        min_share = noise.MIN_SHARE if args.min_share is None else args.min_share
+        if min_share > 0:
+            host = probe_host()
+            log(f"host probe: {host.describe()}")
+            if host.share < min_share:
+                print(f"python -m megatron.aceso profile: error: host too busy to profile ({host.describe()}; under "
+                      f"--min-share {min_share:g} operators come out noisy and are refused after minutes): nothing "
+                      "written. Run it on an idle host, or pass --min-share 0 to try anyway.", file=sys.stderr)
+                return 1
         nl = noise.NoiseLog(args.max_spread)
         os.makedirs(args.out, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=args.out, prefix=".profiling-")  # tables land in --out only when quiet

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 from megatron.cli.arguments_megatron import add_megatron_args, apply_megatron_args, extras_from_args, print_notes
 from megatron.cli.arguments_moe import add_moe_args, moe_config
-from megatron.cli.parser import HelpFormatter, OneLineParser, first_to_report, int_list
+from megatron.cli.parser import HelpFormatter, OneLineParser, first_to_report, int_list, tell_torchrun
 from megatron.cli.arguments_systems import (_add_aceso_args, _add_compression_args, _add_dynapipe_args,
                                         _add_fused_kernel_args, _add_profile_args, _add_terapipe_args,
                                         _apply_fused_kernel_args, _terapipe_config)
@@ -535,8 +535,10 @@ def exit_with_error(model_type: str, error) -> None:
     """Print one line and exit with status 2. Every rank hits the same error, and the first rank
     to exit makes torchrun kill the others: so the first rank to get here prints (not rank 0,
     which may be killed before it prints), and the other ranks of the node stay silent."""
+    line = f"pretrain_{model_type}.py: error: {error}"
+    tell_torchrun(line)  # torchrun's failure summary ends with it
     if first_to_report(str(error)):
-        print(f"pretrain_{model_type}.py: error: {error}", file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 

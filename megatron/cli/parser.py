@@ -23,9 +23,10 @@ class OneLineParser(argparse.ArgumentParser):
     the one useful line."""
 
     def error(self, message):
+        line = f"{self.prog}: error: {message}{self._did_you_mean(message)} (see {self.prog} --help)"
+        tell_torchrun(line)
         if first_to_report(message):  # not rank 0 only: torchrun may kill rank 0 before it prints
-            hint = self._did_you_mean(message)
-            print(f"{self.prog}: error: {message}{hint} (see {self.prog} --help)", file=sys.stderr, flush=True)
+            print(line, file=sys.stderr, flush=True)
         raise SystemExit(2)
 
     def _did_you_mean(self, message: str) -> str:
@@ -60,6 +61,27 @@ class HelpFormatter(argparse.HelpFormatter):
         if default is None or isinstance(default, bool) or default == argparse.SUPPRESS or "default" in text:
             return text
         return text + " (default: %(default)s)"
+
+
+def tell_torchrun(line: str) -> None:
+    """Under torchrun, leave `line` in the reply file torchrun gives each worker
+    (TORCHELASTIC_ERROR_FILE, the file torch's own `@record` writes): torchrun's failure summary
+    then ends with ``traceback : <line>`` instead of a link to its docs, so the one line that
+    says what to do is also the last thing the user reads. Every rank writes its own file (the
+    summary shows the first rank to fail); nothing happens outside torchrun."""
+    import json
+    import time
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            # the layout torch's own ErrorHandler.record_exception writes (a plain-string message
+            # makes torchrun log two more warnings); the summary shows py_callstack
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass  # the line is already on stderr; torchrun shows its generic summary
 
 
 def first_to_report(message: str) -> bool:

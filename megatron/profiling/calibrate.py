@@ -20,7 +20,11 @@ On a noisy host (megatron/profiling/noise.py): a run whose iteration times sprea
 `--max-spread` is run again (`--remeasure`), then refused; a fit whose rms relative error over
 the runs is past `--max-fit-error` is shown with its worst run and not stored (exit 1). The
 trainer flags are checked in-process before the first run, and a run that fails shows the
-trainer's own error, not torchrun's report of it.
+trainer's own error, not torchrun's report of it. Before any run, a 2 s host probe
+(`noise.probe`) measures the share of a core this process gets: under `--min-share` (default
+0.6) the runs (each rank wanting a core, for minutes) would be slowed several-fold and uneven,
+so calibrate refuses at once, in one line with the numbers; measured on the project's 2-core
+box at load average 20-25 (other jobs): 24-27 % of a core, where an idle host gives 95-100 %.
 """
 from __future__ import annotations
 
@@ -86,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remeasure", type=int, default=1, help="extra runs of a noisy shape (default %(default)s)")
     p.add_argument("--max-fit-error", type=float, default=noise.MAX_FIT_ERROR,
                    help="a fit whose rms relative error over the runs is larger is not stored (default %(default)s)")
+    p.add_argument("--min-share", type=float, default=noise.MIN_SHARE,
+                   help="refuse at once when the host probe gets less of a core than this (default %(default)s; "
+                        "0 runs on any host)")
     p.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
     p.add_argument("trainer_args", nargs=argparse.REMAINDER, help="after --: pretrain_gpt.py model flags")
     return p
@@ -267,6 +274,11 @@ def _flag(argv, name) -> int:
     return int(value)
 
 
+def probe_host() -> noise.HostNoise:
+    """The host probe before any run (tests replace it)."""
+    return noise.probe()
+
+
 def write_calibration(path: str, cal) -> None:
     """Store `cal` in the JSON file at `path` (rename over it: never half a file)."""
     doc = json.loads(Path(path).read_text())
@@ -300,9 +312,14 @@ def main(argv=None) -> int:
     predictors = {k: (dynapipe_predictor if k == "dynapipe" else terapipe_predictor)(p, args, args.shapes)
                   for k, p in targets}
     check_trainer_args(args, args.shapes)
-    line = noise.host_load_line()
-    if line:
-        print(line, file=sys.stderr, flush=True)
+    host = probe_host()
+    print(f"calibrate: host probe: {host.describe()}", file=sys.stderr, flush=True)
+    if host.share < args.min_share:
+        print(f"calibrate: error: host too busy to calibrate ({host.describe()}; under --min-share "
+              f"{args.min_share:g}, {len(args.shapes)} runs of {args.pipeline_model_parallel_size} ranks would take "
+              "minutes and time other jobs): nothing run, nothing written. Run it on an idle host, or pass "
+              "--min-share 0 to try anyway.", file=sys.stderr)
+        return 1
     t0 = time.perf_counter()
     measured, noisy = [], []
     progress = noise.Progress(len(args.shapes))

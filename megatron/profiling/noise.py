@@ -24,6 +24,13 @@ host calibration) is garbage that looks like a number. The rules, shared by Dyna
 * **progress**: each cell's log line carries ``[k/total, ETA s]`` (`Progress`).
 
 Timings come from `clock()` (``time.perf_counter``); tests replace it to inject noise.
+
+A host too busy for any of that is told so in seconds, not after minutes of cells: `probe`
+times a fixed ~1 ms kernel for about 2 s and reports the share of a core this process got
+(CPU time over wall time) and the fraction of samples that ran undisturbed (within 10 % of
+the fastest). Short cells keep their minimum over interleaved rounds (`interleaved`): one
+round visits every cell once, so a load change hits all cells alike instead of one row of
+the table, and a cell's minimum is trusted when the minima of its even and odd rounds agree.
 """
 from __future__ import annotations
 
@@ -46,6 +53,11 @@ SPREAD_FLOOR_MS = 0.1  # spreads are relative to at least this (timer and interp
 def clock() -> float:
     """Seconds, monotonic; the one timer of the profilers (tests patch `noise.clock`)."""
     return time.perf_counter()
+
+
+def cpu_clock() -> float:
+    """CPU seconds of this process (tests patch `noise.cpu_clock` with `clock`)."""
+    return time.process_time()
 
 
 def spread(samples: Sequence[float]) -> float:
@@ -235,3 +247,114 @@ class Progress:
 
     def elapsed(self) -> float:
         return self._clock() - self.t0
+
+
+# ---------------------------------------------------------------------------- host probe
+MIN_CLEAN = 0.02  # below this fraction of undisturbed probe samples, min-of-k needs > 230 repeats
+MIN_SHARE = 0.6  # a multi-rank calibration run needs most of a core per rank
+
+
+@dataclass
+class HostNoise:
+    """What `probe` measured: `share` of a core this process got (CPU / wall time), `clean`
+    fraction of samples within 10 % of the fastest, `load` the 1-minute load average (None where
+    the platform has none), over `samples` samples in `seconds`."""
+    share: float
+    clean: float
+    samples: int
+    seconds: float
+    load: Optional[float] = None
+
+    def repeats_for(self, confidence: float = 0.99) -> int:
+        """Repeats a cell needs so that at least one is undisturbed with `confidence`."""
+        if self.clean >= 1.0:
+            return 1
+        if self.clean <= 0.0:
+            return 10 ** 6
+        return int(np.ceil(np.log(1 - confidence) / np.log(1 - self.clean)))
+
+    def describe(self) -> str:
+        load = "" if self.load is None else f", load average {self.load:.1f} on {os.cpu_count() or 1} cores"
+        return (f"{self.clean:.0%} of {self.samples} probe samples undisturbed, {self.share:.0%} of a core "
+                f"for this process{load}")
+
+
+def _probe_kernel():
+    """~1 ms of single-threaded work that touches no allocator after the first call."""
+    import torch
+    a = torch.ones(96, 96)
+    out = torch.empty(96, 96)
+
+    def run():
+        for _ in range(8):
+            torch.mm(a, a, out=out)
+    return run
+
+
+def probe(seconds: float = 2.0, max_samples: int = 400, kernel: Optional[Callable[[], object]] = None) -> HostNoise:
+    """Measure the host for about `seconds` (see the module docstring)."""
+    run = kernel or _probe_kernel()
+    run()  # warm-up
+    walls, t_start, c_start = [], clock(), cpu_clock()
+    while len(walls) < max_samples and (clock() - t_start < seconds or len(walls) < 10):
+        t0 = clock()
+        run()
+        walls.append(clock() - t0)
+    wall, cpu = clock() - t_start, cpu_clock() - c_start
+    lo = min(walls)
+    clean = sum(w <= 1.1 * lo for w in walls) / len(walls)
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = None
+    return HostNoise(min(1.0, cpu / wall) if wall > 0 else 1.0, clean, len(walls), wall, load)
+
+
+@dataclass
+class Cell:
+    """One cell of an interleaved measurement: its samples in round order."""
+    name: str
+    samples: List[float] = field(default_factory=list)
+
+    @property
+    def value(self) -> float:
+        return min(self.samples)
+
+    @property
+    def disagreement(self) -> float:
+        """|min(even rounds) - min(odd rounds)| / min: 0 when the minimum reproduces."""
+        if len(self.samples) < 2:
+            return float("inf")
+        a, b = min(self.samples[0::2]), min(self.samples[1::2])
+        return abs(a - b) / max(min(a, b), SPREAD_FLOOR_MS)
+
+
+def interleaved(names: Sequence[str], sample: Callable[[int], float], rounds: int, *, max_disagreement: float,
+                extra_rounds: int = 0, deadline: Optional[float] = None, min_rounds: int = 2,
+                on_round: Callable[[int, int], None] = lambda r, n: None,
+                cells: Optional[List[Cell]] = None) -> List[Cell]:
+    """Time every cell once per round, `rounds` rounds (after one warm-up round), then up to
+    `extra_rounds` more rounds of only the cells whose minimum does not reproduce
+    (`Cell.disagreement` past `max_disagreement`). `sample(i)` times cell i once (ms). Rounds
+    stop early once `deadline` (a `clock()` value) would be passed, after `min_rounds`. Pass the
+    `cells` of an earlier call to add rounds to them (no warm-up then)."""
+    if cells is None:
+        cells = [Cell(n) for n in names]
+        for i in range(len(cells)):
+            sample(i)  # warm-up round
+    t_round = None
+    for r in range(rounds + extra_rounds):
+        todo = list(range(len(cells))) if r < rounds else \
+            [i for i, c in enumerate(cells) if c.disagreement > max_disagreement]
+        if not todo:
+            break
+        if deadline is not None and r >= min_rounds and t_round is not None and clock() + t_round > deadline:
+            break
+        t0 = clock()
+        for i in todo:
+            cells[i].samples.append(float(sample(i)))
+        if r < rounds:
+            t_round = clock() - t0
+        on_round(r + 1, rounds)
+    return cells
+

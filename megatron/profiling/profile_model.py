@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-threads", type=int, default=1,
                    help="torch threads per rank on CPU (default 1, like the CPU trainer's ranks)")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--min-share", type=float, default=None,
+                   help="refuse at once when a 2 s host probe gets less of a core than this (default 0.6; 0 profiles "
+                        "on any host): a busy host's cells come out noisy and are refused after minutes otherwise")
     g.add_argument("--attention-split", action="store_true",
                    help="also measure the per-document attention term of a GPT/encoder layer (packed rows of 1 vs 4 "
                         "documents, variable-length kernel) and store it in the file (attention_split)")
@@ -131,6 +134,12 @@ def spec_from_args(args):
         **{k: v for k, v in (("max_spread", args.max_spread), ("remeasure", args.remeasure)) if v is not None})
 
 
+def probe_host():
+    """The 2 s host probe (profiling/noise.py; tests replace it)."""
+    from megatron.profiling import noise
+    return noise.probe()
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -144,7 +153,17 @@ def main(argv=None) -> int:
         print(f"profile_model: error: --output directory {out.parent} does not exist", file=sys.stderr)
         return 2
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    from megatron.profiling import noise
     from megatron.profiling.noise import NoiseLog
+    min_share = noise.MIN_SHARE if args.min_share is None else args.min_share
+    if min_share > 0:  # measured at load 40 on 2 cores: 20 % of a core, 3 of 27 cells refused after 134 s
+        host = probe_host()
+        log(f"host probe: {host.describe()}")
+        if host.share < min_share:
+            print(f"profile_model: error: host too busy to profile ({host.describe()}; under --min-share "
+                  f"{min_share:g} cells come out noisy and are refused after minutes): nothing written. Run it on an "
+                  "idle host, or pass --min-share 0 to try anyway.", file=sys.stderr)
+            return 1
     noise_log = NoiseLog(spec.max_spread)
     cm = run_profile(spec, log, noise_log)
     refusal = noise_log.refusal("profile_model")

@@ -42,6 +42,15 @@ def _series(scalars, tag):
     return pts
 
 
+def _memory_label(tag: str) -> str:
+    """memory/stage1_peak_rss_mb -> "stage 1 (peak RSS)" (megatron/training/stage_memory.py)."""
+    if not tag.startswith("memory/stage"):
+        return tag
+    stage, _, what = tag[len("memory/stage"):].partition("_")
+    kind = {"peak_rss_mb": "peak RSS", "peak_allocated_mb": "peak allocated"}.get(what, what)
+    return f"stage {stage} ({kind})"
+
+
 def plot(scalars: dict, out: str) -> list:
     """The PNGs that have data; returns their file names."""
     import matplotlib
@@ -52,9 +61,9 @@ def plot(scalars: dict, out: str) -> list:
              "planner/simulated_ms": "planner's predicted step time"}
     written = []
     memory = tuple(sorted(t for t in scalars if t.startswith("memory/")))
-    plots = PLOTS + ((("memory.png", "memory per pipeline stage", "MB", memory),) if memory else ())
+    plots = PLOTS + ((("memory.png", "memory per pipeline stage", "MiB", memory),) if memory else ())
     for fname, title, ylabel, tags in plots:
-        lines = [(names.get(t, t), _series(scalars, t)) for t in tags if scalars.get(t)]
+        lines = [(names.get(t, _memory_label(t)), _series(scalars, t)) for t in tags if scalars.get(t)]
         if not lines:
             continue
         fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
@@ -105,8 +114,15 @@ def summary(run_dir: str, scalars: dict, pngs: list) -> str:
     if timelines:
         lines.append(f"- pipeline timelines (open in https://ui.perfetto.dev or chrome://tracing): "
                      f"{', '.join(timelines[:4])}")
-    if not any(t.startswith("memory/") for t in scalars):
-        lines.append("- memory per stage: not recorded by this run")
+    mem = sorted((t for t in scalars if t.startswith("memory/stage")),
+                 key=lambda t: int(t[len("memory/stage"):].partition("_")[0] or 0))
+    if mem:
+        lines.append("- memory per stage at the last log: " + ", ".join(
+            f"{_memory_label(t)} {scalars[t][-1][1]:.0f} MiB" for t in mem)
+            + (" (CPU: the process's peak resident set, interpreter and torch included)"
+               if "rss" in mem[0] else " (the last step's peak of torch's CUDA allocator)"))
+    else:
+        lines.append("- memory per stage: not recorded by this run (trained before the trainer logged it?)")
     if not scalars:
         lines.append("- no TensorBoard scalars found: train with --tensorboard-dir RUN_DIR/tensorboard")
     lines.append("")

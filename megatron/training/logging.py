@@ -206,6 +206,9 @@ class MetricsLogger:
             self.writer.add_scalar("iteration-time", ms / 1000.0, iteration)
             self.writer.add_scalar("throughput/tokens-per-second", tokens_per_s, iteration)
             self.writer.add_scalar("throughput/tflops-per-device", tflops, iteration)
+            what, peaks = out.get("stage_memory") or ("", [])
+            for k, mb in enumerate(peaks):  # megatron/training/stage_memory.py
+                self.writer.add_scalar(f"memory/stage{k}_{what}", mb, iteration)
             self.writer.flush()
         self._reset()
 

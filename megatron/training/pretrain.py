@@ -189,6 +189,8 @@ def report_failure(ps, what: str, message: str, trace: str = "", exc: BaseExcept
     starts with this rank's description is not prefixed twice."""
     who = ps.describe()
     text = message[len(who) + 2:] if message.startswith(who + ": ") else message
+    from megatron.cli.parser import tell_torchrun
+    tell_torchrun(f"{who}: {what}: {(text.strip().splitlines() or [''])[0][:300]}")  # ends torchrun's summary
     if ps.rank == 0:
         print(f"{who}: {what}:" + (f"\n{trace}" if trace else f" {text}"), file=sys.stderr, flush=True)
         return

@@ -489,6 +489,10 @@ class Trainer:
                 from megatron.training.extras import params_norm
                 self._params_up_to_date()  # --overlap-param-gather: this step's parameters, not the last
                 out["params_norm"] = params_norm(self.optimizer.params, self.ps)
+            if self.iteration % cfg.logging.log_interval == 0:  # every rank: one MAX all-reduce
+                from megatron.training.stage_memory import stage_peaks_mb
+                out["stage_memory"] = stage_peaks_mb(self.ps.pp_rank, self.ps.pp_size, self.ps.world_size,
+                                                     self.device, self._collective_device())
             history.append(out)
             self.logger.record(self.iteration, self.consumed_samples, out, self.lr_scheduler.lr(),
                                self.optimizer.loss_scale, self.skipped_iters)

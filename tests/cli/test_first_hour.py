@@ -259,7 +259,9 @@ def test_data_path_without_a_tokenizer_is_one_line_before_any_process_group(tmp_
     prefix = _dataset(tmp_path / "c", 50)
     r = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "pretrain_gpt.py", *MODEL,
               "--pipeline-model-parallel-size", "2", "--data-path", prefix], timeout=300)
-    mine = [x for x in r.stderr.splitlines() if "pretrain_gpt.py" in x and "error" in x]
+    mine = [x for x in r.stderr.splitlines() if x.startswith("pretrain_gpt.py") and "error" in x]
+    # torchrun's failure summary follows, and ends with the same line (cli/parser.py tell_torchrun)
+    assert [x for x in r.stderr.strip().splitlines() if set(x.strip()) != {"="}][-1].strip() == f"traceback : {mine[0]}"
     assert r.returncode != 0 and "Traceback (most recent call last):\n  File \"" + str(ROOT) not in r.stderr
     assert mine == ["pretrain_gpt.py: error: --data-path needs --tokenizer-type (with the tokenizer's files, e.g. "
                     "GPTSentencePieceTokenizer --tokenizer-model FILE) or --vocab-size: the vocabulary size is "

@@ -112,3 +112,21 @@ def test_the_schedule_is_named(flags, pp, words):
     from megatron.config.schedules import schedule_description
     argv = ["--num-layers", "4", *MODEL[2:], "--mock-data", "--vocab-size", "64", *flags]
     assert words in schedule_description(parse_args(argv, world_size=pp), pp)
+
+
+def test_the_one_line_ends_torchruns_failure_summary(tmp_path, monkeypatch, capsys):
+    """Under torchrun every worker has a reply file (TORCHELASTIC_ERROR_FILE); the line goes
+    there, and torchrun's own reader of it (ProcessFailure, which formats its summary box) shows
+    it as the failure's last line instead of a link to its docs."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    reply = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(reply))
+    line = _one_line(MODEL + DATA + ["--split", "abc"], capsys)
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(reply))
+    box = ChildFailedError("pretrain_gpt.py", {0: failure}).format_msg().strip().splitlines()
+    assert box[-2].strip() == f"traceback : {line}" and set(box[-1]) == {"="}
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "flag.json"))  # argparse's own errors too
+    with pytest.raises(SystemExit):
+        parse_args(MODEL + DATA + ["--global-batch-szie", "8"], model_type="gpt", world_size=1)
+    flag = ChildFailedError("pretrain_gpt.py", {0: ProcessFailure(0, 1, 2, str(tmp_path / "flag.json"))})
+    assert "did you mean --global-batch-size?" in flag.format_msg().strip().splitlines()[-2]

@@ -122,3 +122,19 @@ def test_a_failed_run_shows_the_trainers_error_not_torchruns():
     tail = calibrate.child_error(TORCHRUN_FAILURE)
     assert tail == "pretrain_gpt.py: error: --mock-data needs --vocab-size (or a tokenizer) to know the vocabulary"
     assert calibrate.child_error("rank 1: RuntimeError: boom\n") == "rank 1: RuntimeError: boom"
+
+
+def test_a_busy_host_is_refused_in_one_line_before_any_run(tmp_path, monkeypatch, capsys):
+    """The issue's case: load 10-40 on 2 cores, calibrate spent 380 s and stored nothing. Now the
+    probe's measurement (injected) refuses before the first run, naming it and the flag."""
+    from megatron.profiling import noise
+    path = _copy(tmp_path, "cpu_tiny_gpt.json")
+    before = path.read_bytes()
+    monkeypatch.setattr(calibrate, "probe_host", lambda: noise.HostNoise(0.24, 0.01, 400, 2.0, 26.5))
+    monkeypatch.setattr(calibrate, "run_times", lambda *a: pytest.fail("a run started"))
+    assert calibrate.main(["--dynapipe-cost-model", str(path), "--", *MODEL]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("calibrate: error: host too busy to calibrate (1% of 400 probe samples undisturbed, "
+                           "24% of a core for this process, load average 26.5")
+    assert "under --min-share 0.6, 8 runs of 2 ranks" in last and "--min-share 0 to try anyway" in last
+    assert path.read_bytes() == before

@@ -55,8 +55,11 @@ def test_corrupt_torch_dist_shard_is_reported_once_by_rank_zero(tmp_path):
     shard.write_bytes(bytes(data))
     r = _torchrun(["--train-iters", "2", "--load", str(ckpt)])
     assert r.returncode != 0
-    errors = [x for x in r.stderr.splitlines() if ": checkpoint error: " in x]
+    errors = [x for x in r.stderr.splitlines() if x.startswith("rank ") and ": checkpoint error: " in x]
     assert len(errors) == 2, r.stderr[-3000:]
+    # torchrun's failure summary ends with the first failed rank's line (cli/parser.py tell_torchrun)
+    last = [x for x in r.stderr.strip().splitlines() if set(x.strip()) != {"="}][-1].strip()
+    assert last.startswith("traceback : rank ") and ": checkpoint error: " in last, last
     zero, = [x for x in errors if x.startswith("rank 0 (")]
     other, = [x for x in errors if x.startswith("rank 1 (")]
     assert zero.count("rank 0 (") == 1 and "verifies" in zero, zero  # not "rank 0 (...): ...: rank 0 (...)"

@@ -214,16 +214,15 @@ def from_cost_model(cost_model, tp: int = 1, recompute: str = "none", p2p_gbps: 
 
 
 # ---------------------------------------------------------------------------- profiling
-def time_layer_slice(layer, b: int, l: int, c: int, hidden: int, repeats: int = 3, **noise_kw):
-    """Forward + backward of `layer` on a slice of l tokens after c cached ones, as a
-    `noise.Timing` whose value is the fastest ms (on a shared CPU other processes only ever add
-    time, as in megatron.profiling), with its spread; re-measured past `max_spread`."""
+def slice_sampler(layer, hidden: int):
+    """sample(b, l, c) -> ms of one forward + backward of `layer` on a slice of l tokens of b
+    sequences after c cached ones (the cache is filled untimed first)."""
     import torch
 
     from megatron.models.sliced_attention import SequenceKVCache
     from megatron.profiling import noise
 
-    def sample(_):
+    def sample(b, l, c):
         cache = SequenceKVCache(0, 0)
         if c:
             with torch.no_grad():
@@ -240,51 +239,140 @@ def time_layer_slice(layer, b: int, l: int, c: int, hidden: int, repeats: int = 
         cache.accumulate(rec)
         ms = (noise.clock() - t0) * 1e3
         del kv
-        return (ms,)
-    return noise.repeat(sample, 1, repeats, statistic="min", **noise_kw)
+        return ms
+    return sample
+
+
+def _shape(name: str) -> tuple:
+    """(b, l, c) back from a cell name "t(b=B, l=L, c=C)"."""
+    return tuple(int(x.split("=")[1]) for x in name[2:-1].split(", "))
+
+
+def _factor_error(pred, measured):
+    """max(p/m, m/p) - 1: the relative error, symmetric, so a cell that spoils its neighbours'
+    predictions is worse than they are (a relative error on the measured value would blame them).
+    Predictions count as at least 0.1 ms (the timer's and interpreter's jitter)."""
+    p, m = np.maximum(np.asarray(pred, float), 0.1), np.asarray(measured, float)
+    return np.maximum(p / m, m / p) - 1
+
+
+def t0_held_out(mbs, seqs, measured) -> tuple:
+    """Leave-one-out check of the context-free table: each t(b, l, 0) predicted by
+    u + v*b*l + w*b*l^2 (launch overhead, per-token work, attention) fitted on the others; an
+    idle host's table (cost_models/terapipe_cpu_tiny_gpt.json) is within 2.3 % rms, a cell a busy
+    host slowed down is not. Returns (relative errors, names, predictions); empty under 5 cells."""
+    B, L = np.meshgrid(np.asarray(mbs, float), np.asarray(seqs, float), indexing="ij")
+    X = np.stack([np.ones(B.size), (B * L).ravel(), (B * L * L).ravel()], axis=1)
+    y = np.asarray(measured, float).ravel()
+    if len(y) < 5:
+        return np.zeros(0), [], np.zeros(0)
+    preds = np.array([X[i] @ np.linalg.lstsq(X[np.arange(len(y)) != i], y[np.arange(len(y)) != i], rcond=None)[0]
+                      for i in range(len(y))])
+    names = [f"t(b={int(b)}, l={int(l)}, c=0)" for b, l in zip(B.ravel(), L.ravel())]
+    return _factor_error(preds, y), names, preds
+
+
+def held_out_errors(points: Sequence[tuple], t0_of, folds: int = 4) -> tuple:
+    """k-fold check of the context fit: each fold of (b, l, c, t(b, l, c)) points is predicted
+    as t0_of(b, l) + the context term fitted on the other folds. Returns (relative errors,
+    predictions)."""
+    pts = list(points)
+    k = max(2, min(folds, len(pts)))
+    rel, preds = np.zeros(len(pts)), np.zeros(len(pts))
+    for f in range(k):
+        train = [(b, l, c, t - t0_of(b, l)) for i, (b, l, c, t) in enumerate(pts) if i % k != f]
+        a1, a2, a3 = fit_context(train)
+        for i in range(f, len(pts), k):
+            b, l, c, t = pts[i]
+            preds[i] = t0_of(b, l) + a1 * b * l + a2 * b * c + a3 * b * l * c
+            rel[i] = _factor_error(preds[i], t)
+    return rel, preds
+
+
+def _check(mbs, seqs, shapes, value) -> tuple:
+    """(rms relative error on held-out cells, the worst one in words, context_coef) of a
+    profile's cells `value[(b, l, c)]`: `t0_held_out` on the table, `held_out_errors` on the
+    context fit."""
+    measured = np.array([[value[(b, l, 0)] for l in seqs] for b in mbs])
+    idx = {(b, l): (i, j) for i, b in enumerate(mbs) for j, l in enumerate(seqs)}
+    pts = [(b, l, c, value[(b, l, c)]) for b, l, c in shapes if c]
+    coef = fit_context([(b, l, c, t - measured[idx[b, l]]) for b, l, c, t in pts])
+    rel, names, preds = t0_held_out(mbs, seqs, measured)
+    if len(pts) >= 4:
+        r, p_ = held_out_errors(pts, lambda b, l: measured[idx[b, l]])
+        rel, preds = np.concatenate([rel, r]), np.concatenate([preds, p_])
+        names += [f"t(b={b}, l={l}, c={c})" for b, l, c, _ in pts]
+    if not len(rel):
+        return 0.0, "no cells held out", coef
+    wi = int(np.argmax(rel))
+    return (float(np.sqrt(np.mean(rel ** 2))), f"worst {names[wi]}: predicted {preds[wi]:.3g} ms, measured "
+            f"{value[_shape(names[wi])]:.3g} ms", coef)
+
+
+class ProfileRefused(Exception):
+    """The profile ended without a usable model; the message is the one line to print."""
 
 
 def profile_cpu_model(model_cfg, mbs: Sequence[int], seqs: Sequence[int], contexts: Sequence[int],
-                      repeats: int = 3, seed: int = 1234, *, threads: int = 1, max_spread: float = float("inf"),
-                      remeasure: int = 0, noise_log=None, log=lambda s: None) -> SliceLatencyModel:
-    """Profile one layer of `model_cfg` here (TP=1, `threads` torch threads): t(b, l, 0) on the
-    mbs x seqs grid, then t(b, l, c) - t(b, l, 0) on mbs x seqs x contexts, fitted with
-    `fit_context`. Every cell's spread goes to `noise_log` (profiling/noise.py); implausible
-    cells and a context term fitted to nothing are warned about through `log`."""
-    import torch
-
-    from megatron.core.host_memory import keep_freed_host_memory
-    from megatron.models.transformer import TransformerLayer
+                      repeats: int = 10, seed: int = 1234, *, threads: int = 1, max_disagreement: float = 0.1,
+                      extra_rounds: int = 10, time_limit: float = 180.0, max_fit_error: float = 0.15,
+                      sampler=None, log=lambda s: None) -> SliceLatencyModel:
+    """Profile one layer of `model_cfg` here (TP=1, `threads` torch threads pinned): t(b, l, 0)
+    on the mbs x seqs grid and t(b, l, c) on mbs x seqs x contexts, as the minimum over
+    `repeats` interleaved rounds (`noise.interleaved`: every round visits every cell, so load
+    changes hit the whole table alike; on a shared CPU other processes only ever add time), then
+    the context term fitted by `fit_context`. The table and the fit are checked on held-out
+    cells (`_check`), the one judge of a busy host's table: past `max_fit_error`, more rounds
+    while `time_limit` allows, then `ProfileRefused`. `sampler(b, l, c) -> ms` replaces the
+    real layer (tests)."""
     from megatron.profiling import noise
-    keep_freed_host_memory()  # the allocator the CPU trainer runs with (initialize.py)
-    torch.manual_seed(seed)
-    layer = TransformerLayer(model_cfg, None, layer_number=0, num_layers_total=1, seed=seed, key="profile")
     h = model_cfg.hidden_size
-    nl = noise_log if noise_log is not None else noise.NoiseLog(max_spread)
     ctx = [c for c in contexts if c > 0]
-    progress = noise.Progress(len(mbs) * len(seqs) * (1 + len(ctx)))
-
-    def cell(b, l, c):
-        t = nl.add(f"t(b={b}, l={l}, c={c})", time_layer_slice(layer, b, l, c, h, repeats, max_spread=max_spread,
-                                                              remeasure=remeasure))
-        log(f"{progress.next()} t(b={b}, l={l}, c={c}) = {t.values[0]:.3f} ms, spread {t.spread:.0%}"
-            + (f" ({t.rounds} rounds)" if t.rounds > 1 else "") + (" NOISY" if t.noisy else ""))
-        return t.values[0]
-
+    shapes = [(b, l, 0) for b in mbs for l in seqs] + [(b, l, c) for b in mbs for l in seqs for c in ctx]
     with noise.pin_threads(threads):
-        measured = np.array([[cell(b, l, 0) for l in seqs] for b in mbs])
-        with_ctx = np.array([[[cell(b, l, c) for c in ctx] for l in seqs] for b in mbs]).reshape(len(mbs), len(seqs),
-                                                                                               len(ctx))
-    t0 = monotone_table(measured)
-    pts = [(b, l, c, with_ctx[i, j, k] - measured[i, j]) for i, b in enumerate(mbs) for j, l in enumerate(seqs)
-           for k, c in enumerate(ctx)]
-    coef = fit_context(pts)
+        if sampler is None:
+            import torch
+
+            from megatron.core.host_memory import keep_freed_host_memory
+            from megatron.models.transformer import TransformerLayer
+            keep_freed_host_memory()  # the allocator the CPU trainer runs with (initialize.py)
+            torch.manual_seed(seed)
+            layer = TransformerLayer(model_cfg, None, layer_number=0, num_layers_total=1, seed=seed, key="profile")
+            sampler = slice_sampler(layer, h)
+        start = noise.clock()
+        cells, batch = None, repeats
+        while True:  # more rounds while the fit misses held-out cells and time is left
+            cells = noise.interleaved([f"t(b={b}, l={l}, c={c})" for b, l, c in shapes],
+                                      lambda i: sampler(*shapes[i]), batch, max_disagreement=max_disagreement,
+                                      extra_rounds=extra_rounds, deadline=start + time_limit, cells=cells,
+                                      on_round=lambda r, n: log(f"round {r}/{n}: {len(shapes)} cells, "
+                                                                f"{noise.clock() - start:.0f} s"))
+            value = {sh: c.value for sh, c in zip(shapes, cells)}
+            err, worst, coef = _check(mbs, seqs, shapes, value)
+            dis = np.array([c.disagreement for c in cells])
+            summary = (f"{len(cells)} cells x {min(len(c.samples) for c in cells)}-"
+                       f"{max(len(c.samples) for c in cells)} interleaved rounds in {noise.clock() - start:.0f} s; "
+                       f"minima of even vs odd rounds differ by median {np.median(dis):.0%}, worst {dis.max():.0%}")
+            log(f"fit on held-out cells: {err:.1%} rms relative error ({worst}); {summary}")
+            elapsed = noise.clock() - start
+            per_round = elapsed / max(1, min(len(c.samples) for c in cells))
+            if err <= max_fit_error or elapsed + per_round * batch > time_limit:
+                break
+            batch = max(2, repeats // 2)
+    measured = np.array([[value[(b, l, 0)] for l in seqs] for b in mbs])
     warnings = noise.implausible_lines(measured, [mbs, seqs], ["b", "l"], "t(b, l, 0)")
+    if err > max_fit_error:
+        for w in warnings:  # the cell to blame, when one stands out
+            log(w)
+        raise ProfileRefused(f"the fit misses held-out cells by {err:.1%} rms (past --max-fit-error "
+                             f"{max_fit_error:g}; {worst}; {summary})")
+    t0 = monotone_table(measured)
+    idx = {(b, l): (i, j) for i, b in enumerate(mbs) for j, l in enumerate(seqs)}
+    pts = [(b, l, c, value[(b, l, c)]) for b, l, c in shapes if c]
     if ctx:
-        warnings += noise.implausible_lines(with_ctx, [mbs, seqs, ctx], ["b", "l", "c"], "t(b, l, c)")
-        dts = np.array([p[3] for p in pts])
         b, l, c = max(mbs), max(seqs), max(ctx)
         extra = coef[0] * b * l + coef[1] * b * c + coef[2] * b * l * c
+        dts = np.array([t - measured[idx[bb, ll]] for bb, ll, _, t in pts])
         if extra < 0.01 * t0[-1, -1]:  # attending to c more keys is never free
             warnings.append(f"WARNING: the context term fitted to context_coef "
                             f"[{', '.join(f'{x:.3g}' for x in coef)}]: "
@@ -294,14 +382,15 @@ def profile_cpu_model(model_cfg, mbs: Sequence[int], seqs: Sequence[int], contex
                             "re-profile when it is idle")
     for w in warnings:
         log(w)
-    log(f"timing noise: {nl.summary()}")
     meta = {"origin": "profiled on CPU with megatron.planner.terapipe.latency.profile_cpu_model",
             "model": {"hidden_size": h, "num_attention_heads": model_cfg.num_attention_heads,
                       "ffn_hidden_size": model_cfg.ffn_hidden_size},
             "contexts": list(contexts), "threads": threads, "repeats": repeats,
-            "noise": {"summary": nl.summary(), "warnings": len(warnings)},
-            "fit": "context term by non-negative least squares; t(b, l, 0) made non-decreasing by running maxima "
-                   f"(raised {int(np.sum(t0 > measured))} of {t0.size} measured points)"}
+            "noise": {"summary": summary, "warnings": len(warnings)},
+            "fit": "minimum over interleaved rounds; context term by non-negative least squares; "
+                   f"{err:.1%} rms relative error on held-out cells; t(b, l, 0) made non-decreasing "
+                   f"by running maxima (raised {int(np.sum(t0 > measured))} of {t0.size} measured points)",
+            "held_out_rms_error": round(err, 4)}
     return SliceLatencyModel(mbs, seqs, t0, coef, hidden_size=h, meta=meta)
 
 
@@ -321,15 +410,23 @@ def main(argv=None) -> int:
     p.add_argument("--mbs", default="1,2")
     p.add_argument("--seqs", default="8,16,32,64")
     p.add_argument("--contexts", default="16,64,128")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per cell (the fastest is kept)")
+    p.add_argument("--repeats", type=int, default=10,
+                   help="interleaved rounds over all cells (each cell keeps its fastest); raised to what the host "
+                        "probe says a busy host needs, within --time-limit")
     p.add_argument("--cpu-threads", type=int, default=1,
                    help="torch threads while profiling (default 1, as each rank of a CPU pipeline whose ranks "
                         "share the cores runs)")
-    p.add_argument("--max-spread", type=float, default=noise.MAX_SPREAD,
-                   help="a cell whose repeats spread more ((median - min) / min) is re-measured, then refused: "
-                        "nothing is written while one stays noisy (default %(default)s)")
-    p.add_argument("--remeasure", type=int, default=noise.REMEASURE, help="extra rounds for a noisy cell")
-    p.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
+    p.add_argument("--max-spread", type=float, default=0.1,
+                   help="a cell whose minima over even and odd rounds differ by more is measured in extra rounds "
+                        "(default %(default)s)")
+    p.add_argument("--remeasure", type=int, default=10, help="extra rounds for cells past --max-spread")
+    p.add_argument("--max-fit-error", type=float, default=noise.MAX_FIT_ERROR,
+                   help="the context fit's rms relative error on held-out cells above which nothing is written")
+    p.add_argument("--min-clean", type=float, default=noise.MIN_CLEAN,
+                   help="refuse at once (2 s host probe) when fewer probe samples than this fraction run "
+                        "undisturbed (default %(default)s)")
+    p.add_argument("--time-limit", type=float, default=180.0, help="seconds of timed rounds at most (default 180)")
+    p.add_argument("--quiet", action="store_true", help="no per-round progress lines")
     a = p.parse_args(argv)
     if a.from_cost_model:
         from megatron.planner.cost.cost_model import CostModel
@@ -344,24 +441,33 @@ def main(argv=None) -> int:
                 p.error(f"{flag} takes comma-separated positive integers, got {text!r}")
             return vals
         mbs, seqs, ctxs = ints("--mbs", a.mbs), ints("--seqs", a.seqs), ints("--contexts", a.contexts)
-        if a.repeats < 1 or a.cpu_threads < 1 or not a.max_spread > 0 or a.remeasure < 0:
-            p.error("--repeats and --cpu-threads must be >= 1, --max-spread > 0, --remeasure >= 0")
+        if a.repeats < 2 or a.cpu_threads < 1 or not a.max_spread > 0 or a.remeasure < 0 or a.time_limit <= 0:
+            p.error("--repeats must be >= 2, --cpu-threads >= 1, --max-spread and --time-limit > 0, --remeasure >= 0")
         if not any(c > 0 for c in ctxs):
             p.error("--contexts needs a positive context length (the context term is fitted on them)")
         cfg = ModelConfig(num_layers=1, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
                           seq_length=max(seqs) + max(ctxs), vocab_size=128,
                           max_position_embeddings=max(seqs) + max(ctxs), hidden_dropout=0.0, attention_dropout=0.0)
         log = (lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
-        line = noise.host_load_line()
-        if line:
-            log(line)
-        nl = noise.NoiseLog(a.max_spread)
-        m = profile_cpu_model(cfg, mbs, seqs, ctxs, a.repeats, threads=a.cpu_threads, max_spread=a.max_spread,
-                              remeasure=a.remeasure, noise_log=nl, log=log)
-        refusal = nl.refusal("terapipe_latency")
-        if refusal:
-            print(refusal, file=sys.stderr)
-            return 1
+        with noise.pin_threads(a.cpu_threads):  # not pinned to a core: on a shared host that core's load is ours
+            host = noise.probe()
+            log(f"host probe: {host.describe()}")
+            if host.clean < a.min_clean:
+                print(f"terapipe_latency: error: host too busy to profile ({host.describe()}; the fastest of k "
+                      f"repeats would need {min(host.repeats_for(), 10 ** 4)} repeats a cell): nothing written. Run it "
+                      f"on an idle host, or pass --min-clean {max(host.clean / 2, 0.001):.3g} to try anyway.",
+                      file=sys.stderr)
+                return 1
+            repeats = min(max(a.repeats, host.repeats_for()), 100)
+            try:
+                m = profile_cpu_model(cfg, mbs, seqs, ctxs, repeats, threads=a.cpu_threads,
+                                      max_disagreement=a.max_spread, extra_rounds=a.remeasure,
+                                      time_limit=a.time_limit, max_fit_error=a.max_fit_error, log=log)
+            except ProfileRefused as e:
+                print(f"terapipe_latency: error: {e}; {host.describe()}: nothing written. Re-run on an idle host, "
+                      "or with more --repeats / --time-limit.", file=sys.stderr)
+                return 1
+        m.meta["host"] = host.describe()
     m.save(a.output)
     print(json.dumps({"output": a.output, "context_coef": m.coef, "meta": m.meta}))
     return 0

@@ -1,0 +1,46 @@
+"""Memory per pipeline stage (training/stage_memory.py) on 2 gloo ranks, one stage each: every
+rank gets every stage's peak, and each stage's number is what the kernel reports for that
+process (between its VmHWM in /proc/self/status, the kernel's peak resident set, just before
+and just after)."""
+import sys
+
+import pytest
+import torch
+
+from tests.dist_harness import run_distributed
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+
+
+def _vmhwm_mib() -> float:
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kb / 1024
+
+
+def _rank(rank, world):
+    from megatron.training.stage_memory import stage_peaks_mb
+    if rank == 1:  # stage 1 touches 64 MiB more than stage 0
+        big = torch.ones(16 * 2 ** 20)
+        big += 1
+    cpu = torch.device("cpu")
+    before = _vmhwm_mib()
+    what, peaks = stage_peaks_mb(rank, world, world, cpu, cpu)
+    return what, peaks, (before, _vmhwm_mib())
+
+
+def test_every_rank_gets_every_stage_peak_as_the_kernel_reports_it():
+    rows = run_distributed(_rank, 2)
+    (w0, p0, hwm0), (w1, p1, hwm1) = rows
+    assert w0 == w1 == "peak_rss_mb" and p0 == p1
+    # the peak read inside lies between the kernel's high-water marks just before and just after
+    for peak, (before, after) in zip(p0, (hwm0, hwm1)):
+        assert before - 1.0 <= peak <= after + 1.0, (peak, before, after)
+    assert p0[1] > p0[0] + 32  # the 64 MiB tensor shows on stage 1 only
+
+
+def test_one_process_needs_no_collective():
+    from megatron.training.stage_memory import stage_peaks_mb
+    cpu = torch.device("cpu")
+    what, peaks = stage_peaks_mb(0, 1, 1, cpu, cpu)
+    assert what == "peak_rss_mb" and len(peaks) == 1 and peaks[0] == pytest.approx(_vmhwm_mib(), abs=2.0)
