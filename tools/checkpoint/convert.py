@@ -166,7 +166,7 @@ def _megatron(args) -> int:
 
 def _hf(args) -> int:
     try:
-        from tools.checkpoint import hf_gpt2, hf_llama, hf_t5
+        from tools.checkpoint import hf_gpt2, hf_llama, hf_mixtral, hf_t5
         import transformers  # noqa: F401
         import safetensors  # noqa: F401
     except ImportError as e:
@@ -178,6 +178,8 @@ def _hf(args) -> int:
         if args.to_hf:
             config, full, meta = read_full_model(args.load, args.iteration)
             arch = hf_llama if hf_llama.is_llama(config["model"]) else hf_gpt2
+            if hf_mixtral.is_mixtral(config["model"]):
+                arch = hf_mixtral
             if config["model"]["model_type"] == "t5":
                 arch = hf_t5
             hf_config, sd = arch.to_hf(config, full)
@@ -188,7 +190,7 @@ def _hf(args) -> int:
         else:
             from megatron.config.core import MegatronConfig, ModelConfig
             hf_config, sd = hf_gpt2.load_hf(args.load)
-            arch = {"llama": hf_llama, "t5": hf_t5}.get(hf_config.get("model_type"), hf_gpt2)
+            arch = {"llama": hf_llama, "t5": hf_t5, "mixtral": hf_mixtral}.get(hf_config.get("model_type"), hf_gpt2)
             model_fields, full = arch.from_hf(hf_config, sd)
             model_fields["make_vocab_size_divisible_by"] = args.make_vocab_size_divisible_by
             if arch is hf_t5:
