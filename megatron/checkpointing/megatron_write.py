@@ -151,7 +151,7 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def write_full(out: str, model: dict, full: Dict[str, torch.Tensor], meta: dict, tp: int, pp: int,
                release: bool = True, norm_names: Optional[str] = None, atomic_write=None,
-               split: Optional[int] = None, tokenizer: Optional[dict] = None) -> str:
+               split: Optional[int] = None, tokenizer: Optional[dict] = None, ep: int = 1) -> str:
     """Write a GPT `full` model ({our global name: tensor}, vocabulary rows unpadded) as
     Megatron-LM writes it: `release/` (tracker `release`) for a converted checkpoint, else
     `iter_NNNNNNN`; `atomic_write(path, write_fn) -> sha256 hex` is the checkpoint writer's
@@ -160,7 +160,8 @@ def write_full(out: str, model: dict, full: Dict[str, torch.Tensor], meta: dict,
     `layernorm` for GPT, `norm` for T5). Integrity
     data (sha256 of every file) goes to `<folder>/manifest.json`, never beside a model file.
     T5 (`megatron_t5`): encoder on pipeline ranks [0, split), decoder on [split, pp) (split
-    default pp // 2). `tokenizer`: the source run's data config (`tokenizer_fields`). Returns the
+    default pp // 2). `tokenizer`: the source run's data config (`tokenizer_fields`). An MoE GPT
+    is written in Megatron-Core's names at EP `ep` (`megatron_moe_write`). Returns the
     iteration folder."""
     from megatron.config.core import ModelConfig
     t5 = model.get("model_type", "gpt") == "t5"
@@ -181,6 +182,11 @@ def write_full(out: str, model: dict, full: Dict[str, torch.Tensor], meta: dict,
     it_dir = os.path.join(out, folder)
     args = megatron_args(model, tp, pp, iteration, meta.get("consumed_samples", 0), cfg.vocab_size, padded,
                          megatron_t5.t5_args_fields(model, pp, split) if t5 else None, tokenizer)
+    if model.get("moe"):
+        from megatron.checkpointing import megatron_moe_write
+        return megatron_moe_write.write_full(out, model, full, meta, tp, pp, ep, args, atomic_write, release)
+    elif ep != 1:
+        raise MegatronCheckpointError(f"expert parallel size {ep} for a model without experts: give 1")
     per = L // pp
     files = {}
     for p in range(pp):

@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iteration", type=int, default=None, help="iteration to convert (default: the tracked one)")
     p.add_argument("--target-tensor-parallel-size", type=int, default=None)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=None)
+    p.add_argument("--target-expert-parallel-size", type=int, default=1,
+                   help="--to-megatron of an MoE model: Megatron's EP size (one file per expert-parallel rank)")
     p.add_argument("--target-pipeline-model-parallel-split-rank", type=int, default=None,
                    help="T5 only: first pipeline rank of the decoder (default: the source's when the pipeline "
                         "size is unchanged, else target pp // 2)")
@@ -91,6 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--tokenizer-type is recorded by --to-megatron only")
     if not args.to_hf and (args.target_tensor_parallel_size is None or args.target_pipeline_parallel_size is None):
         p.error("give --target-tensor-parallel-size and --target-pipeline-parallel-size")
+    if args.target_expert_parallel_size != 1 and not args.to_megatron:
+        p.error("--target-expert-parallel-size goes with --to-megatron (this project's format holds every expert "
+                "in each file, whatever the EP size of the run that loads it)")
     if not args.to_hf and min(args.target_tensor_parallel_size, args.target_pipeline_parallel_size) < 1:
         p.error("target sizes must be >= 1")
     return args
@@ -138,7 +143,8 @@ def _megatron(args) -> int:
             out = mwrite.write_full(args.save, config["model"], full, meta, args.target_tensor_parallel_size,
                                      args.target_pipeline_parallel_size, release=True, norm_names=norm,
                                      atomic_write=_atomic_write_bytes,
-                                     split=args.target_pipeline_model_parallel_split_rank, tokenizer=tokenizer)
+                                     split=args.target_pipeline_model_parallel_split_rank, tokenizer=tokenizer,
+                                     ep=args.target_expert_parallel_size)
             kind = mwrite.tokenizer_fields(tokenizer, config["model"]["vocab_size"])["tokenizer_type"]
             print(f"wrote Megatron-LM legacy checkpoint (release, {len(full)} tensors, tokenizer_type {kind}) to {out}"
                   + ("; Megatron's --load with --vocab-file needs the same --tokenizer-type: pass --tokenizer-type "
