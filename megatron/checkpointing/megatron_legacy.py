@@ -361,7 +361,8 @@ def read_full(root: str, on_state=None) -> Tuple[argparse.Namespace, Dict[str, t
         raise MegatronCheckpointError(problem)
     tp, pp, ep = (max(k[i] for k in files) + 1 for i in range(3))
     if sorted(files) != [(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)]:
-        raise MegatronCheckpointError(f"{it_dir}: rank folders {sorted(files)} do not cover TP {tp} x PP {pp} x EP {ep}")
+        raise MegatronCheckpointError(f"{it_dir}: rank folders {sorted(files)} do not cover TP {tp} x PP {pp} x EP "
+                                      f"{ep}")
     args = meta = None
     models: Dict[Tuple[int, int, int], list] = {}
     for (t, p, e), path in sorted(files.items()):

@@ -109,7 +109,8 @@ def write_full(out: str, model: dict, full: Dict[str, torch.Tensor], meta: dict,
                args, atomic_write, release: bool) -> str:
     """`megatron_write.write_full` for an MoE GPT (its `args` already built): the files of every
     (PP, EP) rank, the manifest and the tracker. Returns the iteration folder."""
-    from megatron.checkpointing.megatron_write import TRACKER, _pad_rows, megatron_rng_state, megatron_scheduler
+    from megatron.checkpointing.megatron_base import _pad_rows, megatron_rng_state, megatron_scheduler
+    from megatron.checkpointing.megatron_legacy import TRACKER
     moe_args = check_writable(model, tp)
     if moe_args["num_experts"] % ep:
         raise MegatronCheckpointError(f"--target-expert-parallel-size {ep} does not divide the "
