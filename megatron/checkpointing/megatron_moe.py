@@ -68,7 +68,10 @@ def rank_files(it_dir: str, load_args) -> Dict[Tuple[int, int, int], str]:
     if any(k[2] is not None for k in raw):
         return {(t, a or 0, b or 0): p for (t, a, b), p in raw.items()}
     if any(k[1] is not None for k in raw):
-        args = load_args(raw[min(raw, key=lambda k: (k[0], k[1] or 0))])
+        try:
+            args = load_args(raw[min(raw, key=lambda k: (k[0], k[1] or 0))])
+        except Exception:  # noqa: BLE001 - read as PP; loading that file again reports what is wrong with it
+            args = None
         if int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1 and \
                 int(getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1:
             return {(t, 0, a or 0): p for (t, a, _), p in raw.items()}

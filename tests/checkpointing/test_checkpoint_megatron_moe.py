@@ -37,7 +37,7 @@ def test_moe_fixture_gives_megatrons_logits(name):
     f.update(vocab_size=args.padded_vocab_size, make_vocab_size_divisible_by=1, model_type="gpt")
     ref = torch.load(os.path.join(root, "logits.pt"), weights_only=True)
     out = our_logits(f, full, ref["tokens"])[..., :ref["logits"].shape[-1]]
-    assert (out - ref["logits"]).abs().max().item() < 1e-5  # measured 2.4e-7 (EP 1), 2.1e-7 (EP 2)
+    assert (out - ref["logits"]).abs().max().item() < 1e-5  # measured 3.0e-7 (EP 1), 2.4e-7 (EP 2; torch_dist the same)
 
 
 def _load(rank, world, name, pp, ep):
