@@ -102,3 +102,15 @@ def test_rank_folder_links_are_refused(tmp_path):
     os.symlink(root / "iter_0000003" / "mp_rank_00_000" / "model_optim_rng.pt", sub / "model_optim_rng.pt")
     with pytest.raises(UnsafePathError):
         L.read_full(str(root))
+
+
+def test_megatrons_moe_optimizer_state_is_left_unread_and_said_so():
+    """An MoE file's optimizer state (its experts split over EP files) is not mapped yet: the
+    collector skips it, and the resume line says the optimizer starts fresh and why."""
+    from megatron.checkpointing.megatron_optim import Collector
+    collect = Collector()
+    path = os.path.join(FIX, "mcore_moe_ep1", "iter_0000003", "mp_rank_00", "model_optim_rng.pt")
+    state = L.safe_load_megatron(path)
+    state["optimizer"] = {"state": {}, "param_groups": []}  # as if Megatron had saved one
+    collect((0, 0), path, state)
+    assert collect.moe and collect.missing == [path]
