@@ -15,7 +15,8 @@ and the MoE settings a run must match. Used by `megatron_legacy` (torch format) 
 This project holds each layer's experts stacked, `mlp.experts.weight1` [E, 2F, H] and
 `weight2` [E, H, F] (megatron/models/moe/experts.py): the same per-expert layout, so reading is
 a rename and a stack. Experts sharded over TP (a Megatron MoE run with TP > 1) are refused with
-one line (not read yet: no fixture).
+one line: not read yet, for want of a fixture (core_v0.9.0's MoE with TP needs sequence
+parallelism, which its local spec's torch LayerNorm refuses; apex or TE, i.e. a GPU build, has it).
 """
 from __future__ import annotations
 
