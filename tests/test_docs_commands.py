@@ -111,7 +111,8 @@ def _parse_tool(cmd, made):
         from tools.checkpoint.convert import parse_args as convert_args
         assert words[0] == "python", cmd
         args = convert_args(words[words.index("tools/checkpoint/convert.py") + 1:])  # exit 2 on a bad flag
-        assert args.load in made, f"{cmd}: --load {args.load} is produced by no step before it"
+        shipped = not args.load.startswith(("/", "runs/", "$")) and os.path.isdir(os.path.join(ROOT, args.load))
+        assert args.load in made or shipped, f"{cmd}: --load {args.load} is produced by no step before it"
         assert args.save not in made, f"{cmd}: --save {args.save} is already a folder of an earlier step"
         made.add(args.save)
     elif "tools/preprocess_data.py" in words:

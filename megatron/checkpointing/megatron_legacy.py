@@ -37,12 +37,12 @@ import numpy as np
 import torch
 
 from megatron import safe_paths
+from megatron.checkpointing import megatron_moe
 from megatron.checkpointing.megatron_base import MegatronCheckpointError, undo_layernorm_1p
 from megatron.checkpointing.megatron_base import flatten as _flatten
 from megatron.checkpointing.safety import _arrays
 
 TRACKER = "latest_checkpointed_iteration.txt"
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 
 # ---- loading without code ------------------------------------------------------------------
@@ -115,6 +115,9 @@ _CORE_LAYER = [
 
 
 def _core_layer_name(rest: str) -> str:
+    moe = megatron_moe.core_name(rest)  # router and experts (megatron_moe)
+    if moe is not None:
+        return moe
     for a, b in _CORE_LAYER:
         if rest.startswith(a):
             return b + rest[len(a):]
@@ -241,21 +244,10 @@ def _verify_manifest(it_dir: str) -> Optional[str]:
     return None
 
 
-def rank_files(it_dir: str) -> Dict[Tuple[int, int], str]:
-    """{(tp rank, pp rank): model file} of one iteration folder (model_optim_rng.pt, or
-    model_rng.pt when the distributed optimizer wrote its state apart)."""
-    out = {}
-    for sub in sorted(os.listdir(it_dir)):
-        m = _RANK_DIR.match(sub)
-        if not m:
-            continue
-        for name in ("model_optim_rng.pt", "model_rng.pt"):
-            path = os.path.join(it_dir, sub, name)
-            if os.path.lexists(path):  # a link (rank folder or file) or a special file is refused here
-                safe_paths.regular_file(it_dir, os.path.join(sub, name), "rank file")
-                out[(int(m.group(1)), int(m.group(2) or 0))] = path
-                break
-    return out
+def rank_files(it_dir: str) -> Dict[Tuple[int, int, int], str]:
+    """{(tp rank, pp rank, ep rank): model file} of one iteration folder (model_optim_rng.pt, or
+    model_rng.pt when the distributed optimizer wrote its state apart; `_EEE` folders: megatron_moe)."""
+    return megatron_moe.rank_files(it_dir, lambda path: safe_load_megatron(path).get("args"))
 
 
 _ARGS_TYPES = (argparse.Namespace, types.SimpleNamespace)
@@ -319,7 +311,7 @@ def model_fields(args) -> dict:
                position_embedding_type=a.get("position_embedding_type") or "learned_absolute",
                num_query_groups=a.get("num_query_groups") if a.get("group_query_attention") else None,
                layernorm_epsilon=a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5)),
-               activation_func=_activation(a))
+               activation_func=_activation(a), moe=megatron_moe.model_fields(args) or None)
     if a.get("kv_channels"):
         out["kv_channels"] = a["kv_channels"]
     if t5:  # Megatron's num_layers is the encoder's; ours counts both stacks
@@ -367,13 +359,13 @@ def read_full(root: str, on_state=None) -> Tuple[argparse.Namespace, Dict[str, t
     problem = _verify_manifest(it_dir)
     if problem:
         raise MegatronCheckpointError(problem)
-    tp = max(t for t, _ in files) + 1
-    pp = max(p for _, p in files) + 1
-    if sorted(files) != [(t, p) for t in range(tp) for p in range(pp)]:
-        raise MegatronCheckpointError(f"{it_dir}: rank folders {sorted(files)} do not cover TP {tp} x PP {pp}")
+    tp, pp, ep = (max(k[i] for k in files) + 1 for i in range(3))
+    if sorted(files) != [(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)]:
+        raise MegatronCheckpointError(f"{it_dir}: rank folders {sorted(files)} do not cover TP {tp} x PP {pp} x EP "
+                                      f"{ep}")
     args = meta = None
-    models: Dict[Tuple[int, int], list] = {}
-    for (t, p), path in sorted(files.items()):
+    models: Dict[Tuple[int, int, int], list] = {}
+    for (t, p, e), path in sorted(files.items()):
         state = safe_load_megatron(path)
         if not isinstance(state.get("args"), _ARGS_TYPES):
             raise MegatronCheckpointError(f"{path}: no Megatron `args` in the file")
@@ -385,10 +377,11 @@ def read_full(root: str, on_state=None) -> Tuple[argparse.Namespace, Dict[str, t
                                                     getattr(args, "consumed_train_samples", 0) or 0),
                     "opt_param_scheduler": state.get("opt_param_scheduler"),
                     "checkpoint_version": state.get("checkpoint_version"), "tp": tp, "pp": pp}
-        models[(t, p)] = _stage_models(state)
-        if on_state is not None:  # e.g. megatron_optim: the optimizer and RNG state of the same file
-            on_state((t, p), path, state)
-    full, meta["format"] = join_shards(args, models, tp, pp)
+        models[(t, p, e)] = _stage_models(state)
+        if on_state is not None and e == 0:  # e.g. megatron_optim: the optimizer and RNG state of the same file
+            on_state((t, p), path, state)  # (an MoE file's optimizer is not read: see megatron_moe)
+    full, meta["format"] = join_shards(args, megatron_moe.merge_ep(models, args, it_dir), tp, pp)
+    full = megatron_moe.stack_experts(full, args, tp, it_dir)
     return args, undo_layernorm_1p(args, full), meta  # --apply-layernorm-1p stores w - 1
 
 
@@ -531,6 +524,7 @@ def _load_into_trainer(trainer, root: str, training_state=None, read=None) -> bo
             continue
         if getattr(ours, key, None) != theirs[key]:
             problems.append(f"{flag}: checkpoint has {theirs[key]}, this run has {getattr(ours, key, None)}")
+    problems += megatron_moe.mismatches(args, getattr(ours, "moe", None))
     if theirs["model_type"] != ours.model_type:
         problems.append(f"model type: checkpoint is {theirs['model_type']}, this run is {ours.model_type}")
     if ours.position_embedding_type == "learned_absolute" and \
@@ -555,6 +549,7 @@ def _load_into_trainer(trainer, root: str, training_state=None, read=None) -> bo
             t = full[key]
             if _VOCAB.search(key):
                 t = _fit_rows(t, padded)
+            t = megatron_moe.slice_expert(key, t, p, ps)
             d = _dim(p)
             if d is not None:
                 per = t.shape[d] // ps.tp_size

@@ -232,6 +232,7 @@ class Collector:
         self.steps, self.rng, self.missing = set(), None, []
         self.split = False  # Megatron v2.x's distributed optimizer: model_rng.pt + mp_rank_XX_DDD/optim.pt
         self.t5 = False  # T5's parameter order is not rebuilt: its optimizer state is left unread
+        self.moe = False  # nor an MoE model's (its expert parameters are per EP file): left unread
 
     def __call__(self, rank: Tuple[int, int], path: str, state: dict) -> None:
         from megatron.checkpointing.megatron_legacy import _stage_models
@@ -242,6 +243,10 @@ class Collector:
         from megatron.checkpointing.megatron_legacy import is_t5
         if is_t5(state["args"]):
             self.t5 = True
+            self.missing.append(path)
+            return
+        if getattr(state["args"], "num_experts", None):
+            self.moe = True
             self.missing.append(path)
             return
         opt = state.get("optimizer")
@@ -329,6 +334,8 @@ def resume(trainer, collect: Collector, args, meta: dict, messages: Tuple[str, s
         elif collect.t5:
             optim = ("Megatron's T5 optimizer state is not read (its parameter order is rebuilt for GPT only): "
                      "the optimizer starts fresh")
+        elif collect.moe:
+            optim = "Megatron's optimizer state of an MoE model is not read yet: the optimizer starts fresh"
         elif collect.split:
             optim = ("Megatron v2.x's distributed-optimizer files (mp_rank_XX_DDD/optim.pt) are not read: the "
                      "optimizer starts fresh")

@@ -9,9 +9,9 @@ import os
 import re
 from typing import Dict, Optional
 
-import numpy as np
 import torch
 
+from megatron.checkpointing.megatron_base import _pad_rows, megatron_rng_state, megatron_scheduler  # noqa: F401
 from megatron.checkpointing.megatron_legacy import (_VOCAB, TRACKER, MegatronCheckpointError,
                                                  partition_dim)
 
@@ -116,42 +116,9 @@ def to_legacy_model(local: Dict[str, torch.Tensor], pre_process: bool, post_proc
     return out
 
 
-def megatron_rng_state() -> list:
-    """Megatron's `rng_state`: one dict per data-parallel rank (only this one is kept, as
-    Megatron does without --data-parallel-random-init)."""
-    import random
-    from megatron.core.tensor_parallel.random import get_rng_tracker
-    return [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-             "torch_rng_state": torch.get_rng_state(),
-             "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state(),
-             "rng_tracker_states": get_rng_tracker().get_states()}]
-
-
-def megatron_scheduler(ours: Optional[dict], weight_decay: float = 0.01, gbs: int = 1) -> Optional[dict]:
-    """This project's LR schedule state with Megatron's OptimizerParamScheduler keys (Megatron
-    counts its steps in samples: iterations x `gbs`)."""
-    if not ours:
-        return None
-    decay = ours.get("decay_iters", ours.get("decay_steps"))
-    return {"max_lr": ours.get("max_lr"), "min_lr": ours.get("min_lr"),
-            "lr_warmup_steps": ours.get("warmup_iters", ours.get("warmup_steps", 0)) * gbs,
-            "lr_decay_steps": decay * gbs if decay is not None else None,
-            "lr_decay_style": ours.get("decay_style", "linear"), "num_steps": ours.get("num_steps", 0) * gbs,
-            "start_wd": weight_decay, "end_wd": weight_decay, "wd_incr_steps": (ours.get("decay_iters") or 1) * gbs,
-            "wd_incr_style": "constant"}
-
-
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """A vocabulary table padded to Megatron's padded size as transformers' GPT-2 -> Megatron
-    converter pads it (copies of the last real row), or cut to it."""
-    if t.shape[0] >= rows:
-        return t[:rows]
-    return torch.cat([t, t[-1:].expand(rows - t.shape[0], *t.shape[1:])])
-
-
 def write_full(out: str, model: dict, full: Dict[str, torch.Tensor], meta: dict, tp: int, pp: int,
                release: bool = True, norm_names: Optional[str] = None, atomic_write=None,
-               split: Optional[int] = None, tokenizer: Optional[dict] = None) -> str:
+               split: Optional[int] = None, tokenizer: Optional[dict] = None, ep: int = 1) -> str:
     """Write a GPT `full` model ({our global name: tensor}, vocabulary rows unpadded) as
     Megatron-LM writes it: `release/` (tracker `release`) for a converted checkpoint, else
     `iter_NNNNNNN`; `atomic_write(path, write_fn) -> sha256 hex` is the checkpoint writer's
@@ -160,7 +127,8 @@ def write_full(out: str, model: dict, full: Dict[str, torch.Tensor], meta: dict,
     `layernorm` for GPT, `norm` for T5). Integrity
     data (sha256 of every file) goes to `<folder>/manifest.json`, never beside a model file.
     T5 (`megatron_t5`): encoder on pipeline ranks [0, split), decoder on [split, pp) (split
-    default pp // 2). `tokenizer`: the source run's data config (`tokenizer_fields`). Returns the
+    default pp // 2). `tokenizer`: the source run's data config (`tokenizer_fields`). An MoE GPT
+    is written in Megatron-Core's names at EP `ep` (`megatron_moe_write`). Returns the
     iteration folder."""
     from megatron.config.core import ModelConfig
     t5 = model.get("model_type", "gpt") == "t5"
@@ -181,6 +149,11 @@ def write_full(out: str, model: dict, full: Dict[str, torch.Tensor], meta: dict,
     it_dir = os.path.join(out, folder)
     args = megatron_args(model, tp, pp, iteration, meta.get("consumed_samples", 0), cfg.vocab_size, padded,
                          megatron_t5.t5_args_fields(model, pp, split) if t5 else None, tokenizer)
+    if model.get("moe"):
+        from megatron.checkpointing import megatron_moe_write
+        return megatron_moe_write.write_full(out, model, full, meta, tp, pp, ep, args, atomic_write, release)
+    elif ep != 1:
+        raise MegatronCheckpointError(f"expert parallel size {ep} for a model without experts: give 1")
     per = L // pp
     files = {}
     for p in range(pp):

@@ -68,6 +68,8 @@ class ModelConfig:
 
     def __post_init__(self):
         _require(self.model_type in ("gpt", "t5"), f"model type must be gpt or t5, got {self.model_type!r}")
+        if isinstance(self.moe, dict):  # a config.json's (or a converter's) model dict
+            self.moe = MoEConfig(**self.moe)
         if self.model_type == "t5":
             if self.encoder_num_layers is None:
                 self.encoder_num_layers = self.num_layers

@@ -128,7 +128,8 @@ def check_moe_parallel(cfg) -> None:
              f"--expert-model-parallel-size ({ep}) must divide the ranks of a pipeline stage (TP x DP = {stage}): "
              "expert parallelism folds into the tensor- and data-parallel ranks")
     _require(cfg.checkpoint.ckpt_format == "torch", f"--ckpt-format {cfg.checkpoint.ckpt_format} with --num-experts "
-             "is not supported yet (Megatron-Core's MoE keys are not mapped): use --ckpt-format torch")
+             "is not supported yet: save with --ckpt-format torch, then `tools/checkpoint/convert.py --to-megatron "
+             "--target-expert-parallel-size N` writes Megatron-Core's MoE files (docs/moe.md)")
     if ep > 1 or tp > 1:
         _require(not t.use_distributed_optimizer,
                  "--use-distributed-optimizer with --expert-model-parallel-size > 1 or --tensor-model-parallel-size "

@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iteration", type=int, default=None, help="iteration to convert (default: the tracked one)")
     p.add_argument("--target-tensor-parallel-size", type=int, default=None)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=None)
+    p.add_argument("--target-expert-parallel-size", type=int, default=1,
+                   help="--to-megatron of an MoE model: Megatron's EP size (one file per expert-parallel rank)")
     p.add_argument("--target-pipeline-model-parallel-split-rank", type=int, default=None,
                    help="T5 only: first pipeline rank of the decoder (default: the source's when the pipeline "
                         "size is unchanged, else target pp // 2)")
@@ -91,6 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--tokenizer-type is recorded by --to-megatron only")
     if not args.to_hf and (args.target_tensor_parallel_size is None or args.target_pipeline_parallel_size is None):
         p.error("give --target-tensor-parallel-size and --target-pipeline-parallel-size")
+    if args.target_expert_parallel_size != 1 and not args.to_megatron:
+        p.error("--target-expert-parallel-size goes with --to-megatron (this project's format holds every expert "
+                "in each file, whatever the EP size of the run that loads it)")
     if not args.to_hf and min(args.target_tensor_parallel_size, args.target_pipeline_parallel_size) < 1:
         p.error("target sizes must be >= 1")
     return args
@@ -138,7 +143,8 @@ def _megatron(args) -> int:
             out = mwrite.write_full(args.save, config["model"], full, meta, args.target_tensor_parallel_size,
                                      args.target_pipeline_parallel_size, release=True, norm_names=norm,
                                      atomic_write=_atomic_write_bytes,
-                                     split=args.target_pipeline_model_parallel_split_rank, tokenizer=tokenizer)
+                                     split=args.target_pipeline_model_parallel_split_rank, tokenizer=tokenizer,
+                                     ep=args.target_expert_parallel_size)
             kind = mwrite.tokenizer_fields(tokenizer, config["model"]["vocab_size"])["tokenizer_type"]
             print(f"wrote Megatron-LM legacy checkpoint (release, {len(full)} tensors, tokenizer_type {kind}) to {out}"
                   + ("; Megatron's --load with --vocab-file needs the same --tokenizer-type: pass --tokenizer-type "
@@ -166,7 +172,7 @@ def _megatron(args) -> int:
 
 def _hf(args) -> int:
     try:
-        from tools.checkpoint import hf_gpt2, hf_llama, hf_t5
+        from tools.checkpoint import hf_gpt2, hf_llama, hf_mixtral, hf_t5
         import transformers  # noqa: F401
         import safetensors  # noqa: F401
     except ImportError as e:
@@ -178,6 +184,8 @@ def _hf(args) -> int:
         if args.to_hf:
             config, full, meta = read_full_model(args.load, args.iteration)
             arch = hf_llama if hf_llama.is_llama(config["model"]) else hf_gpt2
+            if hf_mixtral.is_mixtral(config["model"]):
+                arch = hf_mixtral
             if config["model"]["model_type"] == "t5":
                 arch = hf_t5
             hf_config, sd = arch.to_hf(config, full)
@@ -188,7 +196,7 @@ def _hf(args) -> int:
         else:
             from megatron.config.core import MegatronConfig, ModelConfig
             hf_config, sd = hf_gpt2.load_hf(args.load)
-            arch = {"llama": hf_llama, "t5": hf_t5}.get(hf_config.get("model_type"), hf_gpt2)
+            arch = {"llama": hf_llama, "t5": hf_t5, "mixtral": hf_mixtral}.get(hf_config.get("model_type"), hf_gpt2)
             model_fields, full = arch.from_hf(hf_config, sd)
             model_fields["make_vocab_size_divisible_by"] = args.make_vocab_size_divisible_by
             if arch is hf_t5:

@@ -155,7 +155,8 @@ def save_hf(out: str, hf_config: dict, sd: Dict[str, torch.Tensor]) -> None:
 _INT_FIELDS = ("n_head", "n_layer", "n_embd", "n_positions", "n_inner", "vocab_size", "hidden_size",
                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                "max_position_embeddings", "d_model", "d_ff", "d_kv", "num_layers", "num_decoder_layers",
-               "num_heads", "relative_attention_num_buckets", "relative_attention_max_distance")
+               "num_heads", "relative_attention_num_buckets", "relative_attention_max_distance",
+               "num_local_experts", "num_experts_per_tok")
 
 
 def load_hf(folder: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
