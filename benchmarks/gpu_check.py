@@ -271,6 +271,9 @@ PARTS = [
          cpu_note="a 2-layer hidden-64 GPT at TP 2 on gloo: TFLOP/s only"),
     Part("dynapipe_pred", "DynaPipe simulated vs measured step", extra.child_argv("dynapipe"),
          lambda ctx: ctx.pick(180, 240), floor_s=60, parse=_parse_rows),
+    Part("vs_megatron", "step time and peak RSS beside Megatron-LM core_v0.9.0", extra.vs_megatron_argv,
+         lambda ctx: ctx.pick(150, 240), floor_s=30, parse=_parse_rows, note=extra.vs_megatron_note,
+         skip_reason=extra.vs_megatron_reason),
 ]
 
 
