@@ -89,7 +89,7 @@ class Baton:
         self.world = int(os.environ["WORLD_SIZE"])
         self.store = dist.TCPStore("127.0.0.1", int(os.environ["BENCH_BATON_PORT"]), is_master=False,
                                    timeout=timedelta(seconds=float(os.environ.get("BENCH_BATON_TIMEOUT", "600"))))
-        self.k, self.t0, self.times = 0, 0.0, []
+        self.k, self.t0, self.c0, self.times, self.cpu = 0, 0.0, 0.0, [], []
 
     def _done(self, k):
         if self.store.add(f"{self.me}_done_{k}", 1) == self.world:
@@ -99,15 +99,27 @@ class Baton:
         if self.k == 0 and self.me == "O":
             self._done(-1)  # ours is built and loaded: Megatron may take its first step
         self.store.wait([f"{self.other}_fin_{self.k - 1 if self.me == 'M' else self.k}"])
-        self.t0 = time.perf_counter()
+        self.prof = None
+        if os.environ.get("BENCH_PROFILE_DIR") and self.k == int(os.environ.get("BENCH_PROFILE_STEP", "2")):
+            import torch.profiler  # both sides profiled the same way, one step each (--profile-dir)
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.prof.__enter__()
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
 
     def after_step(self):
         self.times.append(1e3 * (time.perf_counter() - self.t0))
+        self.cpu.append(1e3 * (time.process_time() - self.c0))  # all threads (gloo's too); host load aside
+        if self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            name = "megatron" if self.me == "M" else "ours"
+            self.prof.export_chrome_trace(os.path.join(os.environ["BENCH_PROFILE_DIR"],
+                                                       f"{name}_rank{os.environ['RANK']}.json"))
         self._done(self.k)
         self.k += 1
 
     def report(self):
         print(f"BENCH_STEPS {self.me} {os.environ['RANK']} " + json.dumps(self.times), flush=True)
+        print(f"BENCH_CPU {self.me} {os.environ['RANK']} " + json.dumps(self.cpu), flush=True)
 
 
 def ours_rank(argv):
@@ -283,12 +295,13 @@ def ours_argv(o, layout, load):
         "--split", "100,0,0", "--load", load, "--finetune", "--no-load-optim", "--no-load-rng"]
 
 
-def _steps(text, who, iters):
-    """Per step, the slowest rank's time (ms)."""
-    per_rank = [json.loads(x.split(" ", 3)[3]) for x in text.splitlines() if x.startswith(f"BENCH_STEPS {who} ")]
+def _steps(text, who, iters, tag="BENCH_STEPS", over=max):
+    """Per step, the slowest rank's wall time (ms); with tag BENCH_CPU and over=sum, the CPU time
+    of all ranks together."""
+    per_rank = [json.loads(x.split(" ", 3)[3]) for x in text.splitlines() if x.startswith(f"{tag} {who} ")]
     if not per_rank or any(len(t) != iters for t in per_rank):
         return None
-    return [max(t[k] for t in per_rank) for k in range(iters)]
+    return [over(t[k] for t in per_rank) for k in range(iters)]
 
 
 def run_pair(o, layout, tmp, data, store, port):
@@ -299,6 +312,10 @@ def run_pair(o, layout, tmp, data, store, port):
     save = str(tmp / f"mcore_{layout}")
     base = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", BENCH_BATON_PORT=str(port),
                 BENCH_BATON_TIMEOUT=str(o.timeout))
+    if o.profile_dir:
+        os.makedirs(os.path.join(o.profile_dir, layout), exist_ok=True)
+        base.update(BENCH_PROFILE_DIR=os.path.abspath(os.path.join(o.profile_dir, layout)),
+                    BENCH_PROFILE_STEP=str(o.warmup))
     m_env = dict(base, PYTHONPATH=o.megatron)
     o_env = dict(base, MEGATRON_NO_FUSED_KERNELS="1",
                  PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -333,7 +350,9 @@ def run_pair(o, layout, tmp, data, store, port):
     def peak(t):
         v = [int(x.split()[1]) for x in t.splitlines() if x.startswith("PEAK_RSS_KB ")]
         return round(v[-1] / 1024, 1) if v else None
-    return {"megatron_ms": m_ms, "ours_ms": o_ms, "megatron_losses": m_loss, "ours_losses": o_loss,
+    return {"megatron_ms": m_ms, "ours_ms": o_ms, "megatron_cpu_ms": _steps(m_text, "M", o.iters, "BENCH_CPU", sum),
+            "ours_cpu_ms": _steps(o_text, "O", o.iters, "BENCH_CPU", sum), "megatron_losses": m_loss,
+            "ours_losses": o_loss,
             "megatron_peak_rss_mb": peak(m_text), "ours_peak_rss_mb": peak(o_text),
             "seconds": round(time.monotonic() - t0, 1)}
 
@@ -370,10 +389,14 @@ def bench(o, log=_log):
         load.append(os.getloadavg()[0])
         m, u = statistics.median(r["megatron_ms"][o.warmup:]), statistics.median(r["ours_ms"][o.warmup:])
         diff = max(abs(a - b) for a, b in zip(r["megatron_losses"], r["ours_losses"]))
+        # Step k of ours ran right after step k of Megatron: the pair saw the same load on the host.
+        pairs = statistics.median(a / b for a, b in zip(r["ours_ms"][o.warmup:], r["megatron_ms"][o.warmup:]))
         row = {"layout": lay, "tp": LAYOUTS[lay][0], "pp": LAYOUTS[lay][1],
                "schedule": "1F1B" if LAYOUTS[lay][1] > 1 else "none (gradient accumulation)",
                "megatron_step_ms": round(m, 2), "ours_step_ms": round(u, 2),
-               "ratio_ours_over_megatron": round(u / m, 3),
+               "ratio_ours_over_megatron": round(u / m, 3), "ratio_median_of_step_pairs": round(pairs, 3),
+               "cpu_ms_per_step": {"ours": round(statistics.median(r["ours_cpu_ms"][o.warmup:]), 1),
+                                   "megatron": round(statistics.median(r["megatron_cpu_ms"][o.warmup:]), 1)},
                "megatron_steps_ms": [round(x, 1) for x in r["megatron_ms"]],
                "ours_steps_ms": [round(x, 1) for x in r["ours_ms"]],
                "megatron_peak_rss_mb": r["megatron_peak_rss_mb"], "ours_peak_rss_mb": r["ours_peak_rss_mb"],
@@ -408,10 +431,13 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--mbs", type=int, default=2)
     p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2, help="iterations left out of the median")
     p.add_argument("--loss-tol", type=float, default=1e-4, help="largest |loss difference| called agreement")
     p.add_argument("--timeout", type=float, default=300, help="seconds per layout (both launches)")
+    p.add_argument("--profile-dir", help="write a torch.profiler trace of step --warmup of every rank of both "
+                   "sides here (<layout>/megatron_rank<R>.json, ours_rank<R>.json); that step's time then "
+                   "includes the profiler's cost on both sides")
     p.add_argument("--megatron-rank", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layout", help=argparse.SUPPRESS)
     p.add_argument("--save", help=argparse.SUPPRESS)
