@@ -5,7 +5,8 @@ Megatron-LM is never a dependency: point `MEGATRON_LM_PYTHONPATH` (or `--megatro
 checkout of NVIDIA/Megatron-LM at tag core_v0.9.0 (as tests/fixtures/megatron/README.md says):
 
     git clone https://github.com/NVIDIA/Megatron-LM /tmp/mlm && git -C /tmp/mlm checkout core_v0.9.0
-    MEGATRON_LM_PYTHONPATH=/tmp/mlm python benchmarks/bench_vs_megatron.py   # ~3-5 min on 2 cores
+    pip install --target /tmp/deps six   # Megatron's tokenizer module imports it
+    MEGATRON_LM_PYTHONPATH=/tmp/mlm:/tmp/deps python benchmarks/bench_vs_megatron.py   # ~5 min, 2 busy cores
 
 For each layout (TP 1, TP 2, PP 2, TP 2 x PP 2; pipelines run 1F1B on both sides) the same
 GPT (hidden, layers, heads, FFN, sequence, padded vocabulary 1024, dropout 0, fp32, learned
@@ -29,10 +30,17 @@ Megatron-Core `torch` format, untimed) and this project `--load`s that checkpoin
 layout, so the per-iteration losses of the two must agree (`max_loss_diff`), not only the model
 shape. Gradient clipping is off on both sides (Megatron's clip needs CUDA tensors).
 
-Interleaved: for each round, the layouts in turn, Megatron then ours (A, B, A, B, ...), so load
-from other processes on the host hits both alike. A step time is the median of the iterations
-after `--warmup`; the ratio is ours / Megatron (below 1: ours is faster). Peak memory is the
-peak RSS (ru_maxrss) of the largest process of each launch: every rank included, and imports.
+Interleaved step by step: both launches of a layout run side by side and pass a baton over a
+TCPStore (`Baton`): Megatron's step k, then ours' step k, then Megatron's step k + 1, ... (A, B,
+A, B), so load from other processes on the host falls on both alike. A step's wall time is the
+slowest rank's, from the baton to the end of its step; the JSON gives the median of the steps
+after `--warmup` for each side, their ratio ours / Megatron (below 1: ours is faster), and the
+median of the ratios of adjacent step pairs. On a loaded host the wall clock mostly measures the
+scheduler's share of the cores, so each step's CPU time (`time.process_time`, all threads, summed
+over the ranks) is printed too (`cpu_ms_per_step`): the work each framework does per step,
+whatever the load. Peak memory is the peak RSS (ru_maxrss) of the largest process of each launch:
+every rank's, imports included. `--profile-dir DIR` writes one torch.profiler trace per rank
+and side of step `--warmup` (that step then pays the profiler's cost, on both sides).
 
 Stubs on Megatron's side (there is no GPU; `_stub_cuda` below), each only where core_v0.9.0
 calls CUDA for placement or ordering, never for arithmetic:
@@ -403,8 +411,10 @@ def bench(o, log=_log):
                "first_loss": {"megatron": r["megatron_losses"][0], "ours": r["ours_losses"][0]},
                "max_loss_diff": diff, "losses_agree": diff <= o.loss_tol, "pair_seconds": r["seconds"]}
         rows.append(row)
-        log(f"{lay}: ours {u:.1f} ms / Megatron {m:.1f} ms = {u / m:.3f}; peak RSS {r['ours_peak_rss_mb']} / "
-            f"{r['megatron_peak_rss_mb']} MB; losses {r['ours_losses'][0]:.6f} / {r['megatron_losses'][0]:.6f} "
+        log(f"{lay}: ours {u:.1f} ms / Megatron {m:.1f} ms = {u / m:.3f} (CPU ms per step "
+            f"{row['cpu_ms_per_step']['ours']} / {row['cpu_ms_per_step']['megatron']}); peak RSS "
+            f"{r['ours_peak_rss_mb']} / {r['megatron_peak_rss_mb']} MB; "
+            f"losses {r['ours_losses'][0]:.6f} / {r['megatron_losses'][0]:.6f} "
             f"(max diff {diff:.1e}); {r['seconds']:.0f} s")
         del store
     shutil.rmtree(tmp, ignore_errors=True)
@@ -431,7 +441,7 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--mbs", type=int, default=2)
     p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2, help="iterations left out of the median")
     p.add_argument("--loss-tol", type=float, default=1e-4, help="largest |loss difference| called agreement")
     p.add_argument("--timeout", type=float, default=300, help="seconds per layout (both launches)")
