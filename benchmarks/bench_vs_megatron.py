@@ -125,9 +125,10 @@ class Baton:
         self._done(self.k)
         self.k += 1
 
-    def report(self):
-        print(f"BENCH_STEPS {self.me} {os.environ['RANK']} " + json.dumps(self.times), flush=True)
-        print(f"BENCH_CPU {self.me} {os.environ['RANK']} " + json.dumps(self.cpu), flush=True)
+    def report(self, **extra):
+        """Into the store, not stdout: ranks sharing one stdout may interleave their lines."""
+        self.store.set(f"{self.me}_report_{os.environ['RANK']}", json.dumps({"ms": self.times, "cpu": self.cpu,
+                                                                             **extra}))
 
 
 def ours_rank(argv):
@@ -242,7 +243,7 @@ def megatron_rank(o):
     baton = Baton("M")
     dist.barrier()
     if dist.get_rank() == 0:
-        baton.store.set("M_saved", "1")  # the parent starts this project's launch, which loads it
+        baton.store.set("M_saved", "1")  # this project's ranks wait for it, then load the weights
     losses = []
     for _ in range(o.iters):
         baton.before_step()
@@ -252,8 +253,9 @@ def megatron_rank(o):
             losses.append(float(loss["lm loss"]))
         assert not skipped, "Megatron skipped an iteration"
     if mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0:
-        print("MEGATRON_LOSSES " + json.dumps(losses), flush=True)
-    baton.report()
+        baton.report(losses=losses)
+    else:
+        baton.report()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -303,10 +305,14 @@ def ours_argv(o, layout, load):
         "--split", "100,0,0", "--load", load, "--finetune", "--no-load-optim", "--no-load-rng"]
 
 
-def _steps(text, who, iters, tag="BENCH_STEPS", over=max):
-    """Per step, the slowest rank's wall time (ms); with tag BENCH_CPU and over=sum, the CPU time
-    of all ranks together."""
-    per_rank = [json.loads(x.split(" ", 3)[3]) for x in text.splitlines() if x.startswith(f"{tag} {who} ")]
+def _reports(store, who, world):
+    return [json.loads(store.get(f"{who}_report_{r}")) for r in range(world) if store.check([f"{who}_report_{r}"])]
+
+
+def _steps(reports, iters, key="ms", over=max):
+    """Per step, the slowest rank's wall time (ms); with key "cpu" and over=sum, the CPU time of
+    all ranks together."""
+    per_rank = [r[key] for r in reports]
     if not per_rank or any(len(t) != iters for t in per_rank):
         return None
     return [over(t[k] for t in per_rank) for k in range(iters)]
@@ -348,18 +354,19 @@ def run_pair(o, layout, tmp, data, store, port):
             if x is not None:
                 x.kill()
     m_text, o_text = meg.text(), ours.text()
-    m_ms, o_ms = _steps(m_text, "M", o.iters), _steps(o_text, "O", o.iters)
-    m_loss = [json.loads(x.split(" ", 1)[1]) for x in m_text.splitlines() if x.startswith("MEGATRON_LOSSES ")]
-    o_loss = [r["loss"] for r in parse_log(o_text)]
-    if m_ms is None or o_ms is None or not m_loss or len(o_loss) != o.iters:
+    m_rep, o_rep = _reports(store, "M", tp * pp), _reports(store, "O", tp * pp)
+    m_ms, o_ms = _steps(m_rep, o.iters), _steps(o_rep, o.iters)
+    m_loss = [r["losses"] for r in m_rep if "losses" in r]
+    o_loss = [r["loss"] for r in parse_log(o_text)]  # the trainer's own log line, printed by one rank
+    if m_ms is None or o_ms is None or len(m_loss) != 1 or len(o_loss) != o.iters:
         raise RuntimeError(f"missing step times or losses at {layout}:\n{m_text[-3000:]}\n{o_text[-3000:]}")
     m_loss = m_loss[0]
 
     def peak(t):
         v = [int(x.split()[1]) for x in t.splitlines() if x.startswith("PEAK_RSS_KB ")]
         return round(v[-1] / 1024, 1) if v else None
-    return {"megatron_ms": m_ms, "ours_ms": o_ms, "megatron_cpu_ms": _steps(m_text, "M", o.iters, "BENCH_CPU", sum),
-            "ours_cpu_ms": _steps(o_text, "O", o.iters, "BENCH_CPU", sum), "megatron_losses": m_loss,
+    return {"megatron_ms": m_ms, "ours_ms": o_ms, "megatron_cpu_ms": _steps(m_rep, o.iters, "cpu", sum),
+            "ours_cpu_ms": _steps(o_rep, o.iters, "cpu", sum), "megatron_losses": m_loss,
             "ours_losses": o_loss,
             "megatron_peak_rss_mb": peak(m_text), "ours_peak_rss_mb": peak(o_text),
             "seconds": round(time.monotonic() - t0, 1)}
