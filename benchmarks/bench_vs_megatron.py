@@ -324,14 +324,15 @@ def run_pair(o, layout, tmp, data, store, port):
     from megatron.experiments.logparse import parse_log
     tp, pp = LAYOUTS[layout]
     save = str(tmp / f"mcore_{layout}")
+    # CPU on both sides, also on a GPU box (`make gpu-check`): Megatron's side has no CUDA path here.
     base = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", BENCH_BATON_PORT=str(port),
-                BENCH_BATON_TIMEOUT=str(o.timeout))
+                BENCH_BATON_TIMEOUT=str(o.timeout), CUDA_VISIBLE_DEVICES="")
     if o.profile_dir:
         os.makedirs(os.path.join(o.profile_dir, layout), exist_ok=True)
         base.update(BENCH_PROFILE_DIR=os.path.abspath(os.path.join(o.profile_dir, layout)),
                     BENCH_PROFILE_STEP=str(o.warmup))
     m_env = dict(base, PYTHONPATH=o.megatron)
-    o_env = dict(base, MEGATRON_NO_FUSED_KERNELS="1",
+    o_env = dict(base, MEGATRON_NO_FUSED_KERNELS="1",  # plain PyTorch ops, as Megatron's local spec without apex
                  PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     me, t0 = str(Path(__file__).resolve()), time.monotonic()
     # cwd of Megatron's ranks: not this project's root, whose `megatron` package has the same name

@@ -314,10 +314,12 @@ def markdown(parts) -> list:
     for r in vs:
         lines += ["", f"**Beside Megatron-LM {r['megatron']}** (`bench_vs_megatron.py`, CPU gloo, load "
                       f"{r['loadavg_1m']})", "", "| layout | ours / Megatron | ms ours | ms Megatron | "
-                      "peak RSS MB ours / Megatron | losses agree |", "| --- | --- | --- | --- | --- | --- |"]
+                      "CPU ms per step ours / Megatron | peak RSS MB ours / Megatron | losses agree |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {x['layout']} | {x['ratio_ours_over_megatron']} | {x['ours_step_ms']} | "
-                  f"{x['megatron_step_ms']} | {x['ours_peak_rss_mb']} / {x['megatron_peak_rss_mb']} | "
-                  f"{x['losses_agree']} |" for x in r["layouts"]]
+                  f"{x['megatron_step_ms']} | {x['cpu_ms_per_step']['ours']} / {x['cpu_ms_per_step']['megatron']} | "
+                  f"{x['ours_peak_rss_mb']} / {x['megatron_peak_rss_mb']} | {x['losses_agree']} |"
+                  for x in r["layouts"]]
     dp = parts.get("dynapipe_pred", {}).get("rows", [])
     for r in dp:
         lines += ["", f"**DynaPipe predicted vs measured** (`{r['cost_model']}`): simulated ms {r['simulated_ms']}, "
