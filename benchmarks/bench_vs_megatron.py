@@ -9,7 +9,7 @@ checkout of NVIDIA/Megatron-LM at tag core_v0.9.0 (as tests/fixtures/megatron/RE
     MEGATRON_LM_PYTHONPATH=/tmp/mlm:/tmp/deps python benchmarks/bench_vs_megatron.py   # ~5 min, 2 busy cores
 
 For each layout (TP 1, TP 2, PP 2, TP 2 x PP 2; pipelines run 1F1B on both sides) the same
-GPT (hidden, layers, heads, FFN, sequence, padded vocabulary 1024, dropout 0, fp32, learned
+GPT (hidden, layers, heads, FFN, sequence, vocabulary 1024 with no padding, dropout 0, fp32, learned
 positions, tied embeddings, LayerNorm, GeLU) is trained for `--iters` steps of `--micro-batches`
 micro-batches of `--mbs` samples, each side launched by torchrun with one thread per rank:
 
@@ -20,8 +20,9 @@ micro-batches of `--mbs` samples, each side launched by torchrun with one thread
   torch's Adam with decoupled weight decay, as without apex/TE), `pretrain_gpt.py`'s
   `model_provider` (Megatron-Core GPTModel, local layer spec) and `forward_step` (its
   `get_batch_on_this_tp_rank` broadcast and loss).
-* this project: `pretrain_gpt.py --mock-data` as its users run it; the step time is the
-  trainer's own `elapsed time per iteration` log field (train step only, as on Megatron's side).
+* this project: `pretrain_gpt.py --mock-data`'s main (parse_args, run_pretraining) as its
+  users run it, with `Trainer.train_step` wrapped by the baton below; both sides are timed
+  the same way, around one training step (`ours_rank`).
 
 Same data: the parent process writes this project's `--mock-data` samples (MockGPTDataset,
 sample i depends only on (seed, i)) to a file and Megatron's data iterator yields them in the
