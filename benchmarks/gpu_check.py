@@ -276,6 +276,9 @@ PARTS = [
     Part("moe_alltoall", "MoE all-to-all (uneven splits) at EP = GPUs", extra.moe_alltoall_argv,
          lambda ctx: ctx.pick(60, 90), floor_s=20, parse=_parse_rows, skip_reason=extra.moe_alltoall_reason,
          cpu_note="EP 2 on gloo CPU ranks"),
+    Part("vs_megatron", "step time and peak RSS beside Megatron-LM core_v0.9.0", extra.vs_megatron_argv,
+         lambda ctx: ctx.pick(150, 240), floor_s=30, parse=_parse_rows, note=extra.vs_megatron_note,
+         skip_reason=extra.vs_megatron_reason),
 ]
 
 

@@ -122,6 +122,26 @@ def moe_alltoall_reason(ctx):
             "EP 2 on gloo")
 
 
+def vs_megatron_argv(ctx):
+    """Megatron-LM core_v0.9.0 beside this project (bench_vs_megatron.py), when a checkout is given
+    (MEGATRON_LM_PYTHONPATH, as the fixture makers use). Gloo CPU ranks in both forms: the pairing
+    runs Megatron through its CPU stubs, which have no CUDA path; a GPU box's many cores make it
+    quick and quiet."""
+    if not ctx.env.get("MEGATRON_LM_PYTHONPATH"):
+        return None
+    base = [ctx.py, "benchmarks/bench_vs_megatron.py", "--timeout", "150"]
+    return base if ctx.cuda else base + ["--iters", "5", "--warmup", "1"]
+
+
+def vs_megatron_reason(ctx):
+    return ("MEGATRON_LM_PYTHONPATH is not set: point it at a Megatron-LM core_v0.9.0 checkout (and `six`), "
+            "see tests/fixtures/megatron/README.md")
+
+
+def vs_megatron_note(ctx):
+    return "TP 1/2, PP 2, TP 2 x PP 2 (1F1B) on gloo CPU ranks, one thread each, steps in turn with Megatron"
+
+
 def child_argv(name):
     def argv(ctx):
         return [ctx.py, "benchmarks/gpu_check_extra.py", "--child", name,
@@ -316,6 +336,16 @@ def markdown(parts) -> list:
                   "| model | TP | step ms | TFLOP/s/device | MFU | rc |", "| --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {r['model']} | {r['tp']} | {_or_dash(r['step_ms'])} | {_or_dash(r['tflops_per_device'])} | "
                   f"{_or_dash(r['mfu'])} | {r['rc']} |" for r in mfu]
+    vs = [r for r in parts.get("vs_megatron", {}).get("rows", []) if r.get("bench") == "vs_megatron"]
+    for r in vs:
+        lines += ["", f"**Beside Megatron-LM {r['megatron']}** (`bench_vs_megatron.py`, CPU gloo, load "
+                      f"{r['loadavg_1m']})", "", "| layout | ours / Megatron | ms ours | ms Megatron | "
+                      "CPU ms per step ours / Megatron | peak RSS MB ours / Megatron | losses agree |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {x['layout']} | {x['ratio_ours_over_megatron']} | {x['ours_step_ms']} | "
+                  f"{x['megatron_step_ms']} | {x['cpu_ms_per_step']['ours']} / {x['cpu_ms_per_step']['megatron']} | "
+                  f"{x['ours_peak_rss_mb']} / {x['megatron_peak_rss_mb']} | {x['losses_agree']} |"
+                  for x in r["layouts"]]
     dp = parts.get("dynapipe_pred", {}).get("rows", [])
     for r in dp:
         lines += ["", f"**DynaPipe predicted vs measured** (`{r['cost_model']}`): simulated ms {r['simulated_ms']}, "
