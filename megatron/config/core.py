@@ -375,6 +375,8 @@ class DataConfig:
     dynapipe_trace_dir: Optional[str] = None  # simulated + measured Chrome traces of the first trace_iters iterations
     dynapipe_trace_iters: int = 4
     dynapipe_packed_rows: bool = False  # DynaPipe may plan micro-batches of packed rows (GPT)
+    # CP sizes DynaPipe may give a micro-batch (each divides --context-parallel-size); () = the static size
+    dynapipe_cp_sizes: tuple = ()
 
     def __post_init__(self):
         if not self.mock_data:
@@ -463,7 +465,7 @@ class MegatronConfig:
         m, p, t = self.model, self.parallel, self.training
         self._check_compression()
         self._check_sequence_parallel()
-        if p.context_parallel:
+        if p.context_parallel or self.data.dynapipe_cp_sizes:
             from megatron.config.context_parallel import check_context_parallel_config
             try:
                 check_context_parallel_config(self)

@@ -88,6 +88,9 @@ class DynaPipeConfig:
     # worker builds that planner), plans lowered with the S/CP-token stage boundaries a rank sends.
     context_parallel: int = 1
     cp_comm_type: str = "p2p"
+    # CP sizes a micro-batch may run at (each divides context_parallel; () = static): the plan
+    # has one group per rank of DP x CP (megatron/planner/dynapipe/variable_cp.py)
+    cp_sizes: Tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.model_kind not in ("gpt", "t5"):

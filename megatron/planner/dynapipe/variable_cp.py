@@ -1,0 +1,177 @@
+"""DynaPipe with the CP size chosen per micro-batch (`--dynapipe-cp-sizes`, PP 1).
+
+A static CP group of N ranks (`--context-parallel-size N`) runs every micro-batch on all N
+ranks; a short micro-batch then pays the K/V exchange and N-way cuts of tiny sequences for
+nothing. Here each micro-batch gets a size c from the allowed sizes (each divides N) and a
+sub-group: the CP group of each DP rank is cut into N/c groups of c consecutive CP indices
+(ParallelState.cp_subgroups, nested: CP 1 and CP 2 inside CP 4), so short micro-batches run at
+CP 1 on the group's ranks as extra data parallelism and long ones on the whole group.
+
+Pricing: each size c has its planner (megatron/planner/cost/cp_cost.py at c; the plain table at
+c = 1), whose `stage_costs` give a micro-batch's forward + backward time and activation peak on
+a rank of a c-group. Micro-batches come from DynaPipe's own partitions (the static CP-N plan's,
+and a CP-1 plan's over DP x N ranks when one fits); they are placed longest first on the
+(size, sub-group) that finishes them earliest (a sub-group starts when its busiest rank is free),
+sizes whose peak exceeds the memory limit excluded. The plan with the shortest makespan wins,
+the static one (every micro-batch at N) among the candidates, so choosing never predicts slower.
+
+Plan format: one `GroupPlan` per rank of DP x CP ("lane", index dp_rank * N + cp_rank, the
+ParallelState.grad_rank order), holding the micro-batches that rank runs in run order, their
+whole (unsplit) shapes, and `cp` = [size, index in the sub-group] per micro-batch; its plan loads
+S/c tokens. Every rank runs its micro-batches in the order of their planned start, which is one
+total order over all lanes, so the sub-groups' collectives cannot deadlock.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import List
+
+import numpy as np
+
+from megatron.planner.dynapipe.base import DynaPipeIterationPlan, GroupPlan, PlanningError
+
+
+def _size_planner(cfg, c: int):
+    """The planner that prices a micro-batch on one rank of a CP group of c (its `stage_costs`)."""
+    from megatron.planner.cost.cp_cost import cp_group_planner
+    from megatron.planner.dynapipe.planner import DynaPipePlanner
+    n = cfg.context_parallel
+    sub = dataclasses.replace(cfg, context_parallel=c, cp_sizes=(), data_parallel=cfg.data_parallel * n // c,
+                              bandwidth_gbps=cfg.bandwidth_gbps / n * c)
+    return cp_group_planner(sub) if c > 1 else DynaPipePlanner(sub)
+
+
+class VariableCPPlanner:
+    """`plan(lengths)` -> a DynaPipeIterationPlan of DP x N lanes (see the module docstring)."""
+
+    def __init__(self, cfg):
+        if cfg.pipeline_parallel != 1 or cfg.model_kind != "gpt":
+            raise ValueError("the CP size per micro-batch (cp_sizes) is built for GPT with pipeline_parallel 1")
+        n = cfg.context_parallel
+        if n < 2 or n not in cfg.cp_sizes or any(n % c for c in cfg.cp_sizes):
+            raise ValueError(f"cp_sizes {cfg.cp_sizes}: each must divide context_parallel {n}, which is one of them")
+        self.cfg, self.n, self.sizes = cfg, n, sorted(int(c) for c in cfg.cp_sizes)
+        self.priced = {c: _size_planner(cfg, c) for c in self.sizes}
+        self.static = self.priced[n]
+        self.fine = self.priced[1] if 1 in self.priced else None  # micro-batches sized for one rank
+
+    # -- pricing --------------------------------------------------------------------------
+    def costs(self, rc: str, mbs: List[List[int]], lens: np.ndarray):
+        """Per size c: (time ms of one micro-batch on a c-group's rank, fits in memory), arrays."""
+        b = np.array([len(m) for m in mbs], float)
+        s = np.array([int(lens[m].max()) for m in mbs], float)
+        out = {}
+        for c, pl in self.priced.items():
+            sc = pl.stage_costs(rc, b, s)
+            t = (sc["fwd"] + sc["bwd"]).sum(axis=0)
+            fits = (sc["peak"] <= pl.available[:, None]).all(axis=0) & np.isfinite(t)
+            out[c] = (t, fits)
+        return out, s.astype(int)
+
+    def assign(self, costs, size_of) -> tuple:
+        """Micro-batch i runs at size size_of[i]: longest first onto the sub-group of that size
+        that finishes it earliest (a sub-group starts when its busiest rank is free). Returns
+        (makespan, placements [(mb, c, dp, k, start)]); inf when a size does not fit."""
+        dp, n = self.cfg.data_parallel, self.n
+        loads = np.zeros((dp, n))
+        t = np.array([costs[c][0][i] for i, c in enumerate(size_of)])
+        if not all(costs[c][1][i] for i, c in enumerate(size_of)):
+            return np.inf, []
+        placed = []
+        for i in np.argsort(-t, kind="stable"):
+            c = size_of[i]
+            start, d, k = min((loads[d, k * c:(k + 1) * c].max(), d, k) for d in range(dp) for k in range(n // c))
+            loads[d, k * c:(k + 1) * c] = start + t[i]
+            placed.append((int(i), int(c), d, k, float(start)))
+        return float(loads.max()), placed
+
+    def choices(self, costs, seqs):
+        """Size vectors to price: micro-batches ordered longest first, the first k1 at the
+        largest size, the next k2 at the next size, ..., the rest at the smallest (short ones at
+        CP 1, long ones at CP N); every split point, for up to three sizes (else the largest and
+        the smallest only)."""
+        order = np.argsort(-np.asarray(seqs), kind="stable")
+        m = len(order)
+        sizes = sorted(self.sizes, reverse=True)
+        if len(sizes) > 3:
+            sizes = [sizes[0], sizes[-1]]
+        cuts = [()] if len(sizes) == 1 else [(k,) for k in range(m + 1)] if len(sizes) == 2 else \
+            [(k1, k2) for k1 in range(m + 1) for k2 in range(k1, m + 1)]
+        for cut in cuts:
+            size_of = np.empty(m, dtype=np.int64)
+            bounds = (0,) + cut + (m,)
+            for j, c in enumerate(sizes):
+                size_of[order[bounds[j]:bounds[j + 1]]] = c
+            yield size_of
+
+    # -- planning -------------------------------------------------------------------------
+    def plan(self, lengths, iteration: int = 0, validate: bool = True) -> DynaPipeIterationPlan:
+        t0 = time.perf_counter()
+        lens = self.static._pad(np.asarray(lengths, dtype=np.int64).reshape(-1))
+        partitions = []
+        for pl in (self.static, self.fine):
+            if pl is None:
+                continue
+            try:
+                p = self._partition(pl, lengths, iteration)
+            except PlanningError:
+                continue
+            partitions.append((p.recompute, [mb for g in p.groups for mb in g.microbatches]))
+        if not partitions:
+            raise PlanningError(f"iteration {iteration}: no CP size fits the batch in memory")
+        best = None
+        for rc, mbs in partitions:
+            costs, seqs = self.costs(rc, mbs, lens)
+            for size_of in self.choices(costs, seqs):  # every micro-batch at N (static) among them
+                makespan, placed = self.assign(costs, size_of)
+                if np.isfinite(makespan) and self._every_lane_busy(placed) and (best is None or makespan < best[0]):
+                    best = (makespan, rc, mbs, seqs, placed, costs)
+        if best is None:
+            raise PlanningError(f"iteration {iteration}: no CP size fits the batch in memory")
+        planning_ms = (time.perf_counter() - t0) * 1e3
+        groups = self._lanes(best, iteration, validate)
+        real = int(np.asarray(lengths, dtype=np.int64).sum())
+        computed = sum(len(m) * int(s) for m, s in zip(best[2], best[3]))
+        return DynaPipeIterationPlan(
+            iteration=iteration, recompute=best[1], groups=groups, makespan_ms=self.static.iteration_ms(best[0]),
+            padding_efficiency=real / float(computed), planning_ms=planning_ms,
+            lowering_ms=(time.perf_counter() - t0) * 1e3 - planning_ms, memory_fallback=False)
+
+    @staticmethod
+    def _partition(pl, lengths, iteration):
+        saved = pl.cfg.emit_plans
+        pl.cfg.emit_plans = False  # only its micro-batches are used
+        try:
+            return pl.plan(lengths, iteration, validate=False)
+        finally:
+            pl.cfg.emit_plans = saved
+
+    def _every_lane_busy(self, placed) -> bool:
+        """A rank with no micro-batch would reach the gradient reduction with nothing run: not planned."""
+        busy = np.zeros((self.cfg.data_parallel, self.n), bool)
+        for _, c, d, k, _ in placed:
+            busy[d, k * c:(k + 1) * c] = True
+        return bool(busy.all())
+
+    def _lanes(self, best, iteration, validate) -> List[GroupPlan]:
+        from megatron.pipeline.lowering import ComputeOp, lower_to_plans
+        makespan, rc, mbs, seqs, placed, costs = best
+        n, h = self.n, self.cfg.hidden_size
+        per_lane = {(d, i): [] for d in range(self.cfg.data_parallel) for i in range(n)}
+        for order, (mb, c, d, k, start) in enumerate(sorted(placed, key=lambda x: (x[4], x[0]))):
+            for j in range(c):  # one total order (planned start) on every lane: no deadlock
+                per_lane[(d, k * c + j)].append((mb, c, j))
+        groups = []
+        for (d, i), items in sorted(per_lane.items()):
+            shapes = [((len(mbs[mb]), int(seqs[mb])),) for mb, _, _ in items]
+            loads = [((b, s // c),) for ((b, s),), (_, c, _) in zip(shapes, items)]
+            orders = [[ComputeOp(kind, k, 0) for k in range(len(items)) for kind in ("F", "B")]]
+            plans = []
+            if self.cfg.emit_plans:
+                plans = lower_to_plans(orders, [0], loads, lambda mb, stage: ((loads[mb][0][1], loads[mb][0][0], h),),
+                                       recompute=rc, dtype=self.cfg.dtype, iteration=iteration, validate=validate)
+            busy = sum(costs[c][0][mb] for mb, c, _ in items)
+            groups.append(GroupPlan([[int(x) for x in mbs[mb]] for mb, _, _ in items], shapes, "1f1b", float(busy),
+                                    [0.0], plans, orders, None, cp=[[int(c), int(j)] for _, c, j in items]))
+        return groups

@@ -1,0 +1,49 @@
+"""The CP size chosen per micro-batch (`--dynapipe-cp-sizes`) trains exactly the single-process
+whole-batch step (fp32, parity_utils' derived bounds) on multi-task data: within each CP group of
+N ranks, short micro-batches run whole on one rank (extra data parallelism) and long ones cut over
+a nested sub-group, each rank running its own lane of the plan. The plan really mixes sizes (a
+memory limit under which the longest micro-batches fit only on a CP group); the planner's own
+checks are in tests/planner/dynapipe/test_variable_cp_planner.py."""
+import dataclasses
+
+import pytest
+
+from tests.dist_harness import run_distributed
+from tests.parity_utils import train_and_record
+from tests.training.test_dynapipe_training import multitask  # noqa: F401 (the data fixture)
+
+pytestmark = pytest.mark.parity
+
+
+def _variable_cp(rank, world, data, cp, sizes, memory_mb, comm):
+    from datetime import timedelta
+
+    import torch
+
+    import tests.training.test_dynapipe_training as td
+    from megatron.training.initialize import initialize_parallel, set_seeds
+    from megatron.training.pretrain import build_gpt_trainer
+    cfg = td._cfg(world, "gpt", data, "dynapipe")
+    cfg.data = dataclasses.replace(cfg.data, dynapipe_cp_sizes=tuple(sizes), dynapipe_memory_limit=memory_mb)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, context_parallel_size=cp,
+                                                                cp_comm_type=comm))
+    cfg.model.vocab_size = td.VOCAB
+    ps = initialize_parallel(cfg, timedelta(minutes=1))
+    set_seeds(cfg.training.seed, ps, torch.device("cpu"))
+    out = train_and_record(build_gpt_trainer(cfg, ps, torch.device("cpu")), world)
+    out["cp_rank"] = ps.cp_rank
+    return out
+
+
+@pytest.mark.parametrize("world,cp,sizes,comm", [(2, 2, (1, 2), "p2p"), (4, 4, (1, 2, 4), "all_gather")],
+                         ids=["cp2_sizes12", "cp4_sizes124"])
+def test_variable_cp_equals_whole_batch_step(multitask, world, cp, sizes, comm):  # noqa: F811
+    import tests.training.test_dynapipe_training as td
+    ref = run_distributed(td._train, 1, "gpt", multitask, "whole")
+    outs = run_distributed(_variable_cp, world, multitask, cp, sizes, 48.0, comm, timeout_s=240)
+    td._check(ref, outs)
+    # every rank ran its own lane; over the run the plans used more than one CP size, and a
+    # micro-batch at CP 1 ran on one rank alone
+    used = {c for o in outs for i in o["info"] for c in i["cp_sizes"]}
+    assert len(used) > 1 and 1 in used, used
+    assert all(i["planner"] == "dynapipe" for o in outs for i in o["info"])
