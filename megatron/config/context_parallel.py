@@ -65,6 +65,9 @@ def check_variable_cp(cfg) -> None:
     if p.pipeline_model_parallel_size > 1 or p.tensor_model_parallel_size > 1:
         raise ValueError(f"{flag} runs with PP 1 and TP 1 only (per-micro-batch CP sub-groups across pipeline "
                          "stages are not built); use --context-parallel-size alone for a static CP group")
+    if d.dynapipe_trace_dir:
+        raise ValueError(f"{flag} with --dynapipe-trace-dir: the simulated timeline is drawn per DP group, not per "
+                         "CP lane; drop --dynapipe-trace-dir")
     if m.hidden_dropout > 0 or m.attention_dropout > 0:
         raise ValueError(f"{flag} with dropout: micro-batches at CP 1 run the plain attention, whose dropout "
                          "masks are not keyed by token position; set --hidden-dropout 0 --attention-dropout 0")

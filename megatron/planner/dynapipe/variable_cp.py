@@ -58,7 +58,8 @@ class VariableCPPlanner:
 
     # -- pricing --------------------------------------------------------------------------
     def costs(self, rc: str, mbs: List[List[int]], lens: np.ndarray):
-        """Per size c: (time ms of one micro-batch on a c-group's rank, fits in memory), arrays."""
+        """Per size c: (time ms of one micro-batch on a c-group's rank, fits in memory, activation
+        peak MB), arrays."""
         b = np.array([len(m) for m in mbs], float)
         s = np.array([int(lens[m].max()) for m in mbs], float)
         out = {}
@@ -66,7 +67,7 @@ class VariableCPPlanner:
             sc = pl.stage_costs(rc, b, s)
             t = (sc["fwd"] + sc["bwd"]).sum(axis=0)
             fits = (sc["peak"] <= pl.available[:, None]).all(axis=0) & np.isfinite(t)
-            out[c] = (t, fits)
+            out[c] = (t, fits, sc["peak"].max(axis=0))
         return out, s.astype(int)
 
     def assign(self, costs, size_of) -> tuple:
@@ -172,6 +173,7 @@ class VariableCPPlanner:
                 plans = lower_to_plans(orders, [0], loads, lambda mb, stage: ((loads[mb][0][1], loads[mb][0][0], h),),
                                        recompute=rc, dtype=self.cfg.dtype, iteration=iteration, validate=validate)
             busy = sum(costs[c][0][mb] for mb, c, _ in items)
+            peak = max(float(costs[c][2][mb]) for mb, c, _ in items)  # PP 1: one micro-batch in flight
             groups.append(GroupPlan([[int(x) for x in mbs[mb]] for mb, _, _ in items], shapes, "1f1b", float(busy),
-                                    [0.0], plans, orders, None, cp=[[int(c), int(j)] for _, c, j in items]))
+                                    [peak], plans, orders, None, cp=[[int(c), int(j)] for _, c, j in items]))
         return groups
