@@ -55,7 +55,8 @@ NO_MOCK = [a for a in BASE if a != "--mock-data"]
 
 
 def test_variable_cp_sizes_parse():
-    cfg = parse_args(NO_MOCK + DYNAPIPE + ["--context-parallel-size", "4", "--dynapipe-cp-sizes", "1,2,4"], world_size=4)
+    cfg = parse_args(NO_MOCK + DYNAPIPE + ["--context-parallel-size", "4", "--dynapipe-cp-sizes", "1,2,4"],
+                     world_size=4)
     assert cfg.data.dynapipe_cp_sizes == (1, 2, 4)
 
 
