@@ -103,15 +103,14 @@ def main(argv=None):
         results[name] = res
     order = lambda key: sorted(results, key=lambda n: results[n][key])  # noqa: E731
     base = results.get("dynapipe_cp_static")
+    ratio = lambda key: None if base is None else {n: round(r[key] / base[key], 3)  # noqa: E731
+                                                   for n, r in results.items()}
     print(json.dumps({"benchmark": "cp_cpu_summary", "predicted_order": order("predicted_ms_median"),
                       "measured_minus_planning_order": order("measured_minus_planning_ms_median"),
                       "ordering_agrees": order("predicted_ms_median") == order("measured_minus_planning_ms_median"),
                       # ratios to the static CP group (the box is shared: ratios, not absolute times)
-                      "measured_vs_static_cp": None if base is None else {
-                          n: round(r["measured_minus_planning_ms_median"] / base["measured_minus_planning_ms_median"], 3)
-                          for n, r in results.items()},
-                      "predicted_vs_static_cp": None if base is None else {
-                          n: round(r["predicted_ms_median"] / base["predicted_ms_median"], 3) for n, r in results.items()},
+                      "measured_vs_static_cp": ratio("measured_minus_planning_ms_median"),
+                      "predicted_vs_static_cp": ratio("predicted_ms_median"),
                       "seq_length": args.seq_length, "tokens_per_global_batch": args.tokens,
                       "cost_model": str(COST_MODEL.relative_to(ROOT))}), flush=True)
 
