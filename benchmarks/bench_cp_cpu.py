@@ -18,7 +18,7 @@ in-process, so the wait for the plan is subtracted: `measured_minus_planning_ms_
 simulator's prediction (`simulated_ms` of the planner's log line), then a summary comparing the
 orderings. The box is shared: compare ratios and orderings, not absolute times.
 
-    nice -n 10 python benchmarks/bench_cp_cpu.py            # ~3-5 minutes on 2 busy cores
+    nice -n 10 python benchmarks/bench_cp_cpu.py            # ~5 minutes on 2 busy cores
 """
 from __future__ import annotations
 
@@ -72,11 +72,31 @@ def run(args, name, extra):
     return rows
 
 
+def _sum_counts(dicts):
+    out = {}
+    for d in dicts:
+        for c, n in (d or {}).items():
+            out[c] = out.get(c, 0) + n
+    return out or None
+
+
+def _pairs(results) -> dict:
+    """For each pair of systems: is the predicted faster one also the measured faster one?"""
+    names, out = list(results), {}
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            pa, pb = results[a]["predicted_ms_median"], results[b]["predicted_ms_median"]
+            ma, mb = results[a]["measured_minus_planning_ms_median"], results[b]["measured_minus_planning_ms_median"]
+            out[f"{a} vs {b}"] = {"predicted_ratio": round(pa / pb, 3), "measured_ratio": round(ma / mb, 3),
+                                  "agrees": (pa < pb) == (ma < mb)}
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq-length", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=4096, help="--tokens-per-global-batch")
-    ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--skip", type=int, default=2, help="first iterations not timed (start-up)")
     ap.add_argument("--memory-mb", type=float, default=200.0, help="--dynapipe-memory-limit")
     ap.add_argument("--configs", default=",".join(CONFIGS))
@@ -98,6 +118,8 @@ def main(argv=None):
                "measured_ms_median": round(statistics.median(measured), 1),
                "measured_minus_planning_ms_median": round(statistics.median(step), 1),
                "predicted_ms_median": round(statistics.median(predicted), 2),
+               # micro-batches the plans ran at each CP size, summed over the timed iterations
+               "cp_size_counts": _sum_counts(r["planner"].get("cp_size_counts") for r in timed),
                "loss_last": timed[-1]["loss"]}
         print(json.dumps(res), flush=True)
         results[name] = res
@@ -111,6 +133,7 @@ def main(argv=None):
                       # ratios to the static CP group (the box is shared: ratios, not absolute times)
                       "measured_vs_static_cp": ratio("measured_minus_planning_ms_median"),
                       "predicted_vs_static_cp": ratio("predicted_ms_median"),
+                      "pairs": _pairs(results),
                       "seq_length": args.seq_length, "tokens_per_global_batch": args.tokens,
                       "cost_model": str(COST_MODEL.relative_to(ROOT))}), flush=True)
 

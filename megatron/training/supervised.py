@@ -243,6 +243,12 @@ class DynaPipeSource(_SupervisedSource):
                 "predicted_peak_mb": group.peak_memory_mb,
                 "token_slices": None if group.token_slices is None else len(group.token_slices),
                 "cp_sizes": None if group.cp is None else [c for c, _ in group.cp]}
+        if group.cp is not None:  # variable CP: the whole plan's micro-batches per size (each once)
+            counts = {}
+            for g in plan.groups:
+                for c, j in g.cp:
+                    counts[c] = counts.get(c, 0) + (j == 0)
+            info["cp_size_counts"] = {c: counts[c] for c in sorted(counts)}
         plans = group.plans
         # DynaPipe's plans come lowered onto the stage layout; the marks remain. Every rank has
         # its group's plans for all pipeline ranks, so each marks the same messages alone.
