@@ -35,8 +35,9 @@ def _variable_cp(rank, world, data, cp, sizes, memory_mb, comm):
     return out
 
 
-@pytest.mark.parametrize("world,cp,sizes,comm", [(2, 2, (1, 2), "p2p"), (4, 4, (1, 2, 4), "all_gather")],
-                         ids=["cp2_sizes12", "cp4_sizes124"])
+@pytest.mark.parametrize("world,cp,sizes,comm", [(2, 2, (1, 2), "p2p"), (4, 4, (1, 2, 4), "all_gather"),
+                                                 (4, 2, (1, 2), "p2p")],
+                         ids=["cp2_sizes12", "cp4_sizes124", "dp2_cp2_sizes12"])
 def test_variable_cp_equals_whole_batch_step(multitask, world, cp, sizes, comm):  # noqa: F811
     import tests.training.test_dynapipe_training as td
     ref = run_distributed(td._train, 1, "gpt", multitask, "whole")
