@@ -10,7 +10,7 @@ import pytest
 
 from tests.dist_harness import run_distributed
 from tests.parity_utils import train_and_record
-from tests.training.test_dynapipe_training import multitask  # noqa: F401 (the data fixture)
+from tests.training.test_dynapipe_training import gpt_reference, multitask  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.parity
 
@@ -38,9 +38,9 @@ def _variable_cp(rank, world, data, cp, sizes, memory_mb, comm):
 @pytest.mark.parametrize("world,cp,sizes,comm", [(2, 2, (1, 2), "p2p"), (4, 4, (1, 2, 4), "all_gather"),
                                                  (4, 2, (1, 2), "p2p")],
                          ids=["cp2_sizes12", "cp4_sizes124", "dp2_cp2_sizes12"])
-def test_variable_cp_equals_whole_batch_step(multitask, world, cp, sizes, comm):  # noqa: F811
+def test_variable_cp_equals_whole_batch_step(multitask, gpt_reference, world, cp, sizes, comm):  # noqa: F811
     import tests.training.test_dynapipe_training as td
-    ref = run_distributed(td._train, 1, "gpt", multitask, "whole")
+    ref = gpt_reference  # one process, the whole global batch as one micro-batch
     outs = run_distributed(_variable_cp, world, multitask, cp, sizes, 48.0, comm, timeout_s=240)
     td._check(ref, outs)
     # every rank ran its own lane; over the run the plans used more than one CP size, and a
