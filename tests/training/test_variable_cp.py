@@ -15,7 +15,8 @@ from tests.training.test_dynapipe_training import gpt_reference, multitask  # no
 pytestmark = pytest.mark.parity
 
 
-def _variable_cp(rank, world, data, cp, sizes, memory_mb, comm):
+def _variable_cp(rank, world, data, cp, sizes, memory_mb, comm, workers):
+    import multiprocessing as mp
     from datetime import timedelta
 
     import torch
@@ -23,7 +24,8 @@ def _variable_cp(rank, world, data, cp, sizes, memory_mb, comm):
     import tests.training.test_dynapipe_training as td
     from megatron.training.initialize import initialize_parallel, set_seeds
     from megatron.training.pretrain import build_gpt_trainer
-    cfg = td._cfg(world, "gpt", data, "dynapipe")
+    mp.current_process().daemon = False  # rank 0 may start planner worker processes
+    cfg = td._cfg(world, "gpt", data, "dynapipe", workers=workers)
     cfg.data = dataclasses.replace(cfg.data, dynapipe_cp_sizes=tuple(sizes), dynapipe_memory_limit=memory_mb)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, context_parallel_size=cp,
                                                                 cp_comm_type=comm))
@@ -35,13 +37,14 @@ def _variable_cp(rank, world, data, cp, sizes, memory_mb, comm):
     return out
 
 
-@pytest.mark.parametrize("world,cp,sizes,comm", [(2, 2, (1, 2), "p2p"), (4, 4, (1, 2, 4), "all_gather"),
-                                                 (4, 2, (1, 2), "p2p")],
-                         ids=["cp2_sizes12", "cp4_sizes124", "dp2_cp2_sizes12"])
-def test_variable_cp_equals_whole_batch_step(multitask, gpt_reference, world, cp, sizes, comm):  # noqa: F811
+@pytest.mark.parametrize("world,cp,sizes,comm,workers", [
+    (2, 2, (1, 2), "p2p", 0), (4, 4, (1, 2, 4), "all_gather", 0),
+    (4, 2, (1, 2), "p2p", 1),  # plans made by a planner worker, shipped over the plan service's wire
+], ids=["cp2_sizes12", "cp4_sizes124", "dp2_cp2_sizes12_plan_service"])
+def test_variable_cp_equals_whole_batch_step(multitask, gpt_reference, world, cp, sizes, comm, workers):  # noqa: F811
     import tests.training.test_dynapipe_training as td
     ref = gpt_reference  # one process, the whole global batch as one micro-batch
-    outs = run_distributed(_variable_cp, world, multitask, cp, sizes, 48.0, comm, timeout_s=240)
+    outs = run_distributed(_variable_cp, world, multitask, cp, sizes, 48.0, comm, workers, timeout_s=240)
     td._check(ref, outs)
     # every rank ran its own lane; over the run the plans used more than one CP size, and a
     # micro-batch at CP 1 ran on one rank alone
