@@ -90,15 +90,18 @@ class VariableCPPlanner:
     def choices(self, costs, seqs):
         """Size vectors to price: micro-batches ordered longest first, the first k1 at the
         largest size, the next k2 at the next size, ..., the rest at the smallest (short ones at
-        CP 1, long ones at CP N); every split point, for up to three sizes (else the largest and
-        the smallest only)."""
+        CP 1, long ones at CP N); the split points (all of them up to 40 micro-batches), for up
+        to three sizes (else the largest and the smallest only)."""
         order = np.argsort(-np.asarray(seqs), kind="stable")
         m = len(order)
         sizes = sorted(self.sizes, reverse=True)
         if len(sizes) > 3:
             sizes = [sizes[0], sizes[-1]]
-        cuts = [()] if len(sizes) == 1 else [(k,) for k in range(m + 1)] if len(sizes) == 2 else \
-            [(k1, k2) for k1 in range(m + 1) for k2 in range(k1, m + 1)]
+        # split points: every one up to 40 micro-batches, then an even grid of ~40 (planning time
+        # grows as points^2 x micro-batches with three sizes)
+        points = sorted(set(range(0, m + 1, max(1, -(-m // 40)))) | {m})
+        cuts = [()] if len(sizes) == 1 else [(k,) for k in points] if len(sizes) == 2 else \
+            [(k1, k2) for k1 in points for k2 in points if k2 >= k1]
         for cut in cuts:
             size_of = np.empty(m, dtype=np.int64)
             bounds = (0,) + cut + (m,)
