@@ -10,10 +10,6 @@ sequences only (`--lengths fixed`). One JSON object per line per (max length, GP
   terapipe         TeraPipe alone: the same packed rows cut into token slices (its slice DP)
   dynapipe_slices  DynaPipe cutting its micro-batches into token slices
   dynapipe_cp      DynaPipe planning micro-batches for a static CP group
-  dynapipe_cp_variable  DynaPipe choosing each micro-batch's CP size among the divisors of CP
-                   (megatron/planner/dynapipe/variable_cp.py; PP 1 only, as the runtime: inf on
-                   this 6.7B table, whose model states do not fit one GPU's 36,000 MB at PP 1;
-                   measured on CPU ranks by benchmarks/bench_cp_cpu.py)
   packing          packed rows, no CP, no slices
   dynapipe         DynaPipe alone
 
@@ -47,7 +43,7 @@ from megatron.planner.dynapipe.baselines import baselines  # noqa: E402
 from megatron.planner.cost.cp_cost import cp_planner  # noqa: E402
 from megatron.planner.dynapipe.planner import PlanningError  # noqa: E402
 
-SYSTEMS = ("cp", "terapipe", "dynapipe_slices", "dynapipe_cp", "dynapipe_cp_variable", "packing", "dynapipe")
+SYSTEMS = ("cp", "terapipe", "dynapipe_slices", "dynapipe_cp", "packing", "dynapipe")
 TOKENS = 65536
 
 
@@ -63,25 +59,11 @@ def _packing(planner, batch, max_len, names=("packing",)) -> float:
     return float(min(got[n][0] for n in names))
 
 
-def _variable(dp: int, cp: int, comm: str, batch) -> float:
-    import dataclasses
-
-    from megatron.planner.cost.cp_cost import cp_planner_config
-    from megatron.planner.dynapipe.variable_cp import VariableCPPlanner
-    cfg = dataclasses.replace(cp_planner_config(planner_for(1, dp).cfg, cp), context_parallel=cp, cp_comm_type=comm,
-                              cp_sizes=tuple(c for c in (1, 2, 4, 8) if cp % c == 0))
-    return _plan(VariableCPPlanner(cfg), batch)
-
-
 def candidates(system: str, gpus: int, comm: str, flash: bool = True):
     """(layout name, fn(batch, max_len) -> ms) for every layout the system may take."""
     for pp in (1, 2, 4, 8):
         dp = gpus // pp
-        if system == "dynapipe_cp_variable":
-            for cp in (2, 4, 8):
-                if pp == 1 and dp % cp == 0:
-                    yield f"PP1xDP{dp // cp}xCP{cp}(sizes)", (lambda b, L, dp=dp, cp=cp: _variable(dp, cp, comm, b))
-        elif system in ("cp", "dynapipe_cp"):
+        if system in ("cp", "dynapipe_cp"):
             for cp in (2, 4, 8):
                 if dp % cp:
                     continue
@@ -134,8 +116,8 @@ def main(argv=None):
                 ms, layout = best
                 print(json.dumps({"benchmark": "cp_vs_slices", "lengths": args.lengths, "max_len": L, "gpus": gpus,
                                   "system": system,
-                                  "comm": args.comm if "cp" in system else None,
-                                  "cp_memory": args.cp_memory if "cp" in system else None,
+                                  "comm": args.comm if system in ("cp", "dynapipe_cp") else None,
+                                  "cp_memory": args.cp_memory if system in ("cp", "dynapipe_cp") else None,
                                   "ms": round(ms, 1) if np.isfinite(ms) else "inf", "layout": layout,
                                   "tokens_per_s": round(tokens / ms * 1e3) if np.isfinite(ms) else 0,
                                   "search_s": round(time.perf_counter() - t0, 1)}), flush=True)

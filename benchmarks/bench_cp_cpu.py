@@ -1,6 +1,7 @@
 """DynaPipe with the CP size per micro-batch against a static CP group and against DynaPipe +
-token slices, measured on 4 CPU ranks beside the simulator (benchmarks/bench_cp.py prices the same
-systems on the A100 table without running them).
+token slices, measured on 4 CPU ranks beside the simulator. (benchmarks/bench_cp.py prices static
+CP on the A100 6.7B table; the CP size per micro-batch is built for PP 1, where 6.7B's model
+states do not fit one GPU, so it is measured here on the CPU table.)
 
 pretrain_gpt.py on 4 CPU ranks (gloo, one thread each), the tiny GPT of
 cost_models/cpu_tiny_gpt.json, the shipped multi-task data (data/cache/kjv_tasks_sp4k_*, built on
