@@ -62,9 +62,10 @@ def check_variable_cp(cfg) -> None:
     if any(c < 1 or cp % c for c in sizes) or cp not in sizes or len(set(sizes)) != len(sizes):
         raise ValueError(f"{flag}: each size must divide --context-parallel-size {cp}, without repeats, and {cp} "
                          f"must be one of them (e.g. --dynapipe-cp-sizes 1,{cp})")
-    if p.pipeline_model_parallel_size > 1 or p.tensor_model_parallel_size > 1:
-        raise ValueError(f"{flag} runs with PP 1 and TP 1 only (per-micro-batch CP sub-groups across pipeline "
-                         "stages are not built); use --context-parallel-size alone for a static CP group")
+    if p.tensor_model_parallel_size > 1 or p.num_layers_per_virtual_pipeline_stage:
+        raise ValueError(f"{flag} runs with TP 1 and one stage per pipeline rank only (sub-groups inside TP, "
+                         "and interleaved stages, are not built); use --context-parallel-size alone for a static "
+                         "CP group")
     if d.dynapipe_trace_dir:
         raise ValueError(f"{flag} with --dynapipe-trace-dir: the simulated timeline is drawn per DP group, not per "
                          "CP lane; drop --dynapipe-trace-dir")

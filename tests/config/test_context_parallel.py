@@ -63,8 +63,8 @@ def test_variable_cp_sizes_parse():
 @pytest.mark.parametrize("extra,needles", [
     (["--context-parallel-size", "4", "--dynapipe-cp-sizes", "1,3,4"], ["--dynapipe-cp-sizes 1,3,4", "divide"]),
     (["--context-parallel-size", "4", "--dynapipe-cp-sizes", "1,2"], ["4 must be one of them"]),
-    (["--context-parallel-size", "2", "--dynapipe-cp-sizes", "1,2", "--pipeline-model-parallel-size", "2"],
-     ["PP 1 and TP 1 only"]),
+    (["--context-parallel-size", "2", "--dynapipe-cp-sizes", "1,2", "--tensor-model-parallel-size", "2"],
+     ["TP 1 and one stage per pipeline rank"]),
     (["--context-parallel-size", "2", "--dynapipe-cp-sizes", "1,2", "--hidden-dropout", "0.1"], ["with dropout"]),
     (["--dynapipe-cp-sizes", "1,2"], ["needs --dynapipe and --context-parallel-size"]),
 ])

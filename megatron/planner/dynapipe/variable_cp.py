@@ -1,4 +1,4 @@
-"""DynaPipe with the CP size chosen per micro-batch (`--dynapipe-cp-sizes`, PP 1).
+"""DynaPipe with the CP size chosen per micro-batch (`--dynapipe-cp-sizes`).
 
 A static CP group of N ranks (`--context-parallel-size N`) runs every micro-batch on all N
 ranks; a short micro-batch then pays the K/V exchange and N-way cuts of tiny sequences for
@@ -19,7 +19,10 @@ Plan format: one `GroupPlan` per rank of DP x CP ("lane", index dp_rank * N + cp
 ParallelState.grad_rank order), holding the micro-batches that rank runs in run order, their
 whole (unsplit) shapes, and `cp` = [size, index in the sub-group] per micro-batch; its plan loads
 S/c tokens. Every rank runs its micro-batches in the order of their planned start, which is one
-total order over all lanes, so the sub-groups' collectives cannot deadlock.
+total order over all lanes, so the sub-groups' collectives cannot deadlock. With PP > 1 every stage
+uses the same split (peers stay CP index i at stage s to i at s+1) and a lane runs all forwards,
+then all backwards, in that order (1F1B's warm-ups would order a sub-group's collectives
+differently on its ranks); it is priced with GPipe's memory (docs/context_parallel.md).
 """
 from __future__ import annotations
 
@@ -46,8 +49,9 @@ class VariableCPPlanner:
     """`plan(lengths)` -> a DynaPipeIterationPlan of DP x N lanes (see the module docstring)."""
 
     def __init__(self, cfg):
-        if cfg.pipeline_parallel != 1 or cfg.model_kind != "gpt":
-            raise ValueError("the CP size per micro-batch (cp_sizes) is built for GPT with pipeline_parallel 1")
+        if cfg.model_kind != "gpt" or cfg.virtual_stages > 1 or cfg.stage_parallel or cfg.token_slices:
+            raise ValueError("the CP size per micro-batch (cp_sizes) is built for GPT, one stage per rank, one "
+                             "TP x DP layout and no token slices")
         n = cfg.context_parallel
         if n < 2 or n not in cfg.cp_sizes or any(n % c for c in cfg.cp_sizes):
             raise ValueError(f"cp_sizes {cfg.cp_sizes}: each must divide context_parallel {n}, which is one of them")
@@ -65,9 +69,14 @@ class VariableCPPlanner:
         out = {}
         for c, pl in self.priced.items():
             sc = pl.stage_costs(rc, b, s)
-            t = (sc["fwd"] + sc["bwd"]).sum(axis=0)
+            per_stage = sc["fwd"] + sc["bwd"]
+            # PP 1: the micro-batch's time. PP > 1 (lanes run all forwards, then all backwards):
+            # its bottleneck stage's time in the steady state, and the rest of the pipeline's
+            # latency (`fill`) once per lane
+            t = per_stage.max(axis=0)
+            fill = per_stage.sum(axis=0) - t
             fits = (sc["peak"] <= pl.available[:, None]).all(axis=0) & np.isfinite(t)
-            out[c] = (t, fits, sc["peak"].max(axis=0))
+            out[c] = (t, fits, sc["peak"].max(axis=0), sc["stored"], sc["transient"], fill, pl.available)
         return out, s.astype(int)
 
     def assign(self, costs, size_of) -> tuple:
@@ -79,13 +88,28 @@ class VariableCPPlanner:
         t = np.array([costs[c][0][i] for i, c in enumerate(size_of)])
         if not all(costs[c][1][i] for i, c in enumerate(size_of)):
             return np.inf, []
-        placed = []
+        pp = self.cfg.pipeline_parallel
+        kept = np.zeros((dp, n, pp))  # PP > 1: a lane keeps every micro-batch's stored activations
+        placed, fill = [], 0.0
         for i in np.argsort(-t, kind="stable"):
             c = size_of[i]
-            start, d, k = min((loads[d, k * c:(k + 1) * c].max(), d, k) for d in range(dp) for k in range(n // c))
+            _, _, _, stored, transient, fl, avail = costs[c]
+            options = []
+            for d in range(dp):
+                for k in range(n // c):
+                    lanes = slice(k * c, (k + 1) * c)
+                    if pp > 1 and (kept[d, lanes] + stored[:, i] + transient[:, i] > avail).any():
+                        continue
+                    options.append((loads[d, lanes].max(), d, k))
+            if not options:
+                return np.inf, []
+            start, d, k = min(options)
             loads[d, k * c:(k + 1) * c] = start + t[i]
+            if pp > 1:
+                kept[d, k * c:(k + 1) * c] += stored[:, i]
+                fill = max(fill, float(fl[i]))
             placed.append((int(i), int(c), d, k, float(start)))
-        return float(loads.max()), placed
+        return float(loads.max()) + fill, placed
 
     def choices(self, costs, seqs):
         """Size vectors to price: micro-batches ordered longest first, the first k1 at the
@@ -170,13 +194,26 @@ class VariableCPPlanner:
         for (d, i), items in sorted(per_lane.items()):
             shapes = [((len(mbs[mb]), int(seqs[mb])),) for mb, _, _ in items]
             loads = [((b, s // c),) for ((b, s),), (_, c, _) in zip(shapes, items)]
-            orders = [[ComputeOp(kind, k, 0) for k in range(len(items)) for kind in ("F", "B")]]
+            pp = self.cfg.pipeline_parallel
+            if pp == 1:
+                orders = [[ComputeOp(kind, k, 0) for k in range(len(items)) for kind in ("F", "B")]]
+            else:  # all forwards, then all backwards, both in the one global order: every rank's
+                # ops follow the key (F, order, stage) < (B, order, -stage), so the sub-groups'
+                # collectives meet in the same order on all their ranks (1F1B's warm-up would differ)
+                orders = [[ComputeOp("F", k, st) for k in range(len(items))]
+                          + [ComputeOp("B", k, st) for k in range(len(items))] for st in range(pp)]
             plans = []
             if self.cfg.emit_plans:
-                plans = lower_to_plans(orders, [0], loads, lambda mb, stage: ((loads[mb][0][1], loads[mb][0][0], h),),
+                plans = lower_to_plans(orders, list(range(pp)), loads,
+                                       lambda mb, stage: ((loads[mb][0][1], loads[mb][0][0], h),),
                                        recompute=rc, dtype=self.cfg.dtype, iteration=iteration, validate=validate)
             busy = sum(costs[c][0][mb] for mb, c, _ in items)
-            peak = max(float(costs[c][2][mb]) for mb, c, _ in items)  # PP 1: one micro-batch in flight
-            groups.append(GroupPlan([[int(x) for x in mbs[mb]] for mb, _, _ in items], shapes, "1f1b", float(busy),
-                                    [peak], plans, orders, None, cp=[[int(c), int(j)] for _, c, j in items]))
+            if pp == 1:  # one micro-batch in flight
+                peak = [max(float(costs[c][2][mb]) for mb, c, _ in items)]
+            else:  # every micro-batch's stored activations, plus the largest transient
+                peak = [float(sum(costs[c][3][st, mb] for mb, c, _ in items)
+                              + max(costs[c][4][st, mb] for mb, c, _ in items)) for st in range(pp)]
+            groups.append(GroupPlan([[int(x) for x in mbs[mb]] for mb, _, _ in items], shapes,
+                                    "1f1b" if pp == 1 else "gpipe", float(busy),
+                                    peak, plans, orders, None, cp=[[int(c), int(j)] for _, c, j in items]))
         return groups

@@ -23,15 +23,16 @@ def _lengths(n=40, seed=0):
     return [int(x) for x in np.clip(rng.lognormal(3.0, 0.8, n).astype(int), 3, 64)]
 
 
-@pytest.mark.parametrize("cp,sizes,dp,memory", [(2, (1, 2), 1, 48.0), (4, (1, 2, 4), 2, 48.0), (4, (1, 4), 1, 400.0)])
-def test_lanes_cover_the_batch_with_nested_subgroups_in_one_order(cp, sizes, dp, memory):
+@pytest.mark.parametrize("cp,sizes,dp,memory,pp", [(2, (1, 2), 1, 48.0, 1), (4, (1, 2, 4), 2, 48.0, 1),
+                                                   (4, (1, 4), 1, 400.0, 1), (2, (1, 2), 1, 40.0, 2)])
+def test_lanes_cover_the_batch_with_nested_subgroups_in_one_order(cp, sizes, dp, memory, pp):
     lengths = _lengths()
-    plan = VariableCPPlanner(_cfg(cp, sizes, dp, memory)).plan(lengths, iteration=3)
+    plan = VariableCPPlanner(_cfg(cp, sizes, dp, memory, pp)).plan(lengths, iteration=3)
     assert len(plan.groups) == dp * cp
     check_covers(plan, 3, len(lengths))
     where = {}  # micro-batch (its samples) -> [(lane, index in sub-group, size, position)]
     for lane, g in enumerate(plan.groups):
-        assert len(g.plans) == 1 and len(g.microbatches) == len(g.cp) >= 1
+        assert len(g.plans) == pp and len(g.microbatches) == len(g.cp) >= 1
         for pos, (mb, (c, j)) in enumerate(zip(g.microbatches, g.cp)):
             where.setdefault(tuple(mb), []).append((lane, j, c, pos))
             (b, s), = g.shapes[pos]
@@ -82,6 +83,10 @@ def test_plan_survives_the_wire():
         wire._dynapipe_from_json(head, blobs)
 
 
-def test_refuses_pipelines():
-    with pytest.raises(ValueError, match="pipeline_parallel 1"):
-        VariableCPPlanner(_cfg(2, (1, 2), pp=2))
+def test_pipelines_run_all_forwards_then_all_backwards_in_one_order():
+    plan = VariableCPPlanner(_cfg(2, (1, 2), memory=40.0, pp=2)).plan(_lengths())
+    for g in plan.groups:
+        n = len(g.microbatches)
+        for st, ops in enumerate(g.compute_orders):
+            assert [(o.kind, o.microbatch, o.stage) for o in ops] == \
+                [("F", k, st) for k in range(n)] + [("B", k, st) for k in range(n)]
