@@ -470,6 +470,7 @@ def config_from_args(args: argparse.Namespace, model_type: str = "gpt",
         dynapipe_memory_limit=args.dynapipe_memory_limit, dynapipe_planner_workers=args.dynapipe_planner_workers,
         dynapipe_lookahead=args.dynapipe_lookahead, dynapipe_trace_dir=args.dynapipe_trace_dir,
         dynapipe_trace_iters=args.dynapipe_trace_iters, dynapipe_packed_rows=args.dynapipe_packed_rows,
+        dynapipe_cp_sizes=tuple(args.dynapipe_cp_sizes or ()),
     )
     if args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
         raise ConfigError("--mock-data needs --vocab-size (or a tokenizer) to know the vocabulary")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.cli.parser import int_list
+
 
 def _add_compression_args(p) -> None:
     """Optimus-CC flags. The published underscore spellings are accepted as aliases."""
@@ -86,6 +88,10 @@ def _add_dynapipe_args(p) -> None:
                    help="let DynaPipe also plan micro-batches of packed rows (--seq-length tokens, several samples "
                         "each, per-document attention as with --pack-dataset) and pick them where the cost model "
                         "says they are faster (T5: rows of --encoder-seq-length / --decoder-seq-length)")
+    g.add_argument("--dynapipe-cp-sizes", type=int_list, default=None, metavar="C1,C2,...",
+                   help="with --context-parallel-size N: DynaPipe picks each micro-batch's CP size from these "
+                        "(each divides N, N included; e.g. 1,2,4): short ones at CP 1 on the CP group's ranks as "
+                        "extra data parallelism, long ones on the whole group (docs/context_parallel.md)")
 
 
 def _add_fused_kernel_args(p: argparse.ArgumentParser) -> None:

@@ -42,11 +42,36 @@ def check_context_parallel_config(cfg) -> None:
     if getattr(cfg.checkpoint, "ckpt_format", "torch") == "torch_dist":
         raise ValueError(f"{flag} with --ckpt-format torch_dist: save with --ckpt-format torch (its files do not "
                          "depend on the CP size)")
+    if d.dynapipe_cp_sizes:
+        check_variable_cp(cfg)
     if m.seq_length is not None and m.seq_length % cp_granule(cfg):
         tp = p.tensor_model_parallel_size if m.sequence_parallel else 1
         raise ValueError(f"{flag}: --seq-length ({m.seq_length}) must be a multiple of 2 x CP"
                          + (f" x TP (--sequence-parallel) = {cp_granule(cfg)}" if tp > 1 else f" = {2 * cp}")
                          + " (each CP rank holds two chunks of every sequence)")
+
+
+def check_variable_cp(cfg) -> None:
+    """--dynapipe-cp-sizes (the CP size chosen per micro-batch): one line per combination not built."""
+    m, p, d = cfg.model, cfg.parallel, cfg.data
+    sizes, cp = tuple(d.dynapipe_cp_sizes), p.context_parallel_size
+    flag = f"--dynapipe-cp-sizes {','.join(map(str, sizes))}"
+    if not d.dynapipe or cp < 2:
+        raise ValueError(f"{flag} picks each DynaPipe micro-batch's CP size inside a CP group: it needs --dynapipe "
+                         "and --context-parallel-size N > 1 (the largest size)")
+    if any(c < 1 or cp % c for c in sizes) or cp not in sizes or len(set(sizes)) != len(sizes):
+        raise ValueError(f"{flag}: each size must divide --context-parallel-size {cp}, without repeats, and {cp} "
+                         f"must be one of them (e.g. --dynapipe-cp-sizes 1,{cp})")
+    if p.tensor_model_parallel_size > 1 or p.num_layers_per_virtual_pipeline_stage:
+        raise ValueError(f"{flag} runs with TP 1 and one stage per pipeline rank only (sub-groups inside TP, "
+                         "and interleaved stages, are not built); use --context-parallel-size alone for a static "
+                         "CP group")
+    if d.dynapipe_trace_dir:
+        raise ValueError(f"{flag} with --dynapipe-trace-dir: the simulated timeline is drawn per DP group, not per "
+                         "CP lane; drop --dynapipe-trace-dir")
+    if m.hidden_dropout > 0 or m.attention_dropout > 0:
+        raise ValueError(f"{flag} with dropout: micro-batches at CP 1 run the plain attention, whose dropout "
+                         "masks are not keyed by token position; set --hidden-dropout 0 --attention-dropout 0")
 
 
 def check_cp_parallel(p) -> None:

@@ -13,7 +13,7 @@ from typing import List, Optional
 from megatron.config.errors import ConfigError, _require  # noqa: F401 (re-exported)
 from megatron.config.systems import CompressionConfig, TeraPipeConfig  # noqa: F401 (re-exported)
 from megatron.config.checkpoint_formats import check_ckpt_format
-from megatron.config.context_parallel import check_cp_parallel
+from megatron.config.context_parallel import check_context_parallel_config, check_cp_parallel
 from megatron.config.schedules import V_SCHEDULES, check_parallel_schedule, check_schedule_config
 from megatron.config.terapipe import check_terapipe_config
 from megatron.config.moe import MoEConfig, check_moe_parallel
@@ -377,6 +377,7 @@ class DataConfig:
     dynapipe_trace_dir: Optional[str] = None  # simulated + measured Chrome traces of the first trace_iters iterations
     dynapipe_trace_iters: int = 4
     dynapipe_packed_rows: bool = False  # DynaPipe may plan micro-batches of packed rows (GPT)
+    dynapipe_cp_sizes: tuple = ()  # CP size per micro-batch (--dynapipe-cp-sizes); () = the static size
 
     def __post_init__(self):
         if not self.mock_data:
@@ -466,8 +467,7 @@ class MegatronConfig:
         m, p, t = self.model, self.parallel, self.training
         self._check_compression()
         self._check_sequence_parallel()
-        if p.context_parallel:
-            from megatron.config.context_parallel import check_context_parallel_config
+        if p.context_parallel or self.data.dynapipe_cp_sizes:
             try:
                 check_context_parallel_config(self)
             except ValueError as e:

@@ -15,6 +15,12 @@ are per rank and add up over DP x CP (`ParallelState.grad_group`), like the grad
 Dropout masks under CP are keyed by absolute token position (megatron/models/sliced_attention.py
 KeyedDropout, as TeraPipe's token slices), so any CP size draws the same masks;
 `cp_dropout_salt` carries the (seed, iteration, micro-batch) key.
+
+CP size per micro-batch (`--dynapipe-cp-sizes`): the plan gives each micro-batch a size c
+(dividing the CP size N) and this rank's index in the sub-group of c consecutive CP indices that
+runs it (ParallelState.cp_subgroups). The source then cuts the row into 2c chunks (`cp_size`
+rides along for the attention's group); at c = 1 the micro-batch runs whole on this rank, as
+without CP. Loss sums still add up over DP x CP, so any split of the batch over ranks is exact.
 """
 from __future__ import annotations
 
@@ -80,6 +86,7 @@ def split_microbatch(mb: dict, cp_size: int, cp_rank: int, salt: Optional[int] =
     if "num_real_tokens" in mb:  # counted once per sample: CP rank 0 reports it
         out["num_real_tokens"] = mb["num_real_tokens"] if cp_rank == 0 else 0
     out["cp_index"] = idx
+    out["cp_size"] = cp_size
     if salt is not None:
         out["cp_dropout_salt"] = torch.tensor(int(salt), dtype=torch.int64)
     return out
@@ -115,10 +122,16 @@ class ContextParallelSource:
     def next(self, iteration: int, consumed_samples: int):
         work = self.inner.next(iteration, consumed_samples)
         ps, seed = self.ps, self.cfg.training.seed
-        work.microbatches = [
-            split_microbatch(pad_microbatch(mb, self.granule), ps.cp_size, ps.cp_rank,
-                             dropout_salt(seed, iteration, ps.dp_rank, i) if self.keyed else None)
-            for i, mb in enumerate(work.microbatches)]
+        out = []
+        for i, mb in enumerate(work.microbatches):
+            mb = pad_microbatch(mb, self.granule)
+            size, rank = mb.pop("cp_split", (ps.cp_size, ps.cp_rank))  # the plan's CP size (variable CP)
+            if size == 1:  # the whole micro-batch on this rank: no exchange
+                out.append(mb)
+                continue
+            out.append(split_microbatch(mb, size, rank, dropout_salt(seed, iteration, ps.dp_rank, i)
+                                        if self.keyed else None))
+        work.microbatches = out
         return work
 
     def __getattr__(self, name):  # close(), valid_source, ... of the wrapped source

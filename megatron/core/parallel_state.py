@@ -51,6 +51,9 @@ class ParallelState:
     cp_group: Optional[object] = None
     cp_global_ranks: List[int] = field(default_factory=lambda: [0])
     dpcp_group: Optional[object] = None
+    # Variable CP (--dynapipe-cp-sizes): size c -> (group, global ranks) of the sub-group of c
+    # consecutive CP indices holding this rank, nested inside the CP group (add_nested_cp_groups).
+    cp_subgroups: dict = field(default_factory=dict)
     # Expert parallelism (megatron/core/expert_parallel.py): the experts of a stage are split
     # over ep_group; edp_group holds the ranks with the same experts (their gradients' sum).
     ep_size: int = 1
@@ -199,6 +202,30 @@ def _make_cp_groups(st: ParallelState, make, tp: int, pp: int, dp: int, cp: int)
             keep([g_of(t, d, p, c) for d in range(dp) for c in range(cp)], "dpcp_group")
     if pp == 1:
         st.embedding_group, st.embedding_global_ranks = None, []
+    return st
+
+
+def add_nested_cp_groups(st: ParallelState, sizes) -> ParallelState:
+    """CP sub-groups of every size in `sizes` (each divides the CP size): the CP group of N
+    ranks cut into N/c groups of c consecutive CP indices, so CP 1 and CP 2 sit inside each CP 4
+    group. Created on every rank in the same order (torch requires it); a micro-batch planned at
+    size c runs on the sub-group holding CP index (cp_rank // c) * c (megatron/core/context_parallel.py)."""
+    cp, tp, dp, pp = st.cp_size, st.tp_size, st.dp_size, st.pp_size
+    timeout = st.timeout
+    for c in sorted(set(int(x) for x in sizes)):
+        if c < 1 or cp % c:
+            raise ValueError(f"--dynapipe-cp-sizes: {c} does not divide --context-parallel-size {cp}")
+        if c == cp:
+            st.cp_subgroups[c] = (st.cp_group, list(st.cp_global_ranks))
+            continue
+        for p in range(pp):
+            for d in range(dp):
+                for t in range(tp):
+                    for k in range(cp // c):
+                        ranks = [global_rank(t, d, p, tp, dp, i, cp) for i in range(k * c, (k + 1) * c)]
+                        g = dist.new_group(ranks, timeout=timeout) if c > 1 and dist.is_initialized() else None
+                        if st.rank in ranks:
+                            st.cp_subgroups[c] = (g, ranks)
     return st
 
 

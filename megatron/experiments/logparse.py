@@ -54,6 +54,9 @@ def parse_log(text: str) -> List[dict]:
                 info["num_microbatches"] = [int(x) for x in _floats(f["micro-batches per DP group"])]
             if "padding efficiency" in f:
                 info["padding_efficiency"] = _float(f["padding efficiency"])
+            if "micro-batches per CP size" in f:  # "1:5, 2:1"
+                info["cp_size_counts"] = {int(c): int(n) for c, n in
+                                          (x.split(":") for x in f["micro-batches per CP size"].split(", "))}
             for k in ("recompute", "schedule"):
                 if k in f:
                     info[k] = f[k]

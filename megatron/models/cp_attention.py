@@ -70,12 +70,17 @@ class ContextParallelSpec:
 def build_cp_spec(comm_type: str, ps, batch: dict, device, training: bool) -> ContextParallelSpec:
     from megatron.models.sliced_attention import KeyedDropout
     index = batch["cp_index"].to(device)
-    seq = index.numel() * ps.cp_size
+    size = int(batch.get("cp_size", ps.cp_size))
+    group, ranks, rank = ps.cp_group, list(ps.cp_global_ranks), ps.cp_rank
+    if size != ps.cp_size:  # a micro-batch planned at a smaller CP size: its nested sub-group
+        group, ranks = ps.cp_subgroups[size]
+        rank = ranks.index(ps.rank)
+    seq = index.numel() * size
     seg = batch.get("cp_segment_ids")
     salt = batch.get("cp_dropout_salt")
     dropout = KeyedDropout(int(salt)) if salt is not None and training else None
-    return ContextParallelSpec(ps.cp_group, ps.cp_size, ps.cp_rank, list(ps.cp_global_ranks),
-                               comm_type, index, all_token_index(seq, ps.cp_size).to(device),
+    return ContextParallelSpec(group, size, rank, ranks,
+                               comm_type, index, all_token_index(seq, size).to(device),
                                None if seg is None else seg.to(device), dropout)
 
 

@@ -50,6 +50,9 @@ def initialize_parallel(cfg: MegatronConfig, timeout: timedelta) -> ParallelStat
     ps = initialize_model_parallel(cfg.parallel.tensor_model_parallel_size,
                                    cfg.parallel.pipeline_model_parallel_size, timeout,
                                    cp_size=cfg.parallel.context_parallel_size)
+    if cfg.data.dynapipe_cp_sizes:  # the CP size chosen per micro-batch: nested CP sub-groups
+        from megatron.core.parallel_state import add_nested_cp_groups
+        add_nested_cp_groups(ps, cfg.data.dynapipe_cp_sizes)
     if cfg.model.moe is not None:
         from megatron.core.expert_parallel import add_expert_groups
         add_expert_groups(ps, cfg.model.moe.expert_model_parallel_size)

@@ -66,6 +66,8 @@ def planner_line(info: dict, measured_s: float) -> str:
              f"shapes (b x s): {shown}"]
     if "slices" in info:
         parts.append(f"token slices: {info['slices']}")
+    if info.get("cp_size_counts"):  # --dynapipe-cp-sizes: micro-batches run at each CP size
+        parts.append("micro-batches per CP size: " + ", ".join(f"{c}:{n}" for c, n in info["cp_size_counts"].items()))
     if "padding_efficiency" in info:
         parts.append(f"padding efficiency: {info['padding_efficiency']:.3f}")
     if "recompute" in info:

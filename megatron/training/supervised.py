@@ -155,7 +155,21 @@ class _SupervisedSource:
             mbs = [self.collate([lo + i for i in ids], shape) for ids, shape in zip(group.microbatches, group.shapes)]
         if self.ps.stage_layouts:  # one pipeline; the plan's shapes count the filler rows
             return self.stage_rows([self.padded(mb) for mb in mbs])
+        if group.cp is not None:  # variable CP: ContextParallelSource cuts each for its sub-group
+            for mb, (size, index) in zip(mbs, group.cp):
+                mb["cp_split"] = (int(size), int(index))
         return mbs
+
+    def my_group(self, plan, iteration: int):
+        """This rank's group of a DynaPipe plan: its DP rank's, the one pipeline's with per-stage
+        layouts, or with variable CP (`--dynapipe-cp-sizes`) its own lane of DP x CP."""
+        ps = self.ps
+        lanes = bool(plan.groups) and plan.groups[0].cp is not None
+        groups = 1 if ps.stage_layouts else ps.grad_size if lanes else ps.dp_size
+        if len(plan.groups) != groups:
+            raise RuntimeError(f"iteration {iteration}: plan has {len(plan.groups)} data-parallel groups, "
+                               f"the job has {groups}")
+        return plan.groups[0 if ps.stage_layouts else ps.grad_rank if lanes else ps.dp_rank]
 
     def padded(self, mb: dict) -> dict:
         """With per-stage DP sizes a micro-batch's rows must divide by every stage's DP: a short
@@ -218,11 +232,7 @@ class DynaPipeSource(_SupervisedSource):
         wait_ms = (time.perf_counter() - t0) * 1e3
         from megatron.planner.service.worker import check_covers
         check_covers(plan, iteration, hi - lo)
-        groups = 1 if self.ps.stage_layouts else self.ps.dp_size  # per-stage DP splits rows, not batches
-        if len(plan.groups) != groups:
-            raise RuntimeError(f"iteration {iteration}: plan has {len(plan.groups)} data-parallel groups, "
-                               f"the job has {groups}")
-        group = plan.groups[0 if self.ps.stage_layouts else self.ps.dp_rank]
+        group = self.my_group(plan, iteration)
         mbs = self.microbatches(lo, group)
         info = {"planner": "dynapipe", "recompute": plan.recompute, "schedule": group.schedule,
                 "packed_rows": group.rows is not None,
@@ -231,7 +241,14 @@ class DynaPipeSource(_SupervisedSource):
                 "padding_efficiency": plan.padding_efficiency, "planning_ms": plan.planning_ms,
                 "plan_wait_ms": wait_ms, "simulated_ms": plan.makespan_ms,
                 "predicted_peak_mb": group.peak_memory_mb,
-                "token_slices": None if group.token_slices is None else len(group.token_slices)}
+                "token_slices": None if group.token_slices is None else len(group.token_slices),
+                "cp_sizes": None if group.cp is None else [c for c, _ in group.cp]}
+        if group.cp is not None:  # variable CP: the whole plan's micro-batches per size (each once)
+            counts = {}
+            for g in plan.groups:
+                for c, j in g.cp:
+                    counts[c] = counts.get(c, 0) + (j == 0)
+            info["cp_size_counts"] = {c: counts[c] for c in sorted(counts)}
         plans = group.plans
         # DynaPipe's plans come lowered onto the stage layout; the marks remain. Every rank has
         # its group's plans for all pipeline ranks, so each marks the same messages alone.
@@ -283,7 +300,7 @@ class DynaPipeEvalSource(_SupervisedSource):
             plan = strip(planner_for(self.planner_config).plan(self.lengths[lo:hi].tolist(), iteration=iteration,
                                                                validate=k == 0))
             self._plans[k] = plan
-        group = plan.groups[0 if self.ps.stage_layouts else self.ps.dp_rank]
+        group = self.my_group(plan, iteration)
         mbs = self.microbatches(lo, group)
         info = {"planner": "dynapipe", "num_microbatches": [len(g.microbatches) for g in plan.groups],
                 "padding_efficiency": plan.padding_efficiency}
@@ -409,6 +426,7 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   # a static CP group per DP rank: each rank sends S/CP tokens across stage
                   # boundaries (priced as CP x the bandwidth, as cp_cost.cp_planner_config does)
                   context_parallel=ps.cp_size, cp_comm_type=cfg.parallel.cp_comm_type,
+                  cp_sizes=tuple(d.dynapipe_cp_sizes),
                   bandwidth_gbps=DynaPipeConfig.bandwidth_gbps * ps.cp_size,
                   # --recompute-granularity with --dynapipe: plan only that level, never drop it
                   **({"recompute_levels": (cfg.training.recompute_granularity,)}

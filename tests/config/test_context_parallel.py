@@ -46,3 +46,29 @@ def test_t5_refuses_cp_and_says_why(capsys):
           "4", "--encoder-seq-length", "32", "--decoder-seq-length", "16", "--mock-data", "--vocab-size", "100"]
     err = _error(capsys, t5 + ["--context-parallel-size", "2"], 2, "t5")
     assert "--context-parallel-size 2 is implemented for GPT" in err and "cross-attends" in err
+
+
+DYNAPIPE = ["--data-path", "in", "--targets-data-path", "out", "--tokens-per-global-batch", "600", "--dynapipe",
+            "--dynapipe-cost-model", "cost_models/cpu_tiny_gpt.json", "--tokenizer-type", "NullTokenizer",
+            "--hidden-dropout", "0", "--attention-dropout", "0"]
+NO_MOCK = [a for a in BASE if a != "--mock-data"]
+
+
+def test_variable_cp_sizes_parse():
+    cfg = parse_args(NO_MOCK + DYNAPIPE + ["--context-parallel-size", "4", "--dynapipe-cp-sizes", "1,2,4"],
+                     world_size=4)
+    assert cfg.data.dynapipe_cp_sizes == (1, 2, 4)
+
+
+@pytest.mark.parametrize("extra,needles", [
+    (["--context-parallel-size", "4", "--dynapipe-cp-sizes", "1,3,4"], ["--dynapipe-cp-sizes 1,3,4", "divide"]),
+    (["--context-parallel-size", "4", "--dynapipe-cp-sizes", "1,2"], ["4 must be one of them"]),
+    (["--context-parallel-size", "2", "--dynapipe-cp-sizes", "1,2", "--tensor-model-parallel-size", "2"],
+     ["TP 1 and one stage per pipeline rank"]),
+    (["--context-parallel-size", "2", "--dynapipe-cp-sizes", "1,2", "--hidden-dropout", "0.1"], ["with dropout"]),
+    (["--dynapipe-cp-sizes", "1,2"], ["needs --dynapipe and --context-parallel-size"]),
+])
+def test_variable_cp_refusals_name_the_flag(capsys, extra, needles):
+    err = _error(capsys, NO_MOCK + DYNAPIPE + extra, 4)
+    for n in needles:
+        assert n in err, err

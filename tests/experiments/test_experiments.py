@@ -349,3 +349,12 @@ def test_line_figures_leave_a_gap_where_a_system_has_no_configuration(tmp_path):
     if figures_plt is not None:
         packing = [ys for xs, ys, label in plotted if label == "Megatron + packing (dense rows, paper)"][0]
         assert packing[0] == 1128.0 and packing[1] != packing[1] and packing[2] == 1512.0  # NaN in the middle
+
+
+def test_log_parser_reads_the_cp_size_counts_the_trainer_prints():
+    from megatron.training.logging import planner_line
+    line = " iteration        2/       4 | elapsed time per iteration (ms): 100.0 | lm loss: 1.0 |"
+    info = {"planner": "dynapipe", "num_microbatches": [2, 2], "cp_size_counts": {1: 5, 4: 2},
+            "simulated_ms": 10.0}
+    p = parse_log(line + "\n" + planner_line(info, 0.1))[0]["planner"]
+    assert p["cp_size_counts"] == {1: 5, 4: 2} and p["simulated_ms"] == 10.0

@@ -59,6 +59,7 @@ class GroupPlan:
     result: object = None  # SimResult (chrome_trace() for a timeline)
     rows: Optional[list] = None  # packed plans: per micro-batch id, its rows (lists of sample indices)
     token_slices: Optional[list] = None  # sliced plans: per unit id, its (micro-batch id, offset, length)
+    cp: Optional[list] = None  # variable CP: per micro-batch id, [CP size, this rank's index in its sub-group]
 
 
 @dataclass

@@ -83,6 +83,9 @@ class DynaPipeConfig:
     # GPT: model chunks per pipeline rank (--num-layers-per-virtual-pipeline-stage): plans
     # then run on PP * v virtual stages placed round-robin (megatron/planner/dynapipe/interleaved.py).
     virtual_stages: int = 1
+    # CP sizes a micro-batch may run at (each divides context_parallel; () = static): the plan
+    # has one group per rank of DP x CP (megatron/planner/dynapipe/variable_cp.py)
+    cp_sizes: Tuple[int, ...] = ()
     # Stages with their own (TP, DP) sizes (Aceso layouts, one pipeline): stage s is costed
     # at its TP on its share of each micro-batch's rows (padded to a multiple of every DP), with
     # `stage_layer_counts` layers; the plans are lowered onto the ranks (megatron/planner/passes/layout.py).

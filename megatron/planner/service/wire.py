@@ -95,7 +95,8 @@ def _dynapipe_to_json(plan):
                        "peak_memory_mb": [float(x) for x in g.peak_memory_mb], "num_plans": len(g.plans),
                        "token_slices": None if g.token_slices is None
                        else [[int(x) for x in u] for u in g.token_slices],
-                       "rows": None if g.rows is None else [[[int(i) for i in r] for r in mb] for mb in g.rows]})
+                       "rows": None if g.rows is None else [[[int(i) for i in r] for r in mb] for mb in g.rows],
+                       "cp": None if g.cp is None else [[int(x) for x in u] for u in g.cp]})
         blobs.extend(p.serialize() for p in g.plans)
     head["groups"] = groups
     return head, blobs
@@ -120,6 +121,14 @@ def _ints(x, depth, where):
     if not isinstance(x, list):
         raise ValueError(f"{where} is {type(x).__name__}, expected a list")
     return [_ints(v, depth - 1, where) for v in x]
+
+
+def _cp_pairs(x, n: int, where: str) -> list:
+    """Variable CP: [size >= 1, index < size] per micro-batch."""
+    got = _ints(x, 2, where)
+    if len(got) != n or any(len(u) != 2 or u[0] < 1 or u[1] >= u[0] for u in got):
+        raise ValueError(f"{where} must hold [CP size, index in the sub-group] for each of the {n} micro-batches")
+    return got
 
 
 def _dynapipe_from_json(head, blobs):
@@ -148,7 +157,8 @@ def _dynapipe_from_json(head, blobs):
                                 makespan_ms=float(g["makespan_ms"]), peak_memory_mb=[float(x) for x in peaks],
                                 plans=plans, token_slices=None if g.get("token_slices") is None
                                 else [tuple(u) for u in _ints(g["token_slices"], 2, f"{where}.token_slices")],
-                                rows=None if g.get("rows") is None else _ints(g["rows"], 3, f"{where}.rows")))
+                                rows=None if g.get("rows") is None else _ints(g["rows"], 3, f"{where}.rows"),
+                                cp=None if g.get("cp") is None else _cp_pairs(g["cp"], len(mbs), f"{where}.cp")))
     if used != len(blobs):
         raise ValueError(f"record has {len(blobs) - used} plan blobs no group claims")
     kw = {k: head[k] for k in _SCALARS}

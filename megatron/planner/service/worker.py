@@ -29,7 +29,10 @@ def planner_for(config):
     key = repr(config)
     planner = _PLANNERS.get(key)
     if planner is None:
-        if config.context_parallel > 1:  # priced as a CP group's rank (megatron/planner/cost/cp_cost.py)
+        if config.cp_sizes:  # the CP size chosen per micro-batch (megatron/planner/dynapipe/variable_cp.py)
+            from megatron.planner.dynapipe.variable_cp import VariableCPPlanner
+            planner = _PLANNERS[key] = VariableCPPlanner(config)
+        elif config.context_parallel > 1:  # priced as a CP group's rank (megatron/planner/cost/cp_cost.py)
             from megatron.planner.cost.cp_cost import cp_group_planner
             planner = _PLANNERS[key] = cp_group_planner(config)
         else:
@@ -106,7 +109,8 @@ def check_covers(plan, iteration: int, num_samples: int) -> None:
     seen = np.zeros(num_samples, dtype=np.int64)
     for g in plan.groups:
         ids = [i for rows in g.rows for r in rows for i in r] if g.rows is not None else \
-            [i for mb in g.microbatches for i in mb]
+            [i for k, mb in enumerate(g.microbatches) for i in mb
+             if g.cp is None or g.cp[k][1] == 0]  # variable CP: a sub-group's first rank counts it
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= num_samples):
             raise ValueError(f"iteration {iteration}: the plan names sample {int(ids.max())} of a batch of "
