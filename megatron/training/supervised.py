@@ -418,8 +418,10 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   if cfg.terapipe.enabled else 0,
                   # --pipeline-schedule zb-h1/zb-h2: DynaPipe may split backwards and place the
                   # weight-gradient passes into its bubbles (megatron/planner/schedule/zb_search.py)
-                  schedules=("1f1b", "adaptive")
+                  schedules=("1f1b",) if ps.ep_size > 1 else ("1f1b", "adaptive")
                   + (("zb",) if cfg.parallel.pipeline_schedule in SPLIT_SCHEDULES else ()),
+                  # expert parallelism: the EP ranks (DP groups) run equal counts of 1F1B passes in lockstep
+                  lockstep_groups=ps.ep_size > 1,
                   # --num-experts: the table's layers priced as MoE layers (planner/cost/moe_cost.py)
                   moe=moe_pricing(m, cfg.training))
     if d.dynapipe_packed_rows:  # rows as long as the fixed batches' sequences (T5: both sides)
