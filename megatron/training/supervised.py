@@ -222,6 +222,10 @@ class DynaPipeSource(_SupervisedSource):
         if len(plan.groups) != groups:
             raise RuntimeError(f"iteration {iteration}: plan has {len(plan.groups)} data-parallel groups, "
                                f"the job has {groups}")
+        counts = [len(g.microbatches) for g in plan.groups]
+        if self.ps.ep_size > 1 and len(set(counts)) > 1:  # the EP exchange would wait forever (lockstep.py)
+            raise RuntimeError(f"iteration {iteration}: the DynaPipe plan gives the DP groups {counts} micro-batches, "
+                               "but expert parallelism runs them in lockstep (plan with lockstep_groups)")
         group = plan.groups[0 if self.ps.stage_layouts else self.ps.dp_rank]
         mbs = self.microbatches(lo, group)
         info = {"planner": "dynapipe", "recompute": plan.recompute, "schedule": group.schedule,
