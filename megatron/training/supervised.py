@@ -387,6 +387,7 @@ def _bias_dropout_fused(m) -> bool:
 def dynapipe_planner_config(cfg: MegatronConfig, ps):
     from megatron.planner.dynapipe.planner import DynaPipeConfig
     m, d = cfg.model, cfg.data
+    ep = m.moe.expert_model_parallel_size if m.moe is not None else 1
     hetero = bool(ps.stage_layouts)  # one pipeline whose stages have their own TP/DP sizes
     common = dict(cost_model_path=d.dynapipe_cost_model, hidden_size=m.hidden_size,
                   pipeline_parallel=ps.pp_size, data_parallel=1 if hetero else ps.dp_size,
@@ -422,10 +423,10 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   if cfg.terapipe.enabled else 0,
                   # --pipeline-schedule zb-h1/zb-h2: DynaPipe may split backwards and place the
                   # weight-gradient passes into its bubbles (megatron/planner/schedule/zb_search.py)
-                  schedules=("1f1b",) if ps.ep_size > 1 else ("1f1b", "adaptive")
+                  schedules=("1f1b",) if ep > 1 else ("1f1b", "adaptive")
                   + (("zb",) if cfg.parallel.pipeline_schedule in SPLIT_SCHEDULES else ()),
                   # expert parallelism: the EP ranks (DP groups) run equal counts of 1F1B passes in lockstep
-                  lockstep_groups=ps.ep_size > 1,
+                  lockstep_groups=ep > 1,
                   # --num-experts: the table's layers priced as MoE layers (planner/cost/moe_cost.py)
                   moe=moe_pricing(m, cfg.training))
     if d.dynapipe_packed_rows:  # rows as long as the fixed batches' sequences (T5: both sides)
