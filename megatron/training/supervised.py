@@ -222,10 +222,6 @@ class DynaPipeSource(_SupervisedSource):
         if len(plan.groups) != groups:
             raise RuntimeError(f"iteration {iteration}: plan has {len(plan.groups)} data-parallel groups, "
                                f"the job has {groups}")
-        counts = [len(g.microbatches) for g in plan.groups]
-        if self.ps.ep_size > 1 and len(set(counts)) > 1:  # the EP exchange would wait forever (lockstep.py)
-            raise RuntimeError(f"iteration {iteration}: the DynaPipe plan gives the DP groups {counts} micro-batches, "
-                               "but expert parallelism runs them in lockstep (plan with lockstep_groups)")
         group = plan.groups[0 if self.ps.stage_layouts else self.ps.dp_rank]
         mbs = self.microbatches(lo, group)
         info = {"planner": "dynapipe", "recompute": plan.recompute, "schedule": group.schedule,
@@ -236,6 +232,10 @@ class DynaPipeSource(_SupervisedSource):
                 "plan_wait_ms": wait_ms, "simulated_ms": plan.makespan_ms,
                 "predicted_peak_mb": group.peak_memory_mb,
                 "token_slices": None if group.token_slices is None else len(group.token_slices)}
+        counts = info["num_microbatches"]
+        if self.ps.ep_size > 1 and len(set(counts)) > 1:  # the EP exchange would wait forever (lockstep.py)
+            raise RuntimeError(f"iteration {iteration}: the DynaPipe plan gives the DP groups {counts} micro-batches, "
+                               "but expert parallelism runs them in lockstep (plan with lockstep_groups)")
         plans = group.plans
         # DynaPipe's plans come lowered onto the stage layout; the marks remain. Every rank has
         # its group's plans for all pipeline ranks, so each marks the same messages alone.

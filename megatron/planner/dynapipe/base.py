@@ -516,8 +516,7 @@ class DynaPipeBase:
         makespan, rc, fit, order, p, groups = best
         _, samples = self._mb_costs(rc, order, p, enc_all, dec_all)
         planning_ms = (time.perf_counter() - t_start) * 1e3
-        group_plans = []
-        real = computed = 0
+        group_plans, computed = [], 0
         for g, ch in groups:
             gp = self._group_plan(rc, ch, [samples[i] for i in g], enc_all, dec_all, iteration, validate)
             group_plans.append(gp)
