@@ -216,6 +216,10 @@ class DynaPipeSource(_SupervisedSource):
         t0 = time.perf_counter()
         plan = self.service.get(iteration) if self.service is not None else self.plan_fn(iteration)
         wait_ms = (time.perf_counter() - t0) * 1e3
+        counts = [len(g.microbatches) for g in plan.groups]
+        if self.ps.ep_size > 1 and len(set(counts)) > 1:  # the EP exchange would wait forever (lockstep.py)
+            raise RuntimeError(f"iteration {iteration}: the DynaPipe plan gives the DP groups {counts} micro-batches, "
+                               "but expert parallelism runs them in lockstep (plan with lockstep_groups)")
         from megatron.planner.service.worker import check_covers
         check_covers(plan, iteration, hi - lo)
         groups = 1 if self.ps.stage_layouts else self.ps.dp_size  # per-stage DP splits rows, not batches
@@ -232,10 +236,6 @@ class DynaPipeSource(_SupervisedSource):
                 "plan_wait_ms": wait_ms, "simulated_ms": plan.makespan_ms,
                 "predicted_peak_mb": group.peak_memory_mb,
                 "token_slices": None if group.token_slices is None else len(group.token_slices)}
-        counts = info["num_microbatches"]
-        if self.ps.ep_size > 1 and len(set(counts)) > 1:  # the EP exchange would wait forever (lockstep.py)
-            raise RuntimeError(f"iteration {iteration}: the DynaPipe plan gives the DP groups {counts} micro-batches, "
-                               "but expert parallelism runs them in lockstep (plan with lockstep_groups)")
         plans = group.plans
         # DynaPipe's plans come lowered onto the stage layout; the marks remain. Every rank has
         # its group's plans for all pipeline ranks, so each marks the same messages alone.
