@@ -139,8 +139,11 @@ def check_moe_parallel(cfg) -> None:
         _require(not cfg.compression.grad_comp, "--grad-comp with --num-experts and expert or tensor parallelism is "
                  "not supported")
     if ep > 1:
-        _require(not cfg.data.dynapipe, "--dynapipe with --expert-model-parallel-size > 1 is not supported yet (EP "
-                 "ranks must run the same micro-batches in lockstep)")
+        # --dynapipe plans equal micro-batch counts and 1F1B passes for the EP ranks (planner/dynapipe/lockstep.py)
+        d = cfg.data
+        _require(not cfg.data.dynapipe or not (d.dynapipe_packed_rows or p.num_layers_per_virtual_pipeline_stage),
+                 "--dynapipe with --expert-model-parallel-size > 1 plans unpacked rows on one stage per rank: drop "
+                 "--dynapipe-packed-rows / --num-layers-per-virtual-pipeline-stage")
         # measured: the composition smoke run crashed in the all-gather dispatcher (gloo size mismatch)
         _require(not cfg.data.pack_dataset, "--pack-dataset with --expert-model-parallel-size > 1 is not supported yet "
                  "(packing gives each DP rank its own micro-batch count, but EP ranks exchange tokens every "

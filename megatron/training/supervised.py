@@ -230,6 +230,10 @@ class DynaPipeSource(_SupervisedSource):
         t0 = time.perf_counter()
         plan = self.service.get(iteration) if self.service is not None else self.plan_fn(iteration)
         wait_ms = (time.perf_counter() - t0) * 1e3
+        counts = [len(g.microbatches) for g in plan.groups]
+        if self.ps.ep_size > 1 and len(set(counts)) > 1:  # the EP exchange would wait forever (lockstep.py)
+            raise RuntimeError(f"iteration {iteration}: the DynaPipe plan gives the DP groups {counts} micro-batches, "
+                               "but expert parallelism runs them in lockstep (plan with lockstep_groups)")
         from megatron.planner.service.worker import check_covers
         check_covers(plan, iteration, hi - lo)
         group = self.my_group(plan, iteration)
@@ -400,6 +404,7 @@ def _bias_dropout_fused(m) -> bool:
 def dynapipe_planner_config(cfg: MegatronConfig, ps):
     from megatron.planner.dynapipe.planner import DynaPipeConfig
     m, d = cfg.model, cfg.data
+    ep = m.moe.expert_model_parallel_size if m.moe is not None else 1
     hetero = bool(ps.stage_layouts)  # one pipeline whose stages have their own TP/DP sizes
     common = dict(cost_model_path=d.dynapipe_cost_model, hidden_size=m.hidden_size,
                   pipeline_parallel=ps.pp_size, data_parallel=1 if hetero else ps.dp_size,
@@ -436,8 +441,10 @@ def dynapipe_planner_config(cfg: MegatronConfig, ps):
                   if cfg.terapipe.enabled else 0,
                   # --pipeline-schedule zb-h1/zb-h2: DynaPipe may split backwards and place the
                   # weight-gradient passes into its bubbles (megatron/planner/schedule/zb_search.py)
-                  schedules=("1f1b", "adaptive")
+                  schedules=("1f1b",) if ep > 1 else ("1f1b", "adaptive")
                   + (("zb",) if cfg.parallel.pipeline_schedule in SPLIT_SCHEDULES else ()),
+                  # expert parallelism: the EP ranks (DP groups) run equal counts of 1F1B passes in lockstep
+                  lockstep_groups=ep > 1,
                   # --num-experts: the table's layers priced as MoE layers (planner/cost/moe_cost.py)
                   moe=moe_pricing(m, cfg.training))
     if d.dynapipe_packed_rows:  # rows as long as the fixed batches' sequences (T5: both sides)

@@ -65,6 +65,11 @@ def test_layer_freq(text, want):
     (["--ckpt-format", "megatron-legacy"], 1, ["--ckpt-format megatron-legacy"]),
     (["--expert-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--pipeline-model-parallel-size", "2"], 4,
      ["--pipeline-schedule zb-h1"]),
+    (["--expert-model-parallel-size", "2", "--dynapipe", "--dynapipe-packed-rows", "--data-path", "x",
+      "--targets-data-path", "y", "--tokens-per-global-batch", "600", "--dynapipe-cost-model",
+      "cost_models/cpu_tiny_gpt.json"], 2, ["--dynapipe-packed-rows"]),
+    (["--expert-model-parallel-size", "2", "--pack-dataset", "--data-path", "x", "--targets-data-path", "y",
+      "--tokens-per-global-batch", "600"], 2, ["--pack-dataset"]),
 ])
 def test_unsupported_combinations_are_refused_in_one_line(capsys, tmp_path, extra, world, needles):
     err = _error(capsys, BASE + [a.replace("{tmp}", str(tmp_path)) for a in extra], world)

@@ -79,6 +79,7 @@ class DynaPipeBase:
     adds the systems composed with it. Keeps the cost model and per-length cost caches across
     iterations."""
 
+    _dp_groups = staticmethod(part.balance_groups)  # micro-batches -> DP groups (planner.py: expert parallelism)
     T5_CACHE_ENTRIES = 4_000_000  # per (recompute, fit); the cache restarts when it would grow past this
 
     def __init__(self, config: DynaPipeConfig, cost_model: Optional[CostModel] = None):
@@ -478,7 +479,7 @@ class DynaPipeBase:
             return None
         costs, _ = self._mb_costs(rc, order, p, enc_all, dec_all)
         out, makespan = [], 0.0
-        for g in part.balance_groups(p.times, self.cfg.data_parallel):
+        for g in self._dp_groups(p.times, self.cfg.data_parallel):
             ch = self._quick_search(costs.subset(g), bound)
             if ch is None:
                 return None
@@ -516,8 +517,7 @@ class DynaPipeBase:
         makespan, rc, fit, order, p, groups = best
         _, samples = self._mb_costs(rc, order, p, enc_all, dec_all)
         planning_ms = (time.perf_counter() - t_start) * 1e3
-        group_plans = []
-        real = computed = 0
+        group_plans, computed = [], 0
         for g, ch in groups:
             gp = self._group_plan(rc, ch, [samples[i] for i in g], enc_all, dec_all, iteration, validate)
             group_plans.append(gp)

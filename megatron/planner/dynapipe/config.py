@@ -98,6 +98,8 @@ class DynaPipeConfig:
     cp_comm_type: str = "p2p"
     # Mixture of experts (GPT): the table's layers priced as MoE layers (megatron/planner/cost/moe_cost.py)
     moe: Optional[MoEPricing] = None
+    # Expert parallelism: every DP group the same micro-batch count and passes (lockstep.py)
+    lockstep_groups: bool = False
 
     def __post_init__(self):
         if self.model_kind not in ("gpt", "t5"):
@@ -134,6 +136,11 @@ class DynaPipeConfig:
         if "zb" in self.schedules and (self.token_slices or self.virtual_stages > 1 or self.stage_parallel):
             raise ValueError("schedule 'zb' (split backward) plans whole micro-batches on one stage per rank with one "
                              "TP/DP size: not with token slices, virtual stages or per-stage TP/DP sizes")
+
+        if self.lockstep_groups and (self.model_kind != "gpt" or self.token_slices or self.virtual_stages > 1
+                                     or self.stage_parallel or self.packed_rows or set(self.schedules) != {"1f1b"}):
+            raise ValueError("lockstep_groups (expert parallelism) plans GPT with schedules ('1f1b',) only: no token "
+                             "slices, virtual stages, per-stage layouts or packed rows")
 
     def stage_layers(self) -> List[List[Tuple[str, int]]]:
         """Per stage: [(component, layer count)] (megatron/planner/dynapipe/layout.py)."""
