@@ -127,9 +127,10 @@ def check_moe_parallel(cfg) -> None:
     _require(stage % ep == 0,
              f"--expert-model-parallel-size ({ep}) must divide the ranks of a pipeline stage (TP x DP = {stage}): "
              "expert parallelism folds into the tensor- and data-parallel ranks")
-    _require(cfg.checkpoint.ckpt_format == "torch", f"--ckpt-format {cfg.checkpoint.ckpt_format} with --num-experts "
-             "is not supported yet: save with --ckpt-format torch, then `tools/checkpoint/convert.py --to-megatron "
-             "--target-expert-parallel-size N` writes Megatron-Core's MoE files (docs/moe.md)")
+    _require(cfg.checkpoint.ckpt_format != "megatron-legacy", "--ckpt-format megatron-legacy with --num-experts: "
+             "Megatron-LM's legacy model has no experts; save with --ckpt-format torch or torch_dist, then "
+             "`tools/checkpoint/convert.py --to-megatron --target-expert-parallel-size N` writes Megatron-Core's MoE "
+             "files (docs/moe.md)")
     if ep > 1 or tp > 1:
         _require(not t.use_distributed_optimizer,
                  "--use-distributed-optimizer with --expert-model-parallel-size > 1 or --tensor-model-parallel-size "
