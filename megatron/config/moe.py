@@ -147,6 +147,3 @@ def check_moe_parallel(cfg) -> None:
                  "(packing gives each DP rank its own micro-batch count, but EP ranks exchange tokens every "
                  "micro-batch in lockstep): drop one of them")
         _require(not cfg.terapipe.enabled, "--terapipe with --expert-model-parallel-size > 1 is not supported")
-        _require(not p.pipeline_schedule.startswith("zb"), f"--pipeline-schedule {p.pipeline_schedule} with "
-                 "--expert-model-parallel-size > 1 is not supported yet (split backward passes are untested with the "
-                 "expert all-to-all): use 1f1b or gpipe")

@@ -63,8 +63,6 @@ def test_layer_freq(text, want):
     (["--moe-router-enable-expert-bias"], 1, ["--moe-router-score-function sigmoid"]),
     (["--moe-pad-expert-input-to-capacity"], 1, ["--moe-expert-capacity-factor"]),
     (["--ckpt-format", "megatron-legacy"], 1, ["--ckpt-format megatron-legacy"]),
-    (["--expert-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--pipeline-model-parallel-size", "2"], 4,
-     ["--pipeline-schedule zb-h1"]),
 ])
 def test_unsupported_combinations_are_refused_in_one_line(capsys, tmp_path, extra, world, needles):
     err = _error(capsys, BASE + [a.replace("{tmp}", str(tmp_path)) for a in extra], world)

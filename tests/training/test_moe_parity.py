@@ -73,6 +73,8 @@ LAYOUTS = {
     "ep2_dp2": (4, dict(ep=2)),  # EDP 2: expert gradients summed over the expert-data-parallel group
     "ep2_pp2": (4, dict(ep=2, pp=2)),
     "ep2_pp2_gpipe": (4, dict(ep=2, pp=2, schedule="gpipe")),
+    # split backward: the input pass runs the all-to-all backward, the weight pass the expert GEMMs
+    "ep2_pp2_zbh1": (4, dict(ep=2, pp=2, schedule="zb-h1")),
     "dp2": (2, dict()),
     "ep2_full_recompute": (2, dict(ep=2, recompute="full")),  # the all-to-alls run again in the backward
 }
@@ -120,3 +122,9 @@ def test_interleaved_schedule_with_expert_parallelism():
     """EP 2 x PP 2 with two model chunks per pipeline rank (the interleaved 1F1B schedule)."""
     ref = run_distributed(run_moe, 1, "capacity", layers=4)
     assert_parity(ref, run_distributed(run_moe, 4, "capacity", layers=4, ep=2, pp=2, vpp_layers=1))
+
+
+def test_zero_bubble_v_schedule_with_expert_parallelism():
+    """EP 2 x PP 2 with zb-v (two stages per pipeline rank in a V, split backward)."""
+    ref = run_distributed(run_moe, 1, "capacity", layers=4)
+    assert_parity(ref, run_distributed(run_moe, 4, "capacity", layers=4, ep=2, pp=2, schedule="zb-v"))
