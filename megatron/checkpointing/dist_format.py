@@ -23,7 +23,9 @@ format holds: model, AdamW state (per parameter, resharded like it: the optimize
 into whole moments and cuts its own shard back out), RNG states and Optimus-CC compression
 state per rank (restored only when the job's layout is the same: they belong to one rank of
 one layout), counters. GPT and T5 (encoder and decoder layers each under their global index),
-uniform or per-stage (--aceso-config) layouts.
+uniform or per-stage (--aceso-config) layouts. Mixture-of-experts layers: expert weights and their
+moments are stored with every expert ([num_experts, ...], gathered over the EP group like the TP
+gather) and the router's `expert_bias` buffer with them, so any EP size reads the same folder.
 """
 from __future__ import annotations
 
