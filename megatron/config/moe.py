@@ -131,10 +131,16 @@ def check_moe_parallel(cfg) -> None:
              "Megatron-LM's legacy model has no experts; save with --ckpt-format torch or torch_dist, then "
              "`tools/checkpoint/convert.py --to-megatron --target-expert-parallel-size N` writes Megatron-Core's MoE "
              "files (docs/moe.md)")
+    if tp > 1:
+        _require(not t.use_distributed_optimizer, "--use-distributed-optimizer with --tensor-model-parallel-size > 1 "
+                 "and --num-experts is not supported yet (TP-replicated experts and routers)")
+    if ep > 1 and t.use_distributed_optimizer:
+        # its torch-format state is gathered over DP, whose ranks hold other experts
+        _require(cfg.checkpoint.ckpt_format == "torch_dist" or not (cfg.checkpoint.save or cfg.checkpoint.load),
+                 "--use-distributed-optimizer with --expert-model-parallel-size > 1 saves and loads with --ckpt-format "
+                 "torch_dist only (the torch format's sharded optimizer state is per DP group, whose ranks hold "
+                 "other experts)")
     if ep > 1 or tp > 1:
-        _require(not t.use_distributed_optimizer,
-                 "--use-distributed-optimizer with --expert-model-parallel-size > 1 or --tensor-model-parallel-size "
-                 "> 1 and --num-experts is not supported yet (expert parameters need their own shard group)")
         _require(not t.overlap_grad_reduce, "--overlap-grad-reduce with --num-experts and --expert-model-parallel-"
                  "size > 1 or --tensor-model-parallel-size > 1 is not supported yet")
         _require(not cfg.compression.grad_comp, "--grad-comp with --num-experts and expert or tensor parallelism is "

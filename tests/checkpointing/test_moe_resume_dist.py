@@ -61,3 +61,9 @@ def test_moe_dist_resume_at_another_expert_parallel_size(tmp_path):
 def test_moe_dist_resume_at_another_pipeline_size(tmp_path):
     """Saved at PP 1 x EP 2 on 2 ranks, resumed at PP 2 x EP 2 on 4 (layers by global index)."""
     _resume_elsewhere(tmp_path, 2, _dist(2), 4, _dist(2, pp=2))
+
+
+def test_moe_dist_resume_with_distributed_optimizer(tmp_path):
+    """EP 2 on 4 ranks (expert-DP 2) with --use-distributed-optimizer: the experts' moments are
+    sharded over the expert-DP group, gathered whole at the save; the resume is bit-identical."""
+    assert_resume_bit_exact(tmp_path, 4, _dist(2, dist_opt=True), check_saved=_saved_state_is_whole)

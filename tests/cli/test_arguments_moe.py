@@ -54,7 +54,9 @@ def test_layer_freq(text, want):
     (["--expert-model-parallel-size", "4"], 2, ["--expert-model-parallel-size (4)", "pipeline stage"]),
     (["--expert-tensor-parallel-size", "2"], 2, ["--expert-tensor-parallel-size 2"]),
     (["--tensor-model-parallel-size", "2"], 2, ["--sequence-parallel"]),
-    (["--expert-model-parallel-size", "2", "--use-distributed-optimizer"], 2, ["--use-distributed-optimizer"]),
+    # the torch format gathers the sharded optimizer state over DP, whose ranks hold other experts
+    (["--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--save", "{tmp}/ckpt"], 2,
+     ["--use-distributed-optimizer", "--ckpt-format torch_dist"]),
     (["--expert-model-parallel-size", "2", "--overlap-grad-reduce"], 2, ["--overlap-grad-reduce"]),
     (["--context-parallel-size", "2"], 2, ["--context-parallel-size"]),
     (["--moe-layer-freq", "[1,0]"], 1, ["--moe-layer-freq", "--num-layers is 4"]),
