@@ -153,3 +153,7 @@ def check_moe_parallel(cfg) -> None:
                  "(packing gives each DP rank its own micro-batch count, but EP ranks exchange tokens every "
                  "micro-batch in lockstep): drop one of them")
         _require(not cfg.terapipe.enabled, "--terapipe with --expert-model-parallel-size > 1 is not supported")
+        # zb-h1 / zb-h2 / zb-v are parity-tested at EP 2 x PP 2 with uniform plans only
+        _require(not (cfg.data.dynapipe and p.pipeline_schedule.startswith("zb")), f"--pipeline-schedule "
+                 f"{p.pipeline_schedule} with --dynapipe and --expert-model-parallel-size > 1 is not supported yet "
+                 "(DynaPipe's EP plans are 1F1B): use --pipeline-schedule 1f1b")

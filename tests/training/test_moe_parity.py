@@ -75,6 +75,7 @@ LAYOUTS = {
     "ep2_pp2_gpipe": (4, dict(ep=2, pp=2, schedule="gpipe")),
     # split backward: the input pass runs the all-to-all backward, the weight pass the expert GEMMs
     "ep2_pp2_zbh1": (4, dict(ep=2, pp=2, schedule="zb-h1")),
+    "ep2_pp2_zbh2": (4, dict(ep=2, pp=2, schedule="zb-h2")),
     "dp2": (2, dict()),
     "ep2_full_recompute": (2, dict(ep=2, recompute="full")),  # the all-to-alls run again in the backward
 }
