@@ -23,7 +23,9 @@ format holds: model, AdamW state (per parameter, resharded like it: the optimize
 into whole moments and cuts its own shard back out), RNG states and Optimus-CC compression
 state per rank (restored only when the job's layout is the same: they belong to one rank of
 one layout), counters. GPT and T5 (encoder and decoder layers each under their global index),
-uniform or per-stage (--aceso-config) layouts.
+uniform or per-stage (--aceso-config) layouts. Mixture-of-experts layers: expert weights and their
+moments are stored with every expert ([num_experts, ...], gathered over the EP group like the TP
+gather) and the router's `expert_bias` buffer with them, so any EP size reads the same folder.
 """
 from __future__ import annotations
 
@@ -106,6 +108,37 @@ def _params(trainer):
             shared = getattr(p, "shared_embedding", False)
             key = _TIED if shared and name == "output_layer.weight" else _global(stage, name)
             yield key, p, not shared
+
+
+def _buffers(trainer):
+    """(global key, buffer) of the persistent buffers of this rank's stages (the MoE router's
+    aux-loss-free `expert_bias`: replicated, not trained by the optimizer, but it decides the
+    routing, so a resume without it would route differently)."""
+    for stage in trainer.stages.values():
+        persistent = set(stage.state_dict(keep_vars=True))
+        for name, b in stage.named_buffers():
+            if name in persistent:
+                yield _global(stage, name), b
+
+
+def _experts(p) -> bool:
+    """An expert-parallel parameter ([local experts, ...] on each EP rank): stored with every
+    expert, in global order, so that the checkpoint is the same at every EP size."""
+    return getattr(p, "expert_parallel", False)
+
+
+def _ep_full(t: torch.Tensor, ps) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(ps.ep_group))]
+    dist.all_gather(parts, t.detach().contiguous(), group=ps.ep_group)
+    return torch.cat(parts, dim=0)
+
+
+def _ep_cut(full: torch.Tensor, like: torch.Tensor, key: str, ps) -> torch.Tensor:
+    n = like.shape[0]
+    if full.shape[0] != n * ps.ep_size:
+        raise ValueError(f"{key}: the checkpoint holds {full.shape[0]} experts, this run {n * ps.ep_size} "
+                         f"(--num-experts differs)")
+    return full.narrow(0, ps.ep_rank * n, n)
 
 
 def _dim(p) -> Optional[int]:
@@ -209,7 +242,10 @@ def _layout(trainer) -> dict:
     ps, sp = trainer.ps, trainer.cfg.parallel.stage_parallel
     if sp is not None:
         return {"stage_parallel": [list(x) for x in sp], "pp": ps.pp_size, "world": ps.world_size}
-    return {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size, "world": ps.world_size}
+    layout = {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size, "world": ps.world_size}
+    if trainer.cfg.model.moe is not None:  # (only with experts: dense checkpoints keep their layout)
+        layout["ep"] = ps.ep_size
+    return layout
 
 
 # ---- save / load ---------------------------------------------------------------------------
@@ -237,6 +273,8 @@ def save(trainer, it_dir: str) -> None:
             full = _full(torch.stack(parts), dim + 1, "", ps, vocab).unbind(0)
         else:  # moments kept in another precision than the weight: gather each as it is
             full = [_full(t, dim, "", ps, vocab) for t in parts]
+        if _experts(p):  # every EP rank offers the same full tensor; DCP's planner keeps one copy
+            full = [_ep_full(t, ps) for t in full]  # (collective over the EP group, same order on each)
         if not here:
             continue
         for n, t in zip(names, full):
@@ -244,6 +282,8 @@ def save(trainer, it_dir: str) -> None:
             sd[f"model.{key}" if n == "model" else f"optimizer.{key}.{n}"] = _own(t)
         if "step" in st:
             sd[f"optimizer.{key}.step"] = torch.as_tensor(st["step"]).detach().clone().reshape(1)
+    for key, b in _buffers(trainer):
+        sd[f"model.{key}"] = _own(b)
     sd.update(_rng_tensors(ps.rank))
     sd.update(_compression_tensors(trainer, ps.rank))
     os.makedirs(it_dir, exist_ok=True)
@@ -289,6 +329,12 @@ def load(trainer, it_dir: str, common: dict, load_optim: bool, load_rng: bool, l
             elif n == names[0] and n not in index:
                 raise ValueError(f"{it_dir} holds no tensor {n} (saved from another model?)")
         targets.append((key, p))
+    buffers = list(_buffers(trainer))
+    for key, b in buffers:
+        n = f"model.{key}"
+        if n not in index:
+            raise ValueError(f"{it_dir} holds no tensor {n} (saved from another model?)")
+        sd[n] = torch.empty(index[n][0], dtype=index[n][1])
     same_layout = common["layout"] == _layout(trainer)
     rng_keys = [k for k in index if k.startswith(f"rng.{ps.rank}.")] if load_rng and same_layout else []
     comp_keys = [k for k in index if k.startswith(f"compression.{ps.rank}.")] if load_compression else []
@@ -305,11 +351,14 @@ def load(trainer, it_dir: str, common: dict, load_optim: bool, load_rng: bool, l
     with torch.no_grad():
         for key, p in targets:
             dim = _dim(p)
-            p.copy_(_shard(sd[f"model.{key}"], p, dim, key, ps, padded))
+            ep = _ep_cut if _experts(p) else (lambda full, *_: full)
+            p.copy_(_shard(ep(sd[f"model.{key}"], p, key, ps), p, dim, key, ps, padded))
             if load_optim and f"optimizer.{key}.exp_avg" in sd:
                 states[id(p)] = {"step": sd[f"optimizer.{key}.step"].reshape(()).clone(),
-                                 **{k: _shard(sd[f"optimizer.{key}.{k}"], p, dim, key, ps, padded)
+                                 **{k: _shard(ep(sd[f"optimizer.{key}.{k}"], p, key, ps), p, dim, key, ps, padded)
                                     for k in ("exp_avg", "exp_avg_sq")}}
+        for key, b in buffers:
+            b.copy_(_shard(sd[f"model.{key}"], b, None, key, ps, padded))
     # The plain optimizer takes them as they are; the distributed one cuts its DP shard.
     trainer.optimizer.load_param_states(states)
     if comp_keys:

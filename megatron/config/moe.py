@@ -127,13 +127,20 @@ def check_moe_parallel(cfg) -> None:
     _require(stage % ep == 0,
              f"--expert-model-parallel-size ({ep}) must divide the ranks of a pipeline stage (TP x DP = {stage}): "
              "expert parallelism folds into the tensor- and data-parallel ranks")
-    _require(cfg.checkpoint.ckpt_format == "torch", f"--ckpt-format {cfg.checkpoint.ckpt_format} with --num-experts "
-             "is not supported yet: save with --ckpt-format torch, then `tools/checkpoint/convert.py --to-megatron "
-             "--target-expert-parallel-size N` writes Megatron-Core's MoE files (docs/moe.md)")
+    _require(cfg.checkpoint.ckpt_format != "megatron-legacy", "--ckpt-format megatron-legacy with --num-experts: "
+             "Megatron-LM's legacy model has no experts; save with --ckpt-format torch or torch_dist, then "
+             "`tools/checkpoint/convert.py --to-megatron --target-expert-parallel-size N` writes Megatron-Core's MoE "
+             "files (docs/moe.md)")
+    if tp > 1:
+        _require(not t.use_distributed_optimizer, "--use-distributed-optimizer with --tensor-model-parallel-size > 1 "
+                 "and --num-experts is not supported yet (TP-replicated experts and routers)")
+    if ep > 1 and t.use_distributed_optimizer:
+        # its torch-format state is gathered over DP, whose ranks hold other experts
+        _require(cfg.checkpoint.ckpt_format == "torch_dist" or not (cfg.checkpoint.save or cfg.checkpoint.load),
+                 "--use-distributed-optimizer with --expert-model-parallel-size > 1 saves and loads with --ckpt-format "
+                 "torch_dist only (the torch format's sharded optimizer state is per DP group, whose ranks hold "
+                 "other experts)")
     if ep > 1 or tp > 1:
-        _require(not t.use_distributed_optimizer,
-                 "--use-distributed-optimizer with --expert-model-parallel-size > 1 or --tensor-model-parallel-size "
-                 "> 1 and --num-experts is not supported yet (expert parameters need their own shard group)")
         _require(not t.overlap_grad_reduce, "--overlap-grad-reduce with --num-experts and --expert-model-parallel-"
                  "size > 1 or --tensor-model-parallel-size > 1 is not supported yet")
         _require(not cfg.compression.grad_comp, "--grad-comp with --num-experts and expert or tensor parallelism is "
@@ -149,6 +156,7 @@ def check_moe_parallel(cfg) -> None:
                  "(packing gives each DP rank its own micro-batch count, but EP ranks exchange tokens every "
                  "micro-batch in lockstep): drop one of them")
         _require(not cfg.terapipe.enabled, "--terapipe with --expert-model-parallel-size > 1 is not supported")
-        _require(not p.pipeline_schedule.startswith("zb"), f"--pipeline-schedule {p.pipeline_schedule} with "
-                 "--expert-model-parallel-size > 1 is not supported yet (split backward passes are untested with the "
-                 "expert all-to-all): use 1f1b or gpipe")
+        # zb-h1 / zb-h2 / zb-v are parity-tested at EP 2 x PP 2 with uniform plans only
+        _require(not (cfg.data.dynapipe and p.pipeline_schedule.startswith("zb")), f"--pipeline-schedule "
+                 f"{p.pipeline_schedule} with --dynapipe and --expert-model-parallel-size > 1 is not supported yet "
+                 "(DynaPipe's EP plans are 1F1B): use --pipeline-schedule 1f1b")

@@ -48,7 +48,9 @@ class _Bucket:
     (decayed; the --decoupled-lr word embedding and output layer, also decayed; undecayed), so
     each rank's chunk cuts into one contiguous piece per optimizer parameter group."""
 
-    def __init__(self, params: list, decayed: set, dp: int, dp_rank: int, decoupled: set = frozenset()):
+    def __init__(self, params: list, decayed: set, dp: int, dp_rank: int, decoupled: set = frozenset(),
+                 group=None):
+        self.group, self.size, self.rank = group, dp, dp_rank  # the ranks sharing this bucket's shards
         kinds = [[p for p in params if id(p) in decayed and id(p) not in decoupled],
                  [p for p in params if id(p) in decoupled], [p for p in params if id(p) not in decayed | decoupled]]
         self.params = [p for k in kinds for p in k]
@@ -130,7 +132,15 @@ class DistributedOptimizer(MegatronOptimizer):
         if bucket_numel:
             lists.append([p for p in self.ordered if id(p) in late and id(p) not in pre])
         lists.append([p for p in self.ordered if id(p) in pre])
-        self.buckets = [_Bucket(b, decayed, dp, ps.grad_rank, own) for b in lists if b]
+        # Expert-parallel parameters (EP > 1): each EP rank holds other experts, whose copies are
+        # the expert-data-parallel group's (megatron/core/expert_parallel.py): one bucket of
+        # their own, sharded, reduce-scattered and gathered over that group instead of DP.
+        experts = {id(p) for p in self.ordered if getattr(p, "expert_parallel", False)}
+        lists = [[p for p in b if id(p) not in experts] for b in lists]
+        self.buckets = [_Bucket(b, decayed, dp, ps.grad_rank, own, ps.grad_group) for b in lists if b]
+        if experts:
+            self.buckets.append(_Bucket([p for p in self.ordered if id(p) in experts], decayed, max(ps.edp_size, 1),
+                                        ps.edp_rank, own, ps.edp_group))
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self.late_buckets = {self.bucket_of[k] for k in late if k in self.bucket_of} if bucket_numel else set()
         self._reduced_ids: set = set()  # this step's gradients already summed over DP
@@ -138,7 +148,9 @@ class DistributedOptimizer(MegatronOptimizer):
         # Which shard elements count towards the global gradient norm on this rank.
         masks = []
         for b in self.buckets:
-            counts = torch.cat([torch.full((p.numel(),), counts_for_norm(p, ps.tp_rank), dtype=torch.bool)
+            # (an expert shard element lives on one rank of the stage: EP x EDP covers it once)
+            counts = torch.cat([torch.full((p.numel(),), counts_for_norm(p, ps.tp_rank) or id(p) in experts,
+                                           dtype=torch.bool)
                                 for p in b.params] + [torch.zeros(b.padded - b.numel, dtype=torch.bool)])
             masks.append(counts[b.lo:b.lo + b.chunk])
         self.norm_mask = torch.cat(masks).to(device)
@@ -189,10 +201,10 @@ class DistributedOptimizer(MegatronOptimizer):
         """Start bucket i's reduce-scatter (the overlapped reducer calls this during backward)."""
         b = self.buckets[i]
         flat = b.flat(grads)
-        if self.ps.grad_size == 1 or self.ps.grad_group is None:
+        if b.size == 1 or b.group is None:
             return None, flat[b.lo:b.lo + b.chunk].clone()
         out = flat.new_empty(b.chunk)
-        return reduce_scatter_flat(out, flat, group=self.ps.grad_group, async_op=True), out
+        return reduce_scatter_flat(out, flat, group=b.group, async_op=True), out
 
     def complete_reduce(self, i: int, handle) -> None:
         work, out = handle
@@ -212,9 +224,9 @@ class DistributedOptimizer(MegatronOptimizer):
         b = self.buckets[i]
         done = [id(p) in self._reduced_ids for p in b.params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        if all(done) or self.ps.grad_size == 1 or self.ps.grad_group is None:
+        if all(done) or b.size == 1 or b.group is None:
             return b.flat(grads)[b.lo:b.lo + b.chunk].clone()
-        if self.ps.grad_rank != 0:
+        if b.rank != 0:
             grads = [torch.zeros_like(g) if d else g for g, d in zip(grads, done)]
         work, out = self.launch_reduce(i, grads)
         work.wait()
@@ -231,10 +243,10 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _gather(self, i: int, shard: torch.Tensor, async_op: bool):
         b = self.buckets[i]
-        if self.ps.grad_size == 1 or self.ps.grad_group is None:
+        if b.size == 1 or b.group is None:
             return None, shard
         out = shard.new_empty(b.padded)
-        return all_gather_flat(out, shard.contiguous(), group=self.ps.grad_group, async_op=async_op), out
+        return all_gather_flat(out, shard.contiguous(), group=b.group, async_op=async_op), out
 
     def _write_params(self, i: int, flat: torch.Tensor) -> None:
         offset = 0

@@ -90,8 +90,10 @@ class GradientSync:
         dp_params = optimizer.params if dp_first else self._sync_tied(optimizer, iteration, sent)
         if self.expert_params:
             # Experts split over EP ranks: each copy of an expert saw the tokens its EP group sent
-            # it; the copies' sum is over the expert-data-parallel group, not over DP.
-            allreduce_data_parallel_grads(self.expert_params, ps.edp_group, ps.edp_size, self.bucket_numel)
+            # it; the copies' sum is over the expert-data-parallel group, not over DP (the
+            # distributed optimizer reduce-scatters them over that group itself).
+            if not getattr(optimizer, "reduces_data_parallel_grads", False):
+                allreduce_data_parallel_grads(self.expert_params, ps.edp_group, ps.edp_size, self.bucket_numel)
             dp_params = [p for p in dp_params if not getattr(p, "expert_parallel", False)]
         if getattr(optimizer, "reduces_data_parallel_grads", False):
             # The distributed optimizer reduce-scatters what no other sync summed over DP yet.
