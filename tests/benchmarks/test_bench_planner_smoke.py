@@ -10,7 +10,7 @@ from megatron.planner.dynapipe.baselines import NAMES
 
 def test_row_has_every_baseline_and_dynapipe_is_never_slower(capsys):
     args = argparse.Namespace(tokens=16384, iters=1, warmup=1, baseline_iters=1, lower_iters=1,
-                              cost_models=str(ROOT / "cost_models"), no_packed_rows=False, zero_bubble=False)
+                              cost_models=str(ROOT / "cost_models"), no_packed_rows=False, zero_bubble=False, moe=False)
     row = run("gpt", 2048, args, "bimodal")
     json.dumps(row)  # JSON-serialisable
     for name in NAMES:
