@@ -125,8 +125,11 @@ class ContextParallelSource:
         out = []
         for i, mb in enumerate(work.microbatches):
             mb = pad_microbatch(mb, self.granule)
-            size, rank = mb.pop("cp_split", (ps.cp_size, ps.cp_rank))  # the plan's CP size (variable CP)
-            if size == 1:  # the whole micro-batch on this rank: no exchange
+            planned = mb.pop("cp_split", None)  # the plan's CP size and sub-group index (variable CP)
+            size, rank = planned if planned is not None else (ps.cp_size, ps.cp_rank)
+            # Planned at 1: the whole micro-batch on this rank, no exchange. (CP 1 without a plan
+            # is --cp-keyed-dropout's path: it must still cut and key its masks.)
+            if planned is not None and size == 1:
                 out.append(mb)
                 continue
             out.append(split_microbatch(mb, size, rank, dropout_salt(seed, iteration, ps.dp_rank, i)

@@ -43,7 +43,8 @@ def test_full_rank_factors_reproduce_the_exact_all_reduces():
 def test_gradient_only_compression_leaves_the_first_forward_exact():
     base = run_distributed(_train, 2, None)[0][0]
     got, _, sizes = run_distributed(_train, 2, dict(mp_grad_comp=True, mp_grad_comp_rank=2))[0]
-    assert got[0] == base[0] and got[1] != base[1] and set(sizes) == {"grad"}
+    # iteration 1 warms up from lr 0 (Megatron's schedule): the compressed gradients show from iteration 3 on
+    assert got[0] == base[0] and got[2] != base[2] and set(sizes) == {"grad"}
 
 
 def test_recomputed_forward_equals_the_original_with_compressed_activations():

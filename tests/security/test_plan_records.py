@@ -4,6 +4,7 @@ terminal escapes, bump or drop a reader counter, or send JSON nested deep enough
 stack. Each is refused in one line naming the key (an error record's text is shown quoted), and
 a stuck counter is named long before the timeout."""
 import functools
+import gc
 import time
 from types import SimpleNamespace
 
@@ -19,6 +20,15 @@ JOB = b"j" * 16
 LENGTHS = np.arange(1, 41) * 7
 BOUNDS = np.array([0, 12, 20, 40])
 DIGEST = functools.partial(batch_digest, LENGTHS, BOUNDS, 0)
+
+
+@pytest.fixture(autouse=True)
+def _stores_closed():
+    """The TCPStore servers these tests start must be gone before the next test forks ranks: a
+    server kept alive by a traceback's reference cycle keeps its thread, and a rank forked while
+    that thread holds a lock hangs (seen: the next file's 2-rank runs timed out)."""
+    yield
+    gc.collect()
 
 
 def _reader(store, prefix, rank=1, readers=2, timeout_s=60.0, digest=DIGEST):
@@ -59,7 +69,7 @@ def test_plan_relabelled_for_the_next_iteration_is_refused():
 def test_plan_covering_another_batch_is_refused():
     # what a forger who also recomputes the batch digest still meets: the plan's samples must be
     # exactly the rank's batch (iteration 0 has 12 samples, iteration 1 has 8)
-    plan = SimpleNamespace(groups=[SimpleNamespace(rows=None, microbatches=[list(range(6)), list(range(6, 12))])])
+    plan = SimpleNamespace(groups=[SimpleNamespace(rows=None, cp=None, microbatches=[list(range(6)), list(range(6, 12))])])
     check_covers(plan, 0, 12)
     with pytest.raises(ValueError, match="another batch"):
         check_covers(plan, 1, 8)

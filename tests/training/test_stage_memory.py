@@ -12,31 +12,38 @@ from tests.dist_harness import run_distributed
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 
 
-def _vmhwm_mib() -> float:
+def _status_mib(key: str = "VmHWM") -> float:
     with open("/proc/self/status") as f:
-        kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        kb = next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
     return kb / 1024
+
+
+def _vmhwm_mib() -> float:
+    return _status_mib("VmHWM")
 
 
 def _rank(rank, world):
     from megatron.training.stage_memory import stage_peaks_mb
-    if rank == 1:  # stage 1 touches 64 MiB more than stage 0
-        big = torch.ones(16 * 2 ** 20)
+    start = _vmhwm_mib()
+    if rank == 1:
+        # Raise stage 1's high-water mark 64 MiB above whatever it was: a worker process may carry
+        # an earlier test's peak, so the two ranks' starting marks need not be equal.
+        big = torch.ones(int((start - _status_mib("VmRSS") + 64) * 2 ** 20) // 4)
         big += 1
     cpu = torch.device("cpu")
     before = _vmhwm_mib()
     what, peaks = stage_peaks_mb(rank, world, world, cpu, cpu)
-    return what, peaks, (before, _vmhwm_mib())
+    return what, peaks, (before, _vmhwm_mib()), start
 
 
 def test_every_rank_gets_every_stage_peak_as_the_kernel_reports_it():
     rows = run_distributed(_rank, 2)
-    (w0, p0, hwm0), (w1, p1, hwm1) = rows
+    (w0, p0, hwm0, _), (w1, p1, hwm1, start1) = rows
     assert w0 == w1 == "peak_rss_mb" and p0 == p1
     # the peak read inside lies between the kernel's high-water marks just before and just after
     for peak, (before, after) in zip(p0, (hwm0, hwm1)):
         assert before - 1.0 <= peak <= after + 1.0, (peak, before, after)
-    assert p0[1] > p0[0] + 32  # the 64 MiB tensor shows on stage 1 only
+    assert p0[1] > start1 + 32  # stage 1's 64 MiB above its own earlier peak shows in its number
 
 
 def test_one_process_needs_no_collective():
