@@ -25,19 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_packing_cpu import COST_MODEL, DATA, MODEL, ensure_data  # noqa: E402
-from megatron.experiments.logparse import parse_log  # noqa: E402
+from bench_packing_cpu import COST_MODEL, DATA, MODEL, ensure_data, train_rows  # noqa: E402
 
 CONFIGS = {
     "dynapipe_cp_variable": ["--context-parallel-size", "4", "--dynapipe-cp-sizes", "1,2,4"],
@@ -60,17 +56,7 @@ def command(args, extra):
 
 
 def run(args, name, extra):
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    with tempfile.TemporaryFile("w+") as log:
-        rc = subprocess.run(command(args, extra), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            timeout=args.timeout).returncode
-        log.seek(0)
-        text = log.read()
-    rows = parse_log(text)
-    if rc != 0 or not rows:
-        raise SystemExit(f"{name}: trainer exited with {rc}; log tail:\n" + "\n".join(text.splitlines()[-15:]))
-    return rows
+    return train_rows(command(args, extra), name, args.timeout)
 
 
 def _sum_counts(dicts):

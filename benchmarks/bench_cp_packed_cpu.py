@@ -25,11 +25,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,8 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_packing_cpu import COST_MODEL, DATA, MEMORY_MB, MODEL, ensure_data, planner_config  # noqa: E402
-from megatron.experiments.logparse import parse_log  # noqa: E402
+from bench_packing_cpu import COST_MODEL, DATA, MEMORY_MB, MODEL, ensure_data, planner_config, train_rows  # noqa: E402
 
 CP = 2
 
@@ -57,19 +53,10 @@ def command(args, extra):
 
 
 def run(args, name, extra):
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
     print(f"[bench_cp_packed_cpu] {name}: training {args.iters} iterations on {2 * CP} ranks", file=sys.stderr,
           flush=True)
-    with tempfile.TemporaryFile("w+") as log:
-        rc = subprocess.run(command(args, extra), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            timeout=args.timeout).returncode
-        log.seek(0)
-        text = log.read()
-    rows = parse_log(text)
-    if rc != 0 or not rows:
-        raise SystemExit(f"{name}: trainer exited with {rc}; log tail:\n" + "\n".join(text.splitlines()[-15:]))
+    rows = train_rows(command(args, extra), name, args.timeout)
     print(f"[bench_cp_packed_cpu] {name}: done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return rows
 

@@ -68,18 +68,24 @@ def command(args, extra):
             "--data-path", f"{DATA}_inputs_document", "--targets-data-path", f"{DATA}_targets_document", *extra]
 
 
-def run(args, name, extra):
+def train_rows(argv, name, timeout):
+    """Run the trainer's command line (one thread per rank, loopback gloo) and return its parsed
+    log rows; a failed or silent run stops the benchmark with the log's tail."""
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with tempfile.TemporaryFile("w+") as log:
-        rc = subprocess.run(command(args, extra), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            timeout=args.timeout).returncode
+        rc = subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            timeout=timeout).returncode
         log.seek(0)
         text = log.read()
     rows = parse_log(text)
     if rc != 0 or not rows:
         raise SystemExit(f"{name}: trainer exited with {rc}; log tail:\n" + "\n".join(text.splitlines()[-15:]))
     return rows
+
+
+def run(args, name, extra):
+    return train_rows(command(args, extra), name, args.timeout)
 
 
 def planner_config(args, packed_rows):
